@@ -1,0 +1,12 @@
+// Each `k3` subcommand lives in its own cmd_<name>.cpp and registers itself on the CLI11 app.
+// A registered callback runs the command and throws k3::Error on bad input; main() prints it.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace k3::cli {
+
+void register_logits(CLI::App& app);
+void register_generate(CLI::App& app);
+void register_inspect(CLI::App& app);
+
+}  // namespace k3::cli

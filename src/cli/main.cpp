@@ -1,0 +1,25 @@
+// k3: the k3cpp command line. `k3 --help` lists the subcommands; each has its own --help.
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"k3: Kimi K3 in C++ (inference and training engine)"};
+  app.require_subcommand(1);
+  k3::cli::register_logits(app);
+  k3::cli::register_generate(app);
+  k3::cli::register_inspect(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const k3::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

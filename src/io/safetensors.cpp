@@ -1,0 +1,305 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace k3 {
+
+// Headers of real checkpoints are a few MB (the released K3 shard with the most tensors has
+// ~6k entries); 100 MB rejects garbage length fields without refusing any real file.
+static constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string TensorView::shape_str() const {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) fail(path, ": cannot open: ", std::strerror(errno));
+    struct stat st;
+    if (fstat(fd_, &st) != 0) fail(path, ": cannot stat: ", std::strerror(errno));
+    size_ = size_t(st.st_size);
+    if (size_ > 0) {
+      void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+      if (p == MAP_FAILED) fail(path, ": mmap failed: ", std::strerror(errno));
+      data_ = static_cast<const uint8_t*>(p);
+    }
+  }
+  ~MappedFile() {
+    if (data_) munmap(const_cast<uint8_t*>(data_), size_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  const std::string& path() const { return path_; }
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+SafeTensors::SafeTensors() = default;
+SafeTensors::~SafeTensors() = default;
+SafeTensors::SafeTensors(SafeTensors&&) noexcept = default;
+SafeTensors& SafeTensors::operator=(SafeTensors&&) noexcept = default;
+
+SafeTensors SafeTensors::open(const std::string& path) {
+  SafeTensors st;
+  st.path_ = path;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) fail(path, ": no such file or directory");
+  if (!fs::is_directory(path, ec)) {
+    st.add_file(path, nullptr);
+    return st;
+  }
+  fs::path index = fs::path(path) / "model.safetensors.index.json";
+  if (fs::exists(index, ec)) {
+    std::ifstream in(index);
+    json j;
+    try {
+      j = json::parse(in);
+    } catch (const std::exception& e) {
+      fail(index.string(), ": not valid JSON: ", e.what());
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      fail(index.string(), ": expected an object with a \"weight_map\" object");
+    std::map<std::string, std::vector<std::string>> by_file;
+    for (auto& [name, file] : j["weight_map"].items()) {
+      if (!file.is_string()) fail(index.string(), ": weight_map[\"", name, "\"] is not a file name");
+      by_file[file.get<std::string>()].push_back(name);
+    }
+    if (by_file.empty()) fail(index.string(), ": weight_map is empty");
+    for (auto& [file, names] : by_file) {
+      if (file.find('/') != std::string::npos || file == "..")
+        fail(index.string(), ": shard name '", file, "' must be a plain file name");
+      st.add_file((fs::path(path) / file).string(), &names);
+    }
+    return st;
+  }
+  std::vector<std::string> found;
+  for (auto& e : fs::directory_iterator(path, ec))
+    if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
+  if (found.empty()) fail(path, ": no model.safetensors.index.json and no *.safetensors file");
+  if (found.size() > 1)
+    fail(path, ": ", found.size(), " .safetensors files but no model.safetensors.index.json to say which tensor is where");
+  st.add_file(found[0], nullptr);
+  return st;
+}
+
+void SafeTensors::add_file(const std::string& file, const std::vector<std::string>* expected_names) {
+  auto mf = std::make_unique<MappedFile>(file);
+  const size_t size = mf->size();
+  if (size < 8) fail(file, ": truncated: ", size, " bytes, a safetensors file starts with an 8-byte header length");
+  uint64_t hlen;
+  std::memcpy(&hlen, mf->data(), 8);
+  if (hlen > kMaxHeaderBytes) fail(file, ": header length ", hlen, " exceeds the ", kMaxHeaderBytes, "-byte bound");
+  if (8 + hlen > size) fail(file, ": truncated: header says ", hlen, " bytes but the file has ", size - 8, " after the length");
+  json h;
+  try {
+    h = json::parse(mf->data() + 8, mf->data() + 8 + hlen);
+  } catch (const std::exception& e) {
+    fail(file, ": header is not valid JSON: ", e.what());
+  }
+  if (!h.is_object()) fail(file, ": header is not a JSON object");
+  const size_t base = 8 + hlen;
+  const size_t data_size = size - base;
+  const std::string* file_name = nullptr;
+  files_.push_back(std::move(mf));
+  MappedFile& m = *files_.back();
+  file_name = &m.path();
+
+  struct Span { size_t b, e; const std::string* name; };
+  std::vector<Span> spans;
+  for (auto& [name, v] : h.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) fail(file, ": __metadata__ is not an object");
+      for (auto& [k, s] : v.items()) {
+        if (!s.is_string()) fail(file, ": __metadata__[\"", k, "\"] is not a string");
+        metadata_[k] = s.get<std::string>();
+      }
+      continue;
+    }
+    auto where = [&] { return file + ": tensor '" + name + "'"; };
+    if (!v.is_object()) fail(where(), ": entry is not an object");
+    if (!v.contains("dtype") || !v["dtype"].is_string()) fail(where(), ": missing string field \"dtype\"");
+    if (!v.contains("shape") || !v["shape"].is_array()) fail(where(), ": missing array field \"shape\"");
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+      fail(where(), ": missing field \"data_offsets\" [begin, end]");
+    TensorView t;
+    t.name = name;
+    std::string dt = v["dtype"].get<std::string>();
+    if (!dtype_from_name(dt, &t.dtype)) fail(where(), ": unsupported dtype ", dt, " (k3cpp reads F32, BF16, F16, U8, I64)");
+    unsigned __int128 numel = 1;
+    for (auto& d : v["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) fail(where(), ": shape entries must be non-negative integers");
+      t.shape.push_back(d.get<int64_t>());
+      numel *= uint64_t(t.shape.back());
+      if (numel > (unsigned __int128)(1ull << 62)) fail(where(), ": shape too large");
+    }
+    for (auto& d : v["data_offsets"])
+      if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
+        fail(where(), ": data_offsets must be non-negative integers");
+    const uint64_t b = v["data_offsets"][0].get<uint64_t>(), e = v["data_offsets"][1].get<uint64_t>();
+    if (b > e) fail(where(), ": data_offsets begin ", b, " > end ", e);
+    if (e > data_size)
+      fail(where(), ": data_offsets end ", e, " is past the end of the data (", data_size, " bytes; file truncated or header lies)");
+    const uint64_t want = uint64_t(numel) * dtype_size(t.dtype);
+    if (e - b != want)
+      fail(where(), ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
+    if (expected_names && std::find(expected_names->begin(), expected_names->end(), name) == expected_names->end())
+      continue;  // present in the shard, but the index places it elsewhere: the index wins
+    if (tensors_.count(name)) fail(where(), ": tensor name appears twice in the checkpoint");
+    t.nbytes = size_t(e - b);
+    t.file = file_name;
+    t.file_offset = base + size_t(b);
+    t.data = m.data() + base + b;
+    if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0) {
+      // Valid but unusual: keep an aligned copy so kernels may load dtype-sized words.
+      auto copy = std::make_unique<std::vector<uint8_t>>(t.data, t.data + t.nbytes);
+      t.data = copy->data();
+      realigned_.push_back(std::move(copy));
+    }
+    spans.push_back({size_t(b), size_t(e), &tensors_.emplace(name, std::move(t)).first->first});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.b < y.b; });
+  for (size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].b < spans[i - 1].e && spans[i].e > spans[i].b)
+      fail(file, ": tensors '", *spans[i - 1].name, "' and '", *spans[i].name, "' overlap (bytes ", spans[i].b, "..",
+           spans[i - 1].e, " of the data section)");
+  if (expected_names)
+    for (const std::string& n : *expected_names)
+      if (!tensors_.count(n)) fail(file, ": the index places tensor '", n, "' in this shard but it is not there");
+}
+
+const TensorView& SafeTensors::get(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) fail(path_, ": missing tensor '", name, "'");
+  return it->second;
+}
+
+std::vector<std::string> SafeTensors::names() const {
+  std::vector<std::string> out;
+  for (auto& [n, t] : tensors_) out.push_back(n);
+  return out;
+}
+
+static void check_shape(const TensorView& t, const std::vector<int64_t>& expect) {
+  if (expect.empty()) return;
+  if (t.shape != expect) {
+    TensorView e;
+    e.shape = expect;
+    fail(*t.file, ": tensor '", t.name, "' has shape ", t.shape_str(), ", expected ", e.shape_str());
+  }
+}
+
+std::vector<float> SafeTensors::read_f32(const std::string& name, const std::vector<int64_t>& expect) const {
+  const TensorView& t = get(name);
+  check_shape(t, expect);
+  if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
+    fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected a float dtype");
+  std::vector<float> out(size_t(t.numel()));
+  widen_to_f32(out.data(), t.data, t.dtype, out.size());
+  return out;
+}
+
+std::vector<int64_t> SafeTensors::read_i64(const std::string& name) const {
+  const TensorView& t = get(name);
+  if (t.dtype != DType::I64) fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected I64");
+  std::vector<int64_t> out(size_t(t.numel()));
+  std::memcpy(out.data(), t.data, t.nbytes);
+  return out;
+}
+
+static void write_all(int fd, const void* p, size_t n, const std::string& path) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::write(fd, c, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail(path, ": write failed: ", std::strerror(errno));
+    }
+    c += w;
+    n -= size_t(w);
+  }
+}
+
+// Writes the chunks to a temp file beside `path`, fsyncs, renames. Removes the temp on failure.
+template <class Fn>
+static void write_atomic(const std::string& path, Fn&& emit) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(tmp, ": cannot create: ", std::strerror(errno));
+  try {
+    emit([&](const void* p, size_t n) { write_all(fd, p, n, tmp); });
+    if (::fsync(fd) != 0) fail(tmp, ": fsync failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    fail(path, ": rename from temp file failed: ", std::strerror(err));
+  }
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  write_atomic(path, [&](auto&& put) { put(text.data(), text.size()); });
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json h = json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  size_t off = 0;
+  std::vector<size_t> sizes;
+  for (const auto& t : tensors) {
+    size_t n = dtype_size(t.dtype);
+    for (int64_t d : t.shape) {
+      if (d < 0) fail(path, ": tensor '", t.name, "' has a negative dimension");
+      n *= size_t(d);
+    }
+    if (h.contains(t.name)) fail(path, ": tensor '", t.name, "' given twice");
+    h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
+    sizes.push_back(n);
+    off += n;
+  }
+  std::string hs = h.dump();
+  while ((8 + hs.size()) % 8 != 0) hs.push_back(' ');  // keep the data section 8-byte aligned
+  const uint64_t hlen = hs.size();
+  write_atomic(path, [&](auto&& put) {
+    put(&hlen, 8);
+    put(hs.data(), hs.size());
+    for (size_t i = 0; i < tensors.size(); ++i) put(tensors[i].data, sizes[i]);
+  });
+}
+
+}  // namespace k3

@@ -40,13 +40,19 @@ class MappedFile {
   explicit MappedFile(const std::string& path) : path_(path) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) fail(path, ": cannot open: ", std::strerror(errno));
-    struct stat st;
-    if (fstat(fd_, &st) != 0) fail(path, ": cannot stat: ", std::strerror(errno));
-    size_ = size_t(st.st_size);
-    if (size_ > 0) {
-      void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-      if (p == MAP_FAILED) fail(path, ": mmap failed: ", std::strerror(errno));
-      data_ = static_cast<const uint8_t*>(p);
+    try {  // the destructor does not run if the constructor throws: close fd_ here
+      struct stat st;
+      if (fstat(fd_, &st) != 0) fail(path, ": cannot stat: ", std::strerror(errno));
+      if (!S_ISREG(st.st_mode)) fail(path, ": not a regular file");
+      size_ = size_t(st.st_size);
+      if (size_ > 0) {
+        void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+        if (p == MAP_FAILED) fail(path, ": mmap failed: ", std::strerror(errno));
+        data_ = static_cast<const uint8_t*>(p);
+      }
+    } catch (...) {
+      ::close(fd_);
+      throw;
     }
   }
   ~MappedFile() {
@@ -96,10 +102,15 @@ SafeTensors SafeTensors::open(const std::string& path) {
     }
     if (by_file.empty()) fail(index.string(), ": weight_map is empty");
     for (auto& [file, names] : by_file) {
-      if (file.find('/') != std::string::npos || file == "..")
+      if (file.find('/') != std::string::npos || file.empty() || file == "." || file == "..")
         fail(index.string(), ": shard name '", file, "' must be a plain file name");
       st.add_file((fs::path(path) / file).string(), &names);
     }
+    return st;
+  }
+  // Hugging Face's single-file name wins over other .safetensors files lying beside it.
+  if (fs::exists(fs::path(path) / "model.safetensors", ec)) {
+    st.add_file((fs::path(path) / "model.safetensors").string(), nullptr);
     return st;
   }
   std::vector<std::string> found;
@@ -160,7 +171,9 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
       if (!d.is_number_integer() || d.get<int64_t>() < 0) fail(where(), ": shape entries must be non-negative integers");
       t.shape.push_back(d.get<int64_t>());
       numel *= uint64_t(t.shape.back());
-      if (numel > (unsigned __int128)(1ull << 62)) fail(where(), ": shape too large");
+      // Bound the byte size, not just numel, so numel * dtype_size below cannot wrap in 64 bits.
+      if (numel * dtype_size(t.dtype) > (unsigned __int128)(1ull << 62))
+        fail(where(), ": shape ", v["shape"].dump(), " is too large");
     }
     for (auto& d : v["data_offsets"])
       if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
@@ -188,10 +201,16 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
     spans.push_back({size_t(b), size_t(e), &tensors_.emplace(name, std::move(t)).first->first});
   }
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.b < y.b; });
-  for (size_t i = 1; i < spans.size(); ++i)
-    if (spans[i].b < spans[i - 1].e && spans[i].e > spans[i].b)
-      fail(file, ": tensors '", *spans[i - 1].name, "' and '", *spans[i].name, "' overlap (bytes ", spans[i].b, "..",
-           spans[i - 1].e, " of the data section)");
+  // Compare each span with the non-empty span reaching furthest so far (not just its neighbour:
+  // an empty span between two overlapping ones would otherwise hide the overlap).
+  const Span* reach = nullptr;
+  for (const Span& s : spans) {
+    if (s.e == s.b) continue;  // an empty tensor occupies no bytes
+    if (reach && s.b < reach->e)
+      fail(file, ": tensors '", *reach->name, "' and '", *s.name, "' overlap (bytes ", s.b, "..",
+           std::min(s.e, reach->e), " of the data section)");
+    if (!reach || s.e > reach->e) reach = &s;
+  }
   if (expected_names)
     for (const std::string& n : *expected_names)
       if (!tensors_.count(n)) fail(file, ": the index places tensor '", n, "' in this shard but it is not there");
@@ -224,7 +243,7 @@ std::vector<float> SafeTensors::read_f32(const std::string& name, const std::vec
   if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
     fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected a float dtype");
   std::vector<float> out(size_t(t.numel()));
-  widen_to_f32(out.data(), t.data, t.dtype, out.size());
+  if (!out.empty()) widen_to_f32(out.data(), t.data, t.dtype, out.size());  // empty: data() may be null
   return out;
 }
 
@@ -232,7 +251,7 @@ std::vector<int64_t> SafeTensors::read_i64(const std::string& name) const {
   const TensorView& t = get(name);
   if (t.dtype != DType::I64) fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected I64");
   std::vector<int64_t> out(size_t(t.numel()));
-  std::memcpy(out.data(), t.data, t.nbytes);
+  if (t.nbytes) std::memcpy(out.data(), t.data, t.nbytes);  // memcpy from/to null is UB even for 0 bytes
   return out;
 }
 
@@ -287,6 +306,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
       if (d < 0) fail(path, ": tensor '", t.name, "' has a negative dimension");
       n *= size_t(d);
     }
+    if (t.name == "__metadata__") fail(path, ": tensor name '__metadata__' is reserved for the metadata");
     if (h.contains(t.name)) fail(path, ": tensor '", t.name, "' given twice");
     h[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
     sizes.push_back(n);

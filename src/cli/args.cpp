@@ -1,0 +1,34 @@
+#include "cli/args.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+
+#include "core/error.h"
+
+namespace k3::cli {
+
+std::vector<int32_t> parse_ids(const std::string& text, const std::string& flag) {
+  std::vector<int32_t> out;
+  size_t i = 0;
+  while (i <= text.size()) {
+    size_t j = text.find(',', i);
+    if (j == std::string::npos) j = text.size();
+    const std::string item = text.substr(i, j - i);
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || errno != 0 || v < 0 || v > INT32_MAX)
+      fail(flag, ": expected comma-separated non-negative token ids, got '", item, "' in '", text, "'");
+    out.push_back(int32_t(v));
+    i = j + 1;
+  }
+  return out;
+}
+
+double elapsed_seconds() {
+  static const auto t0 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace k3::cli

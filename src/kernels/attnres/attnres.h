@@ -1,0 +1,14 @@
+// Block Attention Residuals (K3-ARCHITECTURE.md §5.2; AttnRes paper eq. 2-6), per token:
+//   K_i = V_i / sqrt(mean(V_i^2) + eps)          (RMS-normalised key, no weight)
+//   s_i = dot(K_i, query)                         (query = res_norm.weight ⊙ res_proj.weight, folded)
+//   out = Σ_i softmax(s)_i V_i                    (the weights multiply the RAW sources)
+// All in fp32 with a max-subtracted softmax. S sources of [N, D] rows, the partial block sum last.
+#pragma once
+#include <cstdint>
+
+namespace k3 {
+
+void attnres_forward(float* out, const float* const* sources, int S, int64_t N, int64_t D, const float* query,
+                     float eps);
+
+}  // namespace k3

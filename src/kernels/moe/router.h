@@ -1,0 +1,25 @@
+// K3's sigmoid router with a selection-only bias (noaux_tc; K3 eq. 13), fp32:
+//   s = sigmoid(logits);  selection = top-k of (s + bias)  [group-limited when groups > 1];
+//   w_j = s_j / (Σ_selected s + 1e-20) if renormalise, else s_j;  w *= routed_scaling_factor.
+// The bias steers which experts are chosen but never enters the mixture weights.
+// Ties in (s + bias) are broken toward the lower expert index (deterministic).
+#pragma once
+#include <cstdint>
+
+namespace k3::moe {
+
+struct RouterParams {
+  int64_t num_experts = 0;  // E
+  int64_t top_k = 0;        // K
+  int64_t num_groups = 1;   // num_expert_group
+  int64_t topk_groups = 1;  // topk_group
+  bool renormalize = true;
+  float scaling = 1.0f;  // routed_scaling_factor
+};
+
+// logits [N, E] -> idx [N, K] (in selection order), weight [N, K]. bias may be null.
+// scores_out (optional) [N, E] receives the sigmoid scores.
+void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias,
+                    int64_t N, const RouterParams& p);
+
+}  // namespace k3::moe

@@ -1,0 +1,62 @@
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/ffn/glu.h"
+#include "kernels/moe/router.h"
+
+namespace k3::moe {
+
+void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias,
+                    int64_t N, const RouterParams& p) {
+  const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
+  K3_ASSERT(K >= 1 && K <= E && G >= 1 && E % G == 0);
+  const int64_t per_group = E / G;
+#pragma omp parallel
+  {
+    std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    std::vector<float> gscore(static_cast<size_t>(G));
+    std::vector<int32_t> gorder(static_cast<size_t>(G));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t e = 0; e < E; ++e) {
+        s[size_t(e)] = sigmoidf_stable(logits[n * E + e]);
+        sel[size_t(e)] = s[size_t(e)] + (bias ? bias[e] : 0.0f);
+      }
+      if (scores_out) std::copy(s.begin(), s.end(), scores_out + n * E);
+      auto better = [&](int32_t a, int32_t b) { return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b); };
+      if (G > 1 && p.topk_groups < G) {
+        // DeepSeek-V3 group limit: a group's score is the sum of its two best biased scores;
+        // experts outside the best topk_groups groups cannot be selected.
+        for (int64_t g = 0; g < G; ++g) {
+          float b1 = -INFINITY, b2 = -INFINITY;
+          for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+            const float v = sel[size_t(e)];
+            if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+          }
+          gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
+        }
+        std::iota(gorder.begin(), gorder.end(), 0);
+        std::stable_sort(gorder.begin(), gorder.end(), [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+        for (int64_t r = p.topk_groups; r < G; ++r)
+          for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
+            sel[size_t(e)] = -INFINITY;
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + K, order.end(), better);
+      double sum = 0.0;
+      for (int64_t k = 0; k < K; ++k) sum += s[size_t(order[size_t(k)])];
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = order[size_t(k)];
+        idx[n * K + k] = e;
+        const double w = p.renormalize ? double(s[size_t(e)]) / (sum + 1e-20) : double(s[size_t(e)]);
+        weight[n * K + k] = float(w * p.scaling);
+      }
+    }
+  }
+}
+
+}  // namespace k3::moe

@@ -1,0 +1,15 @@
+// RMSNorm over rows. y = weight * x / sqrt(mean(x^2) + eps); weight may be null (plain RMS
+// normalisation, as AttnRes keys use). The sum of squares is accumulated in double (ggml's habit):
+// cheap, and it makes the reduction order irrelevant at fp32 output precision.
+#pragma once
+#include <cstdint>
+
+namespace k3 {
+
+// x and y may alias. Rows have stride ld (>= D) in both.
+void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D, int64_t ld);
+inline void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D) {
+  rmsnorm_forward(y, x, weight, eps, N, D, D);
+}
+
+}  // namespace k3

@@ -1,0 +1,38 @@
+// The K3 decoder's blocks, each an explicit forward over a batch of token rows that may belong to
+// several sequences (Segments). Per-token work (projections, norms, MoE) runs on all rows at once;
+// per-sequence work (conv, KDA recurrence, MLA attention) runs segment by segment on its cache.
+// Inputs are the already-normalised rows x̂ [N, hidden]; outputs are [N, hidden].
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "io/config.h"
+#include "model/cache.h"
+#include "model/weights.h"
+
+namespace k3 {
+
+// Debug hooks whose names match the golden fixture keys (attn_out.L, ffn_out.L, topk_idx.L).
+struct ForwardHooks {
+  std::function<void(const char* name, int64_t layer, const float* data, int64_t rows, int64_t cols)> tensor;
+  std::function<void(int64_t layer, const int32_t* idx, int64_t rows, int64_t k)> topk;
+};
+
+// Numerical path switches. `reference` (env K3_REFERENCE=1) forces the specification paths:
+// the KDA recurrence instead of the chunked form, and expanded MLA instead of absorbed weights.
+struct PathOptions {
+  bool reference = false;
+  int kda_chunk = 64;
+  static PathOptions from_env();
+};
+
+void kda_attention_forward(float* out, const float* x, int64_t N, const std::vector<Segment>& segs, int64_t layer,
+                           const KdaWeights& w, const K3Config& c, const PathOptions& opt);
+void mla_attention_forward(float* out, const float* x, int64_t N, const std::vector<Segment>& segs, int64_t layer,
+                           const MlaWeights& w, const K3Config& c, const PathOptions& opt);
+void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c);
+void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,
+                     const ForwardHooks* hooks);
+
+}  // namespace k3

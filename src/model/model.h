@@ -1,0 +1,46 @@
+// The Kimi K3 text model: a checkpoint directory bound to its config, and the forward pass
+// (K3-ARCHITECTURE.md §5.1-5.2) over a batch of sequences that each continue from their cache.
+//
+// forward() is the one entry point for full recomputation, prefill and decoding: every sequence's
+// new tokens are appended after what its SequenceCache already holds. A fresh cache plus all
+// tokens is a full forward; one token per call after a prefill is incremental decoding.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "io/safetensors.h"
+#include "model/cache.h"
+#include "model/layers.h"
+#include "model/weights.h"
+
+namespace k3 {
+
+class Model {
+ public:
+  // dir: a Hugging Face model directory (config.json + model.safetensors or shards).
+  static std::unique_ptr<Model> load(const std::string& dir);
+  // For tests and tools that keep config and weights apart.
+  static std::unique_ptr<Model> load(const std::string& config_path, const std::string& weights_path);
+
+  const K3Config& config() const { return cfg_; }
+  const ModelWeights& weights() const { return w_; }
+  SequenceCache new_cache() const { return SequenceCache::fresh(cfg_); }
+  PathOptions& options() { return opt_; }
+
+  // Appends tokens[b] to *caches[b] for every b and returns fp32 logits:
+  //   all_positions: one row per new token, sequences in order  -> [Σ n_b, V]
+  //   otherwise:     the row of each sequence's last new token  -> [B, V]
+  // Token ids are checked against the vocabulary (k3::Error on a bad id).
+  std::vector<float> forward(const std::vector<SequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
+                             bool all_positions, const ForwardHooks* hooks = nullptr);
+
+ private:
+  K3Config cfg_;
+  SafeTensors st_;
+  ModelWeights w_;
+  PathOptions opt_ = PathOptions::from_env();
+};
+
+}  // namespace k3

@@ -1,0 +1,207 @@
+#include "model/param_count.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace k3 {
+
+namespace {
+
+// One KDA layer's self_attn block (§4.3).
+int64_t kda_layer_params(const K3Config& c) {
+  const int64_t h = c.hidden_size, H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D;
+  int64_t n = 0;
+  n += 3 * HD * h;                           // q_proj, k_proj, v_proj
+  n += 3 * HD * c.short_conv_kernel_size;    // q/k/v_conv1d [HD, 1, K]
+  n += D * h;                                // f_a_proj [head_dim, hidden]
+  n += HD * D;                               // f_b_proj [HD, head_dim]
+  n += D > H ? D : H;                        // A_log: stored padded to head_dim in the release
+  n += HD;                                   // dt_bias
+  n += H * h;                                // b_proj
+  n += HD * h;                               // g_proj
+  n += D;                                    // o_norm (shared by all heads)
+  n += h * HD;                               // o_proj
+  return n;
+}
+
+// One MLA layer's self_attn block (§4.4).
+int64_t mla_layer_params(const K3Config& c) {
+  const int64_t h = c.hidden_size, H = c.num_attention_heads;
+  int64_t n = 0;
+  if (c.q_lora_rank > 0)
+    n += c.q_lora_rank * h + c.q_lora_rank + H * c.q_head_dim() * c.q_lora_rank;  // q_a, q_a_norm, q_b
+  else
+    n += H * c.q_head_dim() * h;                                                 // q_proj
+  n += (c.kv_lora_rank + c.qk_rope_head_dim) * h;                                // kv_a_proj_with_mqa
+  n += c.kv_lora_rank;                                                           // kv_a_layernorm
+  n += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;                 // kv_b_proj
+  if (c.mla_use_output_gate) n += H * c.v_head_dim * h;                          // g_proj
+  n += h * H * c.v_head_dim;                                                     // o_proj
+  return n;
+}
+
+void add(std::vector<ParamGroup>& g, const char* name, int64_t total, int64_t active) {
+  if (total > 0) g.push_back({name, total, active});
+}
+
+}  // namespace
+
+std::vector<ParamGroup> count_parameters(const K3Config& c) {
+  const int64_t h = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
+  int64_t n_kda = 0, n_mla = 0, n_moe = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    (c.layer_kind.at(size_t(l)) == AttnKind::MLA ? n_mla : n_kda)++;
+    if (c.is_moe_layer(l)) ++n_moe;
+  }
+  const int64_t n_dense = L - n_moe;
+
+  std::vector<ParamGroup> g;
+  if (c.tie_word_embeddings) {
+    add(g, "embedding", V * h, V * h);
+  } else {
+    add(g, "embedding", V * h, 0);
+    add(g, "lm_head", V * h, V * h);
+  }
+  const int64_t kda = n_kda * kda_layer_params(c), mla = n_mla * mla_layer_params(c);
+  add(g, "KDA attention", kda, kda);
+  add(g, "MLA attention", mla, mla);
+  const int64_t dense = n_dense * 3 * c.intermediate_size * h;
+  add(g, "dense FFN", dense, dense);
+  if (n_moe > 0) {
+    const int64_t E = c.num_experts, k = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
+    const int64_t router = n_moe * (E * h + E);
+    const int64_t latent = n_moe * (2 * lat * h + (c.latent_moe_use_norm ? lat : 0));
+    const int64_t expert = 3 * c.moe_intermediate_size * lat;
+    const int64_t shared = n_moe * 3 * c.shared_intermediate() * h;
+    add(g, "router", router, router);
+    add(g, "latent down/up/norm", latent, latent);
+    add(g, "routed experts", n_moe * E * expert, n_moe * k * expert);
+    add(g, "shared experts", shared, shared);
+  }
+  const int64_t norms = L * 6 * h + 3 * h;  // per layer 4 norms + 2 pseudo-queries; model norm + output AttnRes
+  add(g, "norms + AttnRes", norms, norms);
+  return g;
+}
+
+std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, const std::string& src) {
+  using json = nlohmann::json;
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const std::exception& e) {
+    fail(src, ": not valid JSON: ", e.what());
+  }
+  if (!root.is_object() || !root.contains("vision_config") || root["vision_config"].is_null()) return {};
+  const json& v = root["vision_config"];
+  if (!v.is_object()) fail(src, ": field 'vision_config' must be an object");
+  auto where = [&](const std::string& k) { return src + ": field 'vision_config." + k + "'"; };
+  auto positive = [&](const std::string& k) -> int64_t {
+    if (!v.contains(k) || v[k].is_null()) fail(where(k), " is missing");
+    if (!v[k].is_number_integer() || v[k].get<int64_t>() <= 0)
+      fail(where(k), " must be a positive integer, got ", v[k].dump());
+    return v[k].get<int64_t>();
+  };
+  auto flag = [&](const std::string& k) -> bool {
+    if (!v.contains(k) || v[k].is_null()) return false;
+    if (!v[k].is_boolean()) fail(where(k), " must be true or false, got ", v[k].dump());
+    return v[k].get<bool>();
+  };
+  auto str = [&](const std::string& k, const std::string& def) -> std::string {
+    if (!v.contains(k) || v[k].is_null()) return def;
+    if (!v[k].is_string()) fail(where(k), " must be a string, got ", v[k].dump());
+    return v[k].get<std::string>();
+  };
+  const int64_t p = positive("patch_size"), w = positive("vt_hidden_size"), inter = positive("vt_intermediate_size");
+  const int64_t layers = positive("vt_num_hidden_layers"), qkv = positive("qkv_hidden_size");
+  const int64_t ph = positive("init_pos_emb_height"), pw = positive("init_pos_emb_width");
+  const int64_t mm = positive("mm_hidden_size"), text_h = positive("text_hidden_size");
+  int64_t mh = 2, mw = 2;
+  if (v.contains("merge_kernel_size")) {
+    const json& m = v["merge_kernel_size"];
+    if (!m.is_array() || m.size() != 2 || !m[0].is_number_integer() || !m[1].is_number_integer() ||
+        m[0].get<int64_t>() <= 0 || m[1].get<int64_t>() <= 0)
+      fail(where("merge_kernel_size"), " must be two positive integers, got ", m.dump());
+    mh = m[0].get<int64_t>();
+    mw = m[1].get<int64_t>();
+  }
+  const std::string norm = str("norm_type", "rmsnorm"), mlp = str("mlp_type", "mlp2");
+  const std::string proj = str("mm_projector_type", "patchmergerv2"), pos = str("pos_emb_type", "divided_fixed");
+  if (norm != "rmsnorm") fail(where("norm_type"), ": unsupported \"", norm, "\" (MoonViT-V2 uses \"rmsnorm\")");
+  if (mlp != "mlp2") fail(where("mlp_type"), ": unsupported \"", mlp, "\" (MoonViT-V2 uses \"mlp2\")");
+  if (proj != "patchmergerv2")
+    fail(where("mm_projector_type"), ": unsupported \"", proj, "\" (K3 uses \"patchmergerv2\")");
+  if (pos != "divided_fixed")
+    fail(where("pos_emb_type"), ": unsupported \"", pos, "\" (MoonViT-V2 uses \"divided_fixed\")");
+  const bool attn_bias = flag("attn_bias"), lin_bias = flag("linear_bias"), pe_bias = flag("patch_embed_proj_bias");
+
+  int64_t tower = w * 3 * p * p + (pe_bias ? w : 0);  // patch_embed.proj [w, 3, p, p]
+  tower += ph * pw * w;                               // patch_embed.pos_emb [ph, pw, w] (time emb is fixed sin-cos)
+  int64_t block = 3 * qkv * w + (attn_bias ? 3 * qkv : 0);   // wqkv
+  block += w * qkv + (attn_bias ? w : 0);                     // wo
+  block += 2 * w;                                             // norm0, norm1
+  block += inter * w + (lin_bias ? inter : 0);                // mlp.fc0
+  block += w * inter + (lin_bias ? w : 0);                    // mlp.fc1
+  tower += layers * block + w;                                // blocks + final_layernorm
+  const int64_t in = mm * mh * mw;                            // merged patch width
+  const int64_t projector = in * in + text_h * in + text_h;   // proj.0, proj.2, post_norm
+  return {{"vision tower", tower, 0}, {"vision projector", projector, 0}};
+}
+
+std::vector<ParamGroup> count_vision_parameters(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(path, ": cannot open config");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return count_vision_parameters_json(ss.str(), path);
+}
+
+int64_t total_params(const std::vector<ParamGroup>& g) {
+  int64_t n = 0;
+  for (auto& x : g) n += x.total;
+  return n;
+}
+
+int64_t active_params(const std::vector<ParamGroup>& g) {
+  int64_t n = 0;
+  for (auto& x : g) n += x.active;
+  return n;
+}
+
+std::string format_count(int64_t n) {
+  if (n < 0) {
+    std::string s(1, '-');
+    s += format_count(n == INT64_MIN ? INT64_MAX : -n);
+    return s;
+  }
+  if (n < 1000) return std::to_string(n);
+  static const char* suffix[] = {"K", "M", "B", "T", "P", "E"};
+  int u = 0;
+  double scale = 1e3;
+  while (u < 5 && double(n) >= scale * 1e3) {
+    scale *= 1e3;
+    ++u;
+  }
+  double m = double(n) / scale;  // in [1, 1000)
+  for (;;) {
+    const int decimals = m < 10 ? 3 : m < 100 ? 2 : 1;
+    const double p = std::pow(10.0, decimals);
+    const double r = std::round(m * p) / p;
+    // Rounding may carry into another decade (9.9996 -> 10.00) or unit (999.96 -> 1.000 next unit).
+    if (r >= 1000 && u < 5) {
+      m = r / 1000;
+      ++u;
+      continue;
+    }
+    const int d2 = r < 10 ? 3 : r < 100 ? 2 : 1;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*f%s", d2, r, suffix[u]);
+    return buf;
+  }
+}
+
+}  // namespace k3

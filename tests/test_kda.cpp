@@ -1,9 +1,14 @@
 // Tests for the KDA CPU reference kernels (src/kernels/kda). Every test compares against an independent
 // truth: a double-precision re-derivation, the recurrence (for the chunked form), or one call vs. a split.
+// Standalone build:
+//   g++ -std=c++20 -O2 -fopenmp -Isrc src/kernels/kda/kda_cpu.cpp tests/test_kda.cpp
+//       -lgtest -lgtest_main -pthread -o /tmp/test_kda && /tmp/test_kda
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>

@@ -8,5 +8,6 @@ namespace k3::cli {
 void register_logits(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_inspect(CLI::App& app);
+void register_init(CLI::App& app);
 
 }  // namespace k3::cli

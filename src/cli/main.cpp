@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   k3::cli::register_logits(app);
   k3::cli::register_generate(app);
   k3::cli::register_inspect(app);
+  k3::cli::register_init(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

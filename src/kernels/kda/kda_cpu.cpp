@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -27,7 +28,9 @@ inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 // default -ftrapping-math, so a select in the hot loops would de-vectorise them.
 constexpr double kNegligible = 0x1p-70;
 inline float decay_f32(double x) { return x < kNegligible ? 0.0f : float(x); }
-inline float to_f32(double x) { return std::fabs(x) < 1.1754943508222875e-38 ? 0.0f : float(x); }
+inline float to_f32(double x) {
+  return std::fabs(x) < double(std::numeric_limits<float>::min()) ? 0.0f : float(x);
+}
 
 // C[i][j] += alpha * sum_p A[i][p] * B[p][j] for i < m, j < nn, p < kk; row strides lda, ldb, ldc.
 // The chunked KDA spends most of its flops in products of this shape (64..128 rows, 128 columns, 64..128

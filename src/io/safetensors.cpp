@@ -218,7 +218,13 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
 
 const TensorView& SafeTensors::get(const std::string& name) const {
   auto it = tensors_.find(name);
-  if (it == tensors_.end()) fail(path_, ": missing tensor '", name, "'");
+  if (it == tensors_.end()) {
+    // Name the file to look in: the one checkpoint file, or the index of a sharded checkpoint.
+    const std::string where = files_.size() == 1 ? files_[0]->path()
+                              : files_.size() > 1 ? (fs::path(path_) / "model.safetensors.index.json").string()
+                                                  : path_;
+    fail(where, ": missing tensor '", name, "'");
+  }
   return it->second;
 }
 

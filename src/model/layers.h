@@ -24,6 +24,7 @@ struct ForwardHooks {
 struct PathOptions {
   bool reference = false;
   int kda_chunk = 64;
+  bool profile = false;  // accumulate wall time per block kind into Model::timings()
   static PathOptions from_env();
 };
 

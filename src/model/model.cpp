@@ -1,5 +1,6 @@
 #include "model/model.h"
 
+#include <chrono>
 #include <filesystem>
 
 #include "core/error.h"
@@ -37,6 +38,14 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     segs.push_back({N, int64_t(tokens[b].size()), caches[b]});
     N += int64_t(tokens[b].size());
   }
+  // Profiling: tick(slot) charges the time since the previous tick to slot.
+  auto last = std::chrono::steady_clock::now();
+  auto tick = [&](double& slot) {
+    if (!opt_.profile) return;
+    const auto now = std::chrono::steady_clock::now();
+    slot += std::chrono::duration<double>(now - last).count();
+    last = now;
+  };
   auto emit = [&](const char* name, int64_t l, const float* p) {
     if (hooks && hooks->tensor) hooks->tensor(name, l, p, N, D);
   };
@@ -48,6 +57,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     for (const auto& seq : tokens)
       for (int32_t id : seq) w_.embed_tokens.rows_to_f32(&prefix[size_t(r++ * D)], id, 1);
   }
+  tick(timings_.embed);
   std::vector<std::vector<float>> blocks;  // completed block sums, the embedding first
   std::vector<float> h(size_t(N * D)), xn(size_t(N * D)), a(size_t(N * D));
   std::vector<const float*> srcs;
@@ -70,8 +80,10 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     }
     rmsnorm_forward(xn.data(), h.data(), L.input_layernorm.data(), c.rms_norm_eps, N, D);
     emit("attn_in", l, xn.data());
+    tick(timings_.attnres_norm);
     if (L.kind == AttnKind::KDA) kda_attention_forward(a.data(), xn.data(), N, segs, l, L.kda, c, opt_);
     else mla_attention_forward(a.data(), xn.data(), N, segs, l, L.mla, c, opt_);
+    tick(L.kind == AttnKind::KDA ? timings_.kda : timings_.mla);
     emit("attn_out", l, a.data());
     if (prefix_empty) prefix = a;
     else
@@ -82,8 +94,10 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     attnres(h.data(), prefix.data(), L.mlp_res_query);
     rmsnorm_forward(xn.data(), h.data(), L.post_attention_layernorm.data(), c.rms_norm_eps, N, D);
     emit("ffn_in", l, xn.data());
+    tick(timings_.attnres_norm);
     if (L.is_moe) moe_ffn_forward(a.data(), xn.data(), N, l, L.moe, c, hooks);
     else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c);
+    tick(L.is_moe ? timings_.moe : timings_.dense_ffn);
     emit("ffn_out", l, a.data());
     for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
   }
@@ -102,6 +116,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
   std::vector<float> logits(size_t(M * V));
   linear_forward(logits.data(), hn.data(), M, w_.lm_head);
   for (const Segment& s : segs) s.cache->length += s.n;
+  tick(timings_.head);
   return logits;
 }
 

@@ -29,6 +29,14 @@ class Model {
   SequenceCache new_cache() const { return SequenceCache::fresh(cfg_); }
   PathOptions& options() { return opt_; }
 
+  // Seconds spent per block kind since the last reset (only while options().profile is set).
+  struct Timings {
+    double embed = 0, attnres_norm = 0, kda = 0, mla = 0, dense_ffn = 0, moe = 0, head = 0;
+    double total() const { return embed + attnres_norm + kda + mla + dense_ffn + moe + head; }
+  };
+  const Timings& timings() const { return timings_; }
+  void reset_timings() { timings_ = Timings{}; }
+
   // Appends tokens[b] to *caches[b] for every b and returns fp32 logits:
   //   all_positions: one row per new token, sequences in order  -> [Σ n_b, V]
   //   otherwise:     the row of each sequence's last new token  -> [B, V]
@@ -41,6 +49,7 @@ class Model {
   SafeTensors st_;
   ModelWeights w_;
   PathOptions opt_ = PathOptions::from_env();
+  Timings timings_;
 };
 
 }  // namespace k3

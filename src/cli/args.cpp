@@ -26,6 +26,15 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& flag)
   return out;
 }
 
+void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t vocab_size, const std::string& flag,
+                        const std::string& source) {
+  for (size_t b = 0; b < rows.size(); ++b)
+    for (size_t i = 0; i < rows[b].size(); ++i)
+      if (rows[b][i] >= vocab_size)
+        fail(flag, ": token id ", rows[b][i], rows.size() > 1 ? " (row " + std::to_string(b) + ", " : " (",
+             "position ", i, ") is outside the vocabulary [0, ", vocab_size, ") of ", source);
+}
+
 double elapsed_seconds() {
   static const auto t0 = std::chrono::steady_clock::now();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -9,6 +9,11 @@ namespace k3::cli {
 // "1,2,3" -> {1,2,3}. Throws k3::Error naming the flag and the bad item.
 std::vector<int32_t> parse_ids(const std::string& text, const std::string& flag);
 
+// Throws k3::Error naming the flag, the bad id and the vocabulary of `source` (the config) when an id
+// of rows is >= vocab_size, so the message points at the flag rather than at the model's own check.
+void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t vocab_size, const std::string& flag,
+                        const std::string& source);
+
 // Seconds since the first call (for progress lines).
 double elapsed_seconds();
 

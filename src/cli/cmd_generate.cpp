@@ -49,6 +49,7 @@ void register_generate(CLI::App& app) {
     Sampler sampler(sp);
     std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
     auto m = Model::load(o->model);
+    check_ids_in_vocab({prompt}, m->config().vocab_size, "--ids", m->config().source);
     GenerateResult r = generate(*m, prompt, o->max_new, sampler);
     std::string ids;
     for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? " " : "") + std::to_string(r.tokens[i]);

@@ -33,6 +33,7 @@ void register_logits(CLI::App& app) {
              rows[b].size(), ")");
     std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
     auto m = Model::load(o->model);
+    check_ids_in_vocab(rows, m->config().vocab_size, "--ids", m->config().source);
     const int64_t B = int64_t(rows.size()), T = int64_t(rows[0].size()), V = m->config().vocab_size;
     std::vector<SequenceCache> caches;
     std::vector<SequenceCache*> ptrs;

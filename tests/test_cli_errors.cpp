@@ -43,18 +43,18 @@ std::string quote(const std::string& s) {  // for /bin/sh
   return q + "'";
 }
 
-struct Run {
+struct Outcome {
   int status = -1;      // exit status; -1 when the process did not exit normally
   std::string output;   // what the command printed on the captured stream(s)
   std::string command;
 };
 
 // Runs K3_BINARY with args; `redirect` says what the pipe captures ("2>&1": stdout and stderr).
-Run run_k3(const std::vector<std::string>& args, const std::string& redirect = "2>&1") {
-  Run r;
+Outcome run_k3(const std::vector<std::string>& args, const std::string& redirect = "2>&1") {
+  Outcome r;
   r.command = quote(K3_BINARY);
-  for (const auto& a : args) r.command += " " + quote(a);
-  r.command += " " + redirect;
+  for (const auto& a : args) r.command.append(" ").append(quote(a));
+  r.command.append(" ").append(redirect);
   std::fflush(nullptr);
   FILE* p = ::popen(r.command.c_str(), "r");
   if (!p) return r;
@@ -75,7 +75,7 @@ std::vector<std::string> lines_of(const std::string& s) {
 }
 
 // Asserts a clean failure and returns its "error: ..." line (the last line of the output).
-std::string error_line(const Run& r) {
+std::string error_line(const Outcome& r) {
   EXPECT_EQ(r.status, 1) << "expected the clean k3::Error exit status 1 from: " << r.command << "\n" << r.output;
   for (const char* bad : {"Sanitizer", "runtime error", "terminate called", "internal error", "Segmentation"})
     EXPECT_THAT(r.output, ::testing::Not(HasSubstr(bad))) << r.command;
@@ -164,12 +164,12 @@ class CliErrors : public ::testing::Test {
     edit(c);
     write_bytes(dir / "config.json", c.dump(2));
   }
-  Run logits(const fs::path& dir, const std::vector<std::string>& ids = {"1,2,3"}) {
+  Outcome logits(const fs::path& dir, const std::vector<std::string>& ids = {"1,2,3"}) {
     std::vector<std::string> args = {"logits", "--model", dir.string(), "--out", (root_ / "out.safetensors").string()};
     for (const auto& i : ids) args.insert(args.end(), {"--ids", i});
     return run_k3(args);
   }
-  Run generate(const fs::path& dir, const std::vector<std::string>& extra = {}) {
+  Outcome generate(const fs::path& dir, const std::vector<std::string>& extra = {}) {
     std::vector<std::string> args = {"generate", "--model", dir.string(), "--ids", "1,2,3", "--max-new-tokens", "2"};
     args.insert(args.end(), extra.begin(), extra.end());
     return run_k3(args);
@@ -307,7 +307,7 @@ TEST_F(CliErrors, TokenIdOutsideTheVocabularyNamesIdsAndVocab) {
   for (const std::string ids : {"1024", "5,1,2000"}) {
     const std::string bad = ids == "1024" ? "1024" : "2000";
     EXPECT_THAT(error_line(logits(kFixture, {ids})), AllOf(HasSubstr("--ids"), HasSubstr(bad), HasSubstr("1024)")));
-    Run g = run_k3({"generate", "--model", kFixture, "--ids", ids, "--max-new-tokens", "2"});
+    Outcome g = run_k3({"generate", "--model", kFixture, "--ids", ids, "--max-new-tokens", "2"});
     EXPECT_THAT(error_line(g), AllOf(HasSubstr("--ids"), HasSubstr(bad), HasSubstr("1024)")));
   }
   // In the second row of a batch.
@@ -321,7 +321,7 @@ TEST_F(CliErrors, MalformedIdsNameTheFlagAndTheItem) {
            {"99999999999", "'99999999999'"}}) {
     EXPECT_THAT(error_line(logits(kFixture, {ids})), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
     // `--ids=-3`: the value cannot be mistaken for an option.
-    Run g = run_k3({"generate", "--model", kFixture, "--ids=" + ids});
+    Outcome g = run_k3({"generate", "--model", kFixture, "--ids=" + ids});
     EXPECT_THAT(error_line(g), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
   }
   expect_no_output_files();
@@ -344,7 +344,7 @@ TEST_F(CliErrors, BadSamplingParametersNameTheFlag) {
 
 TEST_F(CliErrors, OutputIntoAMissingDirectoryNamesItAndLeavesNothing) {
   const fs::path out = root_ / "no-such-dir" / "logits.safetensors";
-  Run r = run_k3({"logits", "--model", kFixture, "--ids", "1,2,3", "--out", out.string()});
+  Outcome r = run_k3({"logits", "--model", kFixture, "--ids", "1,2,3", "--out", out.string()});
   EXPECT_THAT(error_line(r), HasSubstr(out.string()));
   EXPECT_FALSE(fs::exists(out.parent_path()));
 }
@@ -363,7 +363,7 @@ TEST_F(CliErrors, LogitsWritesTheInProcessForwardAndNoTempFile) {
   const fs::path outdir = root_ / "out";
   fs::create_directories(outdir);
   const fs::path out = outdir / "logits.safetensors";
-  Run r = run_k3({"logits", "--model", kFixture, "--ids", join(a, ","), "--ids",
+  Outcome r = run_k3({"logits", "--model", kFixture, "--ids", join(a, ","), "--ids",
                   join({b.begin(), b.begin() + T}, ","), "--out", out.string()});
   ASSERT_EQ(r.status, 0) << r.command << "\n" << r.output;
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("Sanitizer")));
@@ -402,7 +402,7 @@ TEST_F(CliErrors, GenerateGreedyPrintsTheGoldenContinuation) {
   const std::vector<int64_t> a = golden().read_i64("ids_a"), want = golden().read_i64("greedy_full_ids_a");
   ASSERT_EQ(want.size(), 24u);
   const fs::path err = root_ / "stderr.txt";
-  Run r = run_k3({"generate", "--model", kFixture, "--ids", join(a, ","), "--max-new-tokens", "24", "--print-ids"},
+  Outcome r = run_k3({"generate", "--model", kFixture, "--ids", join(a, ","), "--max-new-tokens", "24", "--print-ids"},
                  "2>" + quote(err.string()));
   ASSERT_EQ(r.status, 0) << r.command << "\n" << read_bytes(err);
   const std::vector<std::string> lines = lines_of(r.output);

@@ -35,6 +35,9 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     K3_CHECK(!tokens[b].empty(), "forward: sequence ", b, " has no new tokens");
     for (int32_t id : tokens[b])
       K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
+    K3_CHECK(caches[b]->length + int64_t(tokens[b].size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
+             caches[b]->length + int64_t(tokens[b].size()), " tokens, past max_position_embeddings = ",
+             c.max_position_embeddings, " of ", c.source);
     segs.push_back({N, int64_t(tokens[b].size()), caches[b]});
     N += int64_t(tokens[b].size());
   }

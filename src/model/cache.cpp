@@ -13,14 +13,14 @@ SequenceCache SequenceCache::fresh(const K3Config& c) {
     s.kda[l].q_tail.assign(tail, 0.0f);
     s.kda[l].k_tail.assign(tail, 0.0f);
     s.kda[l].v_tail.assign(tail, 0.0f);
-    s.kda[l].state.assign(size_t(c.kda_num_heads * c.kda_head_dim * c.kda_head_dim), 0.0f);
+    s.kda[l].state.assign(size_t(c.kda_num_heads * c.kda_head_dim * c.kda_head_dim), 0.0);
   }
   return s;
 }
 
 size_t SequenceCache::bytes() const {
   size_t b = 0;
-  for (auto& k : kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
+  for (auto& k : kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size()) * 4 + k.state.size() * 8;
   for (auto& m : mla) b += m.rows.size() * 4;
   return b;
 }

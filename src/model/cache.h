@@ -1,5 +1,5 @@
 // Per-sequence decoding state of the K3 text model.
-//   KDA layer: the last K-1 pre-conv inputs of q, k and v (conv tails) and the fp32 recurrent
+//   KDA layer: the last K-1 pre-conv inputs of q, k and v (conv tails) and the recurrent
 //              state [H, Dk, Dv]: fixed size, whatever the context length.
 //   MLA layer: per past token the 576-wide absorbed cache row [normalised latent (R) | k_rot (Dr)].
 // AttnRes carries nothing across tokens.
@@ -13,7 +13,7 @@ namespace k3 {
 
 struct KdaLayerCache {
   std::vector<float> q_tail, k_tail, v_tail;  // [K-1, H*D] each
-  std::vector<float> state;                   // [H, Dk, Dv]
+  std::vector<double> state;                  // [H, Dk, Dv], fp64 on the CPU (see kernels/kda/kda_cpu.cpp)
 };
 
 struct MlaLayerCache {

@@ -15,7 +15,7 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
                            const MlaWeights& w, const K3Config& c, const PathOptions& opt) {
   const mla::Dims d{c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank};
   const int64_t H = d.H, dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv, ldc = d.R + d.Dr;
-  const float scale = 1.0f / std::sqrt(float(dq));
+  const double scale = 1.0 / std::sqrt(double(dq));
 
   std::vector<float> q(size_t(N * H * dq));  // [N, H*(Dn+Dr)]
   if (!w.q_a_proj.empty()) {
@@ -41,23 +41,30 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
     // T*H*(dq+Dv); absorbed needs per query H*R*(Dn+Dv) for the absorption plus T*H*(R+Dr+R).
     const bool expanded = opt.reference || s.n * 4 >= T;
     if (expanded) {
-      std::vector<float> lat(size_t(T * d.R)), kv(size_t(T * H * dkv));
-      for (int64_t t = 0; t < T; ++t) std::memcpy(&lat[size_t(t * d.R)], &lc.rows[size_t(t * ldc)], size_t(d.R) * 4);
-      linear_forward(kv.data(), lat.data(), T, w.kv_b_proj);  // [T, H*(Dn+Dv)]
-      mla::attention_expanded(os, qs, kv.data(), lc.rows.data(), ldc, s.n, p0, d, scale);
-    } else {
-      std::vector<float> qn(size_t(s.n * d.Dn)), qlat(size_t(s.n * H * d.R)), olat(size_t(s.n * H * d.R));
+      std::vector<double> lat(size_t(T * d.R)), kvh(size_t(T * dkv));
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < d.R; ++j) lat[size_t(t * d.R + j)] = lc.rows[size_t(t * ldc + j)];
       for (int64_t h = 0; h < H; ++h) {
-        const WeightRef kb = w.kv_b_proj.row_slice(h * dkv, d.Dn);  // [Dn, R]
-        for (int64_t i = 0; i < s.n; ++i) std::memcpy(&qn[size_t(i * d.Dn)], qs + i * H * dq + h * dq, size_t(d.Dn) * 4);
-        std::vector<float> qh(size_t(s.n * d.R));
-        linear_transposed_forward(qh.data(), qn.data(), s.n, kb);  // q_lat_h = q_nope_h · W_kb_h  [n, R]
-        for (int64_t i = 0; i < s.n; ++i) std::memcpy(&qlat[size_t((i * H + h) * d.R)], &qh[size_t(i * d.R)], size_t(d.R) * 4);
+        linear_forward_f64(kvh.data(), lat.data(), T, w.kv_b_proj.row_slice(h * dkv, dkv));  // [T, Dn+Dv]
+        mla::attention_head_expanded(os + h * d.Dv, H * d.Dv, qs + h * dq, H * dq, kvh.data(), lc.rows.data(), ldc,
+                                     s.n, p0, d, scale);
       }
-      mla::attention_latent(olat.data(), qlat.data(), qs, lc.rows.data(), ldc, s.n, p0, d, scale);
-      for (int64_t h = 0; h < H; ++h) {
-        const WeightRef vb = w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv);  // [Dv, R]
-        linear_forward(os + h * d.Dv, H * d.Dv, olat.data() + h * d.R, H * d.R, s.n, vb);
+    } else {
+      const int64_t nR = s.n * d.R;
+      std::vector<double> qlat(size_t(H * nR)), olat(size_t(H * nR)), qn(size_t(s.n * d.Dn)), vh(size_t(s.n * d.Dv));
+      for (int64_t h = 0; h < H; ++h) {  // q_lat_h = q_nope_h · W_kb_h   [n, R]
+        for (int64_t i = 0; i < s.n; ++i)
+          for (int64_t j = 0; j < d.Dn; ++j) qn[size_t(i * d.Dn + j)] = qs[i * H * dq + h * dq + j];
+        linear_transposed_forward_f64(&qlat[size_t(h * nR)], qn.data(), s.n, w.kv_b_proj.row_slice(h * dkv, d.Dn));
+      }
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t h = 0; h < H; ++h)
+        mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
+                                   ldc, s.n, p0, d, scale);
+      for (int64_t h = 0; h < H; ++h) {  // v_h = W_vb_h · o_lat_h   [n, Dv]
+        linear_forward_f64(vh.data(), &olat[size_t(h * nR)], s.n, w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv));
+        for (int64_t i = 0; i < s.n; ++i)
+          for (int64_t j = 0; j < d.Dv; ++j) os[i * H * d.Dv + h * d.Dv + j] = float(vh[size_t(i * d.Dv + j)]);
       }
     }
   }

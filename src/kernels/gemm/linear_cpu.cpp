@@ -221,6 +221,33 @@ void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t 
   else linear_blas<float>(y, ldy, x, ldx, N, W, accumulate);
 }
 
+void linear_forward_f64(double* y, const double* x, int64_t N, const WeightRef& W) {
+  K3_ASSERT(!W.empty());
+  if (N <= 0 || W.rows == 0) return;
+  const int64_t In = W.cols, Out = W.rows;
+  const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(Out, kSlabElems / std::max<int64_t>(In, 1)));
+  std::vector<double> wbuf(size_t(slab * In));
+  for (int64_t r0 = 0; r0 < Out; r0 += slab) {
+    const int64_t n = std::min(slab, Out - r0);
+    widen_rows(wbuf.data(), W, r0, n);
+    gemm_nt(N, n, In, x, In, wbuf.data(), In, 0.0, y + r0, Out);
+  }
+}
+
+void linear_transposed_forward_f64(double* y, const double* x, int64_t N, const WeightRef& W) {
+  K3_ASSERT(!W.empty());
+  std::fill(y, y + N * W.cols, 0.0);
+  if (N <= 0 || W.rows == 0 || W.cols == 0) return;
+  const int64_t In = W.cols, Out = W.rows;
+  const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(Out, kSlabElems / In));
+  std::vector<double> wbuf(size_t(slab * In));
+  for (int64_t r0 = 0; r0 < Out; r0 += slab) {
+    const int64_t n = std::min(slab, Out - r0);
+    widen_rows(wbuf.data(), W, r0, n);
+    gemm_nn(N, In, n, x + r0, Out, wbuf.data(), In, y, In);
+  }
+}
+
 void linear_transposed_forward(float* y, const float* x, int64_t N, const WeightRef& W, bool accumulate) {
   K3_ASSERT(!W.empty());
   if (N <= 0) return;

@@ -1,4 +1,4 @@
-// Kimi Delta Attention (KDA): fp32 CPU reference kernels (K3-ARCHITECTURE.md §5.3, K3-TECHNIQUES.md (e)).
+// Kimi Delta Attention (KDA): CPU reference kernels (fp32 activations, fp64 state and internals) (K3-ARCHITECTURE.md §5.3, K3-TECHNIQUES.md (e)).
 //
 // A KDA layer, per token, after the q/k/v/f/b/g projections (which live elsewhere):
 //   1. short_conv_silu_forward  q, k, v each go through a causal depthwise conv (K = 4 taps, no bias) + SiLU.
@@ -45,11 +45,11 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
 // The KDA recurrence (the specification). Per head h the state S[h] is Dk x Dv, key-major:
 // S[h][c][j] lives at state[(h*Dk + c)*Dv + j]. For each token t:
 //   S <- Diag(exp(g_t)) S;   u = S^T k_t;   S <- S + beta_t * k_t (v_t - u)^T;   o_t = S^T (q_t * scale)
-//   q, k, g: [T][H][Dk]    v, o: [T][H][Dv]    beta: [T][H]    state: [H][Dk][Dv], in/out
+//   q, k, g: [T][H][Dk]    v, o: [T][H][Dv]    beta: [T][H]    state: [H][Dk][Dv] fp64, in/out
 // The caller zero-initialises state for a fresh sequence; calls can be chained to continue a sequence.
 // K3: scale = Dk^-0.5.
 void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g,
-                           const float* beta, float scale, float* state, int64_t T, int64_t H, int64_t Dk,
+                           const float* beta, float scale, double* state, int64_t T, int64_t H, int64_t Dk,
                            int64_t Dv);
 
 // Same contract and result as kda_recurrent_forward, computed chunk by chunk (chunk_size >= 1; the last
@@ -65,7 +65,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
 // recurrence to ~2e-7 relative L2 in the tests. Allocates ~(5 Dk + 2 Dv + 2 chunk) * chunk floats of scratch
 // per head per call (~256 KB at chunk 64, Dk = Dv = 128).
 void kda_chunk_forward(float* o, const float* q, const float* k, const float* v, const float* g, const float* beta,
-                       float scale, float* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int chunk_size);
+                       float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int chunk_size);
 
 // Per-head gated output norm, K3's FusedRMSNormGated(activation="sigmoid"): normalise, then gate.
 //   y[t,h,:] = o[t,h,:] / sqrt(mean(o[t,h,:]^2) + eps) * weight[:] * sigmoid(gate[t, h*Dv + :])

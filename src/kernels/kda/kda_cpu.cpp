@@ -1,4 +1,12 @@
-// KDA fp32 CPU reference kernels. See kda.h for the contracts; this file explains the numerics.
+// KDA CPU reference kernels. See kda.h for the contracts; this file explains the numerics.
+//
+// Precision: inputs and outputs are fp32, but the recurrent state and every intermediate of the
+// recurrence and of the chunked form are fp64. Why: decoding runs the recurrence token by token while
+// a prefill runs the chunked form, and the model must give the same logits either way. In fp32 the two
+// forms differ by ~2e-7 per layer, and the golden K3 fixture amplifies such differences ~100x at some
+// tokens (docs/NUMERICS.md), so cached decoding and full recomputation drifted 4.6e-5 apart. In fp64 the
+// two forms agree to ~1e-15 before the single rounding of o to fp32. It is cheap on a CPU: KDA is
+// ~H*Dk*Dv*4 flops per token, under 1% of a K3 layer's projections.
 #include "kernels/kda/kda.h"
 
 #include <algorithm>
@@ -15,42 +23,25 @@ namespace {
 // 1 / (1 + e^-x). For x -> -inf, e^-x -> inf and the quotient is 0; for x -> +inf it is 1. No NaN.
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// Narrowing to float, with two flush rules that keep denormals out of the matmuls. Every x86 vector FMA that
-// produces or reads a denormal takes a ~150-cycle microcode assist; before these rules the decayed tail of
-// each chunk made the chunked form 2.1x slower (T=4096, H=8, D=128: 0.38 s vs 0.18 s with FTZ/DAZ set).
-//  * decay_f32: a decay factor (dimensionless, <= 1) below kNegligible = 2^-70 ~ 8.5e-22 becomes 0. It puts
-//    its term ~14 orders of magnitude below the fp32 resolution of the same term undecayed, so dropping it is
-//    invisible in any sum the term joins (and the KDA output is RMS-normalised with eps 1e-5 downstream).
-//    Flushing at FLT_MIN is not enough: a factor of 1e-37 times a k of 0.01 is itself a denormal.
-//  * to_f32: a dot product (whose scale is the caller's) is flushed only below FLT_MIN, where fp32 has no
-//    normal value for it anyway.
-// Both run in scalar code: GCC does not if-convert a floating-point compare inside a vector loop under the
-// default -ftrapping-math, so a select in the hot loops would de-vectorise them.
-constexpr double kNegligible = 0x1p-70;
-inline float decay_f32(double x) { return x < kNegligible ? 0.0f : float(x); }
-inline float to_f32(double x) {
-  return std::fabs(x) < double(std::numeric_limits<float>::min()) ? 0.0f : float(x);
-}
-
 // C[i][j] += alpha * sum_p A[i][p] * B[p][j] for i < m, j < nn, p < kk; row strides lda, ldb, ldc.
 // The chunked KDA spends most of its flops in products of this shape (64..128 rows, 128 columns, 64..128
 // deep). The plain i-p-j loop reloads and restores a row of C for every p; here each kMR x kNR tile of C is
 // accumulated in a small local array that the compiler keeps in vector registers, so the inner step is kNR/16
-// loads of B, kMR broadcasts of A and kMR*kNR/16 FMAs. Measured at 128^3 (-O3 -march=native, AVX-512):
+// loads of B, kMR broadcasts of A and kMR*kNR/8 FMAs (fp64). Measured at 128^3 (-O3 -march=native, AVX-512):
 // 65 vs 11 GFMA/s; with AVX2 only 30 vs 16. Edge tiles fall back to the plain loops.
 constexpr int64_t kMR = 8, kNR = 16;
-void matmul_acc(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t m,
-                int64_t nn, int64_t kk, float alpha) {
+void matmul_acc(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m,
+                int64_t nn, int64_t kk, double alpha) {
   for (int64_t i0 = 0; i0 < m; i0 += kMR) {
     const int64_t mr = std::min(kMR, m - i0);
     for (int64_t j0 = 0; j0 < nn; j0 += kNR) {
       const int64_t nr = std::min(kNR, nn - j0);
       if (mr == kMR && nr == kNR) {
-        float acc[kMR][kNR] = {};
+        double acc[kMR][kNR] = {};
         for (int64_t p = 0; p < kk; ++p) {
-          const float* b = B + p * ldb + j0;
+          const double* b = B + p * ldb + j0;
           for (int64_t r = 0; r < kMR; ++r) {
-            const float a = A[(i0 + r) * lda + p];
+            const double a = A[(i0 + r) * lda + p];
 #pragma omp simd
             for (int64_t c = 0; c < kNR; ++c) acc[r][c] += a * b[c];
           }
@@ -59,10 +50,10 @@ void matmul_acc(float* C, int64_t ldc, const float* A, int64_t lda, const float*
           for (int64_t c = 0; c < kNR; ++c) C[(i0 + r) * ldc + j0 + c] += alpha * acc[r][c];
       } else {
         for (int64_t r = 0; r < mr; ++r) {
-          float* crow = C + (i0 + r) * ldc + j0;
+          double* crow = C + (i0 + r) * ldc + j0;
           for (int64_t p = 0; p < kk; ++p) {
-            const float a = alpha * A[(i0 + r) * lda + p];
-            const float* b = B + p * ldb + j0;
+            const double a = alpha * A[(i0 + r) * lda + p];
+            const double* b = B + p * ldb + j0;
             for (int64_t c = 0; c < nr; ++c) crow[c] += a * b[c];
           }
         }
@@ -163,27 +154,27 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
 //   pass 2 (row c): S[c,:] += (beta k[c]) * (v - u);  o += (scale q[c]) * S[c,:]
 // Rows are contiguous, so every inner loop runs over contiguous Dv floats.
 void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g,
-                           const float* beta, float scale, float* state, int64_t T, int64_t H, int64_t Dk,
+                           const float* beta, float scale, double* state, int64_t T, int64_t H, int64_t Dk,
                            int64_t Dv) {
   check_dims("kda_recurrent_forward", T, H, Dk, "Dk");
   K3_CHECK(Dv >= 1, "kda_recurrent_forward: Dv must be >= 1, got ", Dv);
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < H; ++h) {
-    float* S = state + h * Dk * Dv;
-    std::vector<float> u(Dv), dv(Dv);
+    double* S = state + h * Dk * Dv;
+    std::vector<double> u(Dv), dv(Dv), ov(Dv);
     for (int64_t t = 0; t < T; ++t) {
       const float* qt = q + (t * H + h) * Dk;
       const float* kt = k + (t * H + h) * Dk;
       const float* gt = g + (t * H + h) * Dk;
       const float* vt = v + (t * H + h) * Dv;
-      const float bt = beta[t * H + h];
+      const double bt = beta[t * H + h];
       float* ot = o + (t * H + h) * Dv;
 
-      for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
+      for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0;
       for (int64_t c = 0; c < Dk; ++c) {
-        const float a = std::exp(gt[c]);
-        const float kc = kt[c];
-        float* row = S + c * Dv;
+        const double a = std::exp(double(gt[c]));
+        const double kc = kt[c];
+        double* row = S + c * Dv;
 #pragma omp simd
         for (int64_t j = 0; j < Dv; ++j) {
           row[j] *= a;
@@ -191,17 +182,18 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
         }
       }
       for (int64_t j = 0; j < Dv; ++j) dv[j] = vt[j] - u[j];
-      for (int64_t j = 0; j < Dv; ++j) ot[j] = 0.0f;
+      for (int64_t j = 0; j < Dv; ++j) ov[j] = 0.0;
       for (int64_t c = 0; c < Dk; ++c) {
-        const float bk = bt * kt[c];
-        const float sq = scale * qt[c];
-        float* row = S + c * Dv;
+        const double bk = bt * kt[c];
+        const double sq = double(scale) * qt[c];
+        double* row = S + c * Dv;
 #pragma omp simd
         for (int64_t j = 0; j < Dv; ++j) {
           row[j] += bk * dv[j];
-          ot[j] += sq * row[j];
+          ov[j] += sq * row[j];
         }
       }
+      for (int64_t j = 0; j < Dv; ++j) ot[j] = float(ov[j]);
     }
   }
 }
@@ -224,11 +216,10 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
 //
 // How the factors are computed. exp(Gamma_i - Gamma_j) = prod_{j < tau <= i} exp(g_tau), so for each j the
 // factors for i = j+1, j+2, ... are a running product of the per-token decays alpha_tau = exp(g_tau) <= 1.
-// The product is kept in double: after <= 63 multiplies its relative error is ~1e-14, so it equals
-// exp(exact Gamma difference) to fp32 precision (better than expf of a difference of two fp32 running sums
-// near -300, which would carry ~300 * 6e-8 = 2e-5 absolute error). It costs one exp per token and channel
+// After <= 63 multiplies its relative error is ~1e-14 (exp of a difference of two running sums near -300
+// would carry ~300 * 1e-16 absolute error, and in fp32 2e-5). With g >= -5 the products stay above
+// e^-320 ~ 1e-139, far inside the normal double range, so no denormals reach the matmuls. It costs one exp per token and channel
 // instead of one per pair and channel: with pairwise expf calls the exps were ~55% of the chunk's time.
-// Negligible factors are flushed to 0 when they are narrowed to float (see decay_f32).
 //
 // Per head and chunk of n tokens, the work (multiply-adds) is:
 //   pair loop   A (strictly lower) and M (lower incl. diagonal), sharing the factor e^{Gamma_i - Gamma_j}: n^2 Dk
@@ -238,7 +229,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
 //   state       S = Diag(e^{Gamma_last}) S + Krestore^T delta: n Dk Dv
 // i.e. about (3 Dk Dv + 2 n Dv + n Dk) per token against the recurrence's 4 Dk Dv, but in matmul form.
 void kda_chunk_forward(float* o, const float* q, const float* k, const float* v, const float* g, const float* beta,
-                       float scale, float* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int chunk_size) {
+                       float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv, int chunk_size) {
   check_dims("kda_chunk_forward", T, H, Dk, "Dk");
   K3_CHECK(Dv >= 1, "kda_chunk_forward: Dv must be >= 1, got ", Dv);
   K3_CHECK(chunk_size >= 1, "kda_chunk_forward: chunk_size must be >= 1, got ", chunk_size);
@@ -246,18 +237,18 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
 
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < H; ++h) {
-    float* S = state + h * Dk * Dv;
+    double* S = state + h * Dk * Dv;
     // Per-head scratch, reused by every chunk of this head.
     std::vector<double> alpha(Cs * Dk);  // alpha_i[c] = exp(g_i[c]), in double for the running products
     std::vector<double> dec(Dk);         // a running decay product (see the pair loop)
-    std::vector<float> Kt(Cs * Dk);      // Ktilde_i = exp(Gamma_i) * k_i
-    std::vector<float> Qt(Cs * Dk);      // Qtilde_i = exp(Gamma_i) * q_i
-    std::vector<float> KrT(Dk * Cs);     // KrT[c][j] = exp(Gamma_last[c] - Gamma_j[c]) * k_j[c]
-    std::vector<float> A(Cs * Cs);       // A[i][j], j < i
-    std::vector<float> M(Cs * Cs);       // M[i][j] = q_i . (k_j * exp(Gamma_i - Gamma_j)), j <= i; 0 above
-    std::vector<float> W(Cs * Dv);       // Ktilde S0, then overwritten by delta
-    std::vector<float> O(Cs * Dv);       // Qtilde S0, then the unscaled output
-    std::vector<float> Pl(Dk);           // exp(Gamma_last)
+    std::vector<double> Kt(Cs * Dk);      // Ktilde_i = exp(Gamma_i) * k_i
+    std::vector<double> Qt(Cs * Dk);      // Qtilde_i = exp(Gamma_i) * q_i
+    std::vector<double> KrT(Dk * Cs);     // KrT[c][j] = exp(Gamma_last[c] - Gamma_j[c]) * k_j[c]
+    std::vector<double> A(Cs * Cs);       // A[i][j], j < i
+    std::vector<double> M(Cs * Cs);       // M[i][j] = q_i . (k_j * exp(Gamma_i - Gamma_j)), j <= i; 0 above
+    std::vector<double> W(Cs * Dv);       // Ktilde S0, then overwritten by delta
+    std::vector<double> O(Cs * Dv);       // Qtilde S0, then the unscaled output
+    std::vector<double> Pl(Dk);           // exp(Gamma_last)
 
     for (int64_t t0 = 0; t0 < T; t0 += Cs) {
       const int64_t n = std::min<int64_t>(Cs, T - t0);
@@ -274,12 +265,12 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
         for (int64_t c = 0; c < Dk; ++c) {
           alpha[i * Dk + c] = std::exp(double(gi[c]));
           dec[c] *= alpha[i * Dk + c];
-          const float e = decay_f32(dec[c]);
+          const double e = dec[c];
           Kt[i * Dk + c] = e * ki[c];
           Qt[i * Dk + c] = e * qi[c];
         }
       }
-      for (int64_t c = 0; c < Dk; ++c) Pl[c] = decay_f32(dec[c]);
+      for (int64_t c = 0; c < Dk; ++c) Pl[c] = dec[c];
 
       // Pair loop, column by column: for fixed j, dec = exp(Gamma_i - Gamma_j) is carried down i = j+1..n-1
       // and feeds both A_ij and M_ij. When the column is done, dec = exp(Gamma_last - Gamma_j) gives Krestore.
@@ -292,7 +283,7 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
         double m0 = 0.0;
 #pragma omp simd reduction(+ : m0)
         for (int64_t c = 0; c < Dk; ++c) m0 += double(qj[c]) * kj[c];
-        M[j * Cs + j] = to_f32(m0);  // exp(Gamma_j - Gamma_j) = 1
+        M[j * Cs + j] = m0;  // exp(Gamma_j - Gamma_j) = 1
         double* dc = dec.data();
         for (int64_t c = 0; c < Dk; ++c) dc[c] = 1.0;
         for (int64_t i = j + 1; i < n; ++i) {
@@ -307,17 +298,17 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
             a += ki[c] * kd;
             m += qi[c] * kd;
           }
-          A[i * Cs + j] = to_f32(a);
-          M[i * Cs + j] = to_f32(m);
+          A[i * Cs + j] = a;
+          M[i * Cs + j] = m;
         }
-        for (int64_t c = 0; c < Dk; ++c) KrT[c * Cs + j] = kj[c] * decay_f32(dc[c]);
+        for (int64_t c = 0; c < Dk; ++c) KrT[c * Cs + j] = kj[c] * dc[c];
       }
 
       // S0 terms: W = Ktilde S0, O = Qtilde S0.
-      std::fill(W.begin(), W.begin() + n * Dv, 0.0f);
-      std::fill(O.begin(), O.begin() + n * Dv, 0.0f);
-      matmul_acc(W.data(), Dv, Kt.data(), Dk, S, Dv, n, Dv, Dk, 1.0f);
-      matmul_acc(O.data(), Dv, Qt.data(), Dk, S, Dv, n, Dv, Dk, 1.0f);
+      std::fill(W.begin(), W.begin() + n * Dv, 0.0);
+      std::fill(O.begin(), O.begin() + n * Dv, 0.0);
+      matmul_acc(W.data(), Dv, Kt.data(), Dk, S, Dv, n, Dv, Dk, 1.0);
+      matmul_acc(O.data(), Dv, Qt.data(), Dk, S, Dv, n, Dv, Dk, 1.0);
 
       // Forward substitution, in place in W: delta_i = beta_i (v_i - W_i - sum_{j<i} A_ij delta_j), by blocks
       // of kMR rows: the finished deltas of earlier blocks enter as one matmul, the block itself row by row.
@@ -325,38 +316,38 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
         const int64_t ib = std::min(kMR, n - i0);
         for (int64_t i = i0; i < i0 + ib; ++i) {
           const float* vi = V(i);
-          float* Di = &W[i * Dv];
+          double* Di = &W[i * Dv];
           for (int64_t j = 0; j < Dv; ++j) Di[j] = vi[j] - Di[j];
         }
-        matmul_acc(&W[i0 * Dv], Dv, &A[i0 * Cs], Cs, W.data(), Dv, ib, Dv, i0, -1.0f);
+        matmul_acc(&W[i0 * Dv], Dv, &A[i0 * Cs], Cs, W.data(), Dv, ib, Dv, i0, -1.0);
         for (int64_t i = i0; i < i0 + ib; ++i) {
-          float* Di = &W[i * Dv];
+          double* Di = &W[i * Dv];
           for (int64_t jj = i0; jj < i; ++jj) {
-            const float a = A[i * Cs + jj];
-            const float* Dj = &W[jj * Dv];
+            const double a = A[i * Cs + jj];
+            const double* Dj = &W[jj * Dv];
 #pragma omp simd
             for (int64_t j = 0; j < Dv; ++j) Di[j] -= a * Dj[j];
           }
-          const float b = beta[(t0 + i) * H + h];
+          const double b = beta[(t0 + i) * H + h];
           for (int64_t j = 0; j < Dv; ++j) Di[j] *= b;
         }
       }
-      const float* delta = W.data();
+      const double* delta = W.data();
 
       // Output: o_i = scale * (O_i + sum_{j<=i} M_ij delta_j). M is zero above the diagonal, so the causal sum
       // is a plain n x n matmul (the wasted upper half is ~8% of the chunk's flops and keeps the code simple).
-      matmul_acc(O.data(), Dv, M.data(), Cs, delta, Dv, n, Dv, n, 1.0f);
+      matmul_acc(O.data(), Dv, M.data(), Cs, delta, Dv, n, Dv, n, 1.0);
       for (int64_t i = 0; i < n; ++i) {
         float* oi = o + ((t0 + i) * H + h) * Dv;
-        for (int64_t j = 0; j < Dv; ++j) oi[j] = scale * O[i * Dv + j];
+        for (int64_t j = 0; j < Dv; ++j) oi[j] = float(double(scale) * O[i * Dv + j]);
       }
 
       // State: S[c,:] = exp(Gamma_last[c]) S[c,:] + sum_j KrT[c][j] delta_j.
       for (int64_t c = 0; c < Dk; ++c) {
-        float* row = S + c * Dv;
+        double* row = S + c * Dv;
         for (int64_t j = 0; j < Dv; ++j) row[j] *= Pl[c];
       }
-      matmul_acc(S, Dv, KrT.data(), Cs, delta, Dv, Dk, Dv, n, 1.0f);
+      matmul_acc(S, Dv, KrT.data(), Cs, delta, Dv, Dk, Dv, n, 1.0);
     }
   }
 }

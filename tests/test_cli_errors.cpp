@@ -84,6 +84,7 @@ std::string error_line(const Outcome& r) {
     ADD_FAILURE() << "no output from: " << r.command;
     return "";
   }
+  std::printf("  %s\n", lines.back().c_str());
   EXPECT_THAT(lines.back(), StartsWith("error: ")) << r.command << "\n" << r.output;
   EXPECT_EQ(std::count_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("error:", 0) == 0; }), 1)
       << r.output;
@@ -278,6 +279,29 @@ TEST_F(CliErrors, ZeroBasedLayerListsNameTheFieldAndSayOneBased) {
                     HasSubstr("entry 0"), HasSubstr("1-based")));
 }
 
+TEST_F(CliErrors, HugeSizesAreRefusedBeforeAllocating) {
+  // A hostile num_hidden_layers once allocated per-layer arrays first (gigabytes, OOM kill), and huge
+  // sizes overflowed int64 parameter counts (UBSan abort in k3 inspect). Both are refused by name.
+  const fs::path d = model_dir();
+  edit_config(d, [](json& c) { c["text_config"]["num_hidden_layers"] = 1000000000000LL; });
+  EXPECT_THAT(error_line(logits(d)), AllOf(HasSubstr((d / "config.json").string()),
+                                           HasSubstr("text_config.num_hidden_layers"), HasSubstr("exceeds the supported maximum")));
+  EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})),
+              HasSubstr("text_config.num_hidden_layers"));
+  edit_config(d, [](json& c) {
+    c["text_config"]["num_hidden_layers"] = 8;
+    c["text_config"]["vocab_size"] = 9000000000000000000LL;
+  });
+  EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})), HasSubstr("text_config.vocab_size"));
+  edit_config(d, [](json& c) {
+    c["text_config"]["vocab_size"] = 1024;
+    c["text_config"]["num_experts"] = 1 << 20;
+    c["text_config"]["moe_intermediate_size"] = 1 << 24;
+    c["text_config"]["routed_expert_hidden_size"] = 1 << 24;
+  });
+  EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})), HasSubstr("2^62 parameters"));
+}
+
 TEST_F(CliErrors, HiddenSizeDisagreeingWithTheWeightsNamesTensorShapesAndConfig) {
   const fs::path d = model_dir();
   edit_config(d, [](json& c) { c["text_config"]["hidden_size"] = 256; });
@@ -320,10 +344,11 @@ TEST_F(CliErrors, MalformedIdsNameTheFlagAndTheItem) {
            {"1,,2", "''"}, {"a", "'a'"}, {"-3", "'-3'"}, {"1,2,", "''"}, {"", "''"}, {"3x", "'3x'"},
            {"99999999999", "'99999999999'"}}) {
     EXPECT_THAT(error_line(logits(kFixture, {ids})), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
-    // `--ids=-3`: the value cannot be mistaken for an option.
-    Outcome g = run_k3({"generate", "--model", kFixture, "--ids=" + ids});
+    Outcome g = run_k3({"generate", "--model", kFixture, "--ids", ids});
     EXPECT_THAT(error_line(g), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
   }
+  // The `=` form, which CLI11 can never take for an option name.
+  EXPECT_THAT(error_line(run_k3({"generate", "--model", kFixture, "--ids=-3"})), AllOf(HasSubstr("--ids"), HasSubstr("'-3'")));
   expect_no_output_files();
 }
 
@@ -339,7 +364,8 @@ TEST_F(CliErrors, BadSamplingParametersNameTheFlag) {
   EXPECT_THAT(error_line(generate(kFixture, {"--top-p", "1.5"})), AllOf(HasSubstr("--top-p"), HasSubstr("1.5")));
   EXPECT_THAT(error_line(generate(kFixture, {"--top-p", "0"})), HasSubstr("--top-p"));
   EXPECT_THAT(error_line(generate(kFixture, {"--top-k", "-1"})), HasSubstr("--top-k"));
-  EXPECT_THAT(error_line(generate(kFixture, {"--max-new-tokens", "-1"})), HasSubstr("--max-new-tokens"));
+  EXPECT_THAT(error_line(run_k3({"generate", "--model", kFixture, "--ids", "1,2", "--max-new-tokens", "-1"})),
+              HasSubstr("--max-new-tokens"));
 }
 
 TEST_F(CliErrors, OutputIntoAMissingDirectoryNamesItAndLeavesNothing) {

@@ -1,5 +1,6 @@
 #include "io/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -27,9 +28,12 @@ struct Fields {
     fail(where(k), " must be an integer, got ", v.dump());
   }
   int64_t integer(const std::string& k, int64_t def) const { return has(k) ? integer(k) : def; }
-  int64_t positive(const std::string& k) const {
+  // Sizes are bounded so that products of them (tensor sizes, parameter counts) cannot overflow
+  // int64 and a hostile config cannot make per-layer arrays allocate gigabytes.
+  int64_t positive(const std::string& k, int64_t max = int64_t(1) << 24) const {
     int64_t v = integer(k);
     if (v <= 0) fail(where(k), " must be positive, got ", v);
+    if (v > max) fail(where(k), " = ", v, " exceeds the supported maximum ", max);
     return v;
   }
   double number(const std::string& k) const {
@@ -101,7 +105,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   c.has_vision_config = root.contains("vision_config") && root["vision_config"].is_object();
   c.vocab_size = f.positive("vocab_size");
   c.hidden_size = f.positive("hidden_size");
-  c.num_hidden_layers = f.positive("num_hidden_layers");
+  c.num_hidden_layers = f.positive("num_hidden_layers", 1 << 16);
   c.num_attention_heads = f.positive("num_attention_heads");
   c.num_key_value_heads = f.integer("num_key_value_heads", c.num_attention_heads);
   if (c.num_key_value_heads != c.num_attention_heads)
@@ -120,11 +124,12 @@ K3Config parse_config(const std::string& text, const std::string& src) {
 
   // MLA.
   c.q_lora_rank = f.integer("q_lora_rank", 0);
-  if (c.q_lora_rank < 0) fail(f.where("q_lora_rank"), " must be positive or null");
+  if (c.q_lora_rank < 0 || c.q_lora_rank > (1 << 24)) fail(f.where("q_lora_rank"), " must be positive (at most 2^24) or null");
   c.kv_lora_rank = f.positive("kv_lora_rank");
   c.qk_nope_head_dim = f.positive("qk_nope_head_dim");
   c.qk_rope_head_dim = f.integer("qk_rope_head_dim", 0);
-  if (c.qk_rope_head_dim < 0) fail(f.where("qk_rope_head_dim"), " must be >= 0, got ", c.qk_rope_head_dim);
+  if (c.qk_rope_head_dim < 0 || c.qk_rope_head_dim > (1 << 24))
+    fail(f.where("qk_rope_head_dim"), " must be in 0..2^24, got ", c.qk_rope_head_dim);
   c.v_head_dim = f.positive("v_head_dim");
   if (!f.boolean("mla_use_nope", true))
     fail(f.where("mla_use_nope"), " is false: rotary MLA is not part of K3 and not supported");
@@ -133,7 +138,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   // MoE.
   c.intermediate_size = f.positive("intermediate_size");
   c.num_experts = f.integer("num_experts", 0);
-  if (c.num_experts < 0) fail(f.where("num_experts"), " must be >= 0");
+  if (c.num_experts < 0 || c.num_experts > (1 << 20)) fail(f.where("num_experts"), " must be in 0..", 1 << 20);
   c.first_k_dense_replace = f.integer("first_k_dense_replace", 1);
   c.moe_layer_freq = f.integer("moe_layer_freq", 1);
   if (c.first_k_dense_replace < 0) fail(f.where("first_k_dense_replace"), " must be >= 0");
@@ -143,10 +148,9 @@ K3Config parse_config(const std::string& text, const std::string& src) {
     if (c.num_experts_per_token > c.num_experts)
       fail(f.where("num_experts_per_token"), " = ", c.num_experts_per_token, " exceeds num_experts = ", c.num_experts);
     c.num_shared_experts = f.integer("num_shared_experts", 0);
-    if (c.num_shared_experts < 0) fail(f.where("num_shared_experts"), " must be >= 0");
+    if (c.num_shared_experts < 0 || c.num_shared_experts > 4096) fail(f.where("num_shared_experts"), " must be in 0..4096");
     c.moe_intermediate_size = f.positive("moe_intermediate_size");
-    c.routed_expert_hidden_size = f.integer("routed_expert_hidden_size", c.hidden_size);
-    if (c.routed_expert_hidden_size <= 0) fail(f.where("routed_expert_hidden_size"), " must be positive");
+    c.routed_expert_hidden_size = f.has("routed_expert_hidden_size") ? f.positive("routed_expert_hidden_size") : c.hidden_size;
     c.latent_moe_use_norm = f.boolean("latent_moe_use_norm", true);
     const std::string act = f.string("moe_router_activation_func", "sigmoid");
     if (act != "sigmoid")
@@ -181,7 +185,8 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   c.kda_num_heads = la.positive("num_heads");
   c.kda_head_dim = la.positive("head_dim");
   c.short_conv_kernel_size = la.integer("short_conv_kernel_size", 4);
-  if (c.short_conv_kernel_size < 1) fail(la.where("short_conv_kernel_size"), " must be >= 1");
+  if (c.short_conv_kernel_size < 1 || c.short_conv_kernel_size > 64)
+    fail(la.where("short_conv_kernel_size"), " must be in 1..64, got ", c.short_conv_kernel_size);
   if (!la.has("gate_lower_bound"))
     fail(la.where("gate_lower_bound"), " is missing: K3's KDA uses the lower-bounded gate (-5); the unbounded Kimi Linear gate is not supported");
   c.gate_lower_bound = float(la.number("gate_lower_bound"));
@@ -189,6 +194,22 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   if (!la.boolean("use_full_rank_gate", true))
     fail(la.where("use_full_rank_gate"), " is false: only the full-rank (per-channel) gate of K3 is supported");
   read_layer_kinds(c, la);
+
+  // The largest stored tensor group, routed experts, bounds everything else: refuse a config whose
+  // parameter count cannot be represented (computed in double, so this check itself cannot overflow).
+  const double expert_params = double(c.num_hidden_layers) * double(c.num_experts) * 3.0 *
+                               double(c.moe_intermediate_size) * double(c.routed_expert_hidden_size);
+  const double H = double(c.num_attention_heads), hid = double(c.hidden_size);
+  const double per_layer = 8.0 * double(c.kda_dim()) * (hid + double(c.kda_head_dim)) +
+                           H * double(c.q_head_dim()) * (hid + double(c.q_lora_rank)) +
+                           H * double(c.qk_nope_head_dim + c.v_head_dim) * double(c.kv_lora_rank) +
+                           2.0 * H * double(c.v_head_dim) * hid + 3.0 * double(c.intermediate_size) * hid +
+                           double(c.num_experts) * hid + 3.0 * double(c.moe_intermediate_size) * double(c.num_shared_experts) * hid +
+                           2.0 * double(c.routed_expert_hidden_size) * hid;
+  const double other = double(c.num_hidden_layers) * per_layer + 2.0 * double(c.vocab_size) * hid;
+  if (expert_params + other > 0x1p62)
+    fail(src, ": the sizes in this config imply more than 2^62 parameters (check num_experts, moe_intermediate_size, "
+              "hidden_size, vocab_size)");
 
   // Quantisation: only the release's MXFP4 routed experts.
   if (f.has("quantization_config") || top.has("quantization_config")) {

@@ -6,7 +6,8 @@
 // For each model it prints:
 //   prefill: tokens/s of one prompt of each --prefill length (fresh cache).
 //   decode:  ms per generated token after a prefix of each --contexts length, split by block kind
-//            (KDA, MLA, MoE, ...), and as the baseline in the same run, the ms that recomputing the
+//            (KDA, MLA, MoE, dense FFN, lm_head with the output AttnRes and norm, other = embedding,
+//            AttnRes reads, pre-norms), and as the baseline in the same run, the ms that recomputing the
 //            whole prefix for that one token costs (what decoding without a cache would pay).
 // KDA time per token should stay flat as the context grows (fixed-size state); MLA time grows
 // linearly (it reads every cached 576-wide row); the ratio full/decode grows with the context.
@@ -58,8 +59,8 @@ static void bench_model(const std::string& dir, const std::vector<int32_t>& pref
     const double s = seconds_since(t0);
     std::printf("%-8d %10.3f %12.1f\n", T, s, double(T) / s);
   }
-  std::printf("%-8s %9s %8s | %7s %7s %7s %7s %7s | %12s %8s\n", "context", "ms/token", "tok/s", "KDA", "MLA", "MoE",
-              "dense", "other", "full-recompute", "ratio");
+  std::printf("%-8s %9s %8s | %7s %7s %7s %7s %7s %7s | %12s %8s\n", "context", "ms/token", "tok/s", "KDA", "MLA",
+              "MoE", "dense", "lm_head", "other", "full-recompute", "ratio");
   m->options().profile = true;
   for (int32_t ctx : contexts) {
     auto ids = random_ids(ctx + steps, V, 2);
@@ -70,15 +71,16 @@ static void bench_model(const std::string& dir, const std::vector<int32_t>& pref
     for (int s = 0; s < steps; ++s) m->forward({&cache}, {{ids[size_t(ctx + s)]}}, false);
     const double per = seconds_since(t0) / steps;
     const Model::Timings tm = m->timings();
-    const double other = tm.total() - tm.kda - tm.mla - tm.moe - tm.dense_ffn;
+    const double other = tm.total() - tm.kda - tm.mla - tm.moe - tm.dense_ffn - tm.head;
     // Baseline: the same next token computed by recomputing the whole prefix (no cache).
     SequenceCache fresh = m->new_cache();
     t0 = clock_type::now();
     m->forward({&fresh}, {std::vector<int32_t>(ids.begin(), ids.begin() + ctx + 1)}, false);
     const double full = seconds_since(t0);
     auto ms = [&](double x) { return 1e3 * x / steps; };
-    std::printf("%-8d %9.2f %8.1f | %7.2f %7.2f %7.2f %7.2f %7.2f | %12.1f ms %7.1fx\n", ctx, 1e3 * per, 1.0 / per,
-                ms(tm.kda), ms(tm.mla), ms(tm.moe), ms(tm.dense_ffn), ms(other), 1e3 * full, full / per);
+    std::printf("%-8d %9.2f %8.1f | %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f | %12.1f ms %7.1fx\n", ctx, 1e3 * per,
+                1.0 / per, ms(tm.kda), ms(tm.mla), ms(tm.moe), ms(tm.dense_ffn), ms(tm.head), ms(other), 1e3 * full,
+                full / per);
   }
   m->options().profile = false;
 }

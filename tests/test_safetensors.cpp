@@ -728,7 +728,7 @@ TEST_F(SafeTensorsBadFile, ZeroElementTensorAtEndOfFileIsFine) {
 }
 
 TEST(SafeTensorsTruncatedFixture, HalfOfRealCheckpointThrowsNamingFileAndTensor) {
-  const fs::path fixture = "/work/shared/fixtures/k3-tiny-a/model.safetensors";
+  const fs::path fixture = std::string(K3_SOURCE_DIR) + "/tests/fixtures/k3-tiny-a/model.safetensors";
   if (!fs::exists(fixture)) GTEST_SKIP() << fixture << " not present";
   TempDir dir;
   const std::string path = dir.file("model.safetensors");

@@ -21,7 +21,7 @@ void mxfp4_encode_row(uint8_t* packed, uint8_t* scales, const float* row, int64_
     float mx = 0.0f;
     for (int i = 0; i < 32; ++i) mx = std::max(mx, std::fabs(x[i]));
     // E2M1's largest magnitude is 6 = 1.5 * 2^2: pick e with mx / 2^e in [4, 8) -> clamps at 6.
-    int e = mx > 0 ? int(std::floor(std::log2(mx))) - 2 : -127;
+    int e = mx > 0 ? std::ilogb(mx) - 2 : -127;  // ilogb is exact; floor(log2f) rounds up just below 2^n
     e = std::clamp(e, -127, 127);
     scales[g] = uint8_t(e + 127);
     const float s = std::ldexp(1.0f, e);

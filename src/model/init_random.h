@@ -25,7 +25,8 @@ struct RandomInitOptions {
 void write_random_model(const std::string& config_path, const std::string& out_dir, const RandomInitOptions& opt);
 
 // Round-to-nearest MXFP4 quantisation of one row (cols % 32 == 0): the inverse of mxfp4_decode_row
-// on representable values. Each group's scale is the power of two that maps its max |x| into [4, 8).
+// on representable values. Each group's scale is the power of two that maps its max |x| into [4, 8);
+// exact ties round toward the smaller magnitude (not to even as the OCP spec does).
 void mxfp4_encode_row(uint8_t* packed, uint8_t* scales, const float* row, int64_t cols);
 
 }  // namespace k3

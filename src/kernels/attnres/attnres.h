@@ -2,7 +2,8 @@
 //   K_i = V_i / sqrt(mean(V_i^2) + eps)          (RMS-normalised key, no weight)
 //   s_i = dot(K_i, query)                         (query = res_norm.weight ⊙ res_proj.weight, folded)
 //   out = Σ_i softmax(s)_i V_i                    (the weights multiply the RAW sources)
-// All in fp32 with a max-subtracted softmax. S sources of [N, D] rows, the partial block sum last.
+// Computed in fp64 with a max-subtracted softmax and rounded once to fp32 (the reference does it in
+// fp32; fp64 only removes our own rounding). S sources of [N, D] rows, the partial block sum last.
 #pragma once
 #include <cstdint>
 

@@ -47,14 +47,11 @@ inline void linear_forward(float* y, const float* x, int64_t N, const WeightRef&
   linear_forward(y, W.rows, x, W.cols, N, W, false);
 }
 
-// y[N, In] (+)= x[N, Out] · W  (the transpose product, used by MLA weight absorption).
-void linear_transposed_forward(float* y, const float* x, int64_t N, const WeightRef& W, bool accumulate = false);
-
 // fp64 in and out, for the few places that keep fp64 intermediates (MLA's two attention forms, which
 // must agree to fp32 rounding so that cached decoding equals full recomputation; docs/NUMERICS.md).
 // y[N, Out] = x[N, In] · Wᵀ
 void linear_forward_f64(double* y, const double* x, int64_t N, const WeightRef& W);
-// y[N, In] = x[N, Out] · W
+// y[N, In] = x[N, Out] · W  (the transpose product: MLA weight absorption)
 void linear_transposed_forward_f64(double* y, const double* x, int64_t N, const WeightRef& W);
 
 }  // namespace k3

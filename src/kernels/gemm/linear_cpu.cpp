@@ -130,11 +130,6 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, cons
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), 1.0, a, int(lda), b, int(ldb), beta, c,
               int(ldc));
 }
-void gemm_nn(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-             int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(M), int(N), int(K), 1.0f, a, int(lda), b, int(ldb), 1.0f,
-              c, int(ldc));
-}
 void gemm_nn(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
              int64_t ldc) {
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(M), int(N), int(K), 1.0, a, int(lda), b, int(ldb), 1.0, c,
@@ -184,23 +179,6 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
   }
 }
 
-// y[N, In] (+)= x[N, Out] · W, precision T.
-template <class T>
-void linear_t_blas(float* y, const float* x, int64_t N, const WeightRef& W, bool accumulate) {
-  const int64_t In = W.cols, Out = W.rows;
-  std::vector<T> xw(size_t(N * Out)), yw(size_t(N * In));
-  for (int64_t i = 0; i < N * Out; ++i) xw[size_t(i)] = T(x[i]);
-  for (int64_t i = 0; i < N * In; ++i) yw[size_t(i)] = accumulate ? T(y[i]) : T(0);
-  const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(Out, kSlabElems / In));
-  std::vector<T> wbuf(size_t(slab * In));
-  for (int64_t r0 = 0; r0 < Out; r0 += slab) {
-    const int64_t n = std::min(slab, Out - r0);
-    widen_rows(wbuf.data(), W, r0, n);
-    gemm_nn(N, In, n, xw.data() + r0, Out, wbuf.data(), In, yw.data(), In);
-  }
-  for (int64_t i = 0; i < N * In; ++i) y[i] = float(yw[size_t(i)]);
-}
-
 }  // namespace
 
 void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, const WeightRef& W, bool accumulate) {
@@ -246,17 +224,6 @@ void linear_transposed_forward_f64(double* y, const double* x, int64_t N, const 
     widen_rows(wbuf.data(), W, r0, n);
     gemm_nn(N, In, n, x + r0, Out, wbuf.data(), In, y, In);
   }
-}
-
-void linear_transposed_forward(float* y, const float* x, int64_t N, const WeightRef& W, bool accumulate) {
-  K3_ASSERT(!W.empty());
-  if (N <= 0) return;
-  if (W.rows == 0 || W.cols == 0) {
-    if (!accumulate) std::fill(y, y + N * W.cols, 0.0f);
-    return;
-  }
-  if (g_precision == GemmPrecision::F64Accumulate) linear_t_blas<double>(y, x, N, W, accumulate);
-  else linear_t_blas<float>(y, x, N, W, accumulate);
 }
 
 }  // namespace k3

@@ -43,11 +43,14 @@
 #include "model/init_random.h"
 #include "model/model.h"
 #include "model/sampler.h"
-#include "util/compare.h"
+#include "util/fixture.h"
 
 using namespace k3;
 using k3test::fixture;
 using k3test::rel_l2;
+using k3test::golden;
+using k3test::golden_row;
+using k3test::tiny;
 using json = nlohmann::json;
 namespace fs = std::filesystem;
 
@@ -56,25 +59,6 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Shared helpers
 // ---------------------------------------------------------------------------------------------
-
-const SafeTensors& golden() {
-  static SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/golden.safetensors"));
-  return g;
-}
-
-Model& tiny() {
-  static std::unique_ptr<Model> m = Model::load(fixture("k3-tiny-a/config.json"), fixture("k3-tiny-a/model.safetensors"));
-  return *m;
-}
-
-// Row b of an I64 [B, T] golden tensor.
-std::vector<int32_t> golden_row(const std::string& name, int64_t b = 0) {
-  const TensorView& t = golden().get(name);
-  std::vector<int64_t> ids = golden().read_i64(name);
-  std::vector<int32_t> row;
-  for (int64_t i = 0; i < t.shape[1]; ++i) row.push_back(int32_t(ids[size_t(b * t.shape[1] + i)]));
-  return row;
-}
 
 // Logits of the last position after a full forward of `seq` from a fresh cache.
 std::vector<float> full_last(Model& m, const std::vector<int32_t>& seq) {

@@ -6,32 +6,16 @@
 #include <map>
 
 #include "model/model.h"
-#include "util/compare.h"
+#include "util/fixture.h"
 
 using namespace k3;
 using k3test::fixture;
 using k3test::rel_l2;
+using k3test::golden;
+using k3test::golden_rows;
+using k3test::tiny;
 
 namespace {
-
-const SafeTensors& golden() {
-  static SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/golden.safetensors"));
-  return g;
-}
-
-Model& tiny() {
-  static std::unique_ptr<Model> m = Model::load(fixture("k3-tiny-a/config.json"), fixture("k3-tiny-a/model.safetensors"));
-  return *m;
-}
-
-std::vector<std::vector<int32_t>> rows_of(const std::string& name) {
-  const TensorView& t = golden().get(name);
-  std::vector<int64_t> ids = golden().read_i64(name);
-  std::vector<std::vector<int32_t>> rows(size_t(t.shape[0]));
-  for (int64_t b = 0; b < t.shape[0]; ++b)
-    for (int64_t i = 0; i < t.shape[1]; ++i) rows[size_t(b)].push_back(int32_t(ids[size_t(b * t.shape[1] + i)]));
-  return rows;
-}
 
 std::vector<float> full_logits(Model& m, const std::vector<std::vector<int32_t>>& rows) {
   std::vector<SequenceCache> caches;
@@ -47,7 +31,7 @@ class GoldenLogits : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GoldenLogits, WithinRelL2_1e4) {
   const std::string ids = GetParam();
-  std::vector<float> ours = full_logits(tiny(), rows_of(ids));
+  std::vector<float> ours = full_logits(tiny(), golden_rows(ids));
   std::vector<float> ref = golden().read_f32("logits_" + ids);
   const double err = rel_l2(ours, ref);
   std::printf("logits_%s rel L2 = %.3e\n", ids.c_str(), err);
@@ -61,7 +45,7 @@ TEST(Golden, ReferencePathAlsoMatches) {
   Model& m = tiny();
   PathOptions saved = m.options();
   m.options().reference = true;
-  std::vector<float> ours = full_logits(m, rows_of("ids_long"));
+  std::vector<float> ours = full_logits(m, golden_rows("ids_long"));
   m.options() = saved;
   const double err = rel_l2(ours, golden().read_f32("logits_ids_long"));
   std::printf("reference path: logits_ids_long rel L2 = %.3e\n", err);
@@ -78,7 +62,7 @@ TEST(Golden, Mxfp4ModelLogits) {
   auto m = Model::load(dir.string());
   EXPECT_TRUE(m->config().experts_mxfp4);
   EXPECT_EQ(m->weights().layers[1].moe.experts[0].w1.format, WeightRef::Format::MXFP4);
-  std::vector<float> ours = full_logits(*m, rows_of("ids_a"));
+  std::vector<float> ours = full_logits(*m, golden_rows("ids_a"));
   const double err = rel_l2(ours, golden().read_f32("logits_mxfp4_ids_a"));
   std::printf("logits_mxfp4_ids_a rel L2 = %.3e\n", err);
   EXPECT_LE(err, 1e-4);
@@ -102,7 +86,7 @@ TEST(Golden, PerLayerOutputsAndRouting) {
     topk[l] = v;
   };
   SequenceCache cache = m.new_cache();
-  m.forward({&cache}, rows_of("ids_a"), true, &hooks);
+  m.forward({&cache}, golden_rows("ids_a"), true, &hooks);
   const int64_t L = m.config().num_hidden_layers;
   for (int64_t l = 0; l < L; ++l) {
     for (const char* what : {"attn_out", "ffn_out"}) {

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <tuple>
 
 #include "core/error.h"
 #include "tokenizer/bpe.h"
@@ -74,4 +75,26 @@ TEST(Tokenizer, RoundTripsArbitraryBytes) {
 TEST(Tokenizer, BadRankFileAndIdsAreErrors) {
   EXPECT_THROW(BpeTokenizer::load("/nonexistent/tiktoken.model"), Error);
   EXPECT_THROW(o200k().decode({999999999}), Error);
+}
+
+TEST(TokenizerCli, TokenizePrintIdsAndDetokenize) {
+  const std::string ranks = fixture("tokenizer/o200k.tiktoken");
+  auto run = [](const std::string& cmd) {
+    std::string out;
+    FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    const int rc = pclose(p);
+    return std::make_pair(rc, out);
+  };
+  auto [rc, out] = run(std::string(K3_BINARY) + " tokenize --ranks " + ranks + " --text 'Hello world' --print-ids");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out, "13225 2375\n");  // the reference's ids (goldens.json, first case)
+  std::tie(rc, out) = run(std::string(K3_BINARY) + " detokenize --ranks " + ranks + " --ids 13225,2375");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out, "Hello world\n");
+  std::tie(rc, out) = run(std::string(K3_BINARY) + " tokenize --ranks /nonexistent/tiktoken.model --text x");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("error: /nonexistent/tiktoken.model"), std::string::npos) << out;
 }

@@ -9,5 +9,7 @@ void register_logits(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_inspect(CLI::App& app);
 void register_init(CLI::App& app);
+void register_tokenize(CLI::App& app);
+void register_detokenize(CLI::App& app);
 
 }  // namespace k3::cli

@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   k3::cli::register_generate(app);
   k3::cli::register_inspect(app);
   k3::cli::register_init(app);
+  k3::cli::register_tokenize(app);
+  k3::cli::register_detokenize(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,91 @@
+// k3 tokenize / k3 detokenize: text <-> token ids with a tiktoken rank file and K3's pre-tokenizer.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/error.h"
+#include "tokenizer/bpe.h"
+
+#include <nlohmann/json.hpp>
+
+namespace k3::cli {
+
+namespace {
+
+std::string pattern_by_name(const std::string& name) {
+  if (name == "k3") return kK3Pattern;
+  fail("--pattern: unknown pattern '", name, "' (supported: k3)");
+}
+
+// JSON string escaping shows a token's bytes unambiguously (spaces, newlines, invalid UTF-8 as \ufffd).
+std::string nlohmann_escape(const std::string& b) {
+  return nlohmann::json(b).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+void register_tokenize(CLI::App& app) {
+  struct Opts {
+    std::string ranks, pattern = "k3", text, text_file;
+    bool print_ids = false, specials = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = app.add_subcommand(
+      "tokenize",
+      "Encode text into token ids with a tiktoken rank file (`<base64 token> <rank>` per line) and the\n"
+      "K3 pre-tokenizer. Prints one line per token (id and its bytes) and the ids; with --print-ids the\n"
+      "last line of stdout is the ids separated by spaces. Special tokens are plain text.");
+  sub->add_option("--ranks", o->ranks, "tiktoken.model rank file")->required();
+  sub->add_option("--pattern", o->pattern, "pre-tokenizer pattern")->capture_default_str();
+  auto* t = sub->add_option("--text", o->text, "text to encode");
+  auto* f = sub->add_option("--text-file", o->text_file, "file whose bytes are encoded");
+  t->excludes(f);
+  sub->add_flag("--print-ids", o->print_ids, "print only the ids");
+  sub->callback([o, t, f] {
+    if (!t->count() && !f->count()) fail("tokenize: give --text or --text-file");
+    const std::string text = f->count() ? read_file(o->text_file) : o->text;
+    const BpeTokenizer tok = BpeTokenizer::load(o->ranks, {}, pattern_by_name(o->pattern));
+    const std::vector<int32_t> ids = tok.encode_ordinary(text);
+    std::string line;
+    for (size_t i = 0; i < ids.size(); ++i) line += (i ? " " : "") + std::to_string(ids[i]);
+    if (!o->print_ids) {
+      for (int32_t id : ids) {
+        const std::string b = tok.decode({id});
+        std::printf("%8d  %s\n", id, nlohmann_escape(b).c_str());
+      }
+      std::printf("%zu tokens for %zu bytes\n", ids.size(), text.size());
+    }
+    std::printf("%s\n", line.c_str());
+  });
+}
+
+void register_detokenize(CLI::App& app) {
+  struct Opts {
+    std::string ranks, ids;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = app.add_subcommand("detokenize",
+                                     "Decode comma-separated token ids back to bytes with a tiktoken rank file; writes "
+                                     "the bytes to stdout.");
+  sub->add_option("--ranks", o->ranks, "tiktoken.model rank file")->required();
+  sub->add_option("--ids", o->ids, "comma-separated token ids")->required();
+  sub->callback([o] {
+    const BpeTokenizer tok = BpeTokenizer::load(o->ranks);
+    const std::string bytes = tok.decode(parse_ids(o->ids, "--ids"));
+    std::fwrite(bytes.data(), 1, bytes.size(), stdout);
+    std::printf("\n");
+  });
+}
+
+}  // namespace k3::cli

@@ -44,12 +44,14 @@
 #include "model/model.h"
 #include "model/sampler.h"
 #include "util/fixture.h"
+#include "util/temp_dir.h"
 
 using namespace k3;
 using k3test::fixture;
 using k3test::rel_l2;
 using k3test::golden;
 using k3test::golden_row;
+using k3test::TempDir;
 using k3test::tiny;
 using json = nlohmann::json;
 namespace fs = std::filesystem;
@@ -130,21 +132,6 @@ std::vector<float> piecewise_all(Model& m, const std::vector<int32_t>& seq, cons
   return out;
 }
 
-// A directory under the system temp dir, removed (with its contents) on destruction.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name) {
-    path = fs::temp_directory_path() / ("k3-test-decode-" + std::to_string(::getpid()) + "-" + name);
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-};
 
 json fixture_config() {
   std::ifstream in(fixture("k3-tiny-a/config.json"));
@@ -444,7 +431,7 @@ Model& variant_model(size_t i) {
   v.edit(j, j["text_config"]);
   BuiltModel b;
   b.dir = std::make_unique<TempDir>(v.name);
-  const std::string input = (b.dir->path / "input-config.json").string();
+  const std::string input = (b.dir->path() / "input-config.json").string();
   {
     std::ofstream out(input);
     out << j.dump(2);
@@ -454,8 +441,8 @@ Model& variant_model(size_t i) {
   o.mxfp4_experts = v.mxfp4;
   o.random_attnres_queries = v.random_queries;
   o.router_bias_std = 0.02f;
-  write_random_model(input, b.dir->path.string(), o);
-  b.model = Model::load(b.dir->path.string());
+  write_random_model(input, b.dir->path().string(), o);
+  b.model = Model::load(b.dir->path().string());
   Model& m = *b.model;
   built.emplace(i, std::move(b));
   return m;
@@ -720,7 +707,7 @@ TEST(AttnResClosedForm, ZeroQueriesSingleBlockIsTheMean) {
   json j = base_config();
   j["text_config"]["attn_res_block_size"] = 100;
   TempDir dir("zero-queries-single-block");
-  const std::string input = (dir.path / "input-config.json").string();
+  const std::string input = (dir.path() / "input-config.json").string();
   {
     std::ofstream out(input);
     out << j.dump(2);
@@ -729,8 +716,8 @@ TEST(AttnResClosedForm, ZeroQueriesSingleBlockIsTheMean) {
   o.seed = 4242;
   o.random_attnres_queries = false;
   o.router_bias_std = 0.02f;
-  write_random_model(input, dir.path.string(), o);
-  auto m = Model::load(dir.path.string());
+  write_random_model(input, dir.path().string(), o);
+  auto m = Model::load(dir.path().string());
   const K3Config& c = m->config();
   const int64_t D = c.hidden_size, L = c.num_hidden_layers;
   const std::vector<int32_t> seq = random_tokens(9, c.vocab_size, 3);
@@ -919,7 +906,7 @@ TEST(Generate, StopsOnEosAndIncludesIt) {
   j["eos_token_id"] = eos;
   j["text_config"]["eos_token_id"] = eos;
   TempDir dir("eos");
-  const std::string cfg = (dir.path / "config.json").string();
+  const std::string cfg = (dir.path() / "config.json").string();
   {
     std::ofstream out(cfg);
     out << j.dump(2);

@@ -7,6 +7,7 @@
 
 #include "model/model.h"
 #include "util/fixture.h"
+#include "util/temp_dir.h"
 
 using namespace k3;
 using k3test::fixture;
@@ -55,10 +56,10 @@ TEST(Golden, ReferencePathAlsoMatches) {
 TEST(Golden, Mxfp4ModelLogits) {
   // A model directory laid out as a user would: config.json + model.safetensors.
   namespace fs = std::filesystem;
-  fs::path dir = fs::temp_directory_path() / ("k3-mxfp4-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  fs::copy_file(fixture("k3-tiny-a/config-mxfp4.json"), dir / "config.json", fs::copy_options::overwrite_existing);
-  fs::copy_file(fixture("k3-tiny-a/model-mxfp4.safetensors"), dir / "model.safetensors", fs::copy_options::overwrite_existing);
+  const k3test::TempDir tmp("mxfp4-model");
+  const fs::path& dir = tmp.path();
+  fs::copy_file(fixture("k3-tiny-a/config-mxfp4.json"), dir / "config.json");
+  fs::copy_file(fixture("k3-tiny-a/model-mxfp4.safetensors"), dir / "model.safetensors");
   auto m = Model::load(dir.string());
   EXPECT_TRUE(m->config().experts_mxfp4);
   EXPECT_EQ(m->weights().layers[1].moe.experts[0].w1.format, WeightRef::Format::MXFP4);
@@ -66,8 +67,6 @@ TEST(Golden, Mxfp4ModelLogits) {
   const double err = rel_l2(ours, golden().read_f32("logits_mxfp4_ids_a"));
   std::printf("logits_mxfp4_ids_a rel L2 = %.3e\n", err);
   EXPECT_LE(err, 1e-4);
-  m.reset();
-  fs::remove_all(dir);
 }
 
 TEST(Golden, PerLayerOutputsAndRouting) {

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "util/temp_dir.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -33,29 +34,16 @@ using ::testing::HasSubstr;
 
 namespace {
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
+// A fresh directory per test (named after it), removed afterwards.
+class TempDir : public k3test::TempDir {
  public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string tag = info ? std::string(info->test_suite_name()) + "_" + info->name() : "x";
-    path_ = fs::temp_directory_path() /
-            ("k3_test_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(counter++) + "_" + tag);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
+  TempDir() : k3test::TempDir(test_tag()) {}
 
  private:
-  fs::path path_;
+  static std::string test_tag() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    return info ? std::string(info->test_suite_name()) + "_" + info->name() : "x";
+  }
 };
 
 // Runs f, which must throw k3::Error; returns its message.

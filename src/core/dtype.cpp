@@ -38,6 +38,7 @@ float f16_to_f32(uint16_t h) {
 }
 
 void widen_to_f32(float* dst, const void* src, DType t, size_t n) {
+  if (n == 0) return;  // an empty tensor's pointers may be null (memcpy with null is UB even for 0 bytes)
   switch (t) {
     case DType::F32:
       std::memcpy(dst, src, n * 4);

@@ -249,7 +249,7 @@ std::vector<float> SafeTensors::read_f32(const std::string& name, const std::vec
   if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
     fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected a float dtype");
   std::vector<float> out(size_t(t.numel()));
-  if (!out.empty()) widen_to_f32(out.data(), t.data, t.dtype, out.size());  // empty: data() may be null
+  widen_to_f32(out.data(), t.data, t.dtype, out.size());
   return out;
 }
 

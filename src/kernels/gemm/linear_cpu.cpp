@@ -153,10 +153,11 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
     xa = xw.data();
     lda = In;
   }
-  if (std::is_same_v<T, float> && W.format == WeightRef::Format::F32) {
-    gemm_nt(N, Out, In, reinterpret_cast<const T*>(x), ldx, static_cast<const T*>(W.data), In, T(accumulate ? 1 : 0),
-            reinterpret_cast<T*>(y), ldy);
-    return;
+  if constexpr (std::is_same_v<T, float>) {
+    if (W.format == WeightRef::Format::F32) {  // fp32 weights: no widening needed
+      gemm_nt(N, Out, In, x, ldx, static_cast<const float*>(W.data), In, accumulate ? 1.0f : 0.0f, y, ldy);
+      return;
+    }
   }
   const int64_t slab = std::max<int64_t>(1, std::min<int64_t>(Out, kSlabElems / In));
   std::vector<T> wbuf(size_t(slab * In));

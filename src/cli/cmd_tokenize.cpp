@@ -15,11 +15,6 @@ namespace k3::cli {
 
 namespace {
 
-std::string pattern_by_name(const std::string& name) {
-  if (name == "k3") return kK3Pattern;
-  fail("--pattern: unknown pattern '", name, "' (supported: k3)");
-}
-
 // JSON string escaping shows a token's bytes unambiguously (spaces, newlines, invalid UTF-8 as \ufffd).
 std::string nlohmann_escape(const std::string& b) {
   return nlohmann::json(b).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -5,9 +5,7 @@
 // regex, then merge each piece's bytes pairwise, always the lowest-ranked adjacent pair first, until
 // no adjacent pair is in the table. Special tokens (e.g. `<|open|>`) have ids after the ranks and
 // are recognised only when the caller allows them.
-//
-// The K3 pattern uses character-class intersection (`[\p{Lu}...&&[^\p{Han}]]`), which PCRE2 lacks;
-// translate_class_intersections() rewrites each `[A&&[^B]]` as `(?:(?![B])[A])`, the same set.
+// The pre-tokenizer (and its regex translation) lives in pretokenizer.h.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -16,15 +14,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tokenizer/pretokenizer.h"
+
 namespace k3 {
-
-// Kimi K3's pre-tokenizer, verbatim (with `&&` intersections).
-extern const char* const kK3Pattern;
-
-// `[A&&[^B]]` -> `(?:(?![B])[A])` for every intersection in a pattern; other text is unchanged.
-std::string translate_class_intersections(const std::string& pattern);
-
-class Regex;  // PCRE2, compiled once, JIT when available
 
 class BpeTokenizer {
  public:
@@ -47,6 +39,8 @@ class BpeTokenizer {
   int64_t num_ranks() const { return int64_t(id_to_bytes_.size()); }
   int64_t vocab_size() const;  // ranks + specials (max id + 1)
   const std::unordered_map<std::string, int32_t>& specials() const { return specials_; }
+  // Replaces the special tokens (text -> id; ids must lie outside the ranks).
+  void set_specials(const std::unordered_map<std::string, int32_t>& specials);
 
  private:
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
@@ -54,7 +48,8 @@ class BpeTokenizer {
   std::vector<std::string> id_to_bytes_;
   std::unordered_map<std::string, int32_t> specials_;
   std::unordered_map<int32_t, std::string> special_text_;
-  std::unique_ptr<Regex> re_;
+  std::vector<std::vector<std::string>> specials_by_first_byte_;  // [byte] -> texts, longest first
+  std::unique_ptr<PreTokenizer> pre_;
 };
 
 }  // namespace k3

@@ -1,0 +1,91 @@
+#include "tokenizer/tokenizer.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+
+namespace k3 {
+
+bool python_isspace(uint32_t c) {
+  // Characters whose bidirectional class is WS, B or S, or whose category is Zs (CPython's
+  // _PyUnicode_IsWhitespace table).
+  switch (c) {
+    case 0x09: case 0x0a: case 0x0b: case 0x0c: case 0x0d:
+    case 0x1c: case 0x1d: case 0x1e: case 0x1f: case 0x20:
+    case 0x85: case 0xa0: case 0x1680:
+    case 0x2028: case 0x2029: case 0x202f: case 0x205f: case 0x3000:
+      return true;
+    default:
+      return c >= 0x2000 && c <= 0x200a;
+  }
+}
+
+std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text, size_t max_chars, size_t max_run) {
+  std::vector<std::pair<size_t, size_t>> parts;
+  size_t i = 0;
+  while (i < text.size()) {
+    // One chunk of at most max_chars characters, then the run cuts inside it.
+    size_t slice_start = i, run_len = 0, chars = 0;
+    bool run_is_space = false;
+    while (i < text.size() && chars < max_chars) {
+      size_t n = utf8_sequence_length(text, i);
+      uint32_t cp = 0xfffd;  // an invalid byte: one non-space character
+      if (n == 0) {
+        n = 1;
+      } else {
+        cp = n == 1 ? uint32_t(uint8_t(text[i])) : uint32_t(uint8_t(text[i])) & (0x7fu >> n);
+        for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (uint32_t(uint8_t(text[i + k])) & 0x3f);
+      }
+      const bool space = python_isspace(cp);
+      if (chars == 0) run_is_space = space;  // s[0].isspace()
+      if (space != run_is_space) {
+        run_len = 1;
+        run_is_space = space;
+      } else if (++run_len > max_run) {
+        parts.emplace_back(slice_start, i);
+        slice_start = i;
+        run_len = 1;
+      }
+      i += n;
+      ++chars;
+    }
+    parts.emplace_back(slice_start, i);
+  }
+  return parts;
+}
+
+Tokenizer Tokenizer::load(const std::string& ranks_path, const std::string& tokenizer_config, const std::string& pattern) {
+  Tokenizer t;
+  t.bpe_ = BpeTokenizer::load(ranks_path, {}, pattern);
+  const int64_t n = t.bpe_.num_ranks();
+  t.bpe_.set_specials(tokenizer_config.empty() ? k3_special_tokens(n) : load_special_tokens(tokenizer_config, n));
+  return t;
+}
+
+bool Tokenizer::dir_has_tokenizer(const std::string& dir) {
+  return std::filesystem::is_regular_file(std::filesystem::path(dir) / "tiktoken.model");
+}
+
+Tokenizer Tokenizer::load_dir(const std::string& dir, const std::string& pattern) {
+  const std::filesystem::path d(dir), ranks = d / "tiktoken.model", cfg = d / "tokenizer_config.json";
+  if (!std::filesystem::is_regular_file(ranks)) fail(dir, ": no tiktoken.model (the tokenizer's rank file) in this directory");
+  return load(ranks.string(), std::filesystem::is_regular_file(cfg) ? cfg.string() : "", pattern);
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special) const {
+  std::vector<int32_t> out;
+  for (const auto& [b, e] : kimi_encode_parts(text)) {
+    const std::string_view part = text.substr(b, e - b);
+    const std::vector<int32_t> ids = allow_special ? bpe_.encode_with_specials(part) : bpe_.encode_ordinary(part);
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+  return out;
+}
+
+int32_t Tokenizer::special_id(const std::string& text) const {
+  auto it = bpe_.specials().find(text);
+  if (it == bpe_.specials().end()) fail("tokenizer has no special token '", text, "'");
+  return it->second;
+}
+
+}  // namespace k3

@@ -11,5 +11,6 @@ void register_inspect(CLI::App& app);
 void register_init(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
+void register_chat_template(CLI::App& app);
 
 }  // namespace k3::cli

@@ -92,6 +92,35 @@ size_t utf8_sequence_length(std::string_view t, size_t i) {
   return n;
 }
 
+namespace {
+
+// Per-thread match resources. A piece can be a 25,000-character run (Kimi's cut limit), and the
+// K3 pattern's `(?:(?!Han)[...])*` loops use JIT stack (or interpreter heap) in proportion to it:
+// PCRE2's default 32 KiB JIT stack fails at a few thousand letters. The stack is reserved up to
+// 256 MiB of address space but only touched as deep as a match needs.
+struct MatchResources {
+  pcre2_match_context* ctx = nullptr;
+  pcre2_jit_stack* stack = nullptr;
+  MatchResources() {
+    ctx = pcre2_match_context_create(nullptr);
+    stack = pcre2_jit_stack_create(64 * 1024, 256 * 1024 * 1024, nullptr);
+    if (!ctx || !stack) fail("pre-tokenizer: cannot allocate the regex match stack");
+    pcre2_jit_stack_assign(ctx, nullptr, stack);
+    pcre2_set_heap_limit(ctx, 256 * 1024);  // KiB, for the interpreter when JIT is unavailable
+  }
+  ~MatchResources() {
+    pcre2_jit_stack_free(stack);
+    pcre2_match_context_free(ctx);
+  }
+};
+
+pcre2_match_context* thread_match_context() {
+  thread_local MatchResources r;
+  return r.ctx;
+}
+
+}  // namespace
+
 struct PreTokenizer::Impl {
   pcre2_code* code = nullptr;
   bool jit = false;
@@ -103,11 +132,12 @@ struct PreTokenizer::Impl {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
     if (!md) fail("pre-tokenizer: out of memory");
     const auto* s = reinterpret_cast<PCRE2_SPTR>(text.data());
+    pcre2_match_context* ctx = thread_match_context();
     size_t pos = 0;
     while (pos < text.size()) {
       // The text was validated by the caller, so PCRE2's own UTF check is skipped.
-      const int rc = jit ? pcre2_jit_match(code, s, text.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr)
-                         : pcre2_match(code, s, text.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr);
+      const int rc = jit ? pcre2_jit_match(code, s, text.size(), pos, PCRE2_NO_UTF_CHECK, md, ctx)
+                         : pcre2_match(code, s, text.size(), pos, PCRE2_NO_UTF_CHECK, md, ctx);
       if (rc == PCRE2_ERROR_NOMATCH) {
         // Text no alternative matches (impossible with the K3 pattern, whose last branch is \s+ and
         // whose others cover every non-space): it is not dropped but emitted as one piece, so

@@ -9,20 +9,11 @@
 import { Tiktoken } from "tiktoken/lite";
 import { createRequire } from "module";
 import fs from "fs";
+import { K3_PATTERN } from "./k3_pattern.mjs";
 
 const require = createRequire(import.meta.url);
 const o200k = require("tiktoken/encoders/o200k_base.json");
 
-export const K3_PATTERN = [
-  "[\\p{Han}]+",
-  "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-  "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-  "\\p{N}{1,3}",
-  " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*",
-  "\\s*[\\r\\n]+",
-  "\\s+(?!\\S)",
-  "\\s+",
-].join("|");
 
 // The lite rank format: each line is "<label> <first rank> <base64> <base64> ..." with consecutive ranks.
 const lines = [];

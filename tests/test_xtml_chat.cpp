@@ -186,6 +186,21 @@ TEST(PythonJson, DumpsMatchesPython) {
             R"({"a":[{"y":2,"z":0,"é":1}],"b":{"c":2,"d":1}})");
 }
 
+TEST(PythonJson, Utf8ReplacementMatchesPython) {
+  auto unhex = [](const std::string& h) {
+    std::string out;
+    for (size_t i = 0; i + 1 < h.size(); i += 2) out += char(std::stoi(h.substr(i, 2), nullptr, 16));
+    return out;
+  };
+  const ojson g = load("tokenizer/python_json.json");
+  int n = 0;
+  for (const auto& c : g["utf8_replace"]) {
+    EXPECT_EQ(to_valid_utf8(unhex(c[0].get<std::string>())), unhex(c[1].get<std::string>())) << c[0];
+    ++n;
+  }
+  EXPECT_EQ(n, 3000);
+}
+
 TEST(SpecialTokens, K3TableAndTokenizerConfig) {
   const auto t = k3_special_tokens(163584);
   EXPECT_EQ(t.size(), 256u);

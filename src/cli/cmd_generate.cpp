@@ -1,20 +1,44 @@
-// k3 generate: prefill a prompt of token ids, then decode new tokens one at a time from the cache.
+// k3 generate: prefill a prompt (token ids, text, or a chat request), then decode new tokens one at
+// a time from the cache.
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "model/generate.h"
+#include "tokenizer/python_json.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/xtml_chat.h"
+#include "tokenizer/xtml_parse.h"
 
 namespace k3::cli {
+
+namespace {
+
+// The tokenizer for --prompt / --request: --tokenizer DIR, else the model directory's own.
+Tokenizer load_tokenizer(const std::string& model_dir, const std::string& tokenizer_dir, const K3Config& cfg) {
+  const std::string dir = tokenizer_dir.empty() ? model_dir : tokenizer_dir;
+  if (!Tokenizer::dir_has_tokenizer(dir))
+    fail(dir, ": no tiktoken.model, so text cannot be tokenised; give --ids, or --tokenizer DIR (e.g. one written by "
+              "`k3 tokenizer train`)");
+  Tokenizer tok = Tokenizer::load_dir(dir);
+  if (tok.vocab_size() > cfg.vocab_size)
+    fail(dir, ": the tokenizer has ", tok.vocab_size(), " ids (", tok.num_ranks(), " ranks + 256 specials) but the model's ",
+         "vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
+  return tok;
+}
+
+}  // namespace
 
 void register_generate(CLI::App& app) {
   struct Opts {
     std::string model = "tests/fixtures/k3-tiny-a";
     std::string ids = "203,802,2,239,451,327,163,54";
+    std::string prompt, request, tokenizer;
     int64_t max_new = 24;
-    bool greedy = false, print_ids = false;
+    bool greedy = false, print_ids = false, allow_special = false;
     float temperature = 1.0f, top_p = 1.0f;
     int64_t top_k = 0;
     uint64_t seed = 0;
@@ -22,13 +46,21 @@ void register_generate(CLI::App& app) {
   auto o = std::make_shared<Opts>();
   CLI::App* sub = app.add_subcommand(
       "generate",
-      "Generate token ids after a prompt of token ids (incremental decoding: the KDA state and the MLA\n"
-      "latent cache carry the prefix). Reads MODEL/config.json and its safetensors. Stops after\n"
-      "--max-new-tokens or on the config's eos_token_id. Sampling is greedy unless --temperature,\n"
-      "--top-k or --top-p is given. Prints a report and the ids; with --print-ids the last line of\n"
-      "stdout is the generated ids separated by spaces.");
+      "Generate tokens after a prompt (incremental decoding: the KDA state and the MLA latent cache carry\n"
+      "the prefix). Reads MODEL/config.json and its safetensors. The prompt is --ids (token ids), --prompt\n"
+      "(text) or --request (an OpenAI-style chat request rendered in K3's XTML format); text needs a\n"
+      "tokenizer: MODEL/tiktoken.model, or --tokenizer DIR. Stops after --max-new-tokens or on the\n"
+      "config's eos_token_id. Sampling is greedy unless --temperature, --top-k or --top-p is given.\n"
+      "Text prompts stream the generated text to stdout; a chat request ends with the parsed assistant\n"
+      "message (think, response, tool calls) as JSON. With --print-ids the last line of stdout is the\n"
+      "generated ids separated by spaces.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->capture_default_str();
-  sub->add_option("--ids", o->ids, "prompt: comma-separated token ids")->capture_default_str();
+  auto* ids_opt = sub->add_option("--ids", o->ids, "prompt: comma-separated token ids")->capture_default_str();
+  auto* prompt_opt = sub->add_option("--prompt", o->prompt, "prompt text (tokenised with the model's tokenizer)");
+  auto* request_opt = sub->add_option("--request", o->request, "chat request JSON file (rendered as XTML, then tokenised)");
+  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model [+ tokenizer_config.json]); default: --model");
+  auto* allow = sub->add_flag("--allow-special", o->allow_special,
+                              "with --prompt: special-token text such as <|open|> becomes its id (default: plain text)");
   sub->add_option("--max-new-tokens", o->max_new, "tokens to generate at most")->capture_default_str();
   auto* greedy = sub->add_flag("--greedy", o->greedy, "pick the most likely token (the default)");
   auto* temp = sub->add_option("--temperature", o->temperature, "sampling temperature (> 0)");
@@ -37,8 +69,10 @@ void register_generate(CLI::App& app) {
   sub->add_option("--seed", o->seed, "random seed for sampling")->capture_default_str();
   sub->add_flag("--print-ids", o->print_ids, "print only the generated ids (the last line of stdout)");
   greedy->excludes(temp)->excludes(topk)->excludes(topp);
-  sub->callback([o, temp, topk, topp] {
-    const std::vector<int32_t> prompt = parse_ids(o->ids, "--ids");
+  ids_opt->excludes(prompt_opt)->excludes(request_opt);
+  prompt_opt->excludes(request_opt);
+  allow->needs(prompt_opt);
+  sub->callback([o, temp, topk, topp, prompt_opt, request_opt] {
     if (o->max_new < 0) fail("--max-new-tokens must be >= 0, got ", o->max_new);
     SamplingParams sp;
     sp.greedy = !(temp->count() || topk->count() || topp->count());
@@ -47,23 +81,61 @@ void register_generate(CLI::App& app) {
     sp.top_p = o->top_p;
     sp.seed = o->seed;
     Sampler sampler(sp);
+
+    const bool text_mode = prompt_opt->count() || request_opt->count();
+    std::optional<nlohmann::ordered_json> request;
+    if (request_opt->count()) request = load_chat_request(o->request);
+    std::vector<ChatSegment> segments;
+    if (request) segments = render_chat(*request);  // bad requests fail before the model loads
+
     std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
     auto m = Model::load(o->model);
-    check_ids_in_vocab({prompt}, m->config().vocab_size, "--ids", m->config().source);
-    GenerateResult r = generate(*m, prompt, o->max_new, sampler);
+    std::optional<Tokenizer> tok;
+    std::vector<int32_t> prompt;
+    if (text_mode) {
+      tok = load_tokenizer(o->model, o->tokenizer, m->config());
+      prompt = request ? encode_segments(*tok, segments) : tok->encode(o->prompt, o->allow_special);
+      if (prompt.empty()) fail("--prompt: the text encodes to no tokens");
+    } else {
+      prompt = parse_ids(o->ids, "--ids");
+      if (!o->tokenizer.empty()) tok = load_tokenizer(o->model, o->tokenizer, m->config());
+    }
+    check_ids_in_vocab({prompt}, m->config().vocab_size, text_mode ? "the tokenised prompt" : "--ids", m->config().source);
+
+    // Stream the text as it is generated (bytes of a multi-byte character may arrive in two steps).
+    std::vector<int32_t> so_far;
+    size_t printed = 0;
+    auto on_token = [&](int32_t id) {
+      if (!tok || o->print_ids || id >= tok->vocab_size()) return;
+      so_far.push_back(id);
+      const std::string text = tok->decode(so_far);
+      std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+      std::fflush(stdout);
+      printed = text.size();
+    };
+    GenerateResult r = generate(*m, prompt, o->max_new, sampler, on_token);
+    if (printed) std::printf("\n");
+
     std::string ids;
     for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? " " : "") + std::to_string(r.tokens[i]);
-    if (!o->print_ids) {
-      const double n = double(r.tokens.size());
-      std::printf("prompt: %zu tokens, prefill %.3f s (%.1f tok/s)\n", prompt.size(), r.prefill_seconds,
-                  double(prompt.size()) / std::max(r.prefill_seconds, 1e-9));
-      std::printf("generated: %zu tokens, decode %.3f s (%.1f tok/s), stopped on %s\n", r.tokens.size(),
-                  r.decode_seconds, n > 1 ? (n - 1) / std::max(r.decode_seconds, 1e-9) : 0.0,
-                  r.stopped_on_eos ? "eos" : "max-new-tokens");
-      std::printf("ids: %s\n", ids.c_str());
-    } else {
+    if (o->print_ids) {
       std::printf("%s\n", ids.c_str());
+      return;
     }
+    const double n = double(r.tokens.size());
+    std::printf("prompt: %zu tokens, prefill %.3f s (%.1f tok/s)\n", prompt.size(), r.prefill_seconds,
+                double(prompt.size()) / std::max(r.prefill_seconds, 1e-9));
+    std::printf("generated: %zu tokens, decode %.3f s (%.1f tok/s), stopped on %s\n", r.tokens.size(), r.decode_seconds,
+                n > 1 ? (n - 1) / std::max(r.decode_seconds, 1e-9) : 0.0, r.stopped_on_eos ? "eos" : "max-new-tokens");
+    if (request) {
+      // The generation prompt left the model in the think channel (or response, when not thinking).
+      const bool thinking = !request->contains("thinking") || (*request)["thinking"] != false;
+      const XtmlAssistantMessage msg =
+          parse_assistant(xtml_pieces_from_ids(*tok, r.tokens), thinking ? XtmlStart::kThink : XtmlStart::kResponse);
+      std::printf("message: %s\n", python_json_dumps(msg.to_openai(), false).c_str());
+      if (!msg.complete) std::printf("(the message is incomplete: generation stopped before its end)\n");
+    }
+    std::printf("ids: %s\n", ids.c_str());
   });
 }
 

@@ -121,6 +121,36 @@ pcre2_match_context* thread_match_context() {
 
 }  // namespace
 
+std::string to_valid_utf8(std::string_view t) {
+  std::string out;
+  out.reserve(t.size());
+  size_t i = 0;
+  while (i < t.size()) {
+    const size_t n = utf8_sequence_length(t, i);
+    if (n > 0) {
+      out.append(t, i, n);
+      i += n;
+      continue;
+    }
+    // The maximal subpart: a lead byte followed by the continuation bytes it allows, cut short.
+    const auto c = static_cast<unsigned char>(t[i]);
+    size_t want = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 1;
+    size_t k = 1;
+    for (; k < want && i + k < t.size(); ++k) {
+      const auto b = static_cast<unsigned char>(t[i + k]);
+      unsigned lo = 0x80, hi = 0xbf;
+      if (k == 1 && c == 0xe0) lo = 0xa0;
+      if (k == 1 && c == 0xed) hi = 0x9f;
+      if (k == 1 && c == 0xf0) lo = 0x90;
+      if (k == 1 && c == 0xf4) hi = 0x8f;
+      if (b < lo || b > hi) break;
+    }
+    out += "\xEF\xBF\xBD";
+    i += k;
+  }
+  return out;
+}
+
 struct PreTokenizer::Impl {
   pcre2_code* code = nullptr;
   bool jit = false;

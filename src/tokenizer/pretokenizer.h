@@ -42,4 +42,8 @@ class PreTokenizer {
 // surrogates and code points above U+10FFFF are invalid, as PCRE2 requires).
 size_t utf8_sequence_length(std::string_view t, size_t i);
 
+// text with each maximal invalid UTF-8 subpart replaced by U+FFFD, as Python's
+// bytes.decode("utf-8", "replace") does (generated token ids may cut a character in two).
+std::string to_valid_utf8(std::string_view text);
+
 }  // namespace k3

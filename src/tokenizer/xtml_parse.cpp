@@ -1,5 +1,6 @@
 #include "tokenizer/xtml_parse.h"
 
+#include "tokenizer/pretokenizer.h"
 #include "tokenizer/python_json.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
@@ -324,17 +325,38 @@ XtmlAssistantMessage parse_assistant(const std::vector<XtmlPiece>& pieces, XtmlS
   return out;
 }
 
+namespace {
+
+// A copy whose strings (keys too) are valid UTF-8, for JSON output.
+ojson valid_utf8(const ojson& v) {
+  if (v.is_string()) return to_valid_utf8(v.get_ref<const std::string&>());
+  if (v.is_array()) {
+    ojson out = ojson::array();
+    for (const auto& e : v) out.push_back(valid_utf8(e));
+    return out;
+  }
+  if (v.is_object()) {
+    ojson out = ojson::object();
+    for (const auto& [k, e] : v.items()) out[to_valid_utf8(k)] = valid_utf8(e);
+    return out;
+  }
+  return v;
+}
+
+}  // namespace
+
 ojson XtmlAssistantMessage::to_openai() const {
-  ojson m = {{"role", "assistant"}, {"content", response}};
-  if (has_think) m["reasoning_content"] = think;
+  ojson m = {{"role", "assistant"}, {"content", to_valid_utf8(response)}};
+  if (has_think) m["reasoning_content"] = to_valid_utf8(think);
   if (!tool_calls.empty()) {
     ojson calls = ojson::array();
     for (const XtmlToolCall& c : tool_calls)
       calls.push_back({{"id", "call_" + std::to_string(c.index)},
                        {"type", "function"},
                        {"function",
-                        {{"name", c.name},
-                         {"arguments", c.raw_arguments ? *c.raw_arguments : python_json_dumps(c.arguments, false)}}}});
+                        {{"name", to_valid_utf8(c.name)},
+                         {"arguments", c.raw_arguments ? to_valid_utf8(*c.raw_arguments)
+                                                       : python_json_dumps(valid_utf8(c.arguments), false)}}}});
     m["tool_calls"] = calls;
   }
   return m;

@@ -31,7 +31,14 @@ documents = []
 for d in docs:
     text = json.dumps(d, ensure_ascii=False)
     documents.append([text, json.dumps(d, ensure_ascii=False, separators=(",", ":")), json.dumps(d, ensure_ascii=False)])
-json.dump({"note": "Python json.dumps / repr spellings; made by tests/tools/make_python_json_goldens.py",
-           "floats": floats, "documents": documents}, open("tests/fixtures/tokenizer/python_json.json", "w"),
+# bytes.decode("utf-8", "replace"): [input hex, output hex]; biased towards lead bytes and cut sequences.
+alphabet = [0x41, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0, 0xc1, 0xc2, 0xdf, 0xe0, 0xe1, 0xed, 0xef, 0xf0, 0xf4,
+             0xf5, 0xff, 0xe4, 0xb8, 0xad]
+utf8 = []
+for _ in range(3000):
+    b = bytes(rng.choice(alphabet) if rng.random() < 0.8 else rng.getrandbits(8) for _ in range(rng.randint(0, 12)))
+    utf8.append([b.hex(), b.decode("utf-8", "replace").encode("utf-8").hex()])
+json.dump({"note": "Python json.dumps / repr / decode('utf-8', 'replace'); made by tests/tools/make_python_json_goldens.py",
+           "floats": floats, "documents": documents, "utf8_replace": utf8}, open("tests/fixtures/tokenizer/python_json.json", "w"),
           ensure_ascii=False, indent=0)
 print(len(floats), "floats,", len(documents), "documents")

@@ -11,6 +11,7 @@ void register_inspect(CLI::App& app);
 void register_init(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
+void register_tokenizer(CLI::App& app);
 void register_chat_template(CLI::App& app);
 
 }  // namespace k3::cli

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   k3::cli::register_init(app);
   k3::cli::register_tokenize(app);
   k3::cli::register_detokenize(app);
+  k3::cli::register_tokenizer(app);
   k3::cli::register_chat_template(app);
   try {
     app.parse(argc, argv);

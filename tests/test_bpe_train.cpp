@@ -25,6 +25,7 @@
 #include "tokenizer/bpe_train.h"      // defines: train_bpe, count_corpus_pieces, train_bpe_on_pieces, ...
 #include "tokenizer/pretokenizer.h"   // defines: PreTokenizer, kK3Pattern
 #include "tokenizer/tokenizer.h"      // defines: Tokenizer, kimi_encode_parts
+#include "util/cli.h"
 #include "util/temp_dir.h"            // defines: k3test::TempDir
 
 using namespace k3;
@@ -410,32 +411,8 @@ TEST(BpeTrain, ErrorsNameTheProblem) {
 
 namespace {
 
-std::string quote(const std::string& s) {  // for /bin/sh
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout and stderr
-};
-
-Outcome run_k3(const std::vector<std::string>& args) {
-  std::string cmd = quote(K3_BINARY);
-  for (const auto& a : args) cmd.append(" ").append(quote(a));
-  cmd += " 2>&1";
-  Outcome r;
-  std::fflush(nullptr);
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = ::pclose(p);
-  if (st != -1 && WIFEXITED(st)) r.status = WEXITSTATUS(st);
-  return r;
-}
+using k3test::Outcome;
+using k3test::run_k3;
 
 std::string last_line(const std::string& s) {
   std::string last, l;

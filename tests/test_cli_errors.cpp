@@ -32,39 +32,15 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
+#include "util/cli.h"
+
 namespace {
+
+using k3test::Outcome;
+using k3test::run_k3;
 
 const std::string kFixture = std::string(K3_SOURCE_DIR) + "/tests/fixtures/k3-tiny-a";
 const std::string kKvB = "language_model.model.layers.3.self_attn.kv_b_proj.weight";  // MLA layer, [256, 32]
-
-std::string quote(const std::string& s) {  // for /bin/sh
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-struct Outcome {
-  int status = -1;      // exit status; -1 when the process did not exit normally
-  std::string output;   // what the command printed on the captured stream(s)
-  std::string command;
-};
-
-// Runs K3_BINARY with args; `redirect` says what the pipe captures ("2>&1": stdout and stderr).
-Outcome run_k3(const std::vector<std::string>& args, const std::string& redirect = "2>&1") {
-  Outcome r;
-  r.command = quote(K3_BINARY);
-  for (const auto& a : args) r.command.append(" ").append(quote(a));
-  r.command.append(" ").append(redirect);
-  std::fflush(nullptr);
-  FILE* p = ::popen(r.command.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int st = ::pclose(p);
-  if (st != -1 && WIFEXITED(st)) r.status = WEXITSTATUS(st);
-  return r;
-}
 
 std::vector<std::string> lines_of(const std::string& s) {
   std::vector<std::string> out;
@@ -429,7 +405,7 @@ TEST_F(CliErrors, GenerateGreedyPrintsTheGoldenContinuation) {
   ASSERT_EQ(want.size(), 24u);
   const fs::path err = root_ / "stderr.txt";
   Outcome r = run_k3({"generate", "--model", kFixture, "--ids", join(a, ","), "--max-new-tokens", "24", "--print-ids"},
-                 "2>" + quote(err.string()));
+                 "2>" + k3test::shell_quote(err.string()));
   ASSERT_EQ(r.status, 0) << r.command << "\n" << read_bytes(err);
   const std::vector<std::string> lines = lines_of(r.output);
   ASSERT_FALSE(lines.empty());

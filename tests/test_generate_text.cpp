@@ -15,6 +15,8 @@
 
 using namespace k3;
 using k3test::fixture;
+using k3test::Outcome;
+using k3test::run_k3;
 
 namespace {
 
@@ -35,7 +37,10 @@ struct TinyWithTokenizer {
 
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
-  for (int32_t id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  for (int32_t id : ids) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(id);
+  }
   return s;
 }
 
@@ -52,15 +57,15 @@ TEST(GenerateText, PromptFeedsTheTokenizersIds) {
   const Tokenizer tok = Tokenizer::load_dir(m.path());
   EXPECT_EQ(tok.vocab_size(), 1024);
   const std::string text = "Hello world, naïve café";
-  auto [rc1, by_text] = k3test::run_k3_command("generate --model " + m.path() + " --prompt '" + text +
-                                               "' --max-new-tokens 6 --print-ids", "2>/dev/null");
-  auto [rc2, by_ids] = k3test::run_k3_command("generate --model " + m.path() + " --ids " +
-                                              join_ids(tok.encode(text, false)) + " --max-new-tokens 6 --print-ids",
-                                              "2>/dev/null");
-  ASSERT_EQ(rc1, 0) << by_text;
-  ASSERT_EQ(rc2, 0) << by_ids;
-  EXPECT_EQ(last_line(by_text), last_line(by_ids));
-  const std::string generated = last_line(by_text);
+  const Outcome by_text =
+      run_k3({"generate", "--model", m.path(), "--prompt", text, "--max-new-tokens", "6", "--print-ids"}, "2>/dev/null");
+  const Outcome by_ids = run_k3({"generate", "--model", m.path(), "--ids", join_ids(tok.encode(text, false)),
+                                 "--max-new-tokens", "6", "--print-ids"},
+                                "2>/dev/null");
+  ASSERT_EQ(by_text.status, 0) << by_text.output;
+  ASSERT_EQ(by_ids.status, 0) << by_ids.output;
+  EXPECT_EQ(last_line(by_text.output), last_line(by_ids.output));
+  const std::string generated = last_line(by_text.output);
   EXPECT_EQ(std::count(generated.begin(), generated.end(), ' '), 5);
 }
 
@@ -71,15 +76,15 @@ TEST(GenerateText, RequestFeedsTheXtmlIdsAndPrintsTheParsedMessage) {
   const nlohmann::ordered_json body = {{"messages", {{{"role", "user"}, {"content", "Hi there"}}}}};
   std::ofstream(req) << body.dump();
   const std::string prompt_ids = join_ids(encode_segments(tok, render_chat(body)));
-  auto [rc1, by_req] = k3test::run_k3_command("generate --model " + m.path() + " --request " + req +
-                                              " --max-new-tokens 5 --print-ids", "2>/dev/null");
-  auto [rc2, by_ids] = k3test::run_k3_command("generate --model " + m.path() + " --ids " + prompt_ids +
-                                              " --max-new-tokens 5 --print-ids", "2>/dev/null");
-  ASSERT_EQ(rc1, 0) << by_req;
-  EXPECT_EQ(last_line(by_req), last_line(by_ids));
-  auto [rc3, report] = k3test::run_k3_command("generate --model " + m.path() + " --request " + req + " --max-new-tokens 5",
-                                              "2>/dev/null");
-  ASSERT_EQ(rc3, 0) << report;
+  const Outcome by_req =
+      run_k3({"generate", "--model", m.path(), "--request", req, "--max-new-tokens", "5", "--print-ids"}, "2>/dev/null");
+  const Outcome by_ids =
+      run_k3({"generate", "--model", m.path(), "--ids", prompt_ids, "--max-new-tokens", "5", "--print-ids"}, "2>/dev/null");
+  ASSERT_EQ(by_req.status, 0) << by_req.output;
+  EXPECT_EQ(last_line(by_req.output), last_line(by_ids.output));
+  const Outcome r = run_k3({"generate", "--model", m.path(), "--request", req, "--max-new-tokens", "5"}, "2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string& report = r.output;
   const size_t at = report.find("\nmessage: ");
   ASSERT_NE(at, std::string::npos) << report;
   const std::string json = report.substr(at + 10, report.find('\n', at + 1) - at - 10);
@@ -90,22 +95,21 @@ TEST(GenerateText, RequestFeedsTheXtmlIdsAndPrintsTheParsedMessage) {
 
 TEST(GenerateText, ClearErrors) {
   TinyWithTokenizer m;
-  auto [rc, out] = k3test::run_k3_command("generate --model " + fixture("k3-tiny-a") + " --prompt hi");
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find("no tiktoken.model"), std::string::npos) << out;
-  std::tie(rc, out) = k3test::run_k3_command("generate --model " + m.path() + " --prompt hi --ids 1,2");
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find("excludes"), std::string::npos) << out;
+  Outcome r = run_k3({"generate", "--model", fixture("k3-tiny-a"), "--prompt", "hi"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("no tiktoken.model"), std::string::npos) << r.output;
+  r = run_k3({"generate", "--model", m.path(), "--prompt", "hi", "--ids", "1,2"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("excludes"), std::string::npos) << r.output;
   // A tokenizer with more ids than the model's vocabulary.
   k3test::TempDir big("gen_text_big");
   std::filesystem::create_symlink(fixture("tokenizer/o200k.tiktoken"), big.path() / "tiktoken.model");
-  std::tie(rc, out) = k3test::run_k3_command("generate --model " + m.path() + " --tokenizer " + big.path().string() +
-                                             " --prompt hi");
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find("vocab_size is 1024"), std::string::npos) << out;
+  r = run_k3({"generate", "--model", m.path(), "--tokenizer", big.path().string(), "--prompt", "hi"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("vocab_size is 1024"), std::string::npos) << r.output;
   const std::string req = m.dir.file("bad.json");
   std::ofstream(req) << R"({"messages": [{"role": "user", "content": "x"}], "thinking_effort": "medium"})";
-  std::tie(rc, out) = k3test::run_k3_command("generate --model " + m.path() + " --request " + req);
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find("thinking_effort 'medium'"), std::string::npos) << out;
+  r = run_k3({"generate", "--model", m.path(), "--request", req});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("thinking_effort 'medium'"), std::string::npos) << r.output;
 }

@@ -233,13 +233,13 @@ TEST(XtmlChatCli, PrintSegmentsAndIds) {
   const ojson g = load("xtml/moonshot_goldens.json");
   const std::string req = dir.file("req.json");
   std::ofstream(req) << g["cases"]["tools_and_calls"]["input"].dump();
-  auto [rc, out] = k3test::run_k3_command("chat-template --request " + req + " --print-segments");
-  ASSERT_EQ(rc, 0) << out;
+  k3test::Outcome r = k3test::run_k3({"chat-template", "--request", req, "--print-segments"});
+  ASSERT_EQ(r.status, 0) << r.output;
   std::vector<ChatSegment> got;
-  size_t pos = 0;
-  while (pos < out.size()) {
-    const size_t nl = out.find('\n', pos);
-    got.push_back(segments_of(ojson::array({ojson::parse(out.substr(pos, nl - pos))}))[0]);
+  for (size_t pos = 0; pos < r.output.size();) {
+    const size_t nl = r.output.find('\n', pos);
+    const ojson line = ojson::parse(r.output.substr(pos, nl - pos));
+    got.push_back({line["text"].get<std::string>(), line["special"].get<bool>()});
     pos = nl + 1;
   }
   EXPECT_EQ(got, segments_of(g["cases"]["tools_and_calls"]["segments"]));
@@ -247,17 +247,17 @@ TEST(XtmlChatCli, PrintSegmentsAndIds) {
   const std::string model = dir.file("tok");
   std::filesystem::create_directories(model);
   std::filesystem::copy_file(fixture("tokenizer/o200k.tiktoken"), model + "/tiktoken.model");
-  std::tie(rc, out) = k3test::run_k3_command("chat-template --request " + req + " --print-ids --model " + model, "2>/dev/null");
-  ASSERT_EQ(rc, 0) << out;
+  r = k3test::run_k3({"chat-template", "--request", req, "--print-ids", "--model", model}, "2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.output;
   std::string want;
   for (int32_t id : load("xtml/ids.json")["ids"]["shared:tools_and_calls"].get<std::vector<int32_t>>())
     want += (want.empty() ? "" : " ") + std::to_string(id);
-  EXPECT_EQ(out, want + "\n");
-  std::tie(rc, out) = k3test::run_k3_command("chat-template --request " + req + " --print-ids");
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find("--model"), std::string::npos) << out;
+  EXPECT_EQ(r.output, want + "\n");
+  r = k3test::run_k3({"chat-template", "--request", req, "--print-ids"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--model"), std::string::npos) << r.output;
   std::ofstream(req) << "{\"messages\": [";
-  std::tie(rc, out) = k3test::run_k3_command("chat-template --request " + req);
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(out.find(req + ": not valid JSON"), std::string::npos) << out;
+  r = k3test::run_k3({"chat-template", "--request", req});
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find(req + ": not valid JSON"), std::string::npos) << r.output;
 }

@@ -1,13 +1,12 @@
 // k3 tokenize / k3 detokenize: text <-> token ids with a tiktoken rank file and K3's pre-tokenizer.
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
 
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "io/file.h"
 #include "tokenizer/tokenizer.h"
 
 #include <nlohmann/json.hpp>
@@ -28,13 +27,6 @@ Tokenizer load_beside(const std::string& ranks, const std::string& pattern) {
   return Tokenizer::load(ranks, std::filesystem::is_regular_file(cfg) ? cfg.string() : "", pattern);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -60,7 +52,7 @@ void register_tokenize(CLI::App& app) {
   sub->add_flag("--allow-special", o->allow_special, "special-token text such as <|open|> becomes its id");
   sub->callback([o, t, f] {
     if (!t->count() && !f->count()) fail("tokenize: give --text or --text-file");
-    const std::string text = f->count() ? read_file(o->text_file) : o->text;
+    const std::string text = f->count() ? read_file(o->text_file, "text file") : o->text;
     const Tokenizer tok = load_beside(o->ranks, pattern_by_name(o->pattern));
     const std::vector<int32_t> ids = tok.encode(text, o->allow_special);
     std::string line;

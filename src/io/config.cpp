@@ -1,11 +1,10 @@
 #include "io/config.h"
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
+#include "io/file.h"
 
 using json = nlohmann::json;
 
@@ -225,11 +224,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
 }
 
 K3Config load_config(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail(path, ": cannot open config");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_config(ss.str(), path);
+  return parse_config(read_file(path, "config"), path);
 }
 
 }  // namespace k3

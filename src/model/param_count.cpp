@@ -2,11 +2,10 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
+#include "io/file.h"
 
 namespace k3 {
 
@@ -153,11 +152,7 @@ std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, co
 }
 
 std::vector<ParamGroup> count_vision_parameters(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail(path, ": cannot open config");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return count_vision_parameters_json(ss.str(), path);
+  return count_vision_parameters_json(read_file(path, "config"), path);
 }
 
 int64_t total_params(const std::vector<ParamGroup>& g) {

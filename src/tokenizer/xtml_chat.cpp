@@ -1,12 +1,11 @@
 #include "tokenizer/xtml_chat.h"
 
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <optional>
-#include <sstream>
 
 #include "core/error.h"
+#include "io/file.h"
 #include "tokenizer/python_json.h"
 #include "tokenizer/tokenizer.h"
 
@@ -466,12 +465,9 @@ std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<Cha
 }
 
 ojson load_chat_request(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open the chat request");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_file(path, "the chat request");
   try {
-    return ojson::parse(ss.str());
+    return ojson::parse(text);
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": not valid JSON: ", e.what());
   }

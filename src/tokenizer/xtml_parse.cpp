@@ -132,6 +132,15 @@ class Parser {
     return s;
   }
 
+  // At <|open|>: consumes `<|open|>HEADER<|sep|>` and returns the header, or nullopt when the
+  // stream ends or another control token interrupts the header.
+  std::optional<Header> open_element() {
+    ++i_;
+    const std::optional<std::string> h = read_until_sep();
+    if (!h) return std::nullopt;
+    return parse_header(*h);
+  }
+
   // <|close|>TAG<|sep|> (the <|close|> already consumed); warns when TAG is not the expected one.
   void close_tag(const std::string& want) {
     const std::optional<std::string> tag = read_until_sep();
@@ -182,10 +191,9 @@ class Parser {
     while (!at_end()) {
       switch (kind()) {
         case XtmlPieceKind::kOpen: {
-          ++i_;
-          const std::optional<std::string> h = read_until_sep();
+          const std::optional<Header> h = open_element();
           if (!h) continue;
-          const Header header = parse_header(*h);
+          const Header& header = *h;
           if (header.tag == "think") {
             out_.has_think = true;
             text_until_close("think", out_.think);
@@ -232,12 +240,10 @@ class Parser {
     while (!at_end()) {
       switch (kind()) {
         case XtmlPieceKind::kOpen: {
-          ++i_;
-          const std::optional<std::string> h = read_until_sep();
+          const std::optional<Header> h = open_element();
           if (!h) continue;
-          const Header header = parse_header(*h);
-          if (header.tag == "call") call(header);
-          else skip_element(header.tag);
+          if (h->tag == "call") call(*h);
+          else skip_element(h->tag);
           break;
         }
         case XtmlPieceKind::kClose:
@@ -266,10 +272,9 @@ class Parser {
     while (!at_end()) {
       const XtmlPieceKind k = kind();
       if (k == XtmlPieceKind::kOpen) {
-        ++i_;
-        const std::optional<std::string> h = read_until_sep();
+        const std::optional<Header> h = open_element();
         if (!h) continue;
-        const Header arg = parse_header(*h);
+        const Header& arg = *h;
         if (arg.tag == "argument") {
           std::string value;
           const bool closed = text_until_close("argument", value);

@@ -9,8 +9,11 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$jobs"
 ctest --test-dir build -j"$jobs" --output-on-failure
 
-# Sanitizers: every bad-input path (safetensors, config, the k3 CLI end to end) and the kernel tests.
+# Sanitizers: every bad-input path (safetensors, config, the k3 CLI end to end, chat requests), the
+# kernel tests, and the tokenizer (encode, XTML render/parse, BPE training).
 # (The model-level suites run at -O0 under ASan for ~30 min on 2 cores, too slow for every push.)
 cmake -S . -B build-asan -DK3_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug -DK3_BUILD_BENCH=OFF
-cmake --build build-asan -j"$jobs" --target k3 test_safetensors test_config test_cli_errors test_kda test_kernels
-ctest --test-dir build-asan -j"$jobs" --output-on-failure -R '^(SafeTensors|Config\.|ConfigErrors|ParamCount|InspectCli|CliErrors|Kda|ShortConv|Gate|L2Norm|AttnRes|Glu|Linear|Mxfp4|RmsNorm|Router)' -E _NOT_BUILT
+cmake --build build-asan -j"$jobs" --target k3 test_safetensors test_config test_cli_errors test_kda test_kernels \
+  test_tokenizer test_xtml_chat test_xtml_parse test_bpe_train
+ctest --test-dir build-asan -j"$jobs" --output-on-failure -R '^(SafeTensors|Config\.|ConfigErrors|ParamCount|InspectCli|CliErrors|Kda|ShortConv|Gate|L2Norm|AttnRes|Glu|Linear|Mxfp4|RmsNorm|Router|Tokenizer|BpeTrain|KimiSplit|PythonJson|SpecialTokens|Xtml)' \
+  -E _NOT_BUILT

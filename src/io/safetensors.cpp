@@ -156,38 +156,38 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
       }
       continue;
     }
-    auto where = [&] { return file + ": tensor '" + name + "'"; };
-    if (!v.is_object()) fail(where(), ": entry is not an object");
-    if (!v.contains("dtype") || !v["dtype"].is_string()) fail(where(), ": missing string field \"dtype\"");
-    if (!v.contains("shape") || !v["shape"].is_array()) fail(where(), ": missing array field \"shape\"");
+    const std::string where = file + ": tensor '" + name + "'";
+    if (!v.is_object()) fail(where, ": entry is not an object");
+    if (!v.contains("dtype") || !v["dtype"].is_string()) fail(where, ": missing string field \"dtype\"");
+    if (!v.contains("shape") || !v["shape"].is_array()) fail(where, ": missing array field \"shape\"");
     if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
-      fail(where(), ": missing field \"data_offsets\" [begin, end]");
+      fail(where, ": missing field \"data_offsets\" [begin, end]");
     TensorView t;
     t.name = name;
     std::string dt = v["dtype"].get<std::string>();
-    if (!dtype_from_name(dt, &t.dtype)) fail(where(), ": unsupported dtype ", dt, " (k3cpp reads F32, BF16, F16, U8, I64)");
+    if (!dtype_from_name(dt, &t.dtype)) fail(where, ": unsupported dtype ", dt, " (k3cpp reads F32, BF16, F16, U8, I64)");
     unsigned __int128 numel = 1;
     for (auto& d : v["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) fail(where(), ": shape entries must be non-negative integers");
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) fail(where, ": shape entries must be non-negative integers");
       t.shape.push_back(d.get<int64_t>());
       numel *= uint64_t(t.shape.back());
       // Bound the byte size, not just numel, so numel * dtype_size below cannot wrap in 64 bits.
       if (numel * dtype_size(t.dtype) > (unsigned __int128)(1ull << 62))
-        fail(where(), ": shape ", v["shape"].dump(), " is too large");
+        fail(where, ": shape ", v["shape"].dump(), " is too large");
     }
     for (auto& d : v["data_offsets"])
       if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
-        fail(where(), ": data_offsets must be non-negative integers");
+        fail(where, ": data_offsets must be non-negative integers");
     const uint64_t b = v["data_offsets"][0].get<uint64_t>(), e = v["data_offsets"][1].get<uint64_t>();
-    if (b > e) fail(where(), ": data_offsets begin ", b, " > end ", e);
+    if (b > e) fail(where, ": data_offsets begin ", b, " > end ", e);
     if (e > data_size)
-      fail(where(), ": data_offsets end ", e, " is past the end of the data (", data_size, " bytes; file truncated or header lies)");
+      fail(where, ": data_offsets end ", e, " is past the end of the data (", data_size, " bytes; file truncated or header lies)");
     const uint64_t want = uint64_t(numel) * dtype_size(t.dtype);
     if (e - b != want)
-      fail(where(), ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
+      fail(where, ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
     if (expected_names && std::find(expected_names->begin(), expected_names->end(), name) == expected_names->end())
       continue;  // present in the shard, but the index places it elsewhere: the index wins
-    if (tensors_.count(name)) fail(where(), ": tensor name appears twice in the checkpoint");
+    if (tensors_.count(name)) fail(where, ": tensor name appears twice in the checkpoint");
     t.nbytes = size_t(e - b);
     t.file = file_name;
     t.file_offset = base + size_t(b);

@@ -1,0 +1,53 @@
+// Trainable parameters and their gradients, in float64, in two flat buffers with named views.
+//
+// Training runs in float64 on the CPU: the golden gradients are float64 reference values, finite
+// differences need it, and a tiny model's step is dominated by per-token work, not GEMM speed.
+// Names are the release's tensor names (`language_model.model.layers.3.self_attn.q_proj.weight`),
+// so a checkpoint is the parameter buffer written back under the same names. One flat buffer each
+// for values and gradients means the optimizer, clipping and checkpointing touch one array.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace k3::train {
+
+class ParamStore {
+ public:
+  // Every floating-point tensor of a model directory (config.json + safetensors), widened to f64.
+  // MXFP4 expert tensors are not supported for training (decode them to BF16 first).
+  static ParamStore from_model_dir(const std::string& dir);
+
+  // Adds a zero-initialised tensor (before freeze(); names must be new).
+  void add(const std::string& name, const std::vector<int64_t>& shape);
+
+  bool has(const std::string& name) const { return index_.count(name) != 0; }
+  // Value and gradient of a tensor; throws k3::Error naming the tensor when it is absent or, when
+  // `numel` >= 0, when its size differs.
+  const double* p(const std::string& name, int64_t numel = -1) const;
+  double* p_mut(const std::string& name, int64_t numel = -1);
+  double* g(const std::string& name, int64_t numel = -1);
+  const double* g(const std::string& name, int64_t numel = -1) const;
+  const std::vector<int64_t>& shape(const std::string& name) const;
+  int64_t numel(const std::string& name) const;
+
+  std::vector<std::string> names() const;  // sorted
+  void zero_grads();
+  std::vector<double>& values() { return values_; }
+  std::vector<double>& grads() { return grads_; }
+  const std::vector<double>& values() const { return values_; }
+  const std::vector<double>& grads() const { return grads_; }
+
+ private:
+  struct Entry {
+    int64_t offset = 0;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+  };
+  const Entry& entry(const std::string& name, int64_t numel) const;
+  std::map<std::string, Entry> index_;
+  std::vector<double> values_, grads_;
+};
+
+}  // namespace k3::train

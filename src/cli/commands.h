@@ -13,5 +13,6 @@ void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
 void register_tokenizer(CLI::App& app);
 void register_chat_template(CLI::App& app);
+void register_grad(CLI::App& app);
 
 }  // namespace k3::cli

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   k3::cli::register_detokenize(app);
   k3::cli::register_tokenizer(app);
   k3::cli::register_chat_template(app);
+  k3::cli::register_grad(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,4 +1,5 @@
 #include "io/safetensors.h"
+#include "io/mapped_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -34,41 +35,6 @@ std::string TensorView::shape_str() const {
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
-
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) fail(path, ": cannot open: ", std::strerror(errno));
-    try {  // the destructor does not run if the constructor throws: close fd_ here
-      struct stat st;
-      if (fstat(fd_, &st) != 0) fail(path, ": cannot stat: ", std::strerror(errno));
-      if (!S_ISREG(st.st_mode)) fail(path, ": not a regular file");
-      size_ = size_t(st.st_size);
-      if (size_ > 0) {
-        void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-        if (p == MAP_FAILED) fail(path, ": mmap failed: ", std::strerror(errno));
-        data_ = static_cast<const uint8_t*>(p);
-      }
-    } catch (...) {
-      ::close(fd_);
-      throw;
-    }
-  }
-  ~MappedFile() {
-    if (data_) munmap(const_cast<uint8_t*>(data_), size_);
-    if (fd_ >= 0) ::close(fd_);
-  }
-  const std::string& path() const { return path_; }
-  const uint8_t* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  const uint8_t* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 SafeTensors::SafeTensors() = default;
 SafeTensors::~SafeTensors() = default;

@@ -1,0 +1,75 @@
+#include "train/data.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "io/file.h"
+#include "io/mapped_file.h"
+#include "io/safetensors.h"
+#include "tokenizer/tokenizer.h"
+
+namespace k3::train {
+
+namespace {
+constexpr char kMagic[8] = {'K', '3', 'T', 'O', 'K', 'S', '0', '1'};
+constexpr size_t kHeader = 24;
+}  // namespace
+
+void write_token_shard(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t eod_id) {
+  std::string bytes(kHeader + tokens.size() * 4, '\0');
+  std::memcpy(bytes.data(), kMagic, 8);
+  const uint64_t n = tokens.size();
+  std::memcpy(bytes.data() + 8, &n, 8);  // little-endian hosts only (x86-64, aarch64)
+  std::memcpy(bytes.data() + 16, &eod_id, 4);
+  if (!tokens.empty()) std::memcpy(bytes.data() + kHeader, tokens.data(), tokens.size() * 4);
+  write_file_atomic(path, bytes);
+}
+
+std::vector<uint32_t> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& files, uint32_t eod_id) {
+  std::vector<uint32_t> out;
+  for (const std::string& f : files) {
+    const std::vector<int32_t> ids = tok.encode(read_file(f, "text file"), /*allow_special=*/false);
+    out.insert(out.end(), ids.begin(), ids.end());
+    out.push_back(eod_id);
+  }
+  return out;
+}
+
+TokenShard::TokenShard() = default;
+TokenShard::~TokenShard() = default;
+TokenShard::TokenShard(TokenShard&&) noexcept = default;
+TokenShard& TokenShard::operator=(TokenShard&&) noexcept = default;
+
+TokenShard TokenShard::open(const std::string& path) {
+  TokenShard s;
+  s.file_ = std::make_unique<MappedFile>(path);
+  const MappedFile& f = *s.file_;
+  if (f.size() < kHeader || std::memcmp(f.data(), kMagic, 8) != 0)
+    fail(path, ": not a k3 token shard (expected the 'K3TOKS01' header; build one with `k3 data`)");
+  uint64_t n = 0;
+  std::memcpy(&n, f.data() + 8, 8);
+  std::memcpy(&s.eod_, f.data() + 16, 4);
+  if (n > (f.size() - kHeader) / 4 || f.size() != kHeader + n * 4)
+    fail(path, ": header says ", n, " tokens but the file holds ", (f.size() - kHeader) / 4, " (truncated or corrupt)");
+  if (n == 0) fail(path, ": the shard holds no tokens");
+  s.size_ = int64_t(n);
+  s.tokens_ = reinterpret_cast<const uint32_t*>(f.data() + kHeader);  // 24-byte header keeps 4-byte alignment
+  return s;
+}
+
+uint32_t TokenShard::max_id() const { return *std::max_element(tokens_, tokens_ + size_); }
+
+std::vector<std::vector<int32_t>> window_pieces(const TokenShard& shard, int64_t pos, int64_t len) {
+  if (len < 2) fail("window_pieces: a window needs at least 2 tokens, got ", len);
+  std::vector<std::vector<int32_t>> pieces(1);
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t id = shard.tokens()[(pos + i) % shard.size()];
+    pieces.back().push_back(int32_t(id));
+    if (id == shard.eod_id() && i + 1 < len) pieces.emplace_back();
+  }
+  pieces.erase(std::remove_if(pieces.begin(), pieces.end(), [](const auto& p) { return p.size() < 2; }), pieces.end());
+  return pieces;
+}
+
+}  // namespace k3::train

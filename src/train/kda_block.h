@@ -1,0 +1,68 @@
+// Training forward/backward of the KDA attention block (K3-ARCHITECTURE.md §5.3), float64.
+//
+// The forward computes exactly what src/model/kda_layer.cpp (inference, one fresh sequence) computes:
+//   qp = Wq x, kp = Wk x, vp = Wv x                           [T, HD]   (HD = H*D, head-major)
+//   q = SiLU(conv(qp)), k = SiLU(conv(kp)), v = SiLU(conv(vp))   causal depthwise conv, K taps, zero history
+//   q, k <- per-head L2 normalised (sum of squares, eps 1e-6)
+//   beta = sigmoid(Wb x)                                      [T, H]
+//   z = Wfb (Wfa x);  g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))   [T, HD], alpha = exp(g)
+//   per head, S_0 = 0 (D x D, key-major):
+//     S' = Diag(alpha_t) S_{t-1};  u = S'^T k_t;  S_t = S' + beta_t k_t (v_t - u)^T;  o_t = S_t^T q_t / sqrt(D)
+//   y = Wo ( RMSNorm_head(o; o_norm, rms_norm_eps) * sigmoid(Wg x) )
+// The backward differentiates that recurrent form token by token, in reverse.
+//
+// Parameters, appended to `prefix` (e.g. "language_model.model.layers.3."):
+//   self_attn.{q,k,v}_proj.weight [HD, hidden]     self_attn.{q,k,v}_conv1d.weight [HD, 1, K] (or [HD, K])
+//   self_attn.f_a_proj.weight [D, hidden]          self_attn.f_b_proj.weight [HD, D]
+//   self_attn.b_proj.weight [H, hidden]            self_attn.g_proj.weight [HD, hidden]
+//   self_attn.o_proj.weight [hidden, HD]           self_attn.A_log [>= H] (padded; only the first H are
+//   used and only they receive gradient)           self_attn.dt_bias [HD]     self_attn.o_norm.weight [D]
+//
+// Memory of the tape: ~20 arrays of T*HD doubles plus the recurrent state S_{t-1} at every
+// `state_every`-th token (T/state_every * H*D*D doubles). The backward recomputes the states between
+// two checkpoints (state_every * H*D*D scratch), so memory stays O(T*H*D + (T/state_every + state_every)*H*D*D).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "train/params.h"
+
+namespace k3::train {
+
+struct KdaBlockTape {
+  // Tokens between two saved recurrent states. Set it before kda_block_forward to trade memory for
+  // recomputation (1: every state is saved; the backward then recomputes nothing). Kept by the forward.
+  int64_t state_every = 16;
+
+  // Filled by kda_block_forward.
+  int64_t T = 0;
+  std::vector<double> x;                  // [T, hidden] block input
+  std::vector<double> qp, kp, vp;         // [T, HD] projections (conv inputs)
+  std::vector<double> qc, kc, vc;         // [T, HD] conv outputs (SiLU inputs)
+  std::vector<double> qs, ks;             // [T, HD] SiLU outputs of q, k (L2-norm inputs)
+  std::vector<double> q_inv, k_inv;       // [T, H] 1/sqrt(sum^2 + 1e-6) per head
+  std::vector<double> q, k, v;            // [T, HD] recurrence inputs (q, k normalised)
+  std::vector<double> beta;               // [T, H]
+  std::vector<double> fa;                 // [T, D] f_a_proj output
+  std::vector<double> z;                  // [T, HD] f_b_proj output (gate pre-activation before dt_bias)
+  std::vector<double> sg;                 // [T, HD] sigmoid(exp(A_log) (z + dt_bias)); g = lower_bound * sg
+  std::vector<double> g;                  // [T, HD] log decay
+  std::vector<double> o;                  // [T, HD] recurrence output (before the gated norm)
+  std::vector<double> o_inv;              // [T, H] 1/sqrt(mean(o^2) + eps) per head
+  std::vector<double> gp;                 // [T, HD] output-gate pre-activation (g_proj x)
+  std::vector<double> on;                 // [T, HD] o_proj input (normalised, gated)
+  std::vector<double> states;             // [ceil(T/state_every), H, D, D] S_{t-1} at t = 0, state_every, ...
+};
+
+// x: [T, hidden] (the normalised block input); y: [T, hidden] (overwritten). tape may be nullptr.
+// Throws k3::Error naming the tensor on a missing or mis-sized parameter, or on a bad config/layer.
+void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
+                       const double* x, int64_t T, double* y, KdaBlockTape* tape);
+
+// dy: [T, hidden]; dx: [T, hidden] (OVERWRITTEN). Parameter gradients are ACCUMULATED into P.g(...).
+void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
+                        const KdaBlockTape& tape, const double* dy, double* dx);
+
+}  // namespace k3::train

@@ -1,0 +1,48 @@
+// The K3 text model for training: float64 forward with saved activations, and the explicit
+// backward through every block (K3-ARCHITECTURE.md §5), over ParamStore parameters.
+//
+// The forward mirrors src/model/model.cpp step for step (embedding; per layer AttnRes -> RMSNorm ->
+// KDA or MLA -> partial block sum -> AttnRes -> RMSNorm -> dense FFN or LatentMoE; final AttnRes,
+// norm, lm_head), and the backward walks it in reverse. AttnRes mixes *snapshots* of the running
+// block sum, so every version of that sum is a node with its own gradient buffer; a node's gradient
+// is complete once every later use has been walked back, which reverse program order guarantees.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "train/params.h"
+
+namespace k3::train {
+
+struct MoeTape;
+
+// Tensor-name roots: "language_model.model." + "language_model.lm_head.weight" (release) or
+// "model." + "lm_head.weight" (flat); lm_head is the embedding when the config ties them.
+struct ModelNames {
+  std::string root, lm_head;
+};
+ModelNames model_names(const ParamStore& P, const K3Config& c);
+
+struct TrainHooks {
+  // Called after each MoE layer's forward with its tape (router scores and selections).
+  std::function<void(int64_t layer, const MoeTape& tape)> on_moe;
+  // The selection-only router bias of a layer ([E]); default: the model's e_score_correction_bias.
+  std::function<const double*(int64_t layer)> router_bias;
+  // Block outputs as they are computed ("attn_out" / "ffn_out", the fixture's names), [T, hidden].
+  std::function<void(const char* name, int64_t layer, const double* data, int64_t rows, int64_t cols)> tensor;
+};
+
+// One sequence (positions 0..T-1, ids[t+1] the target of position t). Returns the summed
+// next-token cross-entropy over its T-1 positions. When `backward`, parameter gradients of
+// grad_scale * (that sum) are ACCUMULATED into P's gradient buffer. `logits` (optional) receives
+// [T, V].
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward, double grad_scale,
+                     std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
+
+// Names of the parameters that are trained (everything float except the router's selection bias).
+std::vector<std::string> trainable_names(const ParamStore& P);
+
+}  // namespace k3::train

@@ -14,5 +14,7 @@ void register_detokenize(CLI::App& app);
 void register_tokenizer(CLI::App& app);
 void register_chat_template(CLI::App& app);
 void register_grad(CLI::App& app);
+void register_data(CLI::App& app);
+void register_train(CLI::App& app);
 
 }  // namespace k3::cli

@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   k3::cli::register_tokenizer(app);
   k3::cli::register_chat_template(app);
   k3::cli::register_grad(app);
+  k3::cli::register_data(app);
+  k3::cli::register_train(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,75 @@
+// k3 data / k3 train: build a token shard from text files; train a model from a config on it.
+#include <cstdio>
+#include <memory>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace k3::cli {
+
+void register_data(CLI::App& app) {
+  struct Opts {
+    std::string tokenizer, out;
+    std::vector<std::string> files;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = app.add_subcommand(
+      "data",
+      "Tokenise text files into a training shard (uint32 ids, memory-mapped by `k3 train`). Each file is\n"
+      "one document, followed by the end-of-document id <|end_of_msg|>; special-token text in the files is\n"
+      "plain text. Writes OUT atomically.");
+  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model [+ tokenizer_config.json])")->required();
+  sub->add_option("--out", o->out, "output shard file")->required();
+  sub->add_option("files", o->files, "text files (one document each)")->required();
+  sub->callback([o] {
+    const Tokenizer tok = Tokenizer::load_dir(o->tokenizer);
+    const uint32_t eod = uint32_t(tok.special_id(K3Special::kEndOfMsg));
+    const std::vector<uint32_t> ids = train::tokenize_documents(tok, o->files, eod);
+    train::write_token_shard(o->out, ids, eod);
+    std::printf("%zu documents, %zu tokens (vocabulary %lld, end-of-document id %u) -> %s\n", o->files.size(), ids.size(),
+                (long long)tok.vocab_size(), eod, o->out.c_str());
+  });
+}
+
+void register_train(CLI::App& app) {
+  auto o = std::make_shared<train::TrainOptions>();
+  auto stages = std::make_shared<std::string>();
+  auto balance = std::make_shared<std::string>("qb-exact");
+  CLI::App* sub = app.add_subcommand(
+      "train",
+      "Train a K3 model from CONFIG on a token shard (see `k3 data`), in float64 on the CPU: explicit\n"
+      "forward/backward of every block, AdamW for vectors/embeddings/lm_head and Per-Head Muon for\n"
+      "matrices, cosine schedule with linear warmup, gradient clipping, Quantile Balancing of the MoE\n"
+      "routers. Curriculum stages SEQ_LEN:TOKENS run in order with constant tokens per step.\n"
+      "Writes OUT/step-N/ checkpoints (config.json + model.safetensors, loadable by `k3 generate`, +\n"
+      "train_state.bin), OUT/latest and OUT/metrics.jsonl; --resume continues from OUT/latest with\n"
+      "identical losses. A NaN/Inf loss or gradient stops the run (or skips the step).");
+  sub->add_option("--config", o->config_path, "model config.json")->required();
+  sub->add_option("--data", o->data_path, "token shard (k3 data)")->required();
+  sub->add_option("--out", o->out_dir, "run directory")->required();
+  sub->add_option("--stages", *stages, "curriculum, e.g. 64:100000,256:50000 (default: one stage of length 256)");
+  sub->add_option("--tokens", o->tokens, "total tokens when --stages is not given")->capture_default_str();
+  sub->add_option("--tokens-per-step", o->tokens_per_step, "tokens per optimizer step")->capture_default_str();
+  sub->add_option("--lr", o->lr, "peak learning rate")->capture_default_str();
+  sub->add_option("--min-lr-ratio", o->min_lr_ratio, "final lr / peak lr")->capture_default_str();
+  sub->add_option("--warmup", o->warmup_fraction, "warmup as a fraction of all steps")->capture_default_str();
+  sub->add_option("--weight-decay", o->weight_decay, "decoupled weight decay (matrices)")->capture_default_str();
+  sub->add_option("--clip", o->clip, "gradient clipping: max global norm (0: off)")->capture_default_str();
+  sub->add_option("--balance", *balance, "router balancing: qb-exact, qb-histogram, sign, none")->capture_default_str();
+  sub->add_option("--seed", o->seed, "initialisation seed")->capture_default_str();
+  sub->add_option("--save-every", o->save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
+  sub->add_flag("--resume", o->resume, "continue from OUT/latest");
+  sub->add_flag("--skip-nonfinite", o->skip_nonfinite, "skip steps with a NaN/Inf loss or gradient instead of stopping");
+  sub->callback([o, stages, balance] {
+    if (!stages->empty()) o->stages = train::parse_stages(*stages);
+    o->balance.method = train::parse_balance_method(*balance);
+    const train::TrainResult r = train::train(*o);
+    std::printf("trained %lld steps; final loss %.4f; checkpoint %s\n", (long long)r.steps, r.last_loss,
+                r.last_checkpoint.c_str());
+  });
+}
+
+}  // namespace k3::cli

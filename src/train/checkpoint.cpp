@@ -1,0 +1,126 @@
+#include "train/checkpoint.h"
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "io/file.h"
+#include "io/safetensors.h"
+
+namespace k3::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[8] = {'K', '3', 'T', 'R', 'N', 'S', '0', '1'};
+
+std::string step_name(int64_t step) {
+  char b[32];
+  std::snprintf(b, sizeof b, "step-%08lld", (long long)step);
+  return b;
+}
+
+void append_doubles(std::string& out, const std::vector<double>& v) {
+  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json, const ParamStore& P,
+                            const TrainState& state) {
+  fs::create_directories(out_dir);
+  for (const auto& e : fs::directory_iterator(out_dir))  // leftovers of a killed save
+    if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
+  const std::string name = step_name(step);
+  const fs::path tmp = fs::path(out_dir) / (".tmp-" + name), final_dir = fs::path(out_dir) / name;
+  fs::create_directories(tmp);
+
+  write_file_atomic((tmp / "config.json").string(), config_json);
+  // model.safetensors: F32 copies under the release names.
+  std::vector<std::vector<float>> f32;
+  std::vector<TensorToWrite> tensors;
+  const std::vector<std::string> names = P.names();
+  f32.reserve(names.size());
+  for (const std::string& n : names) {
+    const double* v = P.p(n);
+    f32.emplace_back(v, v + P.numel(n));
+    tensors.push_back({n, DType::F32, P.shape(n), f32.back().data()});
+  }
+  write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}, {"k3_train_step", std::to_string(step)}});
+
+  // train_state.bin: magic, u64 JSON length, JSON, then the doubles in the order the JSON lists.
+  nlohmann::json header = {{"meta", state.meta}, {"optimizer_size", state.optimizer.size()}};
+  nlohmann::json params = nlohmann::json::array();
+  for (const std::string& n : names) params.push_back({n, P.numel(n)});
+  header["params"] = params;
+  nlohmann::json bal = nlohmann::json::array();
+  for (const auto& b : state.balancers) bal.push_back(b.size());
+  header["balancers"] = bal;
+  const std::string js = header.dump();
+  std::string bytes(kMagic, 8);
+  const uint64_t len = js.size();
+  bytes.append(reinterpret_cast<const char*>(&len), 8);
+  bytes += js;
+  for (const std::string& n : names) bytes.append(reinterpret_cast<const char*>(P.p(n)), size_t(P.numel(n)) * sizeof(double));
+  append_doubles(bytes, state.optimizer);
+  for (const auto& b : state.balancers) append_doubles(bytes, b);
+  write_file_atomic((tmp / "train_state.bin").string(), bytes);
+
+  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a re-save of the same step
+  fs::rename(tmp, final_dir);
+  write_file_atomic((fs::path(out_dir) / "latest").string(), name + "\n");
+  return final_dir.string();
+}
+
+std::string latest_checkpoint(const std::string& out_dir) {
+  const fs::path p = fs::path(out_dir) / "latest";
+  if (!fs::exists(p)) return "";
+  std::string name = read_file(p.string(), "checkpoint pointer");
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
+  const fs::path dir = fs::path(out_dir) / name;
+  if (name.empty() || !fs::is_directory(dir)) fail(p.string(), ": names '", name, "', which is not a checkpoint directory");
+  return dir.string();
+}
+
+void load_checkpoint(const std::string& step_dir, ParamStore& P, TrainState& state) {
+  const std::string path = (fs::path(step_dir) / "train_state.bin").string();
+  const std::string bytes = read_file(path, "training state");
+  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0) fail(path, ": not a k3 training state (bad magic)");
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data() + 8, 8);
+  if (len > bytes.size() - 16) fail(path, ": truncated header");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.substr(16, len));
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": corrupt header: ", e.what());
+  }
+  size_t off = 16 + len;
+  auto take = [&](double* dst, size_t n, const std::string& what) {
+    if (bytes.size() - off < n * sizeof(double)) fail(path, ": truncated in ", what);
+    std::memcpy(dst, bytes.data() + off, n * sizeof(double));
+    off += n * sizeof(double);
+  };
+  const auto& params = header.at("params");
+  if (params.size() != P.names().size())
+    fail(path, ": holds ", params.size(), " parameters, the model has ", P.names().size());
+  for (const auto& e : params) {
+    const std::string n = e.at(0).get<std::string>();
+    const int64_t numel = e.at(1).get<int64_t>();
+    if (!P.has(n) || P.numel(n) != numel) fail(path, ": parameter '", n, "' (", numel, " values) does not match the model");
+    take(P.p_mut(n), size_t(numel), n);
+  }
+  state.meta = header.at("meta");
+  state.optimizer.resize(header.at("optimizer_size").get<size_t>());
+  take(state.optimizer.data(), state.optimizer.size(), "optimizer state");
+  state.balancers.clear();
+  for (const auto& b : header.at("balancers")) {
+    state.balancers.emplace_back(b.get<size_t>());
+    take(state.balancers.back().data(), state.balancers.back().size(), "balancer state");
+  }
+  if (off != bytes.size()) fail(path, ": ", bytes.size() - off, " unexpected trailing bytes");
+}
+
+}  // namespace k3::train

@@ -1,0 +1,140 @@
+// Optimizers for float64 training on a ParamStore: AdamW for vectors, norms, embeddings and the
+// LM head; Muon (with K3's Per-Head Muon for q/k/v projections) for matrices; global-norm gradient
+// clipping and the cosine schedule with linear warmup (K3-ARCHITECTURE.md §10).
+//
+// Decisions (and why):
+// * Muon update scale: Moonlight's RMS matching, 0.2·sqrt(max(rows, cols)) (MuonScale::MatchAdamRms,
+//   the default). An orthogonalised r×c update has RMS ≈ 1/sqrt(max(r, c)); the factor makes it
+//   ≈ 0.2 (0.17 measured: NS singular values average below 1), the typical AdamW update RMS, so
+//   one learning rate, one schedule and one weight decay serve both groups. K3 publishes one LR
+//   schedule and one weight decay (0.1), and Moonlight -> K2 -> K3 is the Kimi lineage. Keller
+//   Jordan's sqrt(max(1, rows/cols)) is available as MuonScale::ShapeRatio, but needs its own,
+//   much larger learning rate.
+// * Muon momentum (Moonlight / original Muon): buf = μ·buf + g; Nesterov update u = g + μ·buf
+//   (plain: u = buf). The newer "lerp" form differs by the factor (1 − μ) only, which the
+//   Frobenius normalisation before Newton–Schulz removes.
+// * Newton–Schulz: X = u/‖u‖_F, transposed so rows <= cols, 5 steps of
+//   X ← aX + (bA + cA²)X, A = XXᵀ, (a, b, c) = (3.4445, −4.7750, 2.0315). float64 throughout; a zero
+//   momentum gives a zero update (the reference's +1e-7 in the norm exists for bf16 and would bias
+//   small float64 gradients, so it is replaced by an exact zero test).
+// * Per-Head Muon: a q/k/v projection [H·d, in] is H row blocks [d, in], one per head; each block is
+//   orthogonalised and scaled (by its own block shape) exactly as if it were a separate matrix, so
+//   one head's large gradient does not flatten the others' spectrum. Weight decay and momentum are
+//   elementwise, so they are unaffected by the split.
+// * Weight decay is decoupled (W ← W − lr·wd·W, before the update) for both optimizers, by default
+//   only on tensors with two or more dimensions > 1 (matrices, embeddings, conv kernels): norm
+//   gains, A_log, dt_bias, AttnRes pseudo-queries ([1, D]) and other vector-like tensors are not
+//   pulled towards 0 (decay_vectors = true decays them too).
+// * The router's e_score_correction_bias is not a gradient parameter (QuantileBalancer owns it):
+//   the default rule makes it Frozen (no state, never touched); a custom rule may freeze others.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/config.h"
+#include "train/params.h"
+
+namespace k3::train {
+
+enum class ParamGroup { Muon, AdamW, Frozen };
+const char* param_group_name(ParamGroup g);  // "muon", "adamw", "frozen"
+
+// The default rule, by name and shape:
+//   Frozen: router e_score_correction_bias (balanced by QuantileBalancer, not trained by gradient).
+//   AdamW:  embed_tokens, lm_head, anything with at most one dimension > 1 (norm weights, A_log,
+//           dt_bias, biases, [1, D] AttnRes projections), conv1d kernels, and tensors of 3+ dims.
+//   Muon:   every other 2-D matrix (projections, router weight, experts).
+ParamGroup default_param_group(const std::string& name, const std::vector<int64_t>& shape);
+using ParamGroupRule = std::function<ParamGroup(const std::string& name, const std::vector<int64_t>& shape)>;
+
+// Per-Head Muon splits of a K3 model: name -> head count, for every q/k/v projection in P:
+//   KDA layer: self_attn.{q,k,v}_proj.weight            [kda_num_heads·kda_head_dim, hidden]
+//   MLA layer: self_attn.q_b_proj.weight (or q_proj)    [num_attention_heads·(Dn + Dr), ...]
+//              self_attn.kv_b_proj.weight               [num_attention_heads·(Dn + Dv), kv_lora_rank]
+// (kv_b_proj's rows are head-major, [k_nope | v] per head.) Throws if a row count does not match.
+std::map<std::string, int64_t> k3_head_splits(const ParamStore& P, const K3Config& c);
+
+enum class MuonScale { MatchAdamRms, ShapeRatio };
+
+struct OptimizerConfig {
+  double weight_decay = 0.1;  // K3 §10
+  bool decay_vectors = false;
+  // AdamW
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  // Muon
+  double momentum = 0.95;
+  bool nesterov = true;
+  int ns_steps = 5;
+  MuonScale muon_scale = MuonScale::MatchAdamRms;
+  double muon_rms = 0.2;  // MatchAdamRms target update RMS
+};
+
+// One tensor's treatment (read-only view for logs and tests).
+struct ParamPlan {
+  std::string name;
+  ParamGroup group = ParamGroup::Frozen;
+  int64_t numel = 0, rows = 0, cols = 0;  // rows/cols: Muon only
+  int64_t heads = 1;                      // Muon row blocks (1 = whole matrix)
+  bool decay = false;
+  int64_t state_offset = 0, state_size = 0;  // in the flat state vector
+};
+
+// Serialisable optimizer state: `header` names every tensor's slot (and the step count); `data` is
+// the flat moments: AdamW m then v (2·numel), Muon momentum (numel), in plan order.
+struct OptimizerState {
+  nlohmann::json header;
+  std::vector<double> data;
+};
+
+class Optimizer {
+ public:
+  // Plans every tensor of P (P.names(), sorted) with `rule`; `head_splits` gives Per-Head Muon
+  // counts (from k3_head_splits or by hand; names absent = whole matrix). Throws if a split names
+  // a tensor that is not a Muon matrix or whose rows it does not divide.
+  Optimizer(const ParamStore& P, OptimizerConfig cfg, const std::map<std::string, int64_t>& head_splits = {},
+            const ParamGroupRule& rule = default_param_group);
+
+  // One update from P's gradients (the caller zeroes/accumulates/clips them) at learning rate lr.
+  void step(ParamStore& P, double lr);
+
+  int64_t steps_taken() const { return t_; }
+  const OptimizerConfig& config() const { return cfg_; }
+  const std::vector<ParamPlan>& plan() const { return plan_; }
+  const ParamPlan& plan_of(const std::string& name) const;
+
+  // Exact resume: save_state() after step t, load_state() into an optimizer built with the same
+  // plan, continue: identical to never stopping. load_state checks names, groups, sizes and splits.
+  OptimizerState save_state() const;
+  void load_state(const OptimizerState& s);
+
+ private:
+  OptimizerConfig cfg_;
+  std::vector<ParamPlan> plan_;
+  std::vector<double> state_;
+  int64_t t_ = 0;
+};
+
+// Newton–Schulz quintic orthogonalisation of a row-major rows×cols matrix G (out may alias G):
+// out ≈ U·S'·Vᵀ for G = U·S·Vᵀ, with S' in [0.682, 1.2024] after 5 steps for every σ/‖G‖_F above
+// ~0.004 (not exactly 1: the quintic trades accuracy for speed; 1.2024 is its maximum on [0, 1]).
+// Normalises by ‖G‖_F first; zero G gives zero.
+void newton_schulz(const double* G, double* out, int64_t rows, int64_t cols, int steps = 5);
+
+// Muon's update scale for a rows×cols (block) matrix.
+double muon_scale(MuonScale s, int64_t rows, int64_t cols, double rms = 0.2);
+
+// Global L2 norm of the gradients of `names` (all of P's gradient buffer when null), and if it
+// exceeds max_norm (> 0) the same gradients scaled by max_norm/norm. Returns the pre-clip norm.
+double clip_grad_norm(ParamStore& P, double max_norm, const std::vector<std::string>* names = nullptr);
+
+// Learning rate of 0-based update `step`: linear warmup peak·(step+1)/warmup for step < warmup (the
+// first update already moves; update warmup−1 is at peak), then cosine from peak at step = warmup
+// to min_lr at step = total, min_lr after. Needs 0 <= warmup < total.
+double cosine_lr(int64_t step, int64_t warmup, int64_t total, double peak, double min_lr);
+
+}  // namespace k3::train

@@ -1,0 +1,216 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/config.h"
+#include "io/file.h"
+#include "io/safetensors.h"
+#include "model/init_random.h"
+#include "train/checkpoint.h"
+#include "train/data.h"
+#include "train/ffn_block.h"
+#include "train/model_train.h"
+#include "train/optimizer.h"
+#include "train/params.h"
+
+namespace k3::train {
+
+namespace fs = std::filesystem;
+
+std::vector<Stage> parse_stages(const std::string& text) {
+  std::vector<Stage> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const size_t colon = item.find(':');
+    Stage s;
+    try {
+      if (colon == std::string::npos) throw std::invalid_argument("no colon");
+      size_t u1 = 0, u2 = 0;
+      s.seq_len = std::stoll(item.substr(0, colon), &u1);
+      s.tokens = std::stoll(item.substr(colon + 1), &u2);
+      if (u1 != colon || u2 != item.size() - colon - 1) throw std::invalid_argument("junk");
+    } catch (const std::exception&) {
+      fail("--stages: '", item, "' is not SEQ_LEN:TOKENS (e.g. 256:200000)");
+    }
+    if (s.seq_len < 2 || s.tokens < s.seq_len) fail("--stages: '", item, "' needs SEQ_LEN >= 2 and TOKENS >= SEQ_LEN");
+    out.push_back(s);
+  }
+  if (out.empty()) fail("--stages: no stages given");
+  return out;
+}
+
+namespace {
+
+std::string moe_bias_name(const std::string& root, int64_t l) {
+  return root + "layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias";
+}
+
+bool finite_all(const std::vector<double>& v) {
+  for (double x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+}  // namespace
+
+TrainResult train(const TrainOptions& opt) {
+  const K3Config c = load_config(opt.config_path);
+  const std::string config_text = read_file(opt.config_path, "config");
+  const TokenShard shard = TokenShard::open(opt.data_path);
+  if (int64_t(shard.max_id()) >= c.vocab_size)
+    fail(opt.data_path, ": token id ", shard.max_id(), " is outside the model's vocabulary (", c.vocab_size, ", ", c.source, ")");
+  if (opt.tokens_per_step < 2) fail("--tokens-per-step must be at least 2");
+
+  std::vector<Stage> stages = opt.stages;
+  if (stages.empty()) stages.push_back({std::min<int64_t>(256, c.max_position_embeddings), opt.tokens});
+  int64_t total_steps = 0;
+  std::vector<int64_t> stage_end;  // cumulative steps
+  for (const Stage& s : stages) {
+    if (s.seq_len > c.max_position_embeddings)
+      fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", c.source);
+    if (s.seq_len > opt.tokens_per_step)
+      fail("stage sequence length ", s.seq_len, " exceeds --tokens-per-step ", opt.tokens_per_step);
+    total_steps += std::max<int64_t>(1, s.tokens / opt.tokens_per_step);
+    stage_end.push_back(total_steps);
+  }
+  const int64_t warmup = std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
+
+  // Parameters: fresh random init, or the latest checkpoint.
+  fs::create_directories(opt.out_dir);
+  const std::string resume_dir = opt.resume ? latest_checkpoint(opt.out_dir) : "";
+  if (opt.resume && resume_dir.empty()) fail(opt.out_dir, ": --resume, but there is no checkpoint (no 'latest')");
+  ParamStore P;
+  {
+    const fs::path init_dir = fs::path(opt.out_dir) / ".init";
+    if (resume_dir.empty()) {
+      RandomInitOptions ri;
+      ri.seed = opt.seed;
+      write_random_model(opt.config_path, init_dir.string(), ri);
+      P = ParamStore::from_model_dir(init_dir.string());
+      fs::remove_all(init_dir);
+    } else {
+      P = ParamStore::from_model_dir(resume_dir);
+    }
+  }
+  const ModelNames nm = model_names(P, c);
+
+  OptimizerConfig oc;
+  oc.weight_decay = opt.weight_decay;
+  Optimizer optimizer(P, oc, k3_head_splits(P, c));
+  std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l)) {
+      const double* b = P.p(moe_bias_name(nm.root, l), c.num_experts);
+      bal[size_t(l)] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, opt.balance,
+                                                          std::vector<double>(b, b + c.num_experts));
+    }
+
+  int64_t step = 0, data_pos = 0;
+  const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
+  if (!resume_dir.empty()) {
+    TrainState st;
+    load_checkpoint(resume_dir, P, st);
+    step = st.meta.at("step").get<int64_t>();
+    data_pos = st.meta.at("data_pos").get<int64_t>();
+    optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      if (bal[size_t(l)]) *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
+    // Metrics after the checkpoint belong to the run that was cut off: drop them.
+    std::ifstream in(metrics_path);
+    std::string line, kept;
+    while (std::getline(in, line))
+      if (!line.empty() && nlohmann::json::parse(line).value("step", int64_t(0)) <= step) kept += line + "\n";
+    write_file_atomic(metrics_path, kept);
+    std::fprintf(stderr, "resumed from %s at step %lld (data position %lld)\n", resume_dir.c_str(), (long long)step,
+                 (long long)data_pos);
+  } else {
+    write_file_atomic(metrics_path, "");
+  }
+  std::ofstream metrics(metrics_path, std::ios::app);
+
+  TrainHooks hooks;
+  hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
+  hooks.on_moe = [&](int64_t l, const MoeTape& t) { bal[size_t(l)]->accumulate(t.scores.data(), t.N); };
+
+  auto save = [&]() {
+    TrainState st;
+    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}};
+    const OptimizerState os = optimizer.save_state();
+    st.meta["optimizer"] = os.header;
+    st.optimizer = os.data;
+    nlohmann::json bj = nlohmann::json::object();
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      if (bal[size_t(l)]) {
+        bj[std::to_string(l)] = bal[size_t(l)]->to_json();
+        const std::vector<double>& b = bal[size_t(l)]->bias();
+        std::copy(b.begin(), b.end(), P.p_mut(moe_bias_name(nm.root, l), c.num_experts));
+      }
+    st.meta["balancers"] = bj;
+    return save_checkpoint(opt.out_dir, step, config_text, P, st);
+  };
+
+  TrainResult res;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t first_step = step;
+  while (step < total_steps) {
+    size_t si = 0;
+    while (step >= stage_end[si]) ++si;
+    const int64_t L = stages[si].seq_len;
+    const int64_t windows = std::max<int64_t>(1, opt.tokens_per_step / L);
+    std::vector<std::vector<int32_t>> pieces;
+    for (int64_t w = 0; w < windows; ++w) {
+      for (auto& p : window_pieces(shard, data_pos, L)) pieces.push_back(std::move(p));
+      data_pos = (data_pos + L) % shard.size();
+    }
+    int64_t count = 0;
+    for (const auto& p : pieces) count += int64_t(p.size()) - 1;
+    P.zero_grads();
+    double loss = 0.0;
+    for (const auto& p : pieces) loss += sequence_loss(P, c, p, true, 1.0 / double(std::max<int64_t>(count, 1)), nullptr, &hooks);
+    loss /= double(std::max<int64_t>(count, 1));
+    const double lr = cosine_lr(step, warmup, total_steps, opt.lr, opt.lr * opt.min_lr_ratio);
+    const double gnorm = clip_grad_norm(P, opt.clip);
+    std::vector<double> maxvio;
+    for (auto& b : bal)
+      if (b) maxvio.push_back(b->finish_step().max_vio);
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && finite_all(P.grads());
+    if (!finite && !opt.skip_nonfinite)
+      fail("step ", step, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " (loss ", loss, ", gradient norm ",
+           gnorm, "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps. The last checkpoint is in ",
+           opt.out_dir);
+    if (finite) optimizer.step(P, lr);
+    ++step;
+
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double done_tokens = double((step - first_step) * windows * L);
+    nlohmann::json rec = {{"step", step},           {"stage", si},        {"seq_len", L},
+                          {"loss", loss},           {"lr", lr},           {"grad_norm", gnorm},
+                          {"tokens", step * windows * L}, {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
+                          {"max_vio", maxvio},      {"skipped", !finite}};
+    const std::string line = rec.dump();
+    metrics << line << "\n";
+    metrics.flush();
+    if (opt.log_every > 0 && (step % opt.log_every == 0 || step == total_steps)) {
+      double mv = 0;
+      for (double v : maxvio) mv = std::max(mv, v);
+      const double eta = secs / double(step - first_step) * double(total_steps - step);
+      std::fprintf(stderr, "step %lld/%lld  stage %zu (len %lld)  loss %.4f  lr %.2e  |g| %.3f  MaxVio %.3f  %.0f tok/s  ETA %.0fs\n",
+                   (long long)step, (long long)total_steps, si, (long long)L, loss, lr, gnorm, mv,
+                   done_tokens / std::max(secs, 1e-9), eta);
+    }
+    res.steps = step;
+    res.last_loss = loss;
+    if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
+    if (opt.on_step && !opt.on_step(line)) break;
+  }
+  return res;
+}
+
+}  // namespace k3::train

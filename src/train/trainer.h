@@ -1,0 +1,53 @@
+// The training loop behind `k3 train`: curriculum stages, packed windows from a token shard,
+// float64 forward/backward, Quantile Balancing per MoE layer, clipping, AdamW + Per-Head Muon on a
+// cosine schedule, metrics, checkpoints and exact resume.
+//
+// One step = tokens_per_step tokens, cut into windows of the stage's sequence length (so the
+// number of tokens per step stays constant while sequences grow, as in K3's 8K -> 64K -> 256K -> 1M
+// curriculum). Windows are consecutive in the shard; each window is cut at document boundaries
+// (train/data.h). The loss of a step is the mean next-token cross-entropy over all its predictions.
+// Balancer biases change only between steps (a step is never routed with a bias derived from
+// itself) and are written into the checkpoint's e_score_correction_bias.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "train/quantile_balance.h"
+
+namespace k3::train {
+
+struct Stage {
+  int64_t seq_len = 0;  // tokens per window
+  int64_t tokens = 0;   // token budget of the stage
+};
+
+// "256:200000,1024:100000" -> stages; errors name the item.
+std::vector<Stage> parse_stages(const std::string& text);
+
+struct TrainOptions {
+  std::string config_path, data_path, out_dir;
+  std::vector<Stage> stages;       // empty: one stage of seq_len 256 (capped by the config) and `tokens`
+  int64_t tokens = 200000;         // total when stages are not given
+  int64_t tokens_per_step = 2048;
+  double lr = 3e-3, min_lr_ratio = 0.1, warmup_fraction = 0.01, weight_decay = 0.1, clip = 1.0;
+  BalanceOptions balance;          // method none / qb-exact / qb-histogram / sign
+  uint64_t seed = 0;
+  bool resume = false;
+  bool skip_nonfinite = false;     // skip a step with a NaN/Inf loss or gradient (default: stop)
+  int64_t save_every = 50;         // steps; a checkpoint is also written at the end
+  int64_t log_every = 1;
+  // Called after every step with the JSONL record (tests use it to stop early).
+  std::function<bool(const std::string& jsonl_line)> on_step;
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  double last_loss = 0.0;
+  std::string last_checkpoint;
+};
+
+TrainResult train(const TrainOptions& opt);
+
+}  // namespace k3::train

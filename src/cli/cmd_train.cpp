@@ -61,6 +61,8 @@ void register_train(CLI::App& app) {
   sub->add_option("--balance", *balance, "router balancing: qb-exact, qb-histogram, sign, none")->capture_default_str();
   sub->add_option("--seed", o->seed, "initialisation seed")->capture_default_str();
   sub->add_option("--save-every", o->save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
+  sub->add_option("--eval-data", o->eval_path, "held-out token shard: loss at the end, beside its unigram entropy");
+  sub->add_option("--eval-tokens", o->eval_tokens, "held-out tokens to evaluate")->capture_default_str();
   sub->add_flag("--resume", o->resume, "continue from OUT/latest");
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite, "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance] {
@@ -69,6 +71,8 @@ void register_train(CLI::App& app) {
     const train::TrainResult r = train::train(*o);
     std::printf("trained %lld steps; final loss %.4f; checkpoint %s\n", (long long)r.steps, r.last_loss,
                 r.last_checkpoint.c_str());
+    if (!o->eval_path.empty())
+      std::printf("held-out loss %.4f nats/token; unigram entropy %.4f nats/token\n", r.eval.loss, r.eval.unigram_entropy);
   });
 }
 

@@ -58,6 +58,26 @@ bool finite_all(const std::vector<double>& v) {
   return true;
 }
 
+// Mean loss over the first `tokens` of the shard, windows of `len`, documents cut as in training;
+// and the entropy of those tokens' unigram distribution.
+EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, int64_t tokens, int64_t len,
+                    const TrainHooks* hooks) {
+  EvalResult r;
+  tokens = std::min(tokens, shard.size());
+  double sum = 0.0;
+  for (int64_t pos = 0; pos + 2 <= tokens; pos += len)
+    for (const auto& p : window_pieces(shard, pos, std::min(len, tokens - pos))) {
+      sum += sequence_loss(P, c, p, false, 0.0, nullptr, hooks);
+      r.predictions += int64_t(p.size()) - 1;
+    }
+  r.loss = sum / double(std::max<int64_t>(r.predictions, 1));
+  std::vector<int64_t> counts(static_cast<size_t>(c.vocab_size), 0);
+  for (int64_t i = 0; i < tokens; ++i) ++counts[shard.tokens()[i]];
+  for (int64_t n : counts)
+    if (n > 0) r.unigram_entropy -= double(n) / double(tokens) * std::log(double(n) / double(tokens));
+  return r;
+}
+
 }  // namespace
 
 TrainResult train(const TrainOptions& opt) {
@@ -135,6 +155,13 @@ TrainResult train(const TrainOptions& opt) {
   }
   std::ofstream metrics(metrics_path, std::ios::app);
 
+  TokenShard eval_shard;
+  if (!opt.eval_path.empty()) {
+    eval_shard = TokenShard::open(opt.eval_path);
+    if (int64_t(eval_shard.max_id()) >= c.vocab_size)
+      fail(opt.eval_path, ": token id ", eval_shard.max_id(), " is outside the model's vocabulary (", c.vocab_size, ")");
+  }
+
   TrainHooks hooks;
   hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
   hooks.on_moe = [&](int64_t l, const MoeTape& t) { bal[size_t(l)]->accumulate(t.scores.data(), t.N); };
@@ -209,6 +236,17 @@ TrainResult train(const TrainOptions& opt) {
     res.last_loss = loss;
     if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
     if (opt.on_step && !opt.on_step(line)) break;
+  }
+  if (!opt.eval_path.empty()) {
+    TrainHooks eval_hooks;  // route with the current biases; nothing is accumulated
+    eval_hooks.router_bias = hooks.router_bias;
+    res.eval = evaluate(P, c, eval_shard, opt.eval_tokens, stages.back().seq_len, &eval_hooks);
+    std::fprintf(stderr, "held-out: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
+                 res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
+    metrics << nlohmann::json({{"eval_loss", res.eval.loss}, {"unigram_entropy", res.eval.unigram_entropy},
+                               {"eval_predictions", res.eval.predictions}, {"step", step}})
+                   .dump()
+            << "\n";
   }
   return res;
 }

@@ -38,13 +38,25 @@ struct TrainOptions {
   bool skip_nonfinite = false;     // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;         // steps; a checkpoint is also written at the end
   int64_t log_every = 1;
+  // Held-out evaluation at the end (and at every checkpoint): mean next-token loss over the first
+  // eval_tokens of this shard, in windows of the last stage's length, beside the shard's unigram
+  // entropy (the loss of a model that knows only token frequencies).
+  std::string eval_path;
+  int64_t eval_tokens = 16384;
   // Called after every step with the JSONL record (tests use it to stop early).
   std::function<bool(const std::string& jsonl_line)> on_step;
+};
+
+struct EvalResult {
+  double loss = 0.0;              // nats per predicted token
+  double unigram_entropy = 0.0;   // nats per token, of the evaluated tokens' own frequencies
+  int64_t predictions = 0;
 };
 
 struct TrainResult {
   int64_t steps = 0;
   double last_loss = 0.0;
+  EvalResult eval;                // when eval_path was given
   std::string last_checkpoint;
 };
 

@@ -93,10 +93,11 @@ TEST(TrainLoop, ResumeAfterSigkillGivesIdenticalLosses) {
   ASSERT_EQ(std::system((cmd + " >/dev/null 2>&1 & echo $! > " + pidfile).c_str()), 0);
   std::string pid;
   std::ifstream(pidfile) >> pid;
-  for (int i = 0; i < 600 && losses(b).size() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Wait (up to 5 minutes on a loaded machine) until a few steps and their checkpoints exist.
+  for (int i = 0; i < 6000 && losses(b).size() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ASSERT_EQ(std::system(("kill -9 " + pid + " 2>/dev/null; sleep 0.2").c_str()), 0);
   const size_t before = losses(b).size();
-  ASSERT_GE(before, 4u);
+  ASSERT_GE(before, 3u);
   ASSERT_LT(before, want.size()) << "the run finished before it was killed; nothing to resume";
   std::vector<std::string> args = train_args(c, b);
   args.push_back("--resume");

@@ -63,9 +63,12 @@ void register_train(CLI::App& app) {
   sub->add_option("--save-every", o->save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
   sub->add_option("--eval-data", o->eval_path, "held-out token shard: loss at the end, beside its unigram entropy");
   sub->add_option("--eval-tokens", o->eval_tokens, "held-out tokens to evaluate")->capture_default_str();
+  auto sequential = std::make_shared<bool>(false);
+  sub->add_flag("--sequential", *sequential, "read windows in shard order (default: shuffled by --seed)");
   sub->add_flag("--resume", o->resume, "continue from OUT/latest");
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite, "skip steps with a NaN/Inf loss or gradient instead of stopping");
-  sub->callback([o, stages, balance] {
+  sub->callback([o, stages, balance, sequential] {
+    o->shuffle = !*sequential;
     if (!stages->empty()) o->stages = train::parse_stages(*stages);
     o->balance.method = train::parse_balance_method(*balance);
     const train::TrainResult r = train::train(*o);

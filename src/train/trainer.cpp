@@ -52,6 +52,14 @@ std::string moe_bias_name(const std::string& root, int64_t l) {
   return root + "layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias";
 }
 
+// SplitMix64: a stateless, well-mixed hash of (seed, window number) -> window start.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
 bool finite_all(const std::vector<double>& v) {
   for (double x : v)
     if (!std::isfinite(x)) return false;
@@ -139,6 +147,9 @@ TrainResult train(const TrainOptions& opt) {
     load_checkpoint(resume_dir, P, st);
     step = st.meta.at("step").get<int64_t>();
     data_pos = st.meta.at("data_pos").get<int64_t>();
+    if (st.meta.value("shuffle", true) != opt.shuffle)
+      fail(resume_dir, ": the run was started ", opt.shuffle ? "with --sequential" : "with shuffled windows",
+           "; resume it the same way");
     optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
     for (int64_t l = 0; l < c.num_hidden_layers; ++l)
       if (bal[size_t(l)]) *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
@@ -168,7 +179,7 @@ TrainResult train(const TrainOptions& opt) {
 
   auto save = [&]() {
     TrainState st;
-    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}};
+    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}, {"shuffle", opt.shuffle}};
     const OptimizerState os = optimizer.save_state();
     st.meta["optimizer"] = os.header;
     st.optimizer = os.data;
@@ -193,8 +204,12 @@ TrainResult train(const TrainOptions& opt) {
     const int64_t windows = std::max<int64_t>(1, opt.tokens_per_step / L);
     std::vector<std::vector<int32_t>> pieces;
     for (int64_t w = 0; w < windows; ++w) {
-      for (auto& p : window_pieces(shard, data_pos, L)) pieces.push_back(std::move(p));
-      data_pos = (data_pos + L) % shard.size();
+      // data_pos: the next window's start (sequential) or the number of windows drawn (shuffled).
+      const int64_t start =
+          opt.shuffle ? int64_t(splitmix64(opt.seed * 0x100000001b3ULL ^ uint64_t(data_pos)) % uint64_t(shard.size()))
+                      : data_pos;
+      for (auto& p : window_pieces(shard, start, L)) pieces.push_back(std::move(p));
+      data_pos = opt.shuffle ? data_pos + 1 : (data_pos + L) % shard.size();
     }
     int64_t count = 0;
     for (const auto& p : pieces) count += int64_t(p.size()) - 1;

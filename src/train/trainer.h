@@ -34,6 +34,9 @@ struct TrainOptions {
   double lr = 3e-3, min_lr_ratio = 0.1, warmup_fraction = 0.01, weight_decay = 0.1, clip = 1.0;
   BalanceOptions balance;          // method none / qb-exact / qb-histogram / sign
   uint64_t seed = 0;
+  // Window order: shuffled (each window starts at a position drawn from (seed, window number), so a
+  // resumed run draws the same windows), or sequential through the shard.
+  bool shuffle = true;
   bool resume = false;
   bool skip_nonfinite = false;     // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;         // steps; a checkpoint is also written at the end

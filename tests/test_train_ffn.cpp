@@ -17,6 +17,7 @@
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
 #include "train/ffn_block.h"
+#include "util/finite_diff.h"
 #include "util/fixture.h"
 
 using k3::Activation;
@@ -265,13 +266,7 @@ void fd_check(ParamStore& P, std::vector<double>& x, const std::vector<double>& 
   grad(dx);
   const double eps = 1e-6;
   auto check = [&](double* v, double analytic, const std::string& what) {
-    const double old = *v;
-    *v = old + eps;
-    const double lp = loss();
-    *v = old - eps;
-    const double lm = loss();
-    *v = old;
-    const double fd = (lp - lm) / (2 * eps);
+    const double fd = k3test::central_difference(v, loss, eps);
     EXPECT_NEAR(analytic, fd, 1e-7 + 1e-5 * std::fabs(fd)) << what;
     st.worst_rel = std::max(st.worst_rel, std::fabs(analytic - fd) / (1e-7 + std::fabs(fd)));
     ++st.checked;

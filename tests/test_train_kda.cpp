@@ -13,6 +13,8 @@
 #include "model/model.h"
 #include "train/kda_block.h"
 #include "train/params.h"
+#include "util/finite_diff.h"
+#include "util/compare.h"
 #include "util/fixture.h"
 
 using namespace k3;
@@ -22,16 +24,6 @@ namespace {
 
 std::string layer_prefix(int64_t l) { return "language_model.model.layers." + std::to_string(l) + "."; }
 
-double rel_l2_d(const std::vector<double>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / (den > 0 ? den : 1e-300));
-}
 
 // ---- micro model ------------------------------------------------------------------------------------
 constexpr int64_t kLayer = 1;  // layer 0 is declared MLA so that the layer index is really checked
@@ -145,7 +137,7 @@ TEST(TrainKda, ForwardMatchesGolden) {
     kda_block_forward(P, layer_prefix(l), c, l, x.data(), T, y2.data(), nullptr);
     EXPECT_EQ(y, y2) << "the tape must not change the result";
     const std::vector<float> ref = k3test::golden().read_f32("attn_out." + std::to_string(l));
-    const double err = rel_l2_d(y, ref);
+    const double err = k3test::rel_l2(y, ref);
     std::printf("attn_out.%lld (KDA, T=%lld) rel L2 %.3e (the fp32 inference block: %.3e)\n", (long long)l,
                 (long long)T, err, k3test::rel_l2(attn_out[l], ref));
     EXPECT_LE(err, 1e-5) << "layer " << l;
@@ -199,13 +191,7 @@ TEST(TrainKda, BackwardMatchesFiniteDifferences) {
       double* v = P.p_mut(n);
       const double* g = P.g(n);
       for (int64_t i = 0; i < P.numel(n); ++i) {
-        const double v0 = v[i];
-        v[i] = v0 + eps;
-        const double lp = loss(P, c, x, T, R);
-        v[i] = v0 - eps;
-        const double lm = loss(P, c, x, T, R);
-        v[i] = v0;
-        const double num = (lp - lm) / (2 * eps);
+        const double num = k3test::central_difference(&v[i], [&] { return loss(P, c, x, T, R); }, eps);
         if (std::string(s) == "A_log" && i >= H) {
           EXPECT_EQ(g[i], 0.0) << n << "[" << i << "] is padding";
           EXPECT_EQ(num, 0.0) << n << "[" << i << "] is padding";

@@ -17,6 +17,8 @@
 #include "model/model.h"
 #include "train/mla_block.h"
 #include "train/params.h"
+#include "util/finite_diff.h"
+#include "util/compare.h"
 #include "util/fixture.h"
 
 using namespace k3;
@@ -29,16 +31,6 @@ using k3test::tiny;
 
 namespace {
 
-double rel_l2_d(const std::vector<double>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / (den > 0 ? den : 1e-300));
-}
 
 TEST(TrainMla, ForwardMatchesGolden) {
   Model& m = tiny();
@@ -69,9 +61,9 @@ TEST(TrainMla, ForwardMatchesGolden) {
     //    than that from the golden (input-limited), no more than 1e-6 beyond it;
     //  - against the inference block on the SAME input: 1e-6 (fp32 rounding of its output ~1e-7).
     const std::vector<float> ref = golden().read_f32("attn_out." + std::to_string(l));
-    const double err = rel_l2_d(y, ref);
+    const double err = k3test::rel_l2(y, ref);
     const double inf_err = k3test::rel_l2(attn_out[l], ref);
-    const double same_in = rel_l2_d(y, attn_out[l]);
+    const double same_in = k3test::rel_l2(y, attn_out[l]);
     std::printf("attn_out.%lld (MLA): ours vs golden %.3e, inference vs golden %.3e, ours vs inference %.3e\n",
                 static_cast<long long>(l), err, inf_err, same_in);
     EXPECT_LE(err, std::max(1e-5, inf_err + 1e-6)) << "layer " << l;
@@ -188,13 +180,7 @@ void fd_check(const Micro& m, int64_t T, uint32_t seed) {
   auto note = [&](double got, double fd) { worst = std::max(worst, std::abs(got - fd) / (1e-7 + 1e-5 * std::abs(fd))); };
 
   for (size_t i = 0; i < nx; ++i) {
-    const double v0 = x[i];
-    x[i] = v0 + eps;
-    const double lp = loss();
-    x[i] = v0 - eps;
-    const double lm = loss();
-    x[i] = v0;
-    const double fd = (lp - lm) / (2 * eps);
+    const double fd = k3test::central_difference(&x[i], loss, eps);
     note(dx[i], fd);
     EXPECT_TRUE(close(dx[i], fd)) << "dx[" << i << "] " << dx[i] << " vs fd " << fd;
   }
@@ -203,13 +189,7 @@ void fd_check(const Micro& m, int64_t T, uint32_t seed) {
     const double* g = P.g(n);
     double gnorm = 0;
     for (int64_t i = 0; i < P.numel(n); ++i) {
-      const double v0 = v[i];
-      v[i] = v0 + eps;
-      const double lp = loss();
-      v[i] = v0 - eps;
-      const double lm = loss();
-      v[i] = v0;
-      const double fd = (lp - lm) / (2 * eps);
+      const double fd = k3test::central_difference(&v[i], loss, eps);
       gnorm += fd * fd;
       note(g[i], fd);
       EXPECT_TRUE(close(g[i], fd)) << n << "[" << i << "] " << g[i] << " vs fd " << fd;

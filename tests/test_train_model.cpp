@@ -11,6 +11,7 @@
 #include "io/safetensors.h"
 #include "train/model_train.h"
 #include "train/params.h"
+#include "util/finite_diff.h"
 #include "util/cli.h"
 #include "util/fixture.h"
 #include "util/temp_dir.h"
@@ -19,6 +20,7 @@ using namespace k3;
 using namespace k3::train;
 using k3test::fixture;
 using k3test::golden;
+using k3test::rel_l2;
 
 namespace {
 
@@ -29,14 +31,6 @@ const K3Config& cfg() {
 
 ParamStore fresh_params() { return ParamStore::from_model_dir(fixture("k3-tiny-a")); }
 
-double rel_l2(const double* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 
 }  // namespace
 
@@ -136,14 +130,8 @@ TEST(TrainModel, ModelGradientMatchesFiniteDifferences) {
     const double* grad = P.g(n);
     for (int k = 0; k < 2; ++k) {
       const int64_t i = int64_t(rng() % uint64_t(numel));
-      double* v = P.p_mut(n) + i;
-      const double keep = *v;
-      *v = keep + eps;
-      const double up = sequence_loss(P, cfg(), ids, false, 0.0);
-      *v = keep - eps;
-      const double down = sequence_loss(P, cfg(), ids, false, 0.0);
-      *v = keep;
-      const double num = (up - down) / (2 * eps);
+      const double num = k3test::central_difference(
+          P.p_mut(n) + i, [&] { return sequence_loss(P, cfg(), ids, false, 0.0); }, eps);
       EXPECT_NEAR(grad[i], num, 1e-6 + 1e-4 * std::abs(num)) << n << "[" << i << "]";
       ++checked;
     }

@@ -9,6 +9,7 @@
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
 #include "train/ops.h"
+#include "util/finite_diff.h"
 
 using namespace k3::train;
 
@@ -26,13 +27,7 @@ void expect_fd(const std::function<double()>& f, std::vector<double>& v, const s
   ASSERT_EQ(v.size(), g.size());
   const double eps = 1e-6;
   for (size_t i = 0; i < v.size(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + eps;
-    const double up = f();
-    v[i] = keep - eps;
-    const double down = f();
-    v[i] = keep;
-    const double num = (up - down) / (2 * eps);
+    const double num = k3test::central_difference(&v[i], f, eps);
     EXPECT_NEAR(g[i], num, 1e-7 + 1e-6 * std::abs(num)) << what << "[" << i << "]";
   }
 }

@@ -20,6 +20,20 @@ inline double rel_l2(const float* a, const float* b, size_t n) {
   }
   return std::sqrt(num / (den > 0 ? den : 1e-300));
 }
+// A float64 result against a float reference (the training path against the goldens).
+inline double rel_l2(const double* a, const float* b, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / (den > 0 ? den : 1e-300));
+}
+inline double rel_l2(const std::vector<double>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  return rel_l2(a.data(), b.data(), a.size());
+}
 inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return INFINITY;
   return rel_l2(a.data(), b.data(), a.size());

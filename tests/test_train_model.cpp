@@ -145,7 +145,10 @@ TEST(TrainModel, GradCliWritesLossAndGradients) {
   std::vector<std::string> args = {"grad", "--model", fixture("k3-tiny-a"), "--out", dir.file("g.safetensors")};
   for (const auto& r : rows) {
     std::string s;
-    for (int32_t id : r) s += (s.empty() ? "" : ",") + std::to_string(id);
+    for (int32_t id : r) {
+      if (!s.empty()) s += ',';
+      s += std::to_string(id);
+    }
     args.push_back("--ids");
     args.push_back(s);
   }

@@ -231,10 +231,8 @@ TEST(QuantileBalance, ExactEstimatorBruteForce) {
 TEST(QuantileBalance, FractionalTargetInterpolatesRanks) {
   const int64_t N = 7, E = 5, K = 2;  // q = 14/5 = 2.8: between r_(3) and r_(4), weights 0.2 / 0.8
   const std::vector<double> s = uniform_scores(N, E, 99);
-  QuantileBalancer qb(E, K);
-  qb.accumulate(s.data(), N);
-  const std::vector<double> bh = qb.estimate_exact();
-  for (int64_t j = 0; j < E; ++j) {
+  // Expert j's required biases r_ij = α_i − s_ij (α_i: the (K+1)-th largest score), ascending.
+  auto sorted_required_bias = [&](int64_t j) {
     std::vector<double> r(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i) {
       std::vector<double> v(s.begin() + i * E, s.begin() + (i + 1) * E);
@@ -242,6 +240,13 @@ TEST(QuantileBalance, FractionalTargetInterpolatesRanks) {
       r[size_t(i)] = v[size_t(K)] - s[size_t(i * E + j)];
     }
     std::sort(r.begin(), r.end());
+    return r;
+  };
+  QuantileBalancer qb(E, K);
+  qb.accumulate(s.data(), N);
+  const std::vector<double> bh = qb.estimate_exact();
+  for (int64_t j = 0; j < E; ++j) {
+    const std::vector<double> r = sorted_required_bias(j);
     EXPECT_NEAR(bh[size_t(j)], 0.2 * r[2] + 0.8 * r[3], 1e-15) << "expert " << j;
     // So, when r_(3) < r_(4), ⌈q⌉ = 3 tokens pass: a load between the ⌊q⌋ and ⌈q⌉ that a
     // fractional target allows.
@@ -255,13 +260,7 @@ TEST(QuantileBalance, FractionalTargetInterpolatesRanks) {
   qh.accumulate(s.data(), N);
   const std::vector<double> hh = qh.estimate_histogram();
   for (int64_t j = 0; j < E; ++j) {
-    std::vector<double> r(static_cast<size_t>(N));
-    for (int64_t i = 0; i < N; ++i) {
-      std::vector<double> v(s.begin() + i * E, s.begin() + (i + 1) * E);
-      std::sort(v.begin(), v.end(), std::greater<>());
-      r[size_t(i)] = v[size_t(K)] - s[size_t(i * E + j)];
-    }
-    std::sort(r.begin(), r.end());
+    const std::vector<double> r = sorted_required_bias(j);
     // With bins far finer than the gaps, the ⌈q⌉-th sample sits alone in its bin (c = 2, h = 1), so
     // the estimate is r_(3)'s bin start + 0.8 bin widths: within one bin width of r_(3).
     EXPECT_NEAR(hh[size_t(j)], r[2], 2.0 * 2.2 / 100000) << "expert " << j;

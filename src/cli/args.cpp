@@ -35,6 +35,15 @@ void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t v
              "position ", i, ") is outside the vocabulary [0, ", vocab_size, ") of ", source);
 }
 
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) {
+    if (!s.empty()) s += ' ';
+    s += std::to_string(id);
+  }
+  return s;
+}
+
 double elapsed_seconds() {
   static const auto t0 = std::chrono::steady_clock::now();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -14,6 +14,9 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& flag)
 void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t vocab_size, const std::string& flag,
                         const std::string& source);
 
+// {1, 2, 3} -> "1 2 3" (the last line of stdout under --print-ids).
+std::string join_ids(const std::vector<int32_t>& ids);
+
 // Seconds since the first call (for progress lines).
 double elapsed_seconds();
 

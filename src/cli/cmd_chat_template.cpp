@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "tokenizer/python_json.h"
@@ -40,9 +41,7 @@ void register_chat_template(CLI::App& app) {
       if (!model->count()) fail("chat-template: --print-ids needs --model DIR (a directory with tiktoken.model)");
       const Tokenizer tok = Tokenizer::load_dir(o->model);
       const std::vector<int32_t> out = encode_segments(tok, segments);
-      std::string line;
-      for (size_t i = 0; i < out.size(); ++i) line += (i ? " " : "") + std::to_string(out[i]);
-      std::printf("%s\n", line.c_str());
+      std::printf("%s\n", join_ids(out).c_str());
       return;
     }
     const std::string text = join_segments(segments);

@@ -116,8 +116,7 @@ void register_generate(CLI::App& app) {
     GenerateResult r = generate(*m, prompt, o->max_new, sampler, on_token);
     if (printed) std::printf("\n");
 
-    std::string ids;
-    for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? " " : "") + std::to_string(r.tokens[i]);
+    const std::string ids = join_ids(r.tokens);
     if (o->print_ids) {
       std::printf("%s\n", ids.c_str());
       return;

@@ -55,8 +55,7 @@ void register_tokenize(CLI::App& app) {
     const std::string text = f->count() ? read_file(o->text_file, "text file") : o->text;
     const Tokenizer tok = load_beside(o->ranks, pattern_by_name(o->pattern));
     const std::vector<int32_t> ids = tok.encode(text, o->allow_special);
-    std::string line;
-    for (size_t i = 0; i < ids.size(); ++i) line += (i ? " " : "") + std::to_string(ids[i]);
+    const std::string line = join_ids(ids);
     if (!o->print_ids) {
       for (int32_t id : ids) {
         const std::string b = tok.decode({id});

@@ -20,6 +20,17 @@ bool python_isspace(uint32_t c) {
   }
 }
 
+bool python_isspace_at(std::string_view text, size_t i, size_t& len) {
+  len = utf8_sequence_length(text, i);
+  if (len == 0) {
+    len = 1;
+    return false;
+  }
+  uint32_t cp = len == 1 ? uint32_t(uint8_t(text[i])) : uint32_t(uint8_t(text[i])) & (0x7fu >> len);
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (uint32_t(uint8_t(text[i + k])) & 0x3f);
+  return python_isspace(cp);
+}
+
 std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text, size_t max_chars, size_t max_run) {
   std::vector<std::pair<size_t, size_t>> parts;
   size_t i = 0;
@@ -28,15 +39,8 @@ std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text, 
     size_t slice_start = i, run_len = 0, chars = 0;
     bool run_is_space = false;
     while (i < text.size() && chars < max_chars) {
-      size_t n = utf8_sequence_length(text, i);
-      uint32_t cp = 0xfffd;  // an invalid byte: one non-space character
-      if (n == 0) {
-        n = 1;
-      } else {
-        cp = n == 1 ? uint32_t(uint8_t(text[i])) : uint32_t(uint8_t(text[i])) & (0x7fu >> n);
-        for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (uint32_t(uint8_t(text[i + k])) & 0x3f);
-      }
-      const bool space = python_isspace(cp);
+      size_t n = 0;
+      const bool space = python_isspace_at(text, i, n);
       if (chars == 0) run_is_space = space;  // s[0].isspace()
       if (space != run_is_space) {
         run_len = 1;

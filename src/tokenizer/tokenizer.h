@@ -23,6 +23,9 @@ constexpr size_t kKimiMaxConsecutiveRun = 25000;   // MAX_NO_WHITESPACES_CHARS
 
 // Python's str.isspace() for one code point.
 bool python_isspace(uint32_t code_point);
+// Python's str.isspace() for the character at text[i]; `len` receives its length in bytes. An
+// invalid UTF-8 byte counts as one non-space character of length 1.
+bool python_isspace_at(std::string_view text, size_t i, size_t& len);
 
 // Kimi's cuts: the byte ranges [begin, end) of text that are encoded separately. Invalid UTF-8
 // bytes count as one non-space character each.

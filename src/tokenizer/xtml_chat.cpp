@@ -17,16 +17,7 @@ namespace {
 
 // Python's str.strip(): whitespace by str.isspace() at both ends.
 std::string python_strip(const std::string& s) {
-  auto space_at = [&](size_t i, size_t& len) {
-    len = utf8_sequence_length(s, i);
-    if (len == 0) {
-      len = 1;
-      return false;
-    }
-    uint32_t cp = len == 1 ? uint32_t(uint8_t(s[i])) : uint32_t(uint8_t(s[i])) & (0x7fu >> len);
-    for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (uint32_t(uint8_t(s[i + k])) & 0x3f);
-    return python_isspace(cp);
-  };
+  auto space_at = [&](size_t i, size_t& len) { return python_isspace_at(s, i, len); };
   // Leading: walk forward. Trailing: walk forward too, remembering where the last non-space ended.
   size_t begin = 0, len = 0;
   while (begin < s.size() && space_at(begin, len)) begin += len;

@@ -170,6 +170,43 @@ TEST(Optimizer, MuonUpdateRmsMatchesAdam) {
   EXPECT_LT(rms, 0.25);
 }
 
+// router_lr_scale: the router matrix takes exactly the update (decay included) of a run at lr·scale;
+// every other tensor the update at lr.
+TEST(Optimizer, RouterLrScaleAppliesToRouterOnly) {
+  const std::string router = "model.layers.1.block_sparse_moe.gate.weight";
+  const std::string other = "model.layers.1.block_sparse_moe.experts.0.w1.weight";
+  auto make = [&] {
+    ParamStore P;
+    P.add(router, {8, 12});
+    P.add(other, {8, 12});
+    std::mt19937 rng(4);
+    fill_randn(P.values().data(), 2 * 8 * 12, rng, 0.1);
+    fill_randn(P.grads().data(), 2 * 8 * 12, rng);
+    return P;
+  };
+  OptimizerConfig scaled, plain;
+  scaled.router_lr_scale = 0.25;
+  ParamStore A = make(), B = make(), C = make();
+  Optimizer oa(A, scaled), ob(B, plain), oc(C, plain);
+  EXPECT_TRUE(is_router_weight(router));
+  EXPECT_FALSE(is_router_weight(other));
+  EXPECT_FALSE(is_router_weight("model.layers.1.block_sparse_moe.gate.e_score_correction_bias"));
+  EXPECT_EQ(oa.plan_of(router).lr_scale, 0.25);
+  EXPECT_EQ(oa.plan_of(other).lr_scale, 1.0);
+  oa.step(A, 0.0625);  // powers of two: lr·scale is exact
+  ob.step(B, 0.0625);  // B: the other tensor's truth
+  oc.step(C, 0.015625);  // C: the router's truth (lr·scale)
+  const double* ar = A.p(router);
+  const double* cr = C.p(router);
+  const double* ao = A.p(other);
+  const double* bo = B.p(other);
+  for (int i = 0; i < 8 * 12; ++i) {
+    EXPECT_EQ(ar[i], cr[i]) << i;
+    EXPECT_EQ(ao[i], bo[i]) << i;
+  }
+  EXPECT_EQ(oa.save_state().header.at("config").at("router_lr_scale").get<double>(), 0.25);
+}
+
 TEST(Optimizer, PerHeadMuonEqualsSeparateMuonPerHead) {
   const int64_t H = 4, D = 8, IN = 20;
   const std::string qn = "model.layers.0.self_attn.q_proj.weight";

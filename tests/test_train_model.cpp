@@ -1,10 +1,12 @@
 // The whole training model (src/train/model_train.h): float64 forward + explicit backward through
-// every K3 block, against Moonshot's float64 reference on the golden fixture (loss_ids_b and every
-// gradient in golden-grads.safetensors), its logits against the golden logits, and the model-level
+// every K3 block, against Moonshot's reference on the golden fixture (loss_ids_b; every gradient
+// against the exact-arithmetic reference and against golden-grads.safetensors), its logits against
+// the golden logits, and the model-level
 // gradient (AttnRes graph, residual snapshots, embedding, lm_head) against finite differences.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "io/config.h"
@@ -70,47 +72,91 @@ TEST(TrainModel, EveryBlockOutputMatchesGolden) {
   EXPECT_LE(worst, 1e-4);  // the fixture's per-layer bar (see LogitsMatchGolden for why not lower)
 }
 
-// DISABLED: an open gap (issue 4). The loss matches (|Δ| < 1e-5) and lm_head, the final norm and
-// the last layers' gradients are within 3e-5..2e-4, but earlier layers drift from the golden: 227 of
-// 533 tensors exceed the 1e-3 bar, growing towards the input (layer 6 ~1e-3, layer 1 ~1e-2). Our
-// gradients are the exact derivative of our forward (ModelGradientMatchesFiniteDifferences). The
-// leading explanation, measured: this random model is chaotic (a 1e-7 relative perturbation of the
-// weights moves layer-1 gradients by 5e-4), and the reference keeps fp32 casts inside its "float64"
-// run (router, AttnRes, SiTU, MLA softmax; K3-ARCHITECTURE.md §6), whose rounding our float64 path
-// does not reproduce. Closing it needs a mode that rounds where the reference rounds, forward and
-// backward. Run with --gtest_also_run_disabled_tests to see the per-tensor figures.
-TEST(TrainModel, DISABLED_LossAndEveryGradientMatchGolden) {
-  ParamStore P = fresh_params();
+namespace {
+
+// Loss of ids_b (mean next-token cross-entropy over both rows) with every gradient in P.
+double ids_b_loss_and_grads(ParamStore& P) {
   const std::vector<std::vector<int32_t>> rows = k3test::golden_rows("ids_b");
   int64_t count = 0;
   for (const auto& r : rows) count += int64_t(r.size()) - 1;
   double loss = 0;
   for (const auto& r : rows) loss += sequence_loss(P, cfg(), r, true, 1.0 / double(count));
-  loss /= double(count);
-  EXPECT_NEAR(loss, double(golden().read_f32("loss_ids_b")[0]), 1e-5);
+  return loss / double(count);
+}
 
-  const SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/golden-grads.safetensors"));
+// Per-tensor relative L2 of our gradients against `ref` (grad.<name>), calling `check(name, error)`
+// for each. A parameter `ref` has no gradient for (routed experts no token chose; the AttnRes query
+// of layer 0's attention, whose mix of one source the reference skips) must be exactly zero here.
+// Returns how many tensors were compared.
+int compare_grads(const ParamStore& P, const SafeTensors& ref, const std::function<void(const std::string&, double)>& check) {
   int checked = 0;
-  double worst = 0;
-  std::string worst_name;
   for (const std::string& n : trainable_names(P)) {
     const double* ours = P.g(n);
     const size_t numel = size_t(P.numel(n));
-    if (!g.has("grad." + n)) {
-      // The reference gives no gradient (routed experts no token chose; AttnRes queries of a use
-      // that is skipped): ours must be exactly zero.
-      for (size_t i = 0; i < numel; ++i) ASSERT_EQ(ours[i], 0.0) << n << "[" << i << "]";
+    if (!ref.has("grad." + n)) {
+      for (size_t i = 0; i < numel; ++i) EXPECT_EQ(ours[i], 0.0) << n << "[" << i << "]";
       continue;
     }
-    const std::vector<float> want = g.read_f32("grad." + n);
-    ASSERT_EQ(want.size(), numel) << n;
-    const double e = rel_l2(ours, want.data(), numel);
-    EXPECT_LE(e, 1e-3) << n;
-    if (e > worst) worst = e, worst_name = n;
+    const std::vector<float> want = ref.read_f32("grad." + n);
+    EXPECT_EQ(want.size(), numel) << n;
+    if (want.size() != numel) continue;
+    check(n, rel_l2(ours, want.data(), numel));
     ++checked;
   }
-  EXPECT_EQ(checked, int(g.names().size()));  // every golden gradient has a parameter
+  return checked;
+}
+
+const SafeTensors& exact_reference_grads() {
+  static SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/grads-exact-reference.safetensors"));
+  return g;
+}
+
+}  // namespace
+
+// The gradient's truth: Moonshot's own modeling code on this model in float64 with its float32 casts
+// turned off (tests/tools/reference_grads/make_exact_grads.py), which is the exact gradient. Stored
+// as F32, so the bar is a few float32 roundings; measured 3.4e-8 on the worst tensor.
+TEST(TrainModel, LossAndEveryGradientMatchExactReference) {
+  ParamStore P = fresh_params();
+  const double loss = ids_b_loss_and_grads(P);
+  EXPECT_NEAR(loss, double(exact_reference_grads().read_f32("loss")[0]), 1e-6);
+  double worst = 0;
+  std::string worst_name;
+  const int checked = compare_grads(P, exact_reference_grads(), [&](const std::string& n, double e) {
+    EXPECT_LE(e, 1e-6) << n;
+    if (e > worst) worst = e, worst_name = n;
+  });
+  EXPECT_EQ(checked, int(exact_reference_grads().names().size()) - 1);  // every reference gradient has a parameter
   std::printf("checked %d gradients; worst relative L2 %.3g (%s)\n", checked, worst, worst_name.c_str());
+}
+
+// Against the fixture's golden-grads.safetensors, made by the same reference code with its float32
+// casts left in. This random model amplifies a relative perturbation of its weights ~2e5-fold into
+// its early-layer gradients, so those casts leave up to 1e-2 of rounding noise there: the exact
+// reference above misses the golden by 1.1e-2 (layer 1), and the same cast-laden code rerun under
+// another torch build misses it by 1.6e-3 (docs/NUMERICS.md). The fixture's 1e-3 bar is therefore out of reach
+// for any implementation that does not share that build's rounding, Moonshot's own code included.
+// What this test holds us to: the loss at the golden's 1e-5, and every gradient no farther from the
+// golden than the exact reference is (within 1% or 1e-6), with the per-tensor figures printed.
+TEST(TrainModel, LossAndEveryGradientAgainstGolden) {
+  ParamStore P = fresh_params();
+  const double loss = ids_b_loss_and_grads(P);
+  EXPECT_NEAR(loss, double(golden().read_f32("loss_ids_b")[0]), 1e-5);
+  const SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/golden-grads.safetensors"));
+  int within_bar = 0;
+  double worst = 0;
+  std::string worst_name;
+  const int checked = compare_grads(P, g, [&](const std::string& n, double e) {
+    const std::vector<float> exact = exact_reference_grads().read_f32("grad." + n);
+    const std::vector<float> want = g.read_f32("grad." + n);
+    const double reference_gap = rel_l2(exact.data(), want.data(), want.size());
+    EXPECT_LE(e, 1.01 * reference_gap + 1e-6) << n << ": the exact reference is at " << reference_gap;
+    within_bar += e <= 1e-3;
+    if (e > worst) worst = e, worst_name = n;
+  });
+  EXPECT_EQ(checked, int(g.names().size()));
+  std::printf("checked %d gradients against the golden: %d within 1e-3; worst relative L2 %.3g (%s)\n", checked,
+              within_bar, worst, worst_name.c_str());
 }
 
 TEST(TrainModel, ModelGradientMatchesFiniteDifferences) {

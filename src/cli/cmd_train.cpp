@@ -57,6 +57,10 @@ void register_train(CLI::App& app) {
   sub->add_option("--min-lr-ratio", o->min_lr_ratio, "final lr / peak lr")->capture_default_str();
   sub->add_option("--warmup", o->warmup_fraction, "warmup as a fraction of all steps")->capture_default_str();
   sub->add_option("--weight-decay", o->weight_decay, "decoupled weight decay (matrices)")->capture_default_str();
+  sub->add_option("--router-lr-scale", o->router_lr_scale,
+                  "lr multiplier for the MoE router matrices (QB balances best when the router moves slowly)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--clip", o->clip, "gradient clipping: max global norm (0: off)")->capture_default_str();
   sub->add_option("--balance", *balance, "router balancing: qb-exact, qb-histogram, sign, none")->capture_default_str();
   sub->add_option("--seed", o->seed, "initialisation seed")->capture_default_str();

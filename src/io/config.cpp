@@ -118,7 +118,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   c.situ_linear_beta = float(f.number("activation_situ_linear_beta", 25.0));
   if (c.hidden_act == Activation::SiTU && !(c.situ_beta > 0 && c.situ_linear_beta > 0))
     fail(f.where("activation_situ_beta"), ": SiTU caps must be positive, got ", c.situ_beta, " / ", c.situ_linear_beta);
-  c.rms_norm_eps = float(f.number("rms_norm_eps", 1e-5));
+  c.rms_norm_eps = f.number("rms_norm_eps", 1e-5);
   if (!(c.rms_norm_eps > 0)) fail(f.where("rms_norm_eps"), " must be positive");
 
   // MLA.

@@ -26,7 +26,7 @@ struct K3Config {
   std::string hidden_act_name = "situ";
   float situ_beta = 4.0f;         // gate cap (activation_situ_beta)
   float situ_linear_beta = 25.0f; // up cap (activation_situ_linear_beta)
-  float rms_norm_eps = 1e-5f;
+  double rms_norm_eps = 1e-5;  // double: the float64 training path uses it as the reference does (Python float)
 
   // Gated MLA (NoPE).
   int64_t q_lora_rank = 0;  // 0: no q low-rank (q_proj directly)
@@ -35,7 +35,7 @@ struct K3Config {
   int64_t qk_rope_head_dim = 0;  // never rotated (NoPE), but scored and cached
   int64_t v_head_dim = 0;
   bool mla_use_output_gate = true;
-  float mla_norm_eps = 1e-6f;  // q_a/kv_a layernorm: the reference passes no eps (class default 1e-6)
+  double mla_norm_eps = 1e-6;  // q_a/kv_a layernorm: the reference passes no eps (class default 1e-6)
 
   // Stable LatentMoE.
   int64_t num_experts = 0;

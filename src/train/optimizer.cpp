@@ -45,6 +45,11 @@ const char* param_group_name(ParamGroup g) {
   return "?";
 }
 
+bool is_router_weight(const std::string& name) {
+  const std::string suffix = "block_sparse_moe.gate.weight";
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 ParamGroup default_param_group(const std::string& name, const std::vector<int64_t>& shape) {
   if (contains(name, "e_score_correction_bias")) return ParamGroup::Frozen;
   // Embedding rows and LM-head rows are per-token lookups/readouts, not linear maps whose spectrum
@@ -151,6 +156,7 @@ Optimizer::Optimizer(const ParamStore& P, OptimizerConfig cfg, const std::map<st
       pl.rows = shape[0];
       pl.cols = pl.rows > 0 ? pl.numel / pl.rows : 0;
     }
+    if (is_router_weight(name)) pl.lr_scale = cfg_.router_lr_scale;
     auto it = head_splits.find(name);
     if (it != head_splits.end()) {
       if (pl.group != ParamGroup::Muon) fail("optimizer: per-head split for '", name, "', which is not a Muon matrix");
@@ -172,13 +178,14 @@ const ParamPlan& Optimizer::plan_of(const std::string& name) const {
   fail("optimizer: no parameter '", name, "'");
 }
 
-void Optimizer::step(ParamStore& P, double lr) {
+void Optimizer::step(ParamStore& P, double step_lr) {
   ++t_;
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
   const double sqrt_bc2 = std::sqrt(bc2);
   std::vector<double> u, o;
   for (const ParamPlan& pl : plan_) {
     if (pl.group == ParamGroup::Frozen) continue;
+    const double lr = step_lr * pl.lr_scale;
     double* W = P.p_mut(pl.name, pl.numel);
     const double* g = P.g(pl.name, pl.numel);
     double* st = state_.data() + pl.state_offset;
@@ -236,7 +243,8 @@ OptimizerState Optimizer::save_state() const {
                 {"nesterov", cfg_.nesterov},
                 {"ns_steps", cfg_.ns_steps},
                 {"muon_scale", cfg_.muon_scale == MuonScale::MatchAdamRms ? "match-adam-rms" : "shape-ratio"},
-                {"muon_rms", cfg_.muon_rms}}},
+                {"muon_rms", cfg_.muon_rms},
+                {"router_lr_scale", cfg_.router_lr_scale}}},
               {"tensors", tensors}};
   s.data = state_;
   return s;

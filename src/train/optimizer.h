@@ -72,7 +72,16 @@ struct OptimizerConfig {
   int ns_steps = 5;
   MuonScale muon_scale = MuonScale::MatchAdamRms;
   double muon_rms = 0.2;  // MatchAdamRms target update RMS
+  // Learning-rate multiplier for the MoE router matrices (`*.block_sparse_moe.gate.weight`). Quantile
+  // Balancing sets step t+1's bias from step t's scores; whatever the optimizer moves the router in
+  // between shows up as load imbalance. Muon (and AdamW) move every router entry by ~lr per step
+  // whatever the gradient's size, so at a small model's high learning rate and small steps that
+  // drift dominates MaxVio (docs/BENCHMARKS.md). 1 = the same rate as every other matrix.
+  double router_lr_scale = 1.0;
 };
+
+// True for a MoE router weight (the tensor router_lr_scale applies to).
+bool is_router_weight(const std::string& name);
 
 // One tensor's treatment (read-only view for logs and tests).
 struct ParamPlan {
@@ -81,6 +90,7 @@ struct ParamPlan {
   int64_t numel = 0, rows = 0, cols = 0;  // rows/cols: Muon only
   int64_t heads = 1;                      // Muon row blocks (1 = whole matrix)
   bool decay = false;
+  double lr_scale = 1.0;                     // multiplies the step's lr (router_lr_scale or 1)
   int64_t state_offset = 0, state_size = 0;  // in the flat state vector
 };
 

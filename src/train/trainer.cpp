@@ -131,6 +131,7 @@ TrainResult train(const TrainOptions& opt) {
 
   OptimizerConfig oc;
   oc.weight_decay = opt.weight_decay;
+  oc.router_lr_scale = opt.router_lr_scale;
   Optimizer optimizer(P, oc, k3_head_splits(P, c));
   std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)

@@ -32,6 +32,7 @@ struct TrainOptions {
   int64_t tokens = 200000;         // total when stages are not given
   int64_t tokens_per_step = 2048;
   double lr = 3e-3, min_lr_ratio = 0.1, warmup_fraction = 0.01, weight_decay = 0.1, clip = 1.0;
+  double router_lr_scale = 1.0;    // OptimizerConfig::router_lr_scale
   BalanceOptions balance;          // method none / qb-exact / qb-histogram / sign
   uint64_t seed = 0;
   // Window order: shuffled (each window starts at a position drawn from (seed, window number), so a

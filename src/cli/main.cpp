@@ -1,10 +1,12 @@
 // k3: the k3cpp command line. `k3 --help` lists the subcommands; each has its own --help.
 #include <cstdio>
 
+#include "cli/blas_cpu.h"
 #include "cli/commands.h"
 #include "core/error.h"
 
 int main(int argc, char** argv) {
+  k3::cli::reexec_with_fast_blas_kernels(argv);
   CLI::App app{"k3: Kimi K3 in C++ (inference and training engine)"};
   app.require_subcommand(1);
   k3::cli::register_logits(app);

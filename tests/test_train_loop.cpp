@@ -84,11 +84,7 @@ TEST(TrainLoop, ResumeAfterSigkillGivesIdenticalLosses) {
   ASSERT_EQ(run_k3(train_args(c, a)).status, 0);
   const std::vector<double> want = losses(a);
   // Start b in the background and SIGKILL it once a few steps are logged.
-  std::string cmd = k3test::shell_quote(K3_BINARY);
-  for (const auto& s : train_args(c, b)) {
-    cmd += ' ';
-    cmd += k3test::shell_quote(s);
-  }
+  const std::string cmd = k3test::k3_command(train_args(c, b));
   const std::string pidfile = c.dir.file("pid");
   ASSERT_EQ(std::system((cmd + " >/dev/null 2>&1 & echo $! > " + pidfile).c_str()), 0);
   std::string pid;

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   k3::cli::register_grad(app);
   k3::cli::register_data(app);
   k3::cli::register_train(app);
+  k3::cli::register_corpus(app);
+  k3::cli::register_eval(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

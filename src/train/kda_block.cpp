@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "train/kda_chunk.h"
 
 namespace k3::train {
 namespace {
@@ -158,28 +159,153 @@ void l2norm_backward(double* d_in, const double* d_out, const double* out, const
   }
 }
 
-// One token of the recurrence for one head, on a D x D key-major state S (S[c*D + j]):
+// One token of the recurrence for one head, on a Dk x Dv key-major state S (S[c*Dv + j]):
 //   S <- Diag(alpha) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T.
-// u and delta are [D] scratch outputs (the backward needs them).
+// u and delta are [Dv] scratch outputs (the backward needs them).
 void recur_step(double* S, const double* k, const double* v, const double* g, double beta, double* u, double* delta,
-                int64_t D) {
-  for (int64_t j = 0; j < D; ++j) u[j] = 0.0;
-  for (int64_t c = 0; c < D; ++c) {
+                int64_t Dk, int64_t Dv) {
+  for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0;
+  for (int64_t c = 0; c < Dk; ++c) {
     const double a = std::exp(g[c]);
-    double* row = S + c * D;
-    for (int64_t j = 0; j < D; ++j) {
+    double* row = S + c * Dv;
+    for (int64_t j = 0; j < Dv; ++j) {
       row[j] *= a;
       u[j] += k[c] * row[j];
     }
   }
-  for (int64_t j = 0; j < D; ++j) delta[j] = beta * (v[j] - u[j]);
-  for (int64_t c = 0; c < D; ++c) {
-    double* row = S + c * D;
-    for (int64_t j = 0; j < D; ++j) row[j] += k[c] * delta[j];
+  for (int64_t j = 0; j < Dv; ++j) delta[j] = beta * (v[j] - u[j]);
+  for (int64_t c = 0; c < Dk; ++c) {
+    double* row = S + c * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] += k[c] * delta[j];
   }
 }
 
 }  // namespace
+
+// Recurrence per head from S = 0; o_t = S_t^T (scale q_t) reads the updated state. S_{t-1} is saved at
+// every state_every-th token for the backward.
+void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
+                               const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                               int64_t Dv, int64_t state_every) {
+  K3_CHECK(T >= 0 && H >= 1 && Dk >= 1 && Dv >= 1 && state_every >= 1, "kda_recurrent_forward_f64: bad sizes T ", T,
+           ", H ", H, ", Dk ", Dk, ", Dv ", Dv, ", state_every ", state_every);
+  const int64_t HDk = H * Dk, HDv = H * Dv, DD = Dk * Dv;
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < H; ++h) {
+    std::vector<double> S(static_cast<size_t>(DD), 0.0), u(static_cast<size_t>(Dv)), delta(static_cast<size_t>(Dv));
+    for (int64_t t = 0; t < T; ++t) {
+      if (states && t % state_every == 0) std::copy(S.begin(), S.end(), states + ((t / state_every) * H + h) * DD);
+      const int64_t rk = t * HDk + h * Dk;
+      recur_step(S.data(), k + rk, v + t * HDv + h * Dv, g + rk, beta[t * H + h], u.data(), delta.data(), Dk, Dv);
+      double* ot = o + t * HDv + h * Dv;
+      for (int64_t j = 0; j < Dv; ++j) ot[j] = 0.0;
+      for (int64_t cc = 0; cc < Dk; ++cc) {
+        const double sq = scale * q[rk + cc];
+        for (int64_t j = 0; j < Dv; ++j) ot[j] += sq * S[size_t(cc * Dv + j)];
+      }
+    }
+  }
+}
+
+// The recurrence, reversed. Per head, dS carries dL/dS_t from the future. Token t (S_{t-1} recomputed from
+// the last saved state at or before t):
+//   S' = Diag(a) S_{t-1}; u = S'^T k; delta = beta (v - u); S_t = S' + k delta^T; o = S_t^T (scale q)
+// backward:
+//   dq = scale S_t do;                 dS += scale q do^T            (o = S_t^T q~)
+//   dk += dS delta; ddelta = dS^T k    (S_t = S' + k delta^T, dS' = dS)
+//   dbeta = ddelta . (v - u); dv = beta ddelta; du = -beta ddelta
+//   dS' += k du^T; dk += S' du         (u = S'^T k)
+//   da[c] = sum_j dS'[c,j] S_{t-1}[c,j]; dS_{t-1} = Diag(a) dS'; dg = da * a   (a = exp(g))
+void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, double* dbeta, const double* d_o,
+                                const double* states, const double* q, const double* k, const double* v,
+                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                                int64_t Dv, int64_t every) {
+  K3_CHECK(T >= 0 && H >= 1 && Dk >= 1 && Dv >= 1 && every >= 1, "kda_recurrent_backward_f64: bad sizes T ", T,
+           ", H ", H, ", Dk ", Dk, ", Dv ", Dv, ", state_every ", every);
+  if (T == 0) return;
+  K3_CHECK(states != nullptr, "kda_recurrent_backward_f64: states is null (the forward must save them)");
+  const int64_t HDk = H * Dk, HDv = H * Dv, DD = Dk * Dv;
+  std::fill(dk, dk + T * HDk, 0.0);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t h = 0; h < H; ++h) {
+    std::vector<double> seg(static_cast<size_t>(every * DD));  // S_{t-1} for the tokens of one segment
+    std::vector<double> dS(static_cast<size_t>(DD), 0.0), Sp(static_cast<size_t>(DD)), St(static_cast<size_t>(DD));
+    std::vector<double> u(static_cast<size_t>(Dv)), delta(static_cast<size_t>(Dv)), ddelta(static_cast<size_t>(Dv)),
+        du(static_cast<size_t>(Dv)), a(static_cast<size_t>(Dk));
+    const int64_t n_seg = (T + every - 1) / every;
+    for (int64_t sgi = n_seg - 1; sgi >= 0; --sgi) {
+      const int64_t t0 = sgi * every, t1 = std::min(T, t0 + every);
+      // Recompute S_{t-1} for t in [t0, t1) from the saved S_{t0-1}.
+      std::vector<double> S(states + (sgi * H + h) * DD, states + (sgi * H + h + 1) * DD);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::copy(S.begin(), S.end(), seg.begin() + (t - t0) * DD);
+        if (t + 1 < t1) {
+          const int64_t rk = t * HDk + h * Dk;
+          recur_step(S.data(), k + rk, v + t * HDv + h * Dv, g + rk, beta[t * H + h], u.data(), delta.data(), Dk, Dv);
+        }
+      }
+      for (int64_t t = t1 - 1; t >= t0; --t) {
+        const int64_t rk = t * HDk + h * Dk, rv = t * HDv + h * Dv;
+        const double* Sprev = &seg[size_t((t - t0) * DD)];
+        const double *qt = q + rk, *kt = k + rk, *vt = v + rv, *gt = g + rk;
+        const double* dot = d_o + rv;
+        const double bt = beta[t * H + h];
+        // Forward of this token again: S', u, delta, S_t.
+        for (int64_t j = 0; j < Dv; ++j) u[size_t(j)] = 0.0;
+        for (int64_t cc = 0; cc < Dk; ++cc) {
+          a[size_t(cc)] = std::exp(gt[cc]);
+          for (int64_t j = 0; j < Dv; ++j) {
+            Sp[size_t(cc * Dv + j)] = a[size_t(cc)] * Sprev[cc * Dv + j];
+            u[size_t(j)] += kt[cc] * Sp[size_t(cc * Dv + j)];
+          }
+        }
+        for (int64_t j = 0; j < Dv; ++j) delta[size_t(j)] = bt * (vt[j] - u[size_t(j)]);
+        for (int64_t cc = 0; cc < Dk; ++cc)
+          for (int64_t j = 0; j < Dv; ++j) St[size_t(cc * Dv + j)] = Sp[size_t(cc * Dv + j)] + kt[cc] * delta[size_t(j)];
+        // Output read: o = S_t^T (scale q).
+        for (int64_t cc = 0; cc < Dk; ++cc) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < Dv; ++j) {
+            acc += St[size_t(cc * Dv + j)] * dot[j];
+            dS[size_t(cc * Dv + j)] += scale * qt[cc] * dot[j];
+          }
+          dq[rk + cc] = scale * acc;
+        }
+        // Update S_t = S' + k delta^T.
+        for (int64_t j = 0; j < Dv; ++j) ddelta[size_t(j)] = 0.0;
+        for (int64_t cc = 0; cc < Dk; ++cc) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < Dv; ++j) {
+            acc += dS[size_t(cc * Dv + j)] * delta[size_t(j)];
+            ddelta[size_t(j)] += dS[size_t(cc * Dv + j)] * kt[cc];
+          }
+          dk[rk + cc] += acc;
+        }
+        // delta = beta (v - u).
+        double db = 0.0;
+        for (int64_t j = 0; j < Dv; ++j) {
+          db += ddelta[size_t(j)] * (vt[j] - u[size_t(j)]);
+          dv[rv + j] = bt * ddelta[size_t(j)];
+          du[size_t(j)] = -bt * ddelta[size_t(j)];
+        }
+        dbeta[t * H + h] = db;
+        // u = S'^T k, then S' = Diag(a) S_{t-1}. dS becomes dS' and then dS_{t-1} in place.
+        for (int64_t cc = 0; cc < Dk; ++cc) {
+          double acc_k = 0.0, acc_a = 0.0;
+          for (int64_t j = 0; j < Dv; ++j) {
+            double& ds = dS[size_t(cc * Dv + j)];
+            acc_k += Sp[size_t(cc * Dv + j)] * du[size_t(j)];
+            ds += kt[cc] * du[size_t(j)];  // dS'
+            acc_a += ds * Sprev[cc * Dv + j];
+            ds *= a[size_t(cc)];  // dS_{t-1}
+          }
+          dk[rk + cc] += acc_k;
+          dg[rk + cc] = acc_a * a[size_t(cc)];  // d exp(g)/dg = exp(g)
+        }
+      }
+    }
+  }
+}
 
 void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                        const double* x, int64_t T, double* y, KdaBlockTape* tape) {
@@ -233,25 +359,15 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
       }
     }
 
-  // 5. Recurrence per head from S = 0; o_t = S_t^T q_t * scale reads the updated state. S_{t-1} is saved at
-  // every state_every-th token for the backward.
-#pragma omp parallel for schedule(static)
-  for (int64_t h = 0; h < H; ++h) {
-    std::vector<double> S(static_cast<size_t>(D * D), 0.0), u(static_cast<size_t>(D)), delta(static_cast<size_t>(D));
-    for (int64_t t = 0; t < T; ++t) {
-      if (n_ckpt > 0 && t % tp.state_every == 0)
-        std::copy(S.begin(), S.end(), tp.states.begin() + ((t / tp.state_every) * H + h) * D * D);
-      const int64_t r = t * HD + h * D;
-      recur_step(S.data(), &tp.k[size_t(r)], &tp.v[size_t(r)], &tp.g[size_t(r)], tp.beta[size_t(t * H + h)], u.data(),
-                 delta.data(), D);
-      double* o = &tp.o[size_t(r)];
-      for (int64_t j = 0; j < D; ++j) o[j] = 0.0;
-      for (int64_t cc = 0; cc < D; ++cc) {
-        const double sq = d.scale * tp.q[size_t(r + cc)];
-        for (int64_t j = 0; j < D; ++j) o[j] += sq * S[size_t(cc * D + j)];
-      }
-    }
-  }
+  // 5. The recurrence (kda_chunk.h), chunked unless the tape asks for the recurrent reference twin. The
+  // states entering every state_every-th token (= every chunk) are saved for the backward.
+  double* states = n_ckpt > 0 ? tp.states.data() : nullptr;
+  if (tp.recurrent_reference)
+    kda_recurrent_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(),
+                              d.scale, T, H, D, D, tp.state_every);
+  else
+    kda_chunk_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(),
+                          d.scale, T, H, D, D, tp.state_every);
 
   // 6. Gated RMSNorm per head (weight shared by heads): on = o * inv * o_norm * sigmoid(g_proj x); y = o_proj on.
   linear(tp.gp.data(), x, T, W.g, HD, hid);
@@ -316,97 +432,16 @@ void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config
   }
   linear_backward(dgp.data(), x, T, W.g, G.g, HD, hid, dx);  // gp = g_proj x
 
-  // 5. Recurrence, reversed. Per head, dS carries dL/dS_t from the future. Token t (S_{t-1} recomputed from
-  // the last saved state at or before t):
-  //   S' = Diag(a) S_{t-1}; u = S'^T k; delta = beta (v - u); S_t = S' + k delta^T; o = S_t^T (scale q)
-  // backward:
-  //   dq = scale S_t do;                 dS += scale q do^T            (o = S_t^T q~)
-  //   dk += dS delta; ddelta = dS^T k    (S_t = S' + k delta^T, dS' = dS)
-  //   dbeta = ddelta . (v - u); dv = beta ddelta; du = -beta ddelta
-  //   dS' += k du^T; dk += S' du         (u = S'^T k)
-  //   da[c] = sum_j dS'[c,j] S_{t-1}[c,j]; dS_{t-1} = Diag(a) dS'; dg = da * a   (a = exp(g))
+  // 5. The recurrence, in the form the forward used (the saved states mean the same in both).
   std::vector<double> dq = buf(T * HD), dk = buf(T * HD), dv = buf(T * HD), dg = buf(T * HD), dbeta = buf(T * H);
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t DD = D * D;
-    std::vector<double> seg(static_cast<size_t>(every * DD));  // S_{t-1} for the tokens of one segment
-    std::vector<double> dS(static_cast<size_t>(DD), 0.0), Sp(static_cast<size_t>(DD)), St(static_cast<size_t>(DD));
-    std::vector<double> u(static_cast<size_t>(D)), delta(static_cast<size_t>(D)), ddelta(static_cast<size_t>(D)),
-        du(static_cast<size_t>(D)), a(static_cast<size_t>(D));
-    const int64_t n_seg = (T + every - 1) / every;
-    for (int64_t sgi = n_seg - 1; sgi >= 0; --sgi) {
-      const int64_t t0 = sgi * every, t1 = std::min(T, t0 + every);
-      // Recompute S_{t-1} for t in [t0, t1) from the saved S_{t0-1}.
-      std::vector<double> S(tp.states.begin() + (sgi * H + h) * DD, tp.states.begin() + (sgi * H + h + 1) * DD);
-      for (int64_t t = t0; t < t1; ++t) {
-        std::copy(S.begin(), S.end(), seg.begin() + (t - t0) * DD);
-        if (t + 1 < t1) {
-          const int64_t r = t * HD + h * D;
-          recur_step(S.data(), &tp.k[size_t(r)], &tp.v[size_t(r)], &tp.g[size_t(r)], tp.beta[size_t(t * H + h)],
-                     u.data(), delta.data(), D);
-        }
-      }
-      for (int64_t t = t1 - 1; t >= t0; --t) {
-        const int64_t r = t * HD + h * D;
-        const double* Sprev = &seg[size_t((t - t0) * DD)];
-        const double *q = &tp.q[size_t(r)], *k = &tp.k[size_t(r)], *v = &tp.v[size_t(r)], *g = &tp.g[size_t(r)];
-        const double *dot = &d_o[size_t(r)];
-        const double beta = tp.beta[size_t(t * H + h)];
-        // Forward of this token again: S', u, delta, S_t.
-        for (int64_t j = 0; j < D; ++j) u[size_t(j)] = 0.0;
-        for (int64_t cc = 0; cc < D; ++cc) {
-          a[size_t(cc)] = std::exp(g[cc]);
-          for (int64_t j = 0; j < D; ++j) {
-            Sp[size_t(cc * D + j)] = a[size_t(cc)] * Sprev[cc * D + j];
-            u[size_t(j)] += k[cc] * Sp[size_t(cc * D + j)];
-          }
-        }
-        for (int64_t j = 0; j < D; ++j) delta[size_t(j)] = beta * (v[j] - u[size_t(j)]);
-        for (int64_t cc = 0; cc < D; ++cc)
-          for (int64_t j = 0; j < D; ++j) St[size_t(cc * D + j)] = Sp[size_t(cc * D + j)] + k[cc] * delta[size_t(j)];
-        // Output read: o = S_t^T (scale q).
-        for (int64_t cc = 0; cc < D; ++cc) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < D; ++j) {
-            acc += St[size_t(cc * D + j)] * dot[j];
-            dS[size_t(cc * D + j)] += d.scale * q[cc] * dot[j];
-          }
-          dq[size_t(r + cc)] = d.scale * acc;
-        }
-        // Update S_t = S' + k delta^T.
-        for (int64_t j = 0; j < D; ++j) ddelta[size_t(j)] = 0.0;
-        for (int64_t cc = 0; cc < D; ++cc) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < D; ++j) {
-            acc += dS[size_t(cc * D + j)] * delta[size_t(j)];
-            ddelta[size_t(j)] += dS[size_t(cc * D + j)] * k[cc];
-          }
-          dk[size_t(r + cc)] += acc;
-        }
-        // delta = beta (v - u).
-        double db = 0.0;
-        for (int64_t j = 0; j < D; ++j) {
-          db += ddelta[size_t(j)] * (v[j] - u[size_t(j)]);
-          dv[size_t(r + j)] = beta * ddelta[size_t(j)];
-          du[size_t(j)] = -beta * ddelta[size_t(j)];
-        }
-        dbeta[size_t(t * H + h)] = db;
-        // u = S'^T k, then S' = Diag(a) S_{t-1}. dS becomes dS' and then dS_{t-1} in place.
-        for (int64_t cc = 0; cc < D; ++cc) {
-          double acc_k = 0.0, acc_a = 0.0;
-          for (int64_t j = 0; j < D; ++j) {
-            double& ds = dS[size_t(cc * D + j)];
-            acc_k += Sp[size_t(cc * D + j)] * du[size_t(j)];
-            ds += k[cc] * du[size_t(j)];  // dS'
-            acc_a += ds * Sprev[cc * D + j];
-            ds *= a[size_t(cc)];  // dS_{t-1}
-          }
-          dk[size_t(r + cc)] += acc_k;
-          dg[size_t(r + cc)] = acc_a * a[size_t(cc)];  // d exp(g)/dg = exp(g)
-        }
-      }
-    }
-  }
+  if (tp.recurrent_reference)
+    kda_recurrent_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(), tp.states.data(),
+                               tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D,
+                               every);
+  else
+    kda_chunk_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(), tp.states.data(),
+                           tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D,
+                           every);
 
   // 4. Gate: g = lb * s, s = sigmoid(m), m = A (z + dt_bias), A = exp(A_log[h]).
   //   dm = lb dg s (1 - s);  dz = A dm;  d dt_bias += A dm;  dA_log[h] += sum dm (z + dt_bias) A  (dA/dA_log = A).

@@ -9,7 +9,11 @@
 //   per head, S_0 = 0 (D x D, key-major):
 //     S' = Diag(alpha_t) S_{t-1};  u = S'^T k_t;  S_t = S' + beta_t k_t (v_t - u)^T;  o_t = S_t^T q_t / sqrt(D)
 //   y = Wo ( RMSNorm_head(o; o_norm, rms_norm_eps) * sigmoid(Wg x) )
-// The backward differentiates that recurrent form token by token, in reverse.
+// The recurrence (between the normalised q, k, v, beta, g and o) runs in the chunked form of kda_chunk.h,
+// forward and backward (matrix-matrix work per 16-token chunk; the backward differentiates the chunked
+// form directly). The token-by-token recurrent form is kept below as the reference twin
+// (kda_recurrent_forward_f64 / kda_recurrent_backward_f64): the tests compare the two, and a tape can
+// select it (KdaBlockTape::recurrent_reference).
 //
 // Parameters, appended to `prefix` (e.g. "language_model.model.layers.3."):
 //   self_attn.{q,k,v}_proj.weight [HD, hidden]     self_attn.{q,k,v}_conv1d.weight [HD, 1, K] (or [HD, K])
@@ -19,8 +23,10 @@
 //   used and only they receive gradient)           self_attn.dt_bias [HD]     self_attn.o_norm.weight [D]
 //
 // Memory of the tape: ~20 arrays of T*HD doubles plus the recurrent state S_{t-1} at every
-// `state_every`-th token (T/state_every * H*D*D doubles). The backward recomputes the states between
-// two checkpoints (state_every * H*D*D scratch), so memory stays O(T*H*D + (T/state_every + state_every)*H*D*D).
+// `state_every`-th token (T/state_every * H*D*D doubles). In the chunked form state_every is the chunk
+// size and these are the states entering the chunks; the backward recomputes each chunk from its state
+// (O(chunk * D) scratch per head). The recurrent twin recomputes the states between two checkpoints
+// (state_every * H*D*D scratch). Either way memory is O(T*H*D + (T/state_every + state_every)*H*D*D).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -32,9 +38,14 @@
 namespace k3::train {
 
 struct KdaBlockTape {
-  // Tokens between two saved recurrent states. Set it before kda_block_forward to trade memory for
-  // recomputation (1: every state is saved; the backward then recomputes nothing). Kept by the forward.
+  // Tokens between two saved recurrent states: the chunk size of the chunked form (default K3's 16), or
+  // the checkpoint spacing of the recurrent twin (1: every state saved, nothing recomputed). Set it
+  // before kda_block_forward; the backward uses the forward's. The result does not depend on it beyond
+  // rounding.
   int64_t state_every = 16;
+  // true: the forward and backward run the token-by-token recurrence (the reference twin) instead of
+  // the chunked form. Set before kda_block_forward.
+  bool recurrent_reference = false;
 
   // Filled by kda_block_forward.
   int64_t T = 0;
@@ -64,5 +75,19 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
 // dy: [T, hidden]; dx: [T, hidden] (OVERWRITTEN). Parameter gradients are ACCUMULATED into P.g(...).
 void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                         const KdaBlockTape& tape, const double* dy, double* dx);
+
+// The recurrence core in its token-by-token form: the reference twin of kda_chunk_forward_f64 and
+// kda_chunk_backward_f64 (kda_chunk.h), with the same layouts, contract and result (to rounding). Here
+// `states` ([ceil(T/state_every), H, Dk, Dv], may be nullptr in the forward) holds S_{t-1} at every
+// state_every-th token, which for state_every == chunk is exactly the chunked form's chunk_states; the
+// backward recomputes the states in between. Per token it does O(Dk Dv) rank-1 and matrix-vector work.
+void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
+                               const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                               int64_t Dv, int64_t state_every);
+// Outputs OVERWRITTEN, as kda_chunk_backward_f64.
+void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, double* dbeta, const double* d_o,
+                                const double* states, const double* q, const double* k, const double* v,
+                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                                int64_t Dv, int64_t state_every);
 
 }  // namespace k3::train

@@ -1,5 +1,6 @@
 // Runs the k3 binary (K3_BINARY) from tests and captures its exit status and output.
 #pragma once
+#include <cblas.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -35,11 +36,18 @@ inline Outcome run_shell(const std::string& command, const std::string& redirect
   return r;
 }
 
-// K3_BINARY with each argument quoted.
-inline Outcome run_k3(const std::vector<std::string>& args, const std::string& redirect = "2>&1") {
-  std::string cmd = shell_quote(K3_BINARY);
+// The shell command line that runs K3_BINARY with `args`, each quoted. The binary runs with this test
+// process's OpenBLAS kernels (OPENBLAS_CORETYPE): on a CPU OpenBLAS does not recognise, k3 would
+// otherwise re-execute itself with faster kernels (src/cli/blas_cpu.h), which round differently, and
+// tests that compare numbers bit for bit across processes would see that, not a bug.
+inline std::string k3_command(const std::vector<std::string>& args) {
+  std::string cmd = "OPENBLAS_CORETYPE=" + shell_quote(openblas_get_corename()) + " " + shell_quote(K3_BINARY);
   for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
-  return run_shell(cmd, redirect);
+  return cmd;
+}
+
+inline Outcome run_k3(const std::vector<std::string>& args, const std::string& redirect = "2>&1") {
+  return run_shell(k3_command(args), redirect);
 }
 
 }  // namespace k3test

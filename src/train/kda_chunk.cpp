@@ -49,61 +49,20 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/gemm/tiled_f64.h"
 
 namespace k3::train {
 namespace {
 
-// C[m, nn] += alpha op(A) B, row-major with row strides lda, ldb, ldc; op(A) = A ([m, kk]) or, with
-// kTransA, A^T (A stored [kk, m]). The products here are small (16..64 on a side) and numerous (a dozen
-// per chunk), so instead of cblas_dgemm this is a register-tiled loop like the inference kernel's
-// matmul_acc (src/kernels/kda/kda_cpu.cpp): each kMR x kNR tile of C is summed in a local array the
-// compiler keeps in vector registers. Two reasons. Speed: at these sizes OpenBLAS spends much of a call
-// in its interface and packing, and with its generic (Prescott) kernels, which it picks on CPUs it does
-// not recognise (this VM's), the chunked forward was slower than the recurrence. Reproducibility: the
-// result does not depend on which OpenBLAS kernel set is loaded (the k3 CLI may re-execute itself with a
-// different OPENBLAS_CORETYPE than a test process), and the summation order is fixed: p ascending.
-constexpr int64_t kMR = 8, kNR = 16;
-template <bool kTransA>
-void gemm_acc(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m,
-              int64_t nn, int64_t kk, double alpha) {
-  auto a_at = [&](int64_t i, int64_t p) { return kTransA ? A[p * lda + i] : A[i * lda + p]; };
-  for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-    const int64_t mr = std::min(kMR, m - i0);
-    for (int64_t j0 = 0; j0 < nn; j0 += kNR) {
-      const int64_t nr = std::min(kNR, nn - j0);
-      if (mr == kMR && nr == kNR) {
-        double acc[kMR][kNR] = {};
-        for (int64_t p = 0; p < kk; ++p) {
-          const double* b = B + p * ldb + j0;
-          for (int64_t r = 0; r < kMR; ++r) {
-            const double a = a_at(i0 + r, p);
-#pragma omp simd
-            for (int64_t c = 0; c < kNR; ++c) acc[r][c] += a * b[c];
-          }
-        }
-        for (int64_t r = 0; r < kMR; ++r)
-          for (int64_t c = 0; c < kNR; ++c) C[(i0 + r) * ldc + j0 + c] += alpha * acc[r][c];
-      } else {  // edge tile: same summation order, plain loops
-        for (int64_t r = 0; r < mr; ++r) {
-          double acc[kNR] = {};
-          for (int64_t p = 0; p < kk; ++p) {
-            const double a = a_at(i0 + r, p);
-            const double* b = B + p * ldb + j0;
-            for (int64_t c = 0; c < nr; ++c) acc[c] += a * b[c];
-          }
-          for (int64_t c = 0; c < nr; ++c) C[(i0 + r) * ldc + j0 + c] += alpha * acc[c];
-        }
-      }
-    }
-  }
-}
+// Products: k3::gemm_acc_f64 (kernels/gemm/tiled_f64.h), not cblas_dgemm; its header says why (speed at
+// these sizes, and a result independent of the OpenBLAS kernel set and thread count).
 void gemm_nn(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m, int64_t nn,
              int64_t kk, double alpha) {
-  gemm_acc<false>(C, ldc, A, lda, B, ldb, m, nn, kk, alpha);
+  gemm_acc_f64<false>(C, ldc, A, lda, B, ldb, m, nn, kk, alpha);
 }
 void gemm_tn(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m, int64_t nn,
              int64_t kk, double alpha) {
-  gemm_acc<true>(C, ldc, A, lda, B, ldb, m, nn, kk, alpha);
+  gemm_acc_f64<true>(C, ldc, A, lda, B, ldb, m, nn, kk, alpha);
 }
 // dst[cols, rows] = src[rows, cols]^T (src row stride lds, dst row stride rows). Products with a
 // transposed right operand transpose it first (it is small) and run gemm_nn.

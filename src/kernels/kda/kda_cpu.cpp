@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/gemm/tiled_f64.h"
 
 namespace k3::kda {
 namespace {
@@ -23,43 +24,12 @@ namespace {
 // 1 / (1 + e^-x). For x -> -inf, e^-x -> inf and the quotient is 0; for x -> +inf it is 1. No NaN.
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// C[i][j] += alpha * sum_p A[i][p] * B[p][j] for i < m, j < nn, p < kk; row strides lda, ldb, ldc.
-// The chunked KDA spends most of its flops in products of this shape (64..128 rows, 128 columns, 64..128
-// deep). The plain i-p-j loop reloads and restores a row of C for every p; here each kMR x kNR tile of C is
-// accumulated in a small local array that the compiler keeps in vector registers, so the inner step is kNR/16
-// loads of B, kMR broadcasts of A and kMR*kNR/8 FMAs (fp64). Measured at 128^3 (-O3 -march=native, AVX-512):
-// 65 vs 11 GFMA/s; with AVX2 only 30 vs 16. Edge tiles fall back to the plain loops.
-constexpr int64_t kMR = 8, kNR = 16;
-void matmul_acc(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m,
-                int64_t nn, int64_t kk, double alpha) {
-  for (int64_t i0 = 0; i0 < m; i0 += kMR) {
-    const int64_t mr = std::min(kMR, m - i0);
-    for (int64_t j0 = 0; j0 < nn; j0 += kNR) {
-      const int64_t nr = std::min(kNR, nn - j0);
-      if (mr == kMR && nr == kNR) {
-        double acc[kMR][kNR] = {};
-        for (int64_t p = 0; p < kk; ++p) {
-          const double* b = B + p * ldb + j0;
-          for (int64_t r = 0; r < kMR; ++r) {
-            const double a = A[(i0 + r) * lda + p];
-#pragma omp simd
-            for (int64_t c = 0; c < kNR; ++c) acc[r][c] += a * b[c];
-          }
-        }
-        for (int64_t r = 0; r < kMR; ++r)
-          for (int64_t c = 0; c < kNR; ++c) C[(i0 + r) * ldc + j0 + c] += alpha * acc[r][c];
-      } else {
-        for (int64_t r = 0; r < mr; ++r) {
-          double* crow = C + (i0 + r) * ldc + j0;
-          for (int64_t p = 0; p < kk; ++p) {
-            const double a = alpha * A[(i0 + r) * lda + p];
-            const double* b = B + p * ldb + j0;
-            for (int64_t c = 0; c < nr; ++c) crow[c] += a * b[c];
-          }
-        }
-      }
-    }
-  }
+constexpr int64_t kMR = kTiledF64Rows;  // the forward substitution's row block: one tile of rows
+
+// C += alpha · A · B (row-major): the chunked form's products, k3::gemm_acc_f64 (kernels/gemm/tiled_f64.h).
+inline void matmul_acc(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m,
+                       int64_t nn, int64_t kk, double alpha) {
+  gemm_acc_f64<false>(C, ldc, A, lda, B, ldb, m, nn, kk, alpha);
 }
 
 void check_dims(const char* fn, int64_t T, int64_t H, int64_t D, const char* dname) {

@@ -350,6 +350,17 @@ TEST(EvalCli, WritesJsonAndPlots) {
     }
   }
 
+  // A relative --out (as scripts/run.sh passes it): the plots are drawn all the same.
+  if (have_gnuplot) {
+    const k3test::Outcome rel = k3test::run_shell(
+        "cd " + k3test::shell_quote(dir.path().string()) + " && " +
+        k3test::k3_command({"eval", "--model", k3test::fixture("k3-tiny-a"), "--heldout", "ho.bin", "--train-length",
+                            "64", "--heldout-tokens", "100", "--out", "rel/out"}));
+    ASSERT_EQ(rel.status, 0) << rel.output;
+    EXPECT_EQ(rel.output.find("gnuplot failed"), std::string::npos) << rel.output;
+    EXPECT_GT(read(dir.file("rel/out/expert_load.png")).size(), 1000u) << rel.output;
+  }
+
   // No gnuplot: JSON and data still written, PNGs skipped with the install hint.
   const k3test::Outcome n = k3test::run_shell(
       "K3_GNUPLOT=/nonexistent/gnuplot " + k3test::shell_quote(K3_BINARY) + " eval --model " +

@@ -93,7 +93,9 @@ struct Writer {
     if (gnuplot.empty()) {
       r.note = "gnuplot not found: data and script written, PNG skipped";
     } else {
-      const fs::path log = fs::path(data_dir) / (name + ".log");
+      // The command runs in data_dir (the script names its files relative to it), so the log path
+      // must not be relative to ours.
+      const fs::path log = fs::absolute(fs::path(data_dir) / (name + ".log"));
       std::error_code ec;
       fs::remove(png, ec);
       const std::string cmd = "cd " + quote(data_dir) + " && " + quote(gnuplot) + " " + quote(name + ".gp") + " > " +

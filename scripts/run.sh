@@ -21,6 +21,12 @@
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)
 set -euo pipefail
+if [ $# -gt 0 ]; then
+  case "$1" in
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "scripts/run.sh takes no arguments (settings are environment variables; see --help)" >&2; exit 2 ;;
+  esac
+fi
 cd "$(dirname "$0")/.."
 DIR=${K3_DEMO_DIR:-out/demo}
 MINUTES=${K3_DEMO_MINUTES:-8}

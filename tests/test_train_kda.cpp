@@ -16,6 +16,7 @@
 #include "util/finite_diff.h"
 #include "util/compare.h"
 #include "util/fixture.h"
+#include "util/kda_micro.h"
 
 using namespace k3;
 using namespace k3::train;
@@ -28,19 +29,7 @@ std::string layer_prefix(int64_t l) { return "language_model.model.layers." + st
 // ---- micro model ------------------------------------------------------------------------------------
 constexpr int64_t kLayer = 1;  // layer 0 is declared MLA so that the layer index is really checked
 
-K3Config micro_config() {
-  K3Config c;
-  c.source = "micro";
-  c.hidden_size = 8;
-  c.num_hidden_layers = 2;
-  c.kda_num_heads = 2;
-  c.kda_head_dim = 4;
-  c.short_conv_kernel_size = 4;
-  c.gate_lower_bound = -5.0f;
-  c.rms_norm_eps = 1e-5f;
-  c.layer_kind = {AttnKind::MLA, AttnKind::KDA};
-  return c;
-}
+K3Config micro_config() { return k3test::kda_micro_config(8, 2, 4, {AttnKind::MLA, AttnKind::KDA}); }
 
 const char* kSuffixes[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
                            "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight",

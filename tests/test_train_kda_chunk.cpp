@@ -17,6 +17,7 @@
 #include "train/kda_chunk.h"
 #include "train/params.h"
 #include "util/finite_diff.h"
+#include "util/kda_micro.h"
 
 using namespace k3;
 using namespace k3::train;
@@ -286,19 +287,7 @@ namespace {
 
 std::string layer_prefix(int64_t l) { return "language_model.model.layers." + std::to_string(l) + "."; }
 
-K3Config block_config() {
-  K3Config c;
-  c.source = "micro";
-  c.hidden_size = 12;
-  c.num_hidden_layers = 1;
-  c.kda_num_heads = 3;
-  c.kda_head_dim = 8;
-  c.short_conv_kernel_size = 4;
-  c.gate_lower_bound = -5.0f;
-  c.rms_norm_eps = 1e-5f;
-  c.layer_kind = {AttnKind::KDA};
-  return c;
-}
+K3Config block_config() { return k3test::kda_micro_config(12, 3, 8, {AttnKind::KDA}); }
 
 ParamStore block_params(const K3Config& c, uint64_t seed) {
   const int64_t hid = c.hidden_size, H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D, K = c.short_conv_kernel_size;

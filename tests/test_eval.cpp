@@ -98,8 +98,8 @@ TEST(Eval, NllSumMatchesHandValues) {
 
 TEST(Eval, UnigramEntropyMatchesHandValue) {
   const uint32_t t[] = {1, 1, 2, 2, 3, 3, 3, 3};
-  EXPECT_NEAR(eval::unigram_entropy(t, 8), -(0.25 * std::log(0.25) * 2 + 0.5 * std::log(0.5)), 1e-12);
-  EXPECT_EQ(eval::unigram_entropy(t, 2), 0.0);
+  EXPECT_NEAR(train::unigram_entropy(t, 8), -(0.25 * std::log(0.25) * 2 + 0.5 * std::log(0.5)), 1e-12);
+  EXPECT_EQ(train::unigram_entropy(t, 2), 0.0);
 }
 
 TEST(Eval, HeldoutLossEqualsDirectLogSoftmaxSum) {
@@ -143,7 +143,7 @@ TEST(Eval, HeldoutLossEqualsDirectLogSoftmaxSum) {
   EXPECT_EQ(r.predictions, predictions);
   EXPECT_NEAR(r.loss, sum / double(predictions), 1e-4 * std::abs(sum / double(predictions)));
   EXPECT_NEAR(r.perplexity, std::exp(r.loss), 1e-9 * r.perplexity);
-  EXPECT_NEAR(r.unigram_entropy, eval::unigram_entropy(toks.data(), cap), 1e-12);
+  EXPECT_NEAR(r.unigram_entropy, train::unigram_entropy(toks.data(), cap), 1e-12);
 
   // Every token of every run piece is routed to k experts in every MoE layer.
   int64_t routed_tokens = 0;

@@ -17,9 +17,11 @@
 #include "util/compare.h"
 #include "util/fixture.h"
 #include "util/kda_micro.h"
+#include "util/random.h"
 
 using namespace k3;
 using namespace k3::train;
+using k3test::randn;
 
 namespace {
 
@@ -69,14 +71,6 @@ ParamStore micro_params(const K3Config& c, uint64_t seed) {
     }
   }
   return P;
-}
-
-std::vector<double> randn(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> v(static_cast<size_t>(n));
-  for (double& e : v) e = nd(rng);
-  return v;
 }
 
 double loss(const ParamStore& P, const K3Config& c, const std::vector<double>& x, int64_t T,

@@ -18,9 +18,11 @@
 #include "train/params.h"
 #include "util/finite_diff.h"
 #include "util/kda_micro.h"
+#include "util/random.h"
 
 using namespace k3;
 using namespace k3::train;
+using k3test::randn;
 
 namespace {
 
@@ -64,14 +66,6 @@ Inputs make_inputs(int64_t T, int64_t H, int64_t Dk, int64_t Dv, Gate gate, uint
     else e = kLowerBound * ud(rng) * ud(rng);  // mostly mild decays, some strong
   }
   return in;
-}
-
-std::vector<double> randn(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> v(static_cast<size_t>(n));
-  for (double& e : v) e = nd(rng);
-  return v;
 }
 
 struct Forward {
@@ -136,31 +130,39 @@ const int64_t kLengths[] = {1, 15, 16, 17, 50, 100};
 const int64_t kChunks[] = {1, 4, 16};
 const Gate kGates[] = {Gate::Random, Gate::AtBound, Gate::NearZero};
 
-}  // namespace
-
-// (a) The chunked forward equals the recurrence (outputs and the states entering every chunk).
-TEST(TrainKdaChunk, ForwardMatchesRecurrent) {
-  double worst_o = 0, worst_s = 0;
-  uint64_t seed = 1;
+// Calls f(shape, T, C, gate) for every combination of the grids above, with a trace naming the case.
+template <class F>
+void for_each_case(F f) {
   for (const Shape sh : kShapes)
     for (const int64_t T : kLengths)
       for (const int64_t C : kChunks)
         for (const Gate gate : kGates) {
           SCOPED_TRACE("H=" + std::to_string(sh.H) + " Dk=" + std::to_string(sh.Dk) + " Dv=" + std::to_string(sh.Dv) +
                        " T=" + std::to_string(T) + " C=" + std::to_string(C) + " gate=" + gate_name(gate));
-          const Inputs in = make_inputs(T, sh.H, sh.Dk, sh.Dv, gate, ++seed);
-          const Forward c = chunk_fwd(in, C), r = recurrent_fwd(in, C);
-          const double eo = rel_max(c.o, r.o), es = rel_max(c.states, r.states);
-          EXPECT_LE(eo, 1e-12);
-          if (T > C) EXPECT_LE(es, 1e-12);  // with one chunk both hold only the zero state
-          else EXPECT_EQ(c.states, r.states);
-          worst_o = std::max(worst_o, eo), worst_s = std::max(worst_s, es);
-          // Without chunk_states the output is the same, bit for bit.
-          std::vector<double> o2(c.o.size());
-          kda_chunk_forward_f64(o2.data(), nullptr, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
-                                in.scale, T, sh.H, sh.Dk, sh.Dv, C);
-          EXPECT_EQ(o2, c.o);
+          f(sh, T, C, gate);
         }
+}
+
+}  // namespace
+
+// (a) The chunked forward equals the recurrence (outputs and the states entering every chunk).
+TEST(TrainKdaChunk, ForwardMatchesRecurrent) {
+  double worst_o = 0, worst_s = 0;
+  uint64_t seed = 1;
+  for_each_case([&](const Shape sh, int64_t T, int64_t C, Gate gate) {
+    const Inputs in = make_inputs(T, sh.H, sh.Dk, sh.Dv, gate, ++seed);
+    const Forward c = chunk_fwd(in, C), r = recurrent_fwd(in, C);
+    const double eo = rel_max(c.o, r.o), es = rel_max(c.states, r.states);
+    EXPECT_LE(eo, 1e-12);
+    if (T > C) EXPECT_LE(es, 1e-12);  // with one chunk both hold only the zero state
+    else EXPECT_EQ(c.states, r.states);
+    worst_o = std::max(worst_o, eo), worst_s = std::max(worst_s, es);
+    // Without chunk_states the output is the same, bit for bit.
+    std::vector<double> o2(c.o.size());
+    kda_chunk_forward_f64(o2.data(), nullptr, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
+                          in.scale, T, sh.H, sh.Dk, sh.Dv, C);
+    EXPECT_EQ(o2, c.o);
+  });
   std::printf("chunked vs recurrent forward: max rel error o %.3e, chunk states %.3e\n", worst_o, worst_s);
 }
 
@@ -169,26 +171,21 @@ TEST(TrainKdaChunk, BackwardMatchesRecurrent) {
   double worst[5] = {0, 0, 0, 0, 0};
   const char* names[5] = {"dq", "dk", "dv", "dg", "dbeta"};
   uint64_t seed = 100;
-  for (const Shape sh : kShapes)
-    for (const int64_t T : kLengths)
-      for (const int64_t C : kChunks)
-        for (const Gate gate : kGates) {
-          SCOPED_TRACE("H=" + std::to_string(sh.H) + " Dk=" + std::to_string(sh.Dk) + " Dv=" + std::to_string(sh.Dv) +
-                       " T=" + std::to_string(T) + " C=" + std::to_string(C) + " gate=" + gate_name(gate));
-          const Inputs in = make_inputs(T, sh.H, sh.Dk, sh.Dv, gate, ++seed);
-          const std::vector<double> d_o = randn(T * sh.H * sh.Dv, ++seed);
-          const Forward fc = chunk_fwd(in, C), fr = recurrent_fwd(in, C);
-          const Grads c = chunk_bwd(in, fc, d_o, C);
-          // The reference with its own checkpoint spacing, unrelated to C.
-          const Grads r = recurrent_bwd(in, fr, d_o, C);
-          const std::vector<double>* a[5] = {&c.dq, &c.dk, &c.dv, &c.dg, &c.dbeta};
-          const std::vector<double>* b[5] = {&r.dq, &r.dk, &r.dv, &r.dg, &r.dbeta};
-          for (int i = 0; i < 5; ++i) {
-            const double e = rel_max(*a[i], *b[i]);
-            EXPECT_LE(e, 1e-10) << names[i];
-            worst[i] = std::max(worst[i], e);
-          }
-        }
+  for_each_case([&](const Shape sh, int64_t T, int64_t C, Gate gate) {
+    const Inputs in = make_inputs(T, sh.H, sh.Dk, sh.Dv, gate, ++seed);
+    const std::vector<double> d_o = randn(T * sh.H * sh.Dv, ++seed);
+    const Forward fc = chunk_fwd(in, C), fr = recurrent_fwd(in, C);
+    const Grads c = chunk_bwd(in, fc, d_o, C);
+    // The reference recomputes from states saved every C tokens too; its result does not depend on that spacing.
+    const Grads r = recurrent_bwd(in, fr, d_o, C);
+    const std::vector<double>* a[5] = {&c.dq, &c.dk, &c.dv, &c.dg, &c.dbeta};
+    const std::vector<double>* b[5] = {&r.dq, &r.dk, &r.dv, &r.dg, &r.dbeta};
+    for (int i = 0; i < 5; ++i) {
+      const double e = rel_max(*a[i], *b[i]);
+      EXPECT_LE(e, 1e-10) << names[i];
+      worst[i] = std::max(worst[i], e);
+    }
+  });
   std::printf("chunked vs recurrent backward, max rel error: dq %.3e dk %.3e dv %.3e dg %.3e dbeta %.3e\n", worst[0],
               worst[1], worst[2], worst[3], worst[4]);
 }

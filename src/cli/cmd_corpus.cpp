@@ -9,7 +9,6 @@
 #include "core/error.h"
 #include "data/brown.h"
 #include "data/retrieval_tasks.h"
-#include "io/file.h"
 #include "io/safetensors.h"
 #include "tokenizer/tokenizer.h"
 
@@ -18,18 +17,6 @@ namespace fs = std::filesystem;
 namespace k3::cli {
 
 namespace {
-
-// The text files of DIR, sorted by name (the documents `k3 corpus brown` wrote).
-std::vector<std::string> text_files(const std::string& dir) {
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) fail(dir, ": not a directory");
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file() && e.path().extension() == ".txt") out.push_back(e.path().string());
-  std::sort(out.begin(), out.end());
-  if (out.empty()) fail(dir, ": no .txt documents");
-  return out;
-}
 
 void register_corpus_brown(CLI::App& parent) {
   struct Opts {
@@ -77,7 +64,7 @@ void register_corpus_retrieval(CLI::App& parent) {
       "filler sentences from --filler, then the question) followed by its answer. Prompt lengths are drawn\n"
       "uniformly from [--min-tokens, --max-tokens] tokens of --tokenizer. Writes OUT/<task>-<n>.txt.");
   sub->add_option("--task", o->task, "passkey or multikey")->capture_default_str();
-  sub->add_option("--filler", o->filler, "directory of plain-text documents, one sentence per line")->required();
+  sub->add_option("--filler", o->filler, "directory (its *.txt) or file of plain-text documents, one sentence per line")->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (lengths are counted in its tokens)")->required();
   sub->add_option("--out", o->out, "output directory")->required();
   sub->add_option("--count", o->count, "number of documents")->check(CLI::Range(int64_t(1), int64_t(10000000)))->capture_default_str();
@@ -88,9 +75,7 @@ void register_corpus_retrieval(CLI::App& parent) {
   sub->callback([o] {
     const data::RetrievalTask task = data::parse_retrieval_task(o->task);
     const Tokenizer tok = Tokenizer::load_dir(o->tokenizer);
-    std::vector<std::string> filler;
-    for (const std::string& f : text_files(o->filler)) filler.push_back(read_file(f, "filler document"));
-    const data::RetrievalTaskGenerator gen(tok, filler);
+    const data::RetrievalTaskGenerator gen(tok, data::read_filler_documents(o->filler, "--filler"));
     const int64_t lo = std::max(o->min_tokens, gen.min_tokens(task, o->keys));
     if (o->max_tokens < lo) fail("--max-tokens ", o->max_tokens, " is below the task's minimum of ", lo, " tokens");
     fs::create_directories(o->out);

@@ -45,29 +45,6 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
   return out;
 }
 
-// Filler text: every regular file of DIR (sorted by name), or the one file given.
-std::vector<std::string> read_filler(const std::string& path) {
-  std::vector<std::string> files;
-  if (fs::is_directory(path)) {
-    for (const auto& e : fs::directory_iterator(path))
-      if (e.is_regular_file()) files.push_back(e.path().string());
-    std::sort(files.begin(), files.end());
-    if (files.empty()) fail("--filler ", path, ": the directory holds no files (expected plain-text documents, one sentence per line, "
-                            "e.g. from `k3 corpus brown --out DIR`, then DIR/heldout)");
-  } else if (fs::is_regular_file(path)) {
-    files.push_back(path);
-  } else {
-    fail("--filler ", path, ": no such file or directory");
-  }
-  std::vector<std::string> docs;
-  for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    if (!in) fail("--filler: cannot read ", f);
-    docs.emplace_back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  }
-  return docs;
-}
-
 nlohmann::ordered_json layer_json(const eval::ExpertLoad::LayerStats& s) {
   return {{"layer", s.layer},         {"assignments", s.assignments}, {"max_vio", s.max_vio},
           {"min_share", s.min_share}, {"max_share", s.max_share},     {"unused_experts", s.unused_experts},
@@ -105,7 +82,7 @@ void register_eval(CLI::App& app) {
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model. Needed for retrieval");
   sub->add_option("--heldout", o->heldout, "held-out token shard (`k3 data`) for loss/perplexity and expert load");
   sub->add_option("--heldout-tokens", o->heldout_tokens, "held-out tokens to evaluate at most")->capture_default_str();
-  sub->add_option("--filler", o->filler, "directory (or file) of plain-text filler documents, one sentence per line, for retrieval");
+  sub->add_option("--filler", o->filler, "directory (its *.txt) or file of plain-text filler documents, one sentence per line, for retrieval");
   sub->add_option("--run", o->run, "training run directory (RUN/metrics.jsonl): loss and MaxVio plots, training length");
   sub->add_option("--lengths", o->lengths, "retrieval prompt lengths in tokens, e.g. 256,512,1024 (default: L/4,L/2,L,2L,4L)");
   sub->add_option("--train-length", o->train_length, "the final training sequence length L (default: from --run)");
@@ -240,7 +217,7 @@ void register_eval(CLI::App& app) {
       const Tokenizer tok = Tokenizer::load_dir(tok_dir);
       if (tok.vocab_size() > cfg.vocab_size)
         fail(tok_dir, ": the tokenizer has ", tok.vocab_size(), " ids but the model's vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
-      const data::RetrievalTaskGenerator gen(tok, read_filler(o->filler));
+      const data::RetrievalTaskGenerator gen(tok, data::read_filler_documents(o->filler, "--filler"));
       lengths = o->lengths.empty() ? std::vector<int64_t>{std::max<int64_t>(2, L / 4), std::max<int64_t>(2, L / 2), L, 2 * L, 4 * L}
                                    : given_lengths;
       lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());

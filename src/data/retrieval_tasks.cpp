@@ -1,24 +1,19 @@
 #include "data/retrieval_tasks.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "core/error.h"
+#include "core/splitmix.h"
+#include "io/file.h"
 
 namespace k3::data {
 
 namespace {
 
-// splitmix64: a fast, well-mixed counter-based generator (the data loader uses the same).
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 struct Rng {
   uint64_t state;
-  uint64_t next() { return mix(state++); }
+  uint64_t next() { return splitmix64(state++); }  // counter-based: a function of the seed
   uint64_t below(uint64_t n) { return next() % n; }
 };
 
@@ -48,6 +43,26 @@ RetrievalTask parse_retrieval_task(const std::string& s) {
   fail("unknown retrieval task '", s, "' (expected passkey or multikey)");
 }
 
+std::vector<std::string> read_filler_documents(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  std::vector<std::string> files;
+  if (std::filesystem::is_directory(path, ec)) {
+    for (const auto& e : std::filesystem::directory_iterator(path))
+      if (e.is_regular_file() && e.path().extension() == ".txt") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    if (files.empty())
+      fail(what, " ", path, ": the directory holds no .txt documents (expected plain text, one sentence per line, ",
+           "e.g. OUT/train or OUT/heldout of `k3 corpus brown --out OUT`)");
+  } else if (std::filesystem::is_regular_file(path, ec)) {
+    files.push_back(path);
+  } else {
+    fail(what, " ", path, ": no such file or directory");
+  }
+  std::vector<std::string> docs;
+  for (const std::string& f : files) docs.push_back(read_file(f, "filler document"));
+  return docs;
+}
+
 int64_t RetrievalTaskGenerator::count(const std::string& s) const { return int64_t(tok_.encode(s, false).size()); }
 
 RetrievalTaskGenerator::RetrievalTaskGenerator(const Tokenizer& tok, const std::vector<std::string>& filler_documents)
@@ -68,17 +83,22 @@ RetrievalTaskGenerator::RetrievalTaskGenerator(const Tokenizer& tok, const std::
     if (!sents.empty()) docs_.push_back(std::move(sents));
   }
   if (docs_.empty()) fail("retrieval tasks: the filler documents hold no sentence");
+  passkey_fixed_ = count(kPasskeyHeader) + count("The pass key is 99999. Remember it. 99999 is the pass key.\n") +
+                   count("What is the pass key? The pass key is");
+  multikey_header_ = count(kMultiKeyHeader);
+  for (const char* w : kKeyWords) {
+    const std::string word = w;
+    multikey_line_max_ = std::max(multikey_line_max_, count("The code for " + word + " is 9999.\n"));
+    multikey_question_max_ =
+        std::max(multikey_question_max_, count("What is the code for " + word + "? The code for " + word + " is"));
+  }
 }
 
 int64_t RetrievalTaskGenerator::min_tokens(RetrievalTask task, int keys) const {
-  // Fixed text with the longest numbers and key words, plus the longest single filler sentence is
-  // not needed: make() accepts an empty filler, so the fixed text is the minimum.
-  const std::string longest_key = "thunder";
-  if (task == RetrievalTask::Passkey)
-    return count(kPasskeyHeader) + count("The pass key is 99999. Remember it. 99999 is the pass key.\n") +
-           count("What is the pass key? The pass key is") + 2;
-  return count(kMultiKeyHeader) + keys * count("The code for " + longest_key + " is 9999.\n") +
-         count("What is the code for " + longest_key + "? The code for " + longest_key + " is") + 2;
+  // The fixed text alone (make() accepts an empty filler). The +2 is slack for the random numbers,
+  // whose digit groups may take a token more than the 9s counted here.
+  if (task == RetrievalTask::Passkey) return passkey_fixed_ + 2;
+  return multikey_header_ + keys * multikey_line_max_ + multikey_question_max_ + 2;
 }
 
 RetrievalExample RetrievalTaskGenerator::make(RetrievalTask task, uint64_t seed, int64_t max_tokens, int keys) const {
@@ -88,7 +108,7 @@ RetrievalExample RetrievalTaskGenerator::make(RetrievalTask task, uint64_t seed,
   if (max_tokens < fixed_min)
     fail("retrieval tasks: ", retrieval_task_name(task), " needs at least ", fixed_min, " tokens, asked for ",
          max_tokens);
-  Rng r{mix(seed ^ (task == RetrievalTask::Passkey ? 0x5041u : 0x4D4Bu))};
+  Rng r{splitmix64(seed ^ (task == RetrievalTask::Passkey ? 0x5041u : 0x4D4Bu))};
 
   // The needles and the question.
   std::vector<std::string> needles;
@@ -156,6 +176,9 @@ RetrievalExample RetrievalTaskGenerator::make(RetrievalTask task, uint64_t seed,
     filler.pop_back();
     for (size_t& a : at) a = std::min(a, filler.size());
   }
+  if (ex.prompt_tokens > max_tokens)  // the fixed text alone is too long: min_tokens' slack was not enough
+    fail("retrieval tasks: this ", retrieval_task_name(task), " prompt needs ", ex.prompt_tokens,
+         " tokens without any filler, more than the ", max_tokens, " asked for");
   return ex;
 }
 

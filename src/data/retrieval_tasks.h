@@ -34,6 +34,12 @@ struct RetrievalExample {
   double depth = 0.0;      // where the (queried) needle sits, as a fraction of the filler
 };
 
+// The filler documents at `path`: every *.txt file of a directory, sorted by name (what `k3 corpus
+// brown` writes to OUT/train and OUT/heldout), or the one file given. `what` names the option in
+// errors (e.g. "--filler"); a missing path, an unreadable file or a directory without documents
+// throws k3::Error naming it.
+std::vector<std::string> read_filler_documents(const std::string& path, const std::string& what);
+
 class RetrievalTaskGenerator {
  public:
   // `filler_documents`: plain text, one sentence per line (e.g. the Brown training samples). Throws
@@ -55,6 +61,10 @@ class RetrievalTaskGenerator {
   int64_t count(const std::string& s) const;
   const Tokenizer& tok_;
   std::vector<std::vector<Sentence>> docs_;  // filler sentences per document, in order
+  // Token counts of the fixed text, for min_tokens (counted once, in the constructor): the whole
+  // passkey text, and the multikey header, its longest key/value line and longest question over
+  // every key word.
+  int64_t passkey_fixed_ = 0, multikey_header_ = 0, multikey_line_max_ = 0, multikey_question_max_ = 0;
 };
 
 }  // namespace k3::data

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <unordered_map>
 
 #include "core/error.h"
 
@@ -92,18 +91,6 @@ std::vector<ExpertLoad::LayerStats> ExpertLoad::stats() const {
   return out;
 }
 
-double unigram_entropy(const uint32_t* tokens, int64_t n) {
-  if (n <= 0) return 0.0;
-  std::unordered_map<uint32_t, int64_t> counts;
-  for (int64_t i = 0; i < n; ++i) ++counts[tokens[i]];
-  double h = 0.0;
-  for (const auto& [id, c] : counts) {
-    const double p = double(c) / double(n);
-    h -= p * std::log(p);
-  }
-  return h;
-}
-
 HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
                            ExpertLoad* load, const std::function<void(int64_t, int64_t)>& progress) {
   if (window < 2) fail("held-out evaluation: the window must be at least 2 tokens, got ", window);
@@ -142,7 +129,7 @@ HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max
   }
   r.loss = sum / double(std::max<int64_t>(r.predictions, 1));
   r.perplexity = std::exp(r.loss);
-  r.unigram_entropy = unigram_entropy(shard.tokens(), r.tokens);
+  r.unigram_entropy = train::unigram_entropy(shard.tokens(), r.tokens);
   r.seconds = seconds_since(t0);
   return r;
 }

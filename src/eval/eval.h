@@ -75,9 +75,6 @@ HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max
                            ExpertLoad* load = nullptr,
                            const std::function<void(int64_t, int64_t)>& progress = {});
 
-// Entropy (nats) of the unigram distribution of tokens[0..n).
-double unigram_entropy(const uint32_t* tokens, int64_t n);
-
 // Exact match of the decoded continuation against the answer (both taken verbatim).
 bool exact_match(const std::string& decoded, const std::string& answer);
 

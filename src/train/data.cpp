@@ -1,6 +1,7 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -70,6 +71,18 @@ std::vector<std::vector<int32_t>> window_pieces(const TokenShard& shard, int64_t
   }
   pieces.erase(std::remove_if(pieces.begin(), pieces.end(), [](const auto& p) { return p.size() < 2; }), pieces.end());
   return pieces;
+}
+
+double unigram_entropy(const uint32_t* tokens, int64_t n) {
+  if (n <= 0) return 0.0;
+  uint32_t max_id = 0;
+  for (int64_t i = 0; i < n; ++i) max_id = std::max(max_id, tokens[i]);
+  std::vector<int64_t> counts(size_t(max_id) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++counts[tokens[i]];
+  double h = 0.0;
+  for (int64_t c : counts)
+    if (c > 0) h -= double(c) / double(n) * std::log(double(c) / double(n));
+  return h;
 }
 
 }  // namespace k3::train

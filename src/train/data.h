@@ -27,6 +27,11 @@ void write_token_shard(const std::string& path, const std::vector<uint32_t>& tok
 // Each text file is one document: its ids (specials in the text are plain text), then eod_id.
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& files, uint32_t eod_id);
 
+// Entropy (nats per token) of the unigram distribution of tokens[0..n): the loss of a model that knows
+// only those tokens' own frequencies, the baseline that held-out losses are reported beside (k3 train
+// --eval-data, k3 eval). Summed in id order, so the figure is reproducible to the bit. 0 for n <= 0.
+double unigram_entropy(const uint32_t* tokens, int64_t n);
+
 class TokenShard {
  public:
   static TokenShard open(const std::string& path);  // validates the header and the size

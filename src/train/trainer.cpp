@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/splitmix.h"
 #include "io/config.h"
 #include "io/file.h"
 #include "io/safetensors.h"
@@ -52,14 +53,6 @@ std::string moe_bias_name(const std::string& root, int64_t l) {
   return root + "layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias";
 }
 
-// SplitMix64: a stateless, well-mixed hash of (seed, window number) -> window start.
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 bool finite_all(const std::vector<double>& v) {
   for (double x : v)
     if (!std::isfinite(x)) return false;
@@ -79,10 +72,7 @@ EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, i
       r.predictions += int64_t(p.size()) - 1;
     }
   r.loss = sum / double(std::max<int64_t>(r.predictions, 1));
-  std::vector<int64_t> counts(static_cast<size_t>(c.vocab_size), 0);
-  for (int64_t i = 0; i < tokens; ++i) ++counts[shard.tokens()[i]];
-  for (int64_t n : counts)
-    if (n > 0) r.unigram_entropy -= double(n) / double(tokens) * std::log(double(n) / double(tokens));
+  r.unigram_entropy = unigram_entropy(shard.tokens(), tokens);
   return r;
 }
 

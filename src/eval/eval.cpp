@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "train/quantile_balance.h"
 
 namespace k3::eval {
 
@@ -78,8 +79,7 @@ ExpertLoad::LayerStats load_stats(int64_t layer, const std::vector<int64_t>& cou
     mn = std::min(mn, counts[e]);
     if (counts[e] == 0) ++s.unused_experts;
   }
-  const double mean = total / double(counts.size());
-  s.max_vio = double(mx) / mean - 1.0;
+  s.max_vio = train::max_violation(counts);  // the same MaxVio the trainer logs
   s.min_share = double(mn) / total;
   s.max_share = double(mx) / total;
   return s;

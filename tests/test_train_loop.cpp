@@ -78,13 +78,19 @@ TEST(TrainLoop, LearnsAndCheckpointsLoadForInference) {
   EXPECT_EQ(g.status, 0) << g.output;
 }
 
+// Both runs sum their gradients in 3 lanes (train/grad_lanes.h). The resumed run is not told the
+// lane count and runs on 2 threads, not 1: it must take the count from the checkpoint.
 TEST(TrainLoop, ResumeAfterSigkillGivesIdenticalLosses) {
   Corpus c;
   const std::string a = c.dir.file("a"), b = c.dir.file("b");
-  ASSERT_EQ(run_k3(train_args(c, a)).status, 0);
+  auto lanes3 = [&](std::vector<std::string> args) {
+    args.insert(args.end(), {"--grad-lanes", "3"});
+    return args;
+  };
+  ASSERT_EQ(run_k3(lanes3(train_args(c, a))).status, 0);
   const std::vector<double> want = losses(a);
   // Start b in the background and SIGKILL it once a few steps are logged.
-  const std::string cmd = k3test::k3_command(train_args(c, b));
+  const std::string cmd = k3test::k3_command(lanes3(train_args(c, b)));
   const std::string pidfile = c.dir.file("pid");
   ASSERT_EQ(std::system((cmd + " >/dev/null 2>&1 & echo $! > " + pidfile).c_str()), 0);
   std::string pid;
@@ -97,7 +103,7 @@ TEST(TrainLoop, ResumeAfterSigkillGivesIdenticalLosses) {
   ASSERT_LT(before, want.size()) << "the run finished before it was killed; nothing to resume";
   std::vector<std::string> args = train_args(c, b);
   args.push_back("--resume");
-  const k3test::Outcome r = run_k3(args);
+  const k3test::Outcome r = k3test::run_shell("OMP_NUM_THREADS=2 " + k3test::k3_command(args));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos);
   EXPECT_EQ(losses(b), want);  // bit-identical loss sequence

@@ -78,6 +78,10 @@ void register_train(CLI::App& app) {
   auto sequential = std::make_shared<bool>(false);
   sub->add_flag("--sequential", *sequential, "read windows in shard order (default: shuffled by --seed)");
   sub->add_flag("--resume", o->resume, "continue from OUT/latest");
+  sub->add_option("--grad-lanes", o->grad_lanes,
+                  "sequences of a step run side by side on this many gradient buffers (one extra model-sized\n"
+                  "float64 buffer each); 0 = the thread count, or the run's own count on --resume")
+      ->capture_default_str();
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite, "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance, sequential] {
     o->shuffle = !*sequential;

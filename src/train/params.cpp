@@ -7,7 +7,21 @@
 
 namespace k3::train {
 
+ParamStore ParamStore::gradient_lane(const ParamStore& base) {
+  ParamStore lane;
+  lane.index_ = base.index_;
+  lane.shared_values_ = &base.values();
+  lane.grads_.assign(base.grads_.size(), 0.0);
+  return lane;
+}
+
+std::vector<double>& ParamStore::values() {
+  if (shared_values_) fail("a gradient lane's parameter values are read-only");
+  return values_;
+}
+
 void ParamStore::add(const std::string& name, const std::vector<int64_t>& shape) {
+  if (shared_values_) fail("parameter '", name, "' added to a gradient lane");
   if (index_.count(name)) fail("parameter '", name, "' added twice");
   int64_t n = 1;
   for (int64_t d : shape) {
@@ -28,9 +42,9 @@ const ParamStore::Entry& ParamStore::entry(const std::string& name, int64_t nume
 }
 
 const double* ParamStore::p(const std::string& name, int64_t numel) const {
-  return values_.data() + entry(name, numel).offset;
+  return values().data() + entry(name, numel).offset;
 }
-double* ParamStore::p_mut(const std::string& name, int64_t numel) { return values_.data() + entry(name, numel).offset; }
+double* ParamStore::p_mut(const std::string& name, int64_t numel) { return values().data() + entry(name, numel).offset; }
 double* ParamStore::g(const std::string& name, int64_t numel) { return grads_.data() + entry(name, numel).offset; }
 const double* ParamStore::g(const std::string& name, int64_t numel) const {
   return grads_.data() + entry(name, numel).offset;

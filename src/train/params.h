@@ -19,7 +19,13 @@ class ParamStore {
   // MXFP4 expert tensors are not supported for training (decode them to BF16 first).
   static ParamStore from_model_dir(const std::string& dir);
 
-  // Adds a zero-initialised tensor (before freeze(); names must be new).
+  // A gradient lane of `base`: the same tensors, reading `base`'s values (which must outlive it and
+  // not be resized), with a gradient buffer of its own. The trainer runs a step's sequences on
+  // several lanes at once and sums their gradients in lane order (train/grad_lanes.h). A lane's
+  // values are read-only: p_mut()/values() on it throw.
+  static ParamStore gradient_lane(const ParamStore& base);
+
+  // Adds a zero-initialised tensor (names must be new; not on a gradient lane).
   void add(const std::string& name, const std::vector<int64_t>& shape);
 
   bool has(const std::string& name) const { return index_.count(name) != 0; }
@@ -34,9 +40,9 @@ class ParamStore {
 
   std::vector<std::string> names() const;  // sorted
   void zero_grads();
-  std::vector<double>& values() { return values_; }
+  std::vector<double>& values();
   std::vector<double>& grads() { return grads_; }
-  const std::vector<double>& values() const { return values_; }
+  const std::vector<double>& values() const { return shared_values_ ? *shared_values_ : values_; }
   const std::vector<double>& grads() const { return grads_; }
 
  private:
@@ -48,6 +54,7 @@ class ParamStore {
   const Entry& entry(const std::string& name, int64_t numel) const;
   std::map<std::string, Entry> index_;
   std::vector<double> values_, grads_;
+  const std::vector<double>* shared_values_ = nullptr;  // a gradient lane's base values
 };
 
 }  // namespace k3::train

@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <omp.h>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/ffn_block.h"
+#include "train/grad_lanes.h"
 #include "train/model_train.h"
 #include "train/optimizer.h"
 #include "train/params.h"
@@ -65,13 +67,13 @@ EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, i
                     const TrainHooks* hooks) {
   EvalResult r;
   tokens = std::min(tokens, shard.size());
-  double sum = 0.0;
+  std::vector<std::vector<int32_t>> pieces;
   for (int64_t pos = 0; pos + 2 <= tokens; pos += len)
-    for (const auto& p : window_pieces(shard, pos, std::min(len, tokens - pos))) {
-      sum += sequence_loss(P, c, p, false, 0.0, nullptr, hooks);
+    for (auto& p : window_pieces(shard, pos, std::min(len, tokens - pos))) {
       r.predictions += int64_t(p.size()) - 1;
+      pieces.push_back(std::move(p));
     }
-  r.loss = sum / double(std::max<int64_t>(r.predictions, 1));
+  r.loss = forward_losses(P, c, pieces, hooks) / double(std::max<int64_t>(r.predictions, 1));
   r.unigram_entropy = unigram_entropy(shard.tokens(), tokens);
   return r;
 }
@@ -131,13 +133,18 @@ TrainResult train(const TrainOptions& opt) {
                                                           std::vector<double>(b, b + c.num_experts));
     }
 
-  int64_t step = 0, data_pos = 0;
+  int64_t step = 0, data_pos = 0, lanes = opt.grad_lanes;
   const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
   if (!resume_dir.empty()) {
     TrainState st;
     load_checkpoint(resume_dir, P, st);
     step = st.meta.at("step").get<int64_t>();
     data_pos = st.meta.at("data_pos").get<int64_t>();
+    const int64_t saved_lanes = st.meta.value("grad_lanes", int64_t(1));  // runs before lanes summed serially
+    if (lanes == 0) lanes = saved_lanes;
+    else if (lanes != saved_lanes)
+      std::fprintf(stderr, "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
+                   "different order, so losses will not repeat bit for bit\n", (long long)lanes, (long long)saved_lanes);
     if (st.meta.value("shuffle", true) != opt.shuffle)
       fail(resume_dir, ": the run was started ", opt.shuffle ? "with --sequential" : "with shuffled windows",
            "; resume it the same way");
@@ -155,6 +162,9 @@ TrainResult train(const TrainOptions& opt) {
   } else {
     write_file_atomic(metrics_path, "");
   }
+  if (lanes == 0) lanes = omp_get_max_threads();
+  if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
+  GradLanes grad_lanes(P, lanes);
   std::ofstream metrics(metrics_path, std::ios::app);
 
   TokenShard eval_shard;
@@ -166,11 +176,11 @@ TrainResult train(const TrainOptions& opt) {
 
   TrainHooks hooks;
   hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
-  hooks.on_moe = [&](int64_t l, const MoeTape& t) { bal[size_t(l)]->accumulate(t.scores.data(), t.N); };
 
   auto save = [&]() {
     TrainState st;
-    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}, {"shuffle", opt.shuffle}};
+    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}, {"shuffle", opt.shuffle},
+               {"grad_lanes", lanes}};
     const OptimizerState os = optimizer.save_state();
     st.meta["optimizer"] = os.header;
     st.optimizer = os.data;
@@ -205,8 +215,8 @@ TrainResult train(const TrainOptions& opt) {
     int64_t count = 0;
     for (const auto& p : pieces) count += int64_t(p.size()) - 1;
     P.zero_grads();
-    double loss = 0.0;
-    for (const auto& p : pieces) loss += sequence_loss(P, c, p, true, 1.0 / double(std::max<int64_t>(count, 1)), nullptr, &hooks);
+    double loss = grad_lanes.step(c, pieces, 1.0 / double(std::max<int64_t>(count, 1)), hooks.router_bias,
+                                  [&](int64_t l, const double* s, int64_t N) { bal[size_t(l)]->accumulate(s, N); });
     loss /= double(std::max<int64_t>(count, 1));
     const double lr = cosine_lr(step, warmup, total_steps, opt.lr, opt.lr * opt.min_lr_ratio);
     const double gnorm = clip_grad_norm(P, opt.clip);

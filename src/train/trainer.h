@@ -39,6 +39,10 @@ struct TrainOptions {
   // resumed run draws the same windows), or sequential through the shard.
   bool shuffle = true;
   bool resume = false;
+  // Gradient lanes (train/grad_lanes.h): sequences of a step run side by side on this many gradient
+  // buffers. 0: the OpenMP thread count for a new run, the saved count for a resumed one (so that it
+  // sums in the same order and resumes exactly).
+  int64_t grad_lanes = 0;
   bool skip_nonfinite = false;     // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;         // steps; a checkpoint is also written at the end
   int64_t log_every = 1;

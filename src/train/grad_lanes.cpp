@@ -1,0 +1,103 @@
+#include "train/grad_lanes.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/error.h"
+#include "train/ffn_block.h"
+
+namespace k3::train {
+
+std::vector<int64_t> assign_lanes(const std::vector<std::vector<int32_t>>& pieces, int64_t lanes) {
+  if (lanes < 1) fail("gradient lanes: need at least 1, got ", lanes);
+  std::vector<size_t> order(pieces.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].size() > pieces[b].size(); });
+  std::vector<int64_t> load(size_t(lanes), 0), lane(pieces.size(), 0);
+  for (size_t i : order) {
+    const size_t l = size_t(std::min_element(load.begin(), load.end()) - load.begin());  // first minimum
+    lane[i] = int64_t(l);
+    load[l] += int64_t(pieces[i].size());
+  }
+  return lane;
+}
+
+GradLanes::GradLanes(ParamStore& P, int64_t lanes) : P_(P) {
+  if (lanes < 1) fail("gradient lanes: need at least 1, got ", lanes);
+  for (int64_t l = 1; l < lanes; ++l) extra_.push_back(ParamStore::gradient_lane(P));
+}
+
+double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>>& pieces, double grad_scale,
+                       const std::function<const double*(int64_t layer)>& router_bias,
+                       const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores) {
+  const int64_t n = int64_t(pieces.size()), nl = lanes();
+  const std::vector<int64_t> lane_of = assign_lanes(pieces, nl);
+  std::vector<std::vector<size_t>> work(static_cast<size_t>(nl));
+  for (int64_t i = 0; i < n; ++i) work[size_t(lane_of[size_t(i)])].push_back(size_t(i));
+
+  struct Scores {
+    int64_t layer, N;
+    std::vector<double> s;
+  };
+  std::vector<double> loss(static_cast<size_t>(n), 0.0);
+  std::vector<std::vector<Scores>> scores(static_cast<size_t>(n));
+  std::vector<std::string> error(static_cast<size_t>(nl));
+  for (ParamStore& g : extra_) g.zero_grads();
+
+  // One thread per lane; kernels inside run single-threaded (nested regions are inactive and the
+  // OpenMP build of OpenBLAS runs serially inside a parallel region). Even one lane runs inside
+  // the region: the multi-threaded kernels do not give the same bits at every thread count (measured:
+  // the serial loop's gradients at 1 and 2 threads differ), single-threaded ones do.
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t l = 0; l < nl; ++l) {
+    ParamStore& G = l == 0 ? P_ : extra_[size_t(l - 1)];
+    try {
+      for (size_t i : work[size_t(l)]) {
+        TrainHooks h;
+        h.router_bias = router_bias;
+        if (on_router_scores)
+          h.on_moe = [&scores, i](int64_t layer, const MoeTape& t) { scores[i].push_back({layer, t.N, t.scores}); };
+        loss[i] = sequence_loss(G, c, pieces[i], true, grad_scale, nullptr, &h);
+      }
+    } catch (const std::exception& e) {  // exceptions must not leave an OpenMP region
+      error[size_t(l)] = e.what();
+    }
+  }
+  for (const std::string& e : error)
+    if (!e.empty()) fail(e);
+
+  std::vector<double>& g0 = P_.grads();
+  for (ParamStore& G : extra_) {
+    const std::vector<double>& g = G.grads();
+    for (size_t k = 0; k < g0.size(); ++k) g0[k] += g[k];
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    sum += loss[size_t(i)];
+    if (on_router_scores)
+      for (const Scores& s : scores[size_t(i)]) on_router_scores(s.layer, s.s.data(), s.N);
+  }
+  return sum;
+}
+
+double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::vector<int32_t>>& pieces,
+                      const TrainHooks* hooks) {
+  const int64_t n = int64_t(pieces.size());
+  std::vector<double> loss(static_cast<size_t>(n), 0.0);
+  std::vector<std::string> error(static_cast<size_t>(n));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks);
+    } catch (const std::exception& e) {
+      error[size_t(i)] = e.what();
+    }
+  }
+  for (const std::string& e : error)
+    if (!e.empty()) fail(e);
+  double sum = 0.0;
+  for (double l : loss) sum += l;
+  return sum;
+}
+
+}  // namespace k3::train

@@ -1,0 +1,62 @@
+// The CUDA runtime, the k3 way: every CUDA/cuBLAS call is checked and a failure becomes a k3::Error
+// naming the call, the file and line and CUDA's own message; device memory is owned by RAII buffers.
+//
+// This header is plain C++ (no CUDA headers), so CPU code and tests can ask whether a GPU is there
+// without being compiled by nvcc. Everything is declared always; without the CUDA backend
+// (K3_HAVE_CUDA unset) `cuda::available()` is false and the rest throws a k3::Error saying the build
+// has no CUDA.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace k3::cuda {
+
+// True when this build has the CUDA backend and a device of compute capability 9.0 (Hopper) is
+// visible. `why` (optional) receives the reason when it is false.
+bool available(std::string* why = nullptr);
+
+// Device name, SM count and memory, for benchmark headers.
+std::string device_summary();
+
+// Raw device memory (cudaMalloc / cudaFree), zero-initialised, with host copies. Throws k3::Error
+// on failure (out of memory names the size).
+void* device_alloc(size_t bytes);
+void device_free(void* p) noexcept;
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+void synchronize();
+
+// An owned device array of n elements of T.
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : p_(static_cast<T*>(device_alloc(n * sizeof(T)))), n_(n) {}
+  DeviceBuffer(const T* host, size_t n) : DeviceBuffer(n) { copy_to_device(p_, host, n * sizeof(T)); }
+  ~DeviceBuffer() { device_free(p_); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      device_free(p_);
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* data() { return p_; }
+  const T* data() const { return p_; }
+  size_t size() const { return n_; }
+  void upload(const T* host, size_t n) { copy_to_device(p_, host, n * sizeof(T)); }
+  void download(T* host, size_t n) const { copy_to_host(host, p_, n * sizeof(T)); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+}  // namespace k3::cuda

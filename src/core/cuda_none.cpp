@@ -1,0 +1,24 @@
+// core/cuda.h in a build without the CUDA backend (nvcc was not found, or -DK3_CUDA=OFF).
+#ifndef K3_HAVE_CUDA
+#include "core/cuda.h"
+#include "core/error.h"
+
+namespace k3::cuda {
+
+namespace {
+[[noreturn]] void no_cuda() { fail("this k3 was built without the CUDA backend (nvcc not found at build time)"); }
+}  // namespace
+
+bool available(std::string* why) {
+  if (why) *why = "this build has no CUDA backend";
+  return false;
+}
+std::string device_summary() { no_cuda(); }
+void* device_alloc(size_t) { no_cuda(); }
+void device_free(void*) noexcept {}
+void copy_to_device(void*, const void*, size_t) { no_cuda(); }
+void copy_to_host(void*, const void*, size_t) { no_cuda(); }
+void synchronize() { no_cuda(); }
+
+}  // namespace k3::cuda
+#endif

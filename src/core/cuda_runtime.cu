@@ -1,0 +1,56 @@
+// core/cuda.h with the CUDA backend.
+#include "core/cuda.h"
+#include "core/cuda_check.cuh"
+
+namespace k3::cuda {
+
+bool available(std::string* why) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    if (why) *why = e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e) : "no CUDA device";
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return false;
+  }
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess || p.major != 9) {
+    if (why) *why = std::string("device 0 (") + p.name + ") is not compute capability 9.x; this build targets sm_90a";
+    return false;
+  }
+  return true;
+}
+
+std::string device_summary() {
+  cudaDeviceProp p{};
+  K3_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+  return std::string(p.name) + ", sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
+         std::to_string(p.multiProcessorCount) + " SMs, " + std::to_string(p.totalGlobalMem >> 30) + " GiB";
+}
+
+void* device_alloc(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    fail("CUDA: cannot allocate ", bytes, " bytes of device memory: ", cudaGetErrorString(e));
+  }
+  K3_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  return p;
+}
+
+void device_free(void* p) noexcept {
+  if (p) cudaFree(p);
+}
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes) K3_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (bytes) K3_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+void synchronize() { K3_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+}  // namespace k3::cuda

@@ -17,6 +17,7 @@ namespace k3::cuda {
 // visible. `why` (optional) receives the reason when it is false.
 bool available(std::string* why = nullptr);
 
+// All kernels of the CUDA backend run on the default stream, in order (one model, one stream).
 // Device name, SM count and memory, for benchmark headers.
 std::string device_summary();
 
@@ -27,6 +28,22 @@ void device_free(void* p) noexcept;
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void synchronize();
+
+// Times GPU work on the default stream with CUDA events (for benchmarks): start(), run kernels,
+// stop_ms() waits for them and returns the elapsed milliseconds.
+class EventTimer {
+ public:
+  EventTimer();
+  ~EventTimer();
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+  void start();
+  float stop_ms();
+
+ private:
+  void* start_ = nullptr;
+  void* stop_ = nullptr;
+};
 
 // An owned device array of n elements of T.
 template <class T>

@@ -19,6 +19,10 @@ void device_free(void*) noexcept {}
 void copy_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_to_host(void*, const void*, size_t) { no_cuda(); }
 void synchronize() { no_cuda(); }
+EventTimer::EventTimer() { no_cuda(); }
+EventTimer::~EventTimer() = default;
+void EventTimer::start() { no_cuda(); }
+float EventTimer::stop_ms() { no_cuda(); }
 
 }  // namespace k3::cuda
 #endif

@@ -53,4 +53,24 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 
 void synchronize() { K3_CUDA_CHECK(cudaDeviceSynchronize()); }
 
+EventTimer::EventTimer() {
+  cudaEvent_t a, b;
+  K3_CUDA_CHECK(cudaEventCreate(&a));
+  K3_CUDA_CHECK(cudaEventCreate(&b));
+  start_ = a;
+  stop_ = b;
+}
+EventTimer::~EventTimer() {
+  if (start_) cudaEventDestroy(static_cast<cudaEvent_t>(start_));
+  if (stop_) cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+}
+void EventTimer::start() { K3_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(start_))); }
+float EventTimer::stop_ms() {
+  K3_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(stop_)));
+  K3_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)));
+  float ms = 0.0f;
+  K3_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)));
+  return ms;
+}
+
 }  // namespace k3::cuda

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Peer baselines for the GPU benchmark table (run on the GPU machine by scripts/gpu/run_all.sh).
+
+- flash-linear-attention's Triton `chunk_kda` forward with K3's gate options (use_gate_in_kernel,
+  safe_gate, lower_bound -5, A_log and dt_bias), at every shape of ../shared/docs/ANCHORS.md.
+- PyTorch SDPA (flash backend) causal attention forward at K3's MLA head dims (qk 192, v 128).
+
+fla is not a dependency of k3cpp and none of its code is in this repository: the source is brought
+to the GPU machine for the run only (FLA_SRC, default third_party_ref/fla_src, git-ignored).
+Timing: median of CUDA-event timings over `--reps` runs after warm-up, the same method as our
+bench_cuda_* binaries. Prints one line per shape: `peer <name> <shape> <ms>`.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+
+def median_ms(fn, reps):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_fla(reps):
+    sys.path.insert(0, os.environ.get("FLA_SRC", "third_party_ref/fla_src"))
+    from fla.ops.kda import chunk_kda
+
+    shapes = [(1, 8192, 64), (1, 8192, 96), (4, 4096, 32), (1, 32768, 32), (1, 65536, 16)]
+    D = 128
+    for B, T, H in shapes:
+        torch.manual_seed(0)
+        dev, bf = "cuda", torch.bfloat16
+        q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev, dtype=torch.float32), dim=-1).to(bf)
+        k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev, dtype=torch.float32), dim=-1).to(bf)
+        v = torch.randn(B, T, H, D, device=dev, dtype=bf)
+        g = torch.randn(B, T, H, D, device=dev, dtype=bf)
+        beta = torch.rand(B, T, H, device=dev, dtype=bf)
+        A_log = torch.log(torch.rand(H, device=dev, dtype=torch.float32) * 15 + 1)
+        dt_bias = torch.randn(H * D, device=dev, dtype=torch.float32) * 0.1
+
+        def run():
+            return chunk_kda(q, k, v, g, beta, scale=D ** -0.5, A_log=A_log, dt_bias=dt_bias,
+                             use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+        with torch.inference_mode():
+            ms = median_ms(run, reps)
+        print(f"peer fla_chunk_kda B={B} T={T} H={H} D={D} {ms:.4f}", flush=True)
+
+
+def bench_sdpa(reps):
+    H, Dqk, Dv = 64, 192, 128
+    for T in (4096, 8192, 32768):
+        q = torch.randn(1, H, T, Dqk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, H, T, Dqk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, H, T, Dv, device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dqk ** -0.5)
+
+        with torch.inference_mode():
+            ms = median_ms(run, reps)
+        print(f"peer torch_sdpa B=1 T={T} H={H} Dqk={Dqk} Dv={Dv} {ms:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", choices=["fla", "sdpa"], default=None)
+    a = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    if a.only in (None, "fla"):
+        bench_fla(a.reps)
+    if a.only in (None, "sdpa"):
+        bench_sdpa(a.reps)

@@ -10,13 +10,13 @@
 #   6. shards   token shards for training and held-out evaluation (k3 data)
 #   7. train    k3-tiny with Quantile Balancing and the staged context curriculum 128 -> 256 -> 512,
 #               for a bounded time (k3 train)
-#   8. talk     sampled text from a prompt (k3 generate)
+#   8. talk     three sampled continuations of a prompt (k3 generate)
 #   9. eval     held-out perplexity, retrieval accuracy up to 4x the last training length, expert
 #               load; JSON and PNG plots (k3 eval)
 #
 # Every step's output lives under $K3_DEMO_DIR (default out/demo); a re-run reuses finished steps
 # (a half-finished training run is resumed). Settings, by environment variable:
-#   K3_DEMO_MINUTES   training time budget in minutes (default 8; the whole job took 11 min 17 s on 2 cores)
+#   K3_DEMO_MINUTES   training time budget in minutes (default 8; the whole job took about 13 min on 2 cores)
 #   K3_DEMO_DIR       work directory (default out/demo)
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)
@@ -57,13 +57,13 @@ if [ ! -f "$DIR/tokenizer/tiktoken.model" ]; then
   "$K3" tokenizer train --corpus "$DIR"/brown/train/*.txt --vocab-size 3840 --out "$DIR/tokenizer"
 else echo "reusing $DIR/tokenizer"; fi
 
-step "5/9 synthetic long-context tasks (about a fifth of the training tokens)"
+step "5/9 synthetic long-context tasks (about a seventh of the training tokens)"
 if [ ! -f "$DIR/tasks/.done" ]; then
   rm -rf "$DIR/tasks"
   "$K3" corpus retrieval --task passkey --filler "$DIR/brown/train" --tokenizer "$DIR/tokenizer" \
-    --out "$DIR/tasks" --count 1000 --max-tokens 512 --seed 1
+    --out "$DIR/tasks" --count 600 --max-tokens 512 --seed 1
   "$K3" corpus retrieval --task multikey --keys 4 --filler "$DIR/brown/train" --tokenizer "$DIR/tokenizer" \
-    --out "$DIR/tasks" --count 700 --max-tokens 512 --seed 2
+    --out "$DIR/tasks" --count 400 --max-tokens 512 --seed 2
   touch "$DIR/tasks/.done"
 else echo "reusing $DIR/tasks"; fi
 
@@ -74,12 +74,13 @@ if [ ! -f "$DIR/train.bin" ] || [ ! -f "$DIR/heldout.bin" ]; then
 else echo "reusing $DIR/train.bin and $DIR/heldout.bin"; fi
 
 step "7/9 train k3-tiny: Quantile Balancing, curriculum 128 -> 256 -> 512, ${MINUTES} min budget"
-TPS=2048  # tokens per optimizer step, the same in every stage
+TPS=1024  # tokens per optimizer step, the same in every stage
+LR=6e-3   # peak learning rate (docs/BENCHMARKS.md: the main job's settings, a sweep at equal tokens)
 if [ ! -f "$DIR/stages.txt" ]; then
   # Measure this machine's training speed on 3 short steps, then size the token budget to fit.
   rm -rf "$DIR/calibrate"
   "$K3" train --config configs/k3-tiny.json --data "$DIR/train.bin" --out "$DIR/calibrate" \
-    --stages 256:6144 --tokens-per-step $TPS --save-every 1000 >/dev/null
+    --stages 256:$(( TPS * 4 )) --tokens-per-step $TPS --save-every 1000 >/dev/null
   RATE=$(tail -n 2 "$DIR/calibrate/metrics.jsonl" | grep -o '"tokens_per_s":[0-9.]*' | tail -1 | cut -d: -f2)
   rm -rf "$DIR/calibrate"
   STEPS=$(awk -v r="$RATE" -v m="$MINUTES" -v t=$TPS 'BEGIN { s = int(r * m * 60 * 0.92 / t); print (s < 10 ? 10 : s) }')
@@ -94,7 +95,7 @@ if [ -f "$DIR/run/metrics.jsonl" ]; then
   LAST_STEP=$(grep -o '"step":[0-9]*' "$DIR/run/metrics.jsonl" | tail -1 | cut -d: -f2 || echo 0)
 fi
 TRAIN_ARGS=(--config configs/k3-tiny.json --data "$DIR/train.bin" --eval-data "$DIR/heldout.bin" --out "$DIR/run"
-            --stages "$STAGES" --tokens-per-step $TPS --balance qb-exact --save-every 25)
+            --stages "$STAGES" --tokens-per-step $TPS --lr $LR --balance qb-exact --save-every 50)
 if [ -f "$DIR/run/latest" ] && [ "${LAST_STEP:-0}" -ge "$TOTAL_STEPS" ]; then
   echo "reusing $DIR/run (finished, $TOTAL_STEPS steps)"
 elif [ -f "$DIR/run/latest" ]; then
@@ -108,9 +109,12 @@ fi
 MODEL="$DIR/run/$(cat "$DIR/run/latest")"
 
 step "8/9 talk: the model continues \"$PROMPT\" (sampled: temperature 0.8, top-k 40)"
-"$K3" generate --model "$MODEL" --tokenizer "$DIR/tokenizer" --prompt "$PROMPT" --max-new-tokens 80 \
-  --temperature 0.8 --top-k 40 --seed 1
-echo
+for SEED in 1 2 3; do
+  printf -- '--- sample %d: %s' "$SEED" "$PROMPT"
+  "$K3" generate --model "$MODEL" --tokenizer "$DIR/tokenizer" --prompt "$PROMPT" --max-new-tokens 60 \
+    --temperature 0.8 --top-k 40 --seed "$SEED" 2>/dev/null
+  echo
+done
 
 step "9/9 eval: held-out perplexity, retrieval by context length, expert balance"
 "$K3" eval --model "$DIR/run" --tokenizer "$DIR/tokenizer" --heldout "$DIR/heldout.bin" \

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU check-and-benchmark run, on a machine with an H100/H200 (sm_90a) and CUDA 13:
+#   1. builds k3cpp with the CUDA backend (build-gpu/),
+#   2. runs every CUDA test (each kernel against its CPU twin; skipped tests would mean no GPU),
+#   3. runs the benchmark binaries bench_cuda_* (our kernels, with cuBLAS baselines in-process),
+#   4. runs the peer baselines in the same session: flash-linear-attention's chunk_kda (source from
+#      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA.
+# Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
+# Usage: bash scripts/gpu/run_all.sh [--no-peers] [--only REGEX]   (REGEX filters test/bench names)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PEERS=1
+ONLY=.
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-peers) PEERS=0 ;;
+    --only) ONLY="$2"; shift ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+LOGDIR=${OUT:-out/gpu}
+mkdir -p "$LOGDIR"
+exec > >(tee "$LOGDIR/gpu_run.log") 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+START=$(date +%s)
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON -DK3_BUILD_BENCH=ON >/dev/null || exit 1
+TARGETS=$(cd tests && ls test_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
+BENCHES=$(cd bench && ls bench_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
+cmake --build build-gpu -j"$(nproc)" --target k3 $TARGETS $BENCHES 2>&1 | grep -E "error|warning: |Error" ; true
+echo "== build: $(( $(date +%s) - START )) s"
+FAILED=0
+for t in $TARGETS; do
+  echo "== test $t"
+  ./build-gpu/$t --gtest_brief=1 || FAILED=1
+done
+for b in $BENCHES; do
+  echo "== bench $b"
+  ./build-gpu/$b || FAILED=1
+done
+if [ $PEERS = 1 ]; then
+  echo "== peers (flash-linear-attention chunk_kda, PyTorch SDPA)"
+  PYTHONUNBUFFERED=1 python3 scripts/gpu/bench_peers.py || FAILED=1
+fi
+echo "== done in $(( $(date +%s) - START )) s, failures: $FAILED"
+exit $FAILED

@@ -7,6 +7,8 @@
 #      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA.
 # Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
 # Usage: bash scripts/gpu/run_all.sh [--no-peers] [--only REGEX]   (REGEX filters test/bench names)
+# Before it, here: bash scripts/gpu/fetch_deps.sh (the Debian packages the GPU image lacks), and carry
+# .gpudeps and third_party_ref/fla_src to the GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=1
@@ -15,7 +17,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --no-peers) PEERS=0 ;;
     --only) ONLY="$2"; shift ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -25,7 +27,17 @@ mkdir -p "$LOGDIR"
 exec > >(tee "$LOGDIR/gpu_run.log") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
 START=$(date +%s)
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON -DK3_BUILD_BENCH=ON >/dev/null || exit 1
+DEPS=()
+if ! pkg-config --exists libpcre2-8 2>/dev/null && ls .gpudeps/*.deb >/dev/null 2>&1; then
+  # The GPU image lacks our -dev packages: unpack the ones scripts/gpu/fetch_deps.sh downloaded.
+  rm -rf .gpudeps/root && mkdir -p .gpudeps/root
+  for f in .gpudeps/*.deb; do dpkg -x "$f" .gpudeps/root; done
+  DEPS=(-DK3_DEPS_ROOT="$PWD/.gpudeps/root")
+  # OpenBLAS's own dependencies (libgfortran) are found through the loader path, not our rpath.
+  export LD_LIBRARY_PATH="$PWD/.gpudeps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON -DK3_BUILD_BENCH=ON "${DEPS[@]}" >"$LOGDIR/cmake.log" 2>&1 \
+  || { tail -30 "$LOGDIR/cmake.log"; exit 1; }
 TARGETS=$(cd tests && ls test_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
 BENCHES=$(cd bench && ls bench_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
 cmake --build build-gpu -j"$(nproc)" --target k3 $TARGETS $BENCHES 2>&1 | grep -E "error|warning: |Error" ; true

@@ -1,0 +1,192 @@
+// Fused Block AttnRes (+ RMSNorm) on the GPU (attnres_cuda.h).
+//
+// One block per token row. Alive at once per thread: the current source's slice v (<= 32 floats)
+// and the accumulator acc (<= 32 floats); the query and norm weight are re-read from L1/L2 (they
+// are shared by every row). Each source is read from memory exactly once:
+//   for i in sources:  v = V_i[row];  (ss, dot) = block_sum(Σv², Σv·q);  s = dot / sqrt(ss/D + eps)
+//                      m' = max(m, s);  acc = acc·e^(m−m') + e^(s−m')·v;  z = z·e^(m−m') + e^(s−m');  m = m'
+//   h = acc / z;  [y = w ⊙ h / sqrt(mean(h²) + eps_n)]
+// block_sum gives every thread the same bits, so the softmax state is uniform across the block.
+#include <climits>
+#include <cmath>
+
+#include "core/cuda_check.cuh"
+#include "core/error.h"
+#include "kernels/attnres/attnres_cuda.h"
+#include "kernels/common/rowwise_cuda.cuh"
+
+namespace k3::attnres::cuda {
+
+namespace {
+
+using rowwise::bf16;
+
+template <class Tsrc>
+struct Args {
+  const Tsrc* src[kMaxSources];
+  int S;
+  int64_t ld_src, ld_out;
+  int D, nv;
+  const float* query;
+  float eps;
+  void* out;
+  void* normed;
+  const float* norm_weight;
+  float norm_eps;
+};
+
+template <class Tsrc, class Tout, int VEC>
+__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(const Args<Tsrc> a) {
+  constexpr int NVMAX = rowwise::kRowElemsPerThread / VEC;
+  __shared__ float sh[32][2];
+  __shared__ float sh1[32][1];
+  const int64_t row = blockIdx.x;
+  const int D = a.D, nv = a.nv;
+
+  float acc[NVMAX][VEC];
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
+  float m = -INFINITY, z = 0.0f;
+
+  for (int i = 0; i < a.S; ++i) {
+    const Tsrc* vr = a.src[i] + row * a.ld_src;
+    float v[NVMAX][VEC];
+    float part[2] = {0.0f, 0.0f};  // Σv², Σv·q
+#pragma unroll
+    for (int j = 0; j < NVMAX; ++j) {
+      const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+      if (j < nv && d0 < D) {
+        rowwise::load_vec<Tsrc, VEC>(v[j], vr + d0);
+        float q[VEC];
+        rowwise::load_vec<float, VEC>(q, a.query + d0);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          part[0] = fmaf(v[j][k], v[j][k], part[0]);
+          part[1] = fmaf(v[j][k], q[k], part[1]);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
+      }
+    }
+    rowwise::block_sum<2>(part, sh);
+    const float s = part[1] / sqrtf(part[0] / float(D) + a.eps);
+    const float m_new = fmaxf(m, s);
+    const float c_old = expf(m - m_new);  // m = -inf on the first source: c_old = 0, acc and z are 0
+    const float c_new = expf(s - m_new);
+    z = fmaf(z, c_old, c_new);
+#pragma unroll
+    for (int j = 0; j < NVMAX; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[j][k] = fmaf(acc[j][k], c_old, c_new * v[j][k]);
+    m = m_new;
+  }
+
+  // h = acc / z, as it will be stored (rounded to Tout): the norm below reads exactly that.
+  float ss[1] = {0.0f};
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j) {
+    const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (j < nv && d0 < D) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        acc[j][k] = rowwise::round_as<Tout>(acc[j][k] / z);
+        ss[0] = fmaf(acc[j][k], acc[j][k], ss[0]);
+      }
+      if (a.out) rowwise::store_vec<Tout, VEC>(static_cast<Tout*>(a.out) + row * a.ld_out + d0, acc[j]);
+    }
+  }
+  if (!a.normed) return;  // uniform across the block: no thread is left waiting at a barrier
+  rowwise::block_sum<1>(ss, sh1);
+  const float r = 1.0f / sqrtf(ss[0] / float(D) + a.norm_eps);
+  Tout* yr = static_cast<Tout*>(a.normed) + row * a.ld_out;
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j) {
+    const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (j < nv && d0 < D) {
+      float o[VEC];
+      if (a.norm_weight) {
+        float w[VEC];
+        rowwise::load_vec<float, VEC>(w, a.norm_weight + d0);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = w[k] * (acc[j][k] * r);
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = acc[j][k] * r;
+      }
+      rowwise::store_vec<Tout, VEC>(yr + d0, o);
+    }
+  }
+}
+
+template <class Tsrc, class Tout>
+void launch(const AttnResParams& p) {
+  Args<Tsrc> a{};
+  for (int i = 0; i < p.S; ++i) a.src[i] = static_cast<const Tsrc*>(p.sources[i]);
+  a.S = p.S;
+  a.ld_src = p.ld_src ? p.ld_src : p.D;
+  a.ld_out = p.ld_out ? p.ld_out : p.D;
+  a.D = int(p.D);
+  a.query = p.query;
+  a.eps = p.eps;
+  a.out = p.out;
+  a.normed = p.normed;
+  a.norm_weight = p.norm_weight;
+  a.norm_eps = p.norm_eps;
+
+  constexpr int VEC = 16 / int(sizeof(Tsrc));
+  bool vec = p.D % VEC == 0 && a.ld_src % VEC == 0 && a.ld_out % VEC == 0 && rowwise::aligned16(p.query) &&
+             (!p.out || rowwise::aligned16(p.out)) && (!p.normed || rowwise::aligned16(p.normed)) &&
+             (!p.norm_weight || rowwise::aligned16(p.norm_weight));
+  for (int i = 0; i < p.S; ++i) vec = vec && rowwise::aligned16(p.sources[i]);
+  if (vec) {
+    const auto g = rowwise::row_geometry(p.D / VEC, rowwise::kRowElemsPerThread / VEC);
+    a.nv = g.nv;
+    attnres_row_kernel<Tsrc, Tout, VEC><<<unsigned(p.N), g.threads>>>(a);
+  } else {
+    const auto g = rowwise::row_geometry(p.D, rowwise::kRowElemsPerThread);
+    a.nv = g.nv;
+    attnres_row_kernel<Tsrc, Tout, 1><<<unsigned(p.N), g.threads>>>(a);
+  }
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+bool float_like(DType t) { return t == DType::F32 || t == DType::BF16; }
+
+}  // namespace
+
+std::string can_run(const AttnResParams& p) {
+  if (p.S < 1 || p.S > kMaxSources)
+    return "attnres (cuda): S = " + std::to_string(p.S) + " sources, expected 1.." + std::to_string(kMaxSources);
+  if (!float_like(p.src_type) || !float_like(p.out_type))
+    return std::string("attnres (cuda): sources and outputs must be F32 or BF16, got ") + dtype_name(p.src_type) +
+           " -> " + dtype_name(p.out_type);
+  if (p.N < 0 || p.D < 0) return "attnres (cuda): negative shape";
+  if (p.N > INT_MAX) return "attnres (cuda): N = " + std::to_string(p.N) + " rows exceeds the grid limit 2^31-1";
+  if (p.D > rowwise::kRowMaxElems)
+    return "attnres (cuda): D = " + std::to_string(p.D) + " exceeds the register-resident row limit " +
+           std::to_string(rowwise::kRowMaxElems);
+  if ((p.ld_src && p.ld_src < p.D) || (p.ld_out && p.ld_out < p.D)) return "attnres (cuda): row stride smaller than D";
+  if (p.N > 0 && p.D > 0) {
+    for (int i = 0; i < p.S; ++i)
+      if (!p.sources[i]) return "attnres (cuda): source " + std::to_string(i) + " is null";
+    if (!p.query) return "attnres (cuda): null query";
+    if (!p.out && !p.normed) return "attnres (cuda): neither out nor normed is set";
+  }
+  return {};
+}
+
+void attnres_forward(const AttnResParams& p) {
+  const std::string why = can_run(p);
+  if (!why.empty()) fail(why);
+  if (p.N == 0 || p.D == 0) return;
+  const bool src_bf = p.src_type == DType::BF16, out_bf = p.out_type == DType::BF16;
+  if (!src_bf && !out_bf) launch<float, float>(p);
+  else if (!src_bf && out_bf) launch<float, bf16>(p);
+  else if (src_bf && !out_bf) launch<bf16, float>(p);
+  else launch<bf16, bf16>(p);
+}
+
+}  // namespace k3::attnres::cuda

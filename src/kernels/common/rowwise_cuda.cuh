@@ -1,0 +1,139 @@
+// Device helpers shared by the memory-bound CUDA kernels of the dense path (norm, attnres, glu,
+// convert). For .cu files only. Not a public API: the entry points are in the *_cuda.h headers.
+//
+//   - bf16 is uint16_t on the device too; widening is a shift, narrowing rounds to nearest even with
+//     the exact bit rules of core/dtype.h (so host and device agree bit for bit, NaN included).
+//   - load_vec / store_vec move VEC elements of one type as float registers with 16-byte (or
+//     smaller, when the pack is smaller) accesses; the caller guarantees the alignment.
+//   - block_sum reduces per-thread partial sums over the block so that EVERY thread gets the same
+//     bits (butterfly shuffles are symmetric; the cross-warp sum runs in one fixed order), which the
+//     online softmax of AttnRes relies on.
+//   - Row kernels keep one row in registers: each thread holds up to kRowElemsPerThread floats, in
+//     NV vectors of VEC elements; row_geometry picks the block size for a row length.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "core/cuda_check.cuh"
+
+namespace k3::rowwise {
+
+using bf16 = uint16_t;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 h) { return __uint_as_float(uint32_t(h) << 16); }
+
+// Same bits as k3::f32_to_bf16 (core/dtype.h): quiet NaN keeps its payload top, else RNE.
+__device__ __forceinline__ bf16 f32_to_bf16_rne(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16(u >> 16);
+}
+
+template <class T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return f32_to_bf16_rne(v);
+}
+
+// Value as it would be stored as T and read back (identity for float).
+template <class T>
+__device__ __forceinline__ float round_as(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return to_f32(f32_to_bf16_rne(v));
+}
+
+// Copy BYTES (a power of two, >= sizeof element) between suitably aligned addresses in chunks of
+// at most 16 bytes: one LDG/STG.128 per 16 bytes.
+template <int BYTES>
+__device__ __forceinline__ void copy_bytes(void* dst, const void* src) {
+  if constexpr (BYTES >= 16) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) static_cast<uint4*>(dst)[i] = static_cast<const uint4*>(src)[i];
+  } else if constexpr (BYTES == 8) {
+    *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
+  } else if constexpr (BYTES == 4) {
+    *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
+  } else {
+    static_assert(BYTES == 2, "unsupported pack size");
+    *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+  }
+}
+
+template <class T, int VEC>
+__device__ __forceinline__ void load_vec(float (&out)[VEC], const T* p) {
+  alignas(16) T tmp[VEC];
+  copy_bytes<int(sizeof(T)) * VEC>(tmp, p);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = to_f32(tmp[k]);
+}
+
+template <class T, int VEC>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[VEC]) {
+  alignas(16) T tmp[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) tmp[k] = from_f32<T>(v[k]);
+  copy_bytes<int(sizeof(T)) * VEC>(p, tmp);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Sum NVAL values over the block (blockDim.x a multiple of 32, <= 1024). `sh` is __shared__
+// float[32][NVAL]. Every thread returns identical bits. Contains __syncthreads: call uniformly.
+template <int NVAL>
+__device__ __forceinline__ void block_sum(float (&v)[NVAL], float (*sh)[NVAL]) {
+#pragma unroll
+  for (int i = 0; i < NVAL; ++i) v[i] = warp_sum(v[i]);
+  const int warp = int(threadIdx.x >> 5), lane = int(threadIdx.x & 31), nw = int(blockDim.x >> 5);
+  __syncthreads();  // the previous call's readers are done with sh
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < NVAL; ++i) sh[warp][i] = v[i];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NVAL; ++i) {
+    float s = 0.0f;
+    for (int w = 0; w < nw; ++w) s += sh[w][i];
+    v[i] = s;
+  }
+}
+
+// Row kernels: a thread holds at most this many floats of a row (registers, compile-time indexed).
+// Blocks of at most 512 threads, declared with __launch_bounds__(kRowMaxThreads) so that the
+// compiler keeps each thread within 128 registers (AttnRes holds 64 floats of row state).
+// The longest row is 16384 elements; K3's rows are 7168 (hidden) or shorter.
+constexpr int kRowElemsPerThread = 32;
+constexpr int kRowMaxThreads = 512;
+constexpr int64_t kRowMaxElems = int64_t(kRowElemsPerThread) * kRowMaxThreads;  // 16384
+
+// Block size and vectors-per-thread for a row of `nvec` vectors when each thread holds at most
+// `nv_max` of them: the fewest warps that fit, so small rows do not idle a big block.
+struct RowGeometry {
+  int threads = 32;
+  int nv = 1;
+};
+inline RowGeometry row_geometry(int64_t nvec, int nv_max) {
+  RowGeometry g;
+  int64_t t = (nvec + nv_max - 1) / nv_max;
+  t = (t + 31) / 32 * 32;
+  g.threads = int(t < 32 ? 32 : (t > kRowMaxThreads ? kRowMaxThreads : t));
+  g.nv = int((nvec + g.threads - 1) / g.threads);
+  return g;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Grid for a grid-stride loop over `work` items with 256-thread blocks.
+inline unsigned grid_for(int64_t work, int threads = 256) {
+  int64_t b = (work + threads - 1) / threads;
+  if (b < 1) b = 1;
+  if (b > 65536) b = 65536;
+  return unsigned(b);
+}
+
+}  // namespace k3::rowwise

@@ -1,0 +1,206 @@
+// Dense linear layers through cuBLASLt / cuBLAS (linear_cuda.h).
+#include <cublasLt.h>
+
+#include <climits>
+#include <map>
+#include <tuple>
+
+#include "core/cuda_check.cuh"
+#include "core/error.h"
+#include "kernels/gemm/linear_cuda.h"
+
+#define K3_CUBLASLT_CHECK(call) K3_CUBLAS_CHECK(call)  // cublasLt returns cublasStatus_t too
+
+namespace k3::gemm::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS' recommendation for Hopper
+
+// Largest power of two (<= 256) that divides the address: what the cuBLASLt heuristic must assume.
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al >>= 1;
+  return al;
+}
+
+cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// One cached cuBLASLt plan: descriptors for the TN GEMM and the heuristic's first algorithm.
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+};
+
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, uint32_t, uint32_t, uint32_t>;
+
+}  // namespace
+
+struct GemmContext::Impl {
+  cublasLtHandle_t lt = nullptr;
+  cublasHandle_t blas = nullptr;        // default math: BF16 GEMMs on tensor cores
+  cublasHandle_t blas_exact = nullptr;  // CUBLAS_PEDANTIC_MATH: fp32 GEMMs, no TF32
+  void* workspace = nullptr;
+  std::map<PlanKey, Plan> plans;
+
+  ~Impl() {  // teardown: errors are ignored (the process may be exiting)
+    for (auto& kv : plans) {
+      Plan& p = kv.second;
+      if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+      if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+      if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+      if (p.op) cublasLtMatmulDescDestroy(p.op);
+    }
+    if (blas_exact) cublasDestroy(blas_exact);
+    if (blas) cublasDestroy(blas);
+    if (lt) cublasLtDestroy(lt);
+    if (workspace) cudaFree(workspace);
+  }
+
+  const Plan& plan(const LinearParams& p, int64_t ld_x, int64_t ld_y, int64_t ld_w) {
+    const PlanKey key{p.M,    p.N,         p.K,         ld_x, ld_y, ld_w, int(p.in_type), int(p.y_type),
+                      alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)};
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    Plan pl;
+    K3_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&pl.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    K3_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    K3_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    // Layouts describe the matrices as stored (column-major): W is K x N (ld_w), x is K x M (ld_x),
+    // y is N x M (ld_y). TRANSA makes op(A) = N x K.
+    K3_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&pl.a, cuda_type(p.in_type), uint64_t(p.K), uint64_t(p.N), ld_w));
+    K3_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&pl.b, cuda_type(p.in_type), uint64_t(p.K), uint64_t(p.M), ld_x));
+    K3_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&pl.c, cuda_type(p.y_type), uint64_t(p.N), uint64_t(p.M), ld_y));
+    cublasLtMatmulPreference_t pref = nullptr;
+    K3_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = kWorkspaceBytes;
+    const uint32_t al_a = alignment_of(p.w), al_b = alignment_of(p.x), al_c = alignment_of(p.y);
+    cublasStatus_t st =
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(lt, pl.op, pl.a, pl.b, pl.c, pl.c, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    // "not supported" (no algorithm for this shape/alignment) is an answer, not an error.
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+      plans.emplace(key, pl);  // keep the descriptors owned, then report
+      K3_CUBLASLT_CHECK(st);
+    }
+    pl.has_algo = st == CUBLAS_STATUS_SUCCESS && found > 0 && res.state == CUBLAS_STATUS_SUCCESS;
+    if (pl.has_algo) pl.algo = res.algo;
+    return plans.emplace(key, pl).first->second;
+  }
+};
+
+GemmContext::GemmContext() : impl_(std::make_unique<Impl>()) {
+  K3_CUBLAS_CHECK(cublasLtCreate(&impl_->lt));
+  K3_CUBLAS_CHECK(cublasCreate(&impl_->blas));
+  K3_CUBLAS_CHECK(cublasCreate(&impl_->blas_exact));
+  K3_CUBLAS_CHECK(cublasSetMathMode(impl_->blas_exact, CUBLAS_PEDANTIC_MATH));
+  K3_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
+  K3_CUBLAS_CHECK(cublasSetWorkspace(impl_->blas, impl_->workspace, kWorkspaceBytes));
+  K3_CUBLAS_CHECK(cublasSetWorkspace(impl_->blas_exact, impl_->workspace, kWorkspaceBytes));
+  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas, 0));
+  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas_exact, 0));
+}
+
+GemmContext::~GemmContext() = default;
+
+std::string can_run(const LinearParams& p) {
+  const bool bf = p.in_type == DType::BF16 && (p.y_type == DType::F32 || p.y_type == DType::BF16);
+  const bool f32 = p.in_type == DType::F32 && p.y_type == DType::F32;
+  if (!bf && !f32)
+    return std::string("linear (cuda): supported are BF16 x BF16 -> F32/BF16 and F32 x F32 -> F32, got ") +
+           dtype_name(p.in_type) + " -> " + dtype_name(p.y_type);
+  if (p.M < 0 || p.N < 0 || p.K < 0) return "linear (cuda): negative shape";
+  if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
+    return "linear (cuda): M, N, K must each be <= 2^31-1, got " + std::to_string(p.M) + ", " + std::to_string(p.N) +
+           ", " + std::to_string(p.K);
+  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : p.K, ld_y = p.ld_y ? p.ld_y : p.N;
+  if (ld_x < p.K || ld_w < p.K || ld_y < p.N) return "linear (cuda): a row stride is smaller than its row";
+  if (ld_x > INT_MAX || ld_w > INT_MAX || ld_y > INT_MAX) return "linear (cuda): row strides must be <= 2^31-1";
+  if (p.M > 0 && p.N > 0 && (!p.y || (p.K > 0 && (!p.x || !p.w)))) return "linear (cuda): null pointer";
+  if (f32 && p.backend == GemmBackend::Lt) return "linear (cuda): the F32 exact mode runs on cublasGemmEx, not Lt";
+  return {};
+}
+
+void linear_forward(GemmContext& ctx, const LinearParams& p) {
+  const std::string why = can_run(p);
+  if (!why.empty()) fail(why);
+  if (p.M == 0 || p.N == 0) return;
+  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : p.K, ld_y = p.ld_y ? p.ld_y : p.N;
+  const size_t ysz = dtype_size(p.y_type);
+  if (p.K == 0) {  // empty sum: y = 0, or unchanged when accumulating
+    if (!p.accumulate)
+      K3_CUDA_CHECK(cudaMemset2D(p.y, size_t(ld_y) * ysz, 0, size_t(p.N) * ysz, size_t(p.M)));
+    return;
+  }
+  GemmContext::Impl& c = ctx.impl();
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  const int m = int(p.N), n = int(p.M), k = int(p.K);
+
+  if (p.in_type == DType::F32) {
+    K3_CUBLAS_CHECK(cublasGemmEx(c.blas_exact, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, p.w, CUDA_R_32F, int(ld_w),
+                                 p.x, CUDA_R_32F, int(ld_x), &beta, p.y, CUDA_R_32F, int(ld_y),
+                                 CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
+  if (p.backend != GemmBackend::Classic) {
+    const Plan& pl = c.plan(p, ld_x, ld_y, ld_w);
+    if (pl.has_algo) {
+      K3_CUBLAS_CHECK(cublasLtMatmul(c.lt, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &pl.algo,
+                                     c.workspace, kWorkspaceBytes, /*stream=*/0));
+      return;
+    }
+    if (p.backend == GemmBackend::Lt)
+      fail("linear (cuda): cuBLASLt has no algorithm for M=", p.M, " N=", p.N, " K=", p.K, " ld_x=", ld_x,
+           " ld_w=", ld_w, " ld_y=", ld_y, " (", dtype_name(p.in_type), " -> ", dtype_name(p.y_type), ")");
+  }
+  K3_CUBLAS_CHECK(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, p.w, CUDA_R_16BF, int(ld_w), p.x,
+                               CUDA_R_16BF, int(ld_x), &beta, p.y, cuda_type(p.y_type), int(ld_y), CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT));
+}
+
+void linear_bf16(GemmContext& ctx, float* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
+                 bool accumulate) {
+  LinearParams p;
+  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::BF16;
+  p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
+  linear_forward(ctx, p);
+}
+
+void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
+                 bool accumulate) {
+  LinearParams p;
+  p.y = y, p.y_type = DType::BF16, p.x = x, p.w = w, p.in_type = DType::BF16;
+  p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
+  linear_forward(ctx, p);
+}
+
+void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                      bool accumulate) {
+  LinearParams p;
+  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::F32;
+  p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
+  linear_forward(ctx, p);
+}
+
+void lm_head_forward(GemmContext& ctx, float* logits, const uint16_t* x, const uint16_t* lm_head, int64_t M, int64_t V,
+                     int64_t D) {
+  linear_bf16(ctx, logits, x, lm_head, M, V, D, false);
+}
+
+}  // namespace k3::gemm::cuda

@@ -1,0 +1,75 @@
+// Dense linear layers on the GPU through cuBLASLt / cuBLAS: the CUDA twin of kernels/gemm/linear.h.
+//   y[M, N] (+)= x[M, K] · W[N, K]ᵀ           W is [out, in] row-major (PyTorch layout), as on the CPU
+// Modes (picked from the dtypes):
+//   - x, W BF16 -> y F32 or BF16: tensor cores, fp32 accumulation (CUBLAS_COMPUTE_32F). The serving path.
+//   - x, W F32  -> y F32: CUBLAS_COMPUTE_32F_PEDANTIC on a handle in CUBLAS_PEDANTIC_MATH, i.e. plain
+//     fp32 FMAs, TF32 OFF (NVIDIA_TF32_OVERRIDE cannot turn it on). For exact parity runs against the
+//     CPU twin; expect relative L2 ~ 2^-24·sqrt(K) (fp32 accumulation), e.g. ~1.5e-6 at K = 7168.
+// Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ, so every call is the "TN" GEMM m=N, n=M, k=K with
+// A = W (lda = ld_w), B = x (ldb = ld_x), C = y (ldc = ld_y): no copies, any row strides.
+// Device pointers; default stream; plain C++ header.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace k3::gemm::cuda {
+
+// Which cuBLAS entry point runs a BF16 GEMM. Auto = cuBLASLt with its heuristic's first algorithm
+// (cached per shape, strides, dtypes and pointer alignment), falling back to cublasGemmEx when the
+// heuristic offers none. Lt / Classic force one (Lt throws when it has no algorithm); the benchmark
+// times both. F32 exact mode always uses cublasGemmEx (pedantic).
+enum class GemmBackend { Auto, Lt, Classic };
+
+// Owns the cuBLASLt handle, two cuBLAS handles (default math; pedantic fp32), a 32 MiB workspace
+// and the cache of cuBLASLt plans. Create one per process (or per model) and pass it to every call;
+// not thread-safe (one stream, one caller). Needs a GPU (throws k3::Error otherwise).
+class GemmContext {
+ public:
+  GemmContext();
+  ~GemmContext();
+  GemmContext(const GemmContext&) = delete;
+  GemmContext& operator=(const GemmContext&) = delete;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct LinearParams {
+  void* y = nullptr;        // [M, ld_y] of y_type
+  DType y_type = DType::F32;
+  int64_t ld_y = 0;         // elements (0: N)
+  const void* x = nullptr;  // [M, ld_x] of in_type
+  int64_t ld_x = 0;         // elements (0: K)
+  const void* w = nullptr;  // [N, ld_w] of in_type
+  int64_t ld_w = 0;         // elements (0: K)
+  DType in_type = DType::BF16;  // of x and W
+  int64_t M = 0, N = 0, K = 0;
+  bool accumulate = false;  // y += x·Wᵀ (y is read in y_type) instead of y = x·Wᵀ
+  GemmBackend backend = GemmBackend::Auto;
+};
+
+// Empty string when linear_forward can take p, else why not (dtype pair, dims over 2^31-1, strides).
+std::string can_run(const LinearParams& p);
+// Throws k3::Error with can_run's reason, or with cuBLAS's status when a call fails.
+void linear_forward(GemmContext& ctx, const LinearParams& p);
+
+// Shorthands for dense operands (ld = K for x and W, N for y).
+void linear_bf16(GemmContext& ctx, float* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
+                 bool accumulate = false);
+void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N,
+                 int64_t K, bool accumulate = false);
+void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
+                      bool accumulate = false);
+
+// The output head: logits[M, V] (fp32) = x[M, D] (bf16, the final-normed rows) · lm_head[V, D]ᵀ.
+// A plain BF16 GEMM (no soft-cap, no scaling in K3); its own name so profiles and callers read well.
+void lm_head_forward(GemmContext& ctx, float* logits, const uint16_t* x, const uint16_t* lm_head, int64_t M, int64_t V,
+                     int64_t D);
+
+}  // namespace k3::gemm::cuda

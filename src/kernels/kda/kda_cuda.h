@@ -1,0 +1,161 @@
+// Kimi Delta Attention (KDA) on the GPU (sm_90a, H100/H200): host launchers for the CUDA twins of
+// kernels/kda/kda.h. Plain C++ (no CUDA headers): every pointer here is a DEVICE pointer, every kernel
+// runs on the default stream, and a launcher returns as soon as its kernels are queued.
+//
+// Shapes and letters. B independent sequences of T tokens each (equal lengths), H heads, D = 128 for
+// q/k/v (Dk = Dv = 128 is the only head dim of the KDA kernels; the elementwise kernels take any D).
+// Activations are token-major like the CPU twin, with the batch outermost: x[b][t][h][d] at
+// ((b*T + t)*H + h)*D + d. bf16 on the host side is uint16_t (core/dtype.h converts).
+//
+//   kernel                    CPU twin (kda.h)            dtypes
+//   short_conv_silu           short_conv_silu_forward     x/out bf16 or fp32, weight and tail fp32
+//   l2norm_heads              l2norm_heads                bf16 or fp32, in place, fp32 sum of squares
+//   gate_forward              gate_forward                z bf16 or fp32, g fp32
+//   kda_chunk_forward         kda_chunk_forward (C = 16)  q/k/v bf16 (fast path) or fp32 (parity path),
+//                                                         g/beta fp32, state fp32, o bf16 or fp32
+//   kda_recurrent_forward     kda_recurrent_forward       the fused token-by-token recurrence; decode is T = 1
+//   gated_rmsnorm             gated_rmsnorm_forward       bf16 or fp32
+//
+// ---------------------------------------------------------------------------------------------------------
+// THE CHUNKED FORM ON TENSOR CORES (kda_chunk_forward), and its numerics.
+//
+// Two kernels, as FlashKDA splits it (its deep dive measured >= 15 % over one fused kernel):
+//   1. prepare (token-parallel: one CTA per sequence, 16-token chunk and head). With Gamma_i the inclusive
+//      cumulative sum of g inside the chunk (per key channel) and scale folded into q:
+//        Qd = scale q e^Gamma,  Kd = k e^Gamma,  Ki = k e^-Gamma,  Kr = k e^(Gamma_15 - Gamma),  gamma = e^Gamma_15
+//        A  = Kd Ki^T   L = Diag(beta) StrictLower(A)      M = Lower(Qd Ki^T)    (16x16, MMA over 128 channels)
+//        Aw = (I + L)^-1 Diag(beta)                                           (16x16 forward substitution)
+//        Mw = M Aw,   Kw = Aw Kd,   Qw = Qd - Mw Kd                           (MMA)
+//      and writes Qw, Kw, -Kr, -Aw, Mw, gamma to a workspace (kda_chunk_workspace_bytes).
+//   2. recurrence (state-parallel: one CTA per sequence, head and slice of the value columns; one warp
+//      owns 16 value columns of the state for the whole sequence, S^T held in fp32 registers). Per chunk:
+//        [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | -Aw^T]      (Y = -U^T,  U = Aw (V - Kd S))
+//        S^T      <- Diag(gamma) on the columns of S^T, then S^T += Y (-Kr)   (= S^T + U^T Kr)
+//      which is the CPU twin's  O = Qd S + M U,  S' = Diag(gamma) S + Kr^T U  with the 16x16 products
+//      folded in. The value columns of the state never interact, so the slices need no communication,
+//      and the accumulator layout of S^T IS the A-operand layout of the next product (no shared memory
+//      round trip for the state). The next chunks' tiles stream in with cp.async, 4 stages deep.
+// Every product, the diagonal 16x16 tiles included, is an mma.sync.m16n8k16 bf16 -> fp32; there is no
+// per-position path. Masks (strict lower for L, lower for M) are applied by SELECTION of the fp32
+// accumulator (i > j ? x : 0), never by multiplying by a 0/1 mask: the masked entries of Kd Ki^T carry
+// e^(Gamma_i - Gamma_j) with j > i, up to e^75 |k_i||k_j|, and 0 * inf would be NaN had they overflowed.
+//
+// Why every 16-token tile is safe (the lower bound is what makes it so). K3's gate is
+// g = -5 sigmoid(...) in [-5, 0], so within a chunk 0 >= Gamma_i >= -5 * 16 = -80. Hence
+//   e^Gamma in [e^-80, 1] = [1.8e-35, 1]   (normal in bf16 and fp32: min normal 1.2e-38 = e^-87.3)
+//   e^-Gamma in [1, e^80] = [1, 5.5e34]    (max bf16/fp32 3.4e38 = e^88.7: 6100x to spare)
+// so the split factors Kd = k e^Gamma and Ki = k e^-Gamma exist as bf16 numbers and their product, summed
+// in fp32 accumulators, never overflows (|entry| <= e^80 * |q||k|, and q, k are L2-normalised). Chunk 17
+// would still fit (e^85), chunk 18 would not (e^90 = 1.2e39). CONTRACT: g must lie in [-5, 0] (what
+// gate_forward with lower_bound -5 produces); a gate below -5.4 can overflow e^-Gamma.
+//
+// Where fp32 is kept. The state S, every MMA accumulator, Gamma and the exponentials, the forward
+// substitution, gamma, and the sum O + ... are fp32. The prepare kernel feeds its MMAs with split
+// operands (x = hi + lo, two bf16 numbers; hi*hi + hi*lo + lo*hi, relative error ~2^-16), so A, M, Aw,
+// Mw, Kw, Qw are fp32-accurate before they are rounded once to bf16 for the workspace. In the
+// recurrence the state is split too (S = S_hi + S_lo, both multiplied), so the state enters its
+// product at ~2^-17 relative accuracy, and so does Y in the state update; the only bf16 roundings of the
+// fast path are the inputs and the workspace tiles (Qw, Kw, Kr, Aw, Mw: 2^-9 relative each).
+// The fp32 path (q/k/v fp32) also splits the workspace tiles and v into hi/lo planes and multiplies
+// hi*hi + hi*lo + lo*hi everywhere: every product is then fp32-accurate to ~2^-16 (parity with the CPU).
+//
+// Measured (H200, 2026-11-29, bench_cuda_kda, bf16, median of 30; prepare + recurrence kernels):
+//   (B, T, H)        ms      prepare  recurrence   fla chunk_kda fwd (ANCHORS.md)
+//   1, 8192, 64     1.379    0.665    0.723        1.76
+//   1, 8192, 96     2.129    0.990    1.148        2.60
+//   4, 4096, 32     1.180    0.669    0.521        1.69
+//   1, 32768, 32    4.387    1.322    3.079        4.15
+//   1, 65536, 16    8.833    1.325    7.498        4.43
+// The recurrence costs ~1.4-1.8 us per 16-token chunk whatever the shape (latency of one chunk step),
+// so few heads and long T are its weak case; the prepare kernel moves ~1.5 TB/s.
+// Accuracy against the CPU twin (relative L2): bf16 path o ~2.3e-3, state ~1.5e-3 (also at T = 65536);
+// fp32 path o ~7e-6, state ~6e-6.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace k3::kda::cuda {
+
+// ---------------------------------------------------------------------------------------------------------
+// Causal depthwise conv (K taps, no bias) + SiLU over B sequences of T tokens of C channels.
+//   out, x: [B][T][C]    weight: [C][K] fp32    tail: [B][K-1][C] fp32 or nullptr (zeros; not updated)
+// Tap j multiplies input t-(K-1)+j. tail holds each sequence's previous K-1 PRE-conv inputs (oldest
+// first) and is updated in place to the last K-1 inputs (as the CPU twin, also when T < K-1). A decode
+// step is T = 1. out must not alias x. K in [1, 8].
+void short_conv_silu(float* out, const float* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
+                     float* tail);
+void short_conv_silu(uint16_t* out, const uint16_t* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
+                     float* tail);
+
+// In place per-head L2 normalisation of `rows` rows of H*D: x <- x / sqrt(sum_d x^2 + eps) (K3: 1e-6).
+void l2norm_heads(float* x, int64_t rows, int64_t H, int64_t D, float eps);
+void l2norm_heads(uint16_t* x, int64_t rows, int64_t H, int64_t D, float eps);
+
+// Lower-bounded decay gate: g[r,h,d] = lower_bound * sigmoid(exp(A_log[h]) * (z[r,h,d] + dt_bias[h*D+d])).
+//   g: [rows][H][D] fp32    z: [rows][H][D]    A_log: [H]    dt_bias: [H*D]    lower_bound < 0 (K3: -5)
+void gate_forward(float* g, const float* z, const float* A_log, const float* dt_bias, float lower_bound, int64_t rows,
+                  int64_t H, int64_t D);
+void gate_forward(float* g, const uint16_t* z, const float* A_log, const float* dt_bias, float lower_bound,
+                  int64_t rows, int64_t H, int64_t D);
+
+// Gated output norm: y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(gate), per head row of Dv.
+//   y, o, gate: [rows][H][Dv]    weight: [Dv] fp32    y may alias o.
+void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows,
+                   int64_t H, int64_t Dv);
+void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps,
+                   int64_t rows, int64_t H, int64_t Dv);
+
+// ---------------------------------------------------------------------------------------------------------
+// KDA core. Dk = Dv = 128.
+constexpr int kHeadDim = 128;
+constexpr int kChunk = 16;
+
+struct KdaParams {
+  int64_t B = 0, T = 0, H = 0;
+  float scale = 0.0f;           // K3: 128^-0.5
+  DType in_dtype = DType::BF16;  // q, k, v: BF16 (fast path) or F32 (parity path)
+  DType out_dtype = DType::BF16; // o: BF16 or F32
+  const void* q = nullptr;      // [B][T][H][128], L2-normalised per head
+  const void* k = nullptr;      // [B][T][H][128], L2-normalised per head
+  const void* v = nullptr;      // [B][T][H][128]
+  const float* g = nullptr;     // [B][T][H][128], log-decay in [-5, 0]
+  const float* beta = nullptr;  // [B][T][H]
+  const float* state_in = nullptr;  // [B][H][128 key][128 value] fp32, key-major like the CPU twin; nullptr = zeros
+  float* state_out = nullptr;       // same layout; nullptr = not written; may equal state_in
+  void* o = nullptr;                // [B][T][H][128]
+  void* workspace = nullptr;        // kda_chunk_forward only: kda_chunk_workspace_bytes(B, T, H, in_dtype) bytes
+  size_t workspace_bytes = 0;
+  // kda_chunk_forward only, for benchmarks: run both kernels (the default), only the prepare kernel, or
+  // only the recurrence kernel (which then reads the workspace a previous call with the same inputs left).
+  enum class Stage { kAll, kPrepareOnly, kRecurrenceOnly } stage = Stage::kAll;
+};
+
+// Workspace of kda_chunk_forward: one item per (sequence b, 16-token chunk n, head h), item (b*NC + n)*H + h.
+// bf16 inputs, 13,824 bytes per item (the test reads it back):
+//   bf16 Qw[16][128] @0   Kw[16][128] @4096   -Kr[16][128] @8192   -Aw[16][16] @12288   Mw[16][16] @12800
+//   fp32 gamma[128] @13312
+// fp32 inputs, 35,328 bytes: each bf16 tile as a hi and a lo plane back to back (Qw hi, Qw lo, Kw hi, ...),
+// gamma, then v's hi and lo planes [16][128]. B1 T8192 H64 bf16: 453 MB.
+size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype);
+
+// Empty when kda_chunk_forward can take p, else the reason (shape, dtype, workspace, or no GPU).
+std::string kda_chunk_can_run(const KdaParams& p);
+// The chunked forward (16-token chunks, tensor cores). T = 0 is a no-op. Throws k3::Error with the
+// reason of kda_chunk_can_run when it cannot take p.
+void kda_chunk_forward(const KdaParams& p);
+
+// Empty when kda_recurrent_forward can take p (state_in and state_out both required, they may alias;
+// o has the dtype of q/k/v).
+std::string kda_recurrent_can_run(const KdaParams& p);
+// The fused recurrence, token by token with the state in fp32 registers: one CTA (512 threads) per
+// (sequence, head). Decode is T = 1; it also serves as the GPU reference for the chunked form.
+void kda_recurrent_forward(const KdaParams& p);
+
+// For the benchmark: the number of value-column slices (CTAs per head) the recurrence kernel of
+// kda_chunk_forward uses at this shape (1, 2, 4 or 8), chosen so that the busiest SM holds the fewest warps.
+int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype);
+
+}  // namespace k3::kda::cuda

@@ -1,0 +1,712 @@
+// KDA chunked forward on tensor cores (sm_90a): the prepare kernel and the recurrence kernel.
+// Contract, algebra and numerics: kda_cuda.h. Fragment layouts (mma.sync.m16n8k16, lane = 4 r + q):
+//   A (16x16, row): reg0 = A[r][2q..2q+1]  reg1 = A[r+8][2q..]  reg2 = A[r][2q+8..]  reg3 = A[r+8][2q+8..]
+//   B (16x8, col):  reg0 = B[2q..2q+1][r]  reg1 = B[2q+8..2q+9][r]
+//   C (16x8):       c0,c1 = C[r][2q..2q+1]  c2,c3 = C[r+8][2q..2q+1]
+// The C tiles of a 16x16 block, packed in pairs, are exactly the A operand of the next product (the
+// FlashAttention P -> A trick); the recurrence keeps the state transposed (S^T) to use it.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "core/cuda.h"
+#include "core/cuda_check.cuh"
+#include "core/error.h"
+#include "kernels/kda/kda_cuda.h"
+
+namespace k3::kda::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int D = kHeadDim;  // 128
+constexpr int C = kChunk;    // 16
+
+// ---- small device helpers -------------------------------------------------------------------------------
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo_col, float hi_col) {
+  __nv_bfloat162 p = __floats2bfloat162_rn(lo_col, hi_col);  // .x (low half) = lo_col
+  return *reinterpret_cast<uint32_t*>(&p);
+}
+// x0, x1 -> hi pair and lo pair (x = hi + lo to ~2^-17 relative).
+__device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<uint32_t*>(&h);
+  lo = *reinterpret_cast<uint32_t*>(&l);
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// 16-byte async copy; src_bytes = 0 fills the destination with zeros (rows past the end of a sequence).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- workspace layout ------------------------------------------------------------------------------------
+// One item per (b, chunk, h), item index (b*NC + n)*H + h. P = 1 (bf16 inputs) or 2 (fp32 inputs: a hi and
+// a lo plane of every bf16 tile). Offsets in bf16 elements unless named _B (bytes):
+//   Qw  [P][16][128]   Kw [P][16][128]   Krn [P][16][128] (= -Kr)   Awn [P][16][16] (= -Aw)   Mw [P][16][16]
+//   gamma [128] fp32   (P = 2 only) V [2][16][128]
+template <int P>
+struct Ws {
+  static constexpr int kQW = 0;
+  static constexpr int kKW = P * C * D;
+  static constexpr int kKR = 2 * P * C * D;
+  static constexpr int kAW = 3 * P * C * D;
+  static constexpr int kMW = kAW + P * C * C;
+  static constexpr int kGM_B = (kMW + P * C * C) * 2;
+  static constexpr int kV_B = kGM_B + D * 4;
+  static constexpr int kItem_B = kV_B + (P == 2 ? 2 * C * D * 2 : 0);
+  static_assert(kGM_B % 16 == 0 && kV_B % 16 == 0 && kItem_B % 16 == 0, "workspace tiles must be 16-byte aligned");
+};
+static_assert(Ws<1>::kItem_B == 13824 && Ws<2>::kItem_B == 35328, "kda_cuda.h documents these sizes");
+
+template <int P>
+__device__ __forceinline__ void put(bf16* plane0, int plane_stride, int idx, float x) {
+  const bf16 h = __float2bfloat16_rn(x);
+  plane0[idx] = h;
+  if constexpr (P == 2) plane0[plane_stride + idx] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+template <int P>
+__device__ __forceinline__ void put2(bf16* plane0, int plane_stride, int idx, float x0, float x1) {
+  uint32_t hi, lo;
+  split_pack(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(plane0 + idx) = hi;
+  if constexpr (P == 2) *reinterpret_cast<uint32_t*>(plane0 + plane_stride + idx) = lo;
+}
+
+struct Args {
+  int64_t B, T, H, NC;
+  float scale;
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const float* beta;
+  const float* state_in;
+  float* state_out;
+  void* o;
+  unsigned char* ws;
+};
+
+// =========================================================================================================
+// Kernel 1: prepare. One CTA of 128 threads per (b, chunk, h); thread c owns key channel c in phase 1.
+// Shared memory (fp32, rows padded to 136 floats so the float2 fragment reads of 8 rows x 4 lanes hit 32
+// distinct banks): Qd, Kd, Ki [16][136]; L, M, Aw, Mw [16][17]. All MMAs use split operands (3 products).
+constexpr int kLdF = D + 8;
+
+struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
+  // A operand from row-major X[16][ld], k-step at column k0.
+  __device__ __forceinline__ static void a_rows(uint32_t (&hi)[4], uint32_t (&lo)[4], const float* X, int ld, int k0,
+                                                int r, int q) {
+    const float2 x0 = *reinterpret_cast<const float2*>(X + r * ld + k0 + 2 * q);
+    const float2 x1 = *reinterpret_cast<const float2*>(X + (r + 8) * ld + k0 + 2 * q);
+    const float2 x2 = *reinterpret_cast<const float2*>(X + r * ld + k0 + 8 + 2 * q);
+    const float2 x3 = *reinterpret_cast<const float2*>(X + (r + 8) * ld + k0 + 8 + 2 * q);
+    split_pack(x0.x, x0.y, hi[0], lo[0]);
+    split_pack(x1.x, x1.y, hi[1], lo[1]);
+    split_pack(x2.x, x2.y, hi[2], lo[2]);
+    split_pack(x3.x, x3.y, hi[3], lo[3]);
+  }
+  // A operand from a [16][17] scalar tile (unaligned rows): the same fragment, element by element.
+  __device__ __forceinline__ static void a_small(uint32_t (&hi)[4], uint32_t (&lo)[4], const float* X, int r, int q) {
+    constexpr int ld = 17;
+    split_pack(X[r * ld + 2 * q], X[r * ld + 2 * q + 1], hi[0], lo[0]);
+    split_pack(X[(r + 8) * ld + 2 * q], X[(r + 8) * ld + 2 * q + 1], hi[1], lo[1]);
+    split_pack(X[r * ld + 2 * q + 8], X[r * ld + 2 * q + 9], hi[2], lo[2]);
+    split_pack(X[(r + 8) * ld + 2 * q + 8], X[(r + 8) * ld + 2 * q + 9], hi[3], lo[3]);
+  }
+  // B operand where B[k][n] = Y[n0 + n][k0 + k] (Y stored [n][k], k contiguous): B = Y^T.
+  __device__ __forceinline__ static void b_nk(uint32_t (&hi)[2], uint32_t (&lo)[2], const float* Y, int ld, int n0,
+                                              int k0, int r, int q) {
+    const float2 y0 = *reinterpret_cast<const float2*>(Y + (n0 + r) * ld + k0 + 2 * q);
+    const float2 y1 = *reinterpret_cast<const float2*>(Y + (n0 + r) * ld + k0 + 8 + 2 * q);
+    split_pack(y0.x, y0.y, hi[0], lo[0]);
+    split_pack(y1.x, y1.y, hi[1], lo[1]);
+  }
+  // B operand where B[k][n] = Y[k][n0 + n] (Y stored [k][n], n contiguous), k over all 16 rows.
+  __device__ __forceinline__ static void b_kn(uint32_t (&hi)[2], uint32_t (&lo)[2], const float* Y, int ld, int n0,
+                                              int r, int q) {
+    split_pack(Y[(2 * q) * ld + n0 + r], Y[(2 * q + 1) * ld + n0 + r], hi[0], lo[0]);
+    split_pack(Y[(2 * q + 8) * ld + n0 + r], Y[(2 * q + 9) * ld + n0 + r], hi[1], lo[1]);
+  }
+};
+
+// d += a * b with split operands: hi*hi + lo*hi + hi*lo.
+__device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma16816(d, ah, bh[0], bh[1]);
+  mma16816(d, al, bh[0], bh[1]);
+  mma16816(d, ah, bl[0], bl[1]);
+}
+
+template <class TI, int P>
+__global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
+  using W = Ws<P>;
+  __shared__ __align__(16) float sQd[C][kLdF];
+  __shared__ __align__(16) float sKd[C][kLdF];
+  __shared__ __align__(16) float sKi[C][kLdF];
+  __shared__ float sL[C][17], sM[C][17], sAw[C][17], sMw[C][17];
+  __shared__ float sBeta[C];
+
+  const int64_t item = blockIdx.x;
+  const int64_t h = item % a.H;
+  const int64_t n = (item / a.H) % a.NC;
+  const int64_t b = item / (a.H * a.NC);
+  const int64_t t0 = n * C;
+  const int nv = a.T - t0 < C ? static_cast<int>(a.T - t0) : C;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
+  unsigned char* wsb = a.ws + item * W::kItem_B;
+  bf16* ws = reinterpret_cast<bf16*>(wsb);
+
+  // Phase 1: thread = channel c. Gamma (inclusive cumsum of g), the decayed q/k, Kr, gamma; padded rows
+  // (t >= nv) get g = q = k = v = 0 and beta = 0, which makes their rows of every tile exactly zero.
+  {
+    const int c = tid;
+    const TI* qp = static_cast<const TI*>(a.q);
+    const TI* kp = static_cast<const TI*>(a.k);
+    float gam[C];
+    float G = 0.0f;
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      const int64_t off = ((b * a.T + t0 + i) * a.H + h) * D + c;
+      G += i < nv ? a.g[off] : 0.0f;
+      gam[i] = G;
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      const int64_t off = ((b * a.T + t0 + i) * a.H + h) * D + c;
+      const float qv = i < nv ? to_f(qp[off]) : 0.0f;
+      const float kv = i < nv ? to_f(kp[off]) : 0.0f;
+      const float e = expf(gam[i]);      // in [e^-80, 1]
+      const float ei = expf(-gam[i]);    // in [1, e^80]
+      const float er = expf(G - gam[i]);  // in [e^-80, 1]
+      sQd[i][c] = a.scale * qv * e;
+      sKd[i][c] = kv * e;
+      sKi[i][c] = kv * ei;
+      put<P>(ws + W::kKR, C * D, i * D + c, -kv * er);
+      if constexpr (P == 2) {
+        const float vv = i < nv ? to_f(static_cast<const TI*>(a.v)[off]) : 0.0f;
+        put<P>(reinterpret_cast<bf16*>(wsb + W::kV_B), C * D, i * D + c, vv);
+      }
+    }
+    reinterpret_cast<float*>(wsb + W::kGM_B)[c] = expf(G);
+    if (c < C) sBeta[c] = c < nv ? a.beta[(b * a.T + t0 + c) * a.H + h] : 0.0f;
+  }
+  __syncthreads();
+
+  // Phase 2: warp 0: A = Kd Ki^T -> L = Diag(beta) StrictLower(A); warp 1: M = Lower(Qd Ki^T). Masks by select.
+  if (warp < 2) {
+    const float* X = warp == 0 ? &sKd[0][0] : &sQd[0][0];
+    float acc[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ah[4], al[4];
+      FragF::a_rows(ah, al, X, kLdF, ks * 16, r, q);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t bh[2], bl[2];
+        FragF::b_nk(bh, bl, &sKi[0][0], kLdF, nt * 8, ks * 16, r, q);
+        mma_split(acc[nt], ah, al, bh, bl);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = r + (e >> 1) * 8, j = nt * 8 + 2 * q + (e & 1);
+        if (warp == 0)
+          sL[i][j] = i > j ? sBeta[i] * acc[nt][e] : 0.0f;
+        else
+          sM[i][j] = i >= j ? acc[nt][e] : 0.0f;
+      }
+  }
+  __syncthreads();
+
+  // Phase 3: Aw = (I + L)^-1 Diag(beta) by forward substitution, column `col` per lane:
+  //   Aw[i][col] = beta_i [i == col] - sum_{j<i} L[i][j] Aw[j][col]
+  if (warp == 0) {
+    const int col = lane & 15;
+    float x[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      float s = i == col ? sBeta[i] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s = fmaf(-sL[i][j], x[j], s);
+      x[i] = s;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < C; ++i) sAw[i][col] = x[i];
+    }
+  }
+  __syncthreads();
+
+  // Phase 4: warp 0: Mw = M Aw; warp 1: -Aw to the workspace.
+  if (warp == 0) {
+    uint32_t ah[4], al[4];
+    FragF::a_small(ah, al, &sM[0][0], r, q);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t bh[2], bl[2];
+      FragF::b_kn(bh, bl, &sAw[0][0], 17, nt * 8, r, q);
+      float acc[4] = {};
+      mma_split(acc, ah, al, bh, bl);
+      const int j = nt * 8 + 2 * q;
+      sMw[r][j] = acc[0];
+      sMw[r][j + 1] = acc[1];
+      sMw[r + 8][j] = acc[2];
+      sMw[r + 8][j + 1] = acc[3];
+      put2<P>(ws + W::kMW, C * C, r * C + j, acc[0], acc[1]);
+      put2<P>(ws + W::kMW, C * C, (r + 8) * C + j, acc[2], acc[3]);
+    }
+  } else if (warp == 1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int idx = e * 32 + lane;
+      put<P>(ws + W::kAW, C * C, idx, -sAw[idx / C][idx % C]);
+    }
+  }
+  __syncthreads();
+
+  // Phase 5: Kw = Aw Kd and Qw = Qd - Mw Kd, 4 column tiles of 8 channels per warp.
+  {
+    uint32_t awh[4], awl[4], mwh[4], mwl[4];
+    FragF::a_small(awh, awl, &sAw[0][0], r, q);
+    FragF::a_small(mwh, mwl, &sMw[0][0], r, q);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int n0 = (warp * 4 + t) * 8;
+      uint32_t bh[2], bl[2];
+      FragF::b_kn(bh, bl, &sKd[0][0], kLdF, n0, r, q);
+      float kw[4] = {}, mk[4] = {};
+      mma_split(kw, awh, awl, bh, bl);
+      mma_split(mk, mwh, mwl, bh, bl);
+      const int c = n0 + 2 * q;
+      put2<P>(ws + W::kKW, C * D, r * D + c, kw[0], kw[1]);
+      put2<P>(ws + W::kKW, C * D, (r + 8) * D + c, kw[2], kw[3]);
+      put2<P>(ws + W::kQW, C * D, r * D + c, sQd[r][c] - mk[0], sQd[r][c + 1] - mk[1]);
+      put2<P>(ws + W::kQW, C * D, (r + 8) * D + c, sQd[r + 8][c] - mk[2], sQd[r + 8][c + 1] - mk[3]);
+    }
+  }
+}
+
+// =========================================================================================================
+// Kernel 2: the recurrence. One CTA of NW warps per (b, h, slice of NV = 16 NW value columns); warp w
+// owns S^T rows v0 = slice*NV + 16 w .. +15 (all 128 key columns) in 64 fp32 registers per thread:
+//   S[nt][0..3] = S^T[v0 + r (+8)][8 nt + 2q (+1)]  (C layout of 16 tiles 16x8).
+// Shared memory per stage (bf16 rows padded to 136 / 24 / NV+8 elements: 16-byte row shifts, so ldmatrix
+// reads 8 rows from 8 distinct bank groups): Qw, Kw, Krn [P][16][136]; Awn, Mw [P][16][24];
+// gamma [128] fp32; V [P][16][NV+8]. Then per warp an fp32 [16][20] tile to transpose O for the store.
+constexpr int kLdB = D + 8;
+constexpr int kLdS = C + 8;
+
+template <int P, int NW>
+struct Smem2 {
+  static constexpr int NV = 16 * NW;
+  static constexpr int kLdV = NV + 8;
+  static constexpr int kStages = P == 1 ? 4 : 2;
+  static constexpr int kQ = 0;  // bytes within a stage
+  static constexpr int kK = kQ + P * C * kLdB * 2;
+  static constexpr int kR = kK + P * C * kLdB * 2;
+  static constexpr int kA = kR + P * C * kLdB * 2;
+  static constexpr int kM = kA + P * C * kLdS * 2;
+  static constexpr int kG = kM + P * C * kLdS * 2;
+  static constexpr int kV = kG + D * 4;
+  static constexpr int kStage = kV + P * C * kLdV * 2;
+  static constexpr int kOut = kStages * kStage;  // per-warp [16][20] fp32
+  static constexpr int kBytes = kOut + NW * C * 20 * 4;
+  static_assert(kK % 16 == 0 && kA % 16 == 0 && kG % 16 == 0 && kV % 16 == 0 && kStage % 16 == 0, "alignment");
+};
+
+__device__ __forceinline__ void store_out(float* o, const float* src) {
+  *reinterpret_cast<float4*>(o) = *reinterpret_cast<const float4*>(src);
+  *reinterpret_cast<float4*>(o + 4) = *reinterpret_cast<const float4*>(src + 4);
+}
+__device__ __forceinline__ void store_out(bf16* o, const float* src) {
+  uint4 u;
+  u.x = pack_bf16(src[0], src[1]);
+  u.y = pack_bf16(src[2], src[3]);
+  u.z = pack_bf16(src[4], src[5]);
+  u.w = pack_bf16(src[6], src[7]);
+  *reinterpret_cast<uint4*>(o) = u;
+}
+
+template <int P, int NW, class TO>
+__global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
+  using W = Ws<P>;
+  using L = Smem2<P, NW>;
+  constexpr int NV = L::NV, kSlices = D / NV, kStages = L::kStages;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int slice = blockIdx.x % kSlices;
+  const int64_t h = (blockIdx.x / kSlices) % a.H;
+  const int64_t b = blockIdx.x / (kSlices * a.H);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
+  const int vs = slice * NV;     // the CTA's first value column
+  const int v0 = vs + warp * 16;  // the warp's first value column
+  const int64_t NC = a.NC;
+
+  // Issue the async copies of chunk n into stage s (always commits a group, possibly empty).
+  auto load_chunk = [&](int64_t n, int s) {
+    if (n < NC) {
+      unsigned char* st = smem + s * L::kStage;
+      const unsigned char* src = a.ws + ((b * NC + n) * a.H + h) * W::kItem_B;
+      // Qw, Kw, Krn: 3 P planes of 16 rows x 256 bytes (16 segments per row).
+      for (int i = tid; i < 3 * P * C * 16; i += NW * 32) {
+        const int plane = i / (C * 16), row = (i / 16) % C, seg = i % 16;
+        cp_async16(st + plane * C * kLdB * 2 + row * kLdB * 2 + seg * 16, src + plane * C * D * 2 + row * D * 2 + seg * 16,
+                   16);
+      }
+      // Awn, Mw: 2 P planes of 16 rows x 32 bytes; gamma: 512 bytes.
+      for (int i = tid; i < 2 * P * C * 2 + 32; i += NW * 32) {
+        if (i < 2 * P * C * 2) {
+          const int plane = i / (C * 2), row = (i / 2) % C, seg = i % 2;
+          cp_async16(st + L::kA + plane * C * kLdS * 2 + row * kLdS * 2 + seg * 16,
+                     src + W::kAW * 2 + plane * C * C * 2 + row * C * 2 + seg * 16, 16);
+        } else {
+          const int seg = i - 2 * P * C * 2;
+          cp_async16(st + L::kG + seg * 16, src + W::kGM_B + seg * 16, 16);
+        }
+      }
+      // V columns vs .. vs+NV-1 of the 16 tokens: from the input (bf16 path) or the workspace planes.
+      constexpr int kSegs = NV / 8;
+      for (int i = tid; i < P * C * kSegs; i += NW * 32) {
+        const int plane = i / (C * kSegs), row = (i / kSegs) % C, seg = i % kSegs;
+        unsigned char* dst = st + L::kV + plane * C * L::kLdV * 2 + row * L::kLdV * 2 + seg * 16;
+        if constexpr (P == 1) {
+          const int64_t t = n * C + row;
+          const bool ok = t < a.T;
+          const bf16* vsrc = static_cast<const bf16*>(a.v) + ((b * a.T + (ok ? t : 0)) * a.H + h) * D + vs + seg * 8;
+          cp_async16(dst, vsrc, ok ? 16 : 0);
+        } else {
+          cp_async16(dst, src + W::kV_B + plane * C * D * 2 + row * D * 2 + vs * 2 + seg * 16, 16);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) load_chunk(s, s);
+
+  // The state, transposed, into registers.
+  float S[16][4];
+  {
+    const float* sin = a.state_in ? a.state_in + (b * a.H + h) * D * D : nullptr;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int c = nt * 8 + 2 * q;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int cc = c + (e & 1), vv = v0 + r + (e >> 1) * 8;
+        S[nt][e] = sin ? sin[cc * D + vv] : 0.0f;
+      }
+    }
+  }
+
+  float* sOut = reinterpret_cast<float*>(smem + L::kOut) + warp * C * 20;
+  TO* out = static_cast<TO*>(a.o);
+
+  for (int64_t n = 0; n < NC; ++n) {
+    load_chunk(n + kStages - 1, static_cast<int>((n + kStages - 1) % kStages));
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const unsigned char* st = smem + (n % kStages) * L::kStage;
+    const bf16* sQ = reinterpret_cast<const bf16*>(st + L::kQ);
+    const bf16* sK = reinterpret_cast<const bf16*>(st + L::kK);
+    const bf16* sR = reinterpret_cast<const bf16*>(st + L::kR);
+    const bf16* sA = reinterpret_cast<const bf16*>(st + L::kA);
+    const bf16* sM = reinterpret_cast<const bf16*>(st + L::kM);
+    const float* sG = reinterpret_cast<const float*>(st + L::kG);
+    const bf16* sV = reinterpret_cast<const bf16*>(st + L::kV);
+
+    // ldmatrix lane roles: matrix m = lane / 8, row rr = lane % 8.
+    const int m = lane >> 3, rr = lane & 7;
+
+    // [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | Awn^T]; acc[0..1] = O^T (tokens 0-7, 8-15), acc[2..3] = Y.
+    float acc[4][4] = {}, accl[4][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t sh[4], sl[4];
+      split_pack(S[2 * ks][0], S[2 * ks][1], sh[0], sl[0]);
+      split_pack(S[2 * ks][2], S[2 * ks][3], sh[1], sl[1]);
+      split_pack(S[2 * ks + 1][0], S[2 * ks + 1][1], sh[2], sl[2]);
+      split_pack(S[2 * ks + 1][2], S[2 * ks + 1][3], sh[3], sl[3]);
+      // B tiles: rows (tokens) (m>>1)*8 + rr, columns (channels) 16 ks + (m&1)*8.
+      const int boff = ((m >> 1) * 8 + rr) * kLdB + ks * 16 + (m & 1) * 8;
+      uint32_t bq[4], bk[4];
+      ldsm_x4(bq, sQ + boff);
+      ldsm_x4(bk, sK + boff);
+      mma16816(acc[0], sh, bq[0], bq[1]);
+      mma16816(acc[1], sh, bq[2], bq[3]);
+      mma16816(acc[2], sh, bk[0], bk[1]);
+      mma16816(acc[3], sh, bk[2], bk[3]);
+      mma16816(accl[0], sl, bq[0], bq[1]);
+      mma16816(accl[1], sl, bq[2], bq[3]);
+      mma16816(accl[2], sl, bk[0], bk[1]);
+      mma16816(accl[3], sl, bk[2], bk[3]);
+      if constexpr (P == 2) {
+        ldsm_x4(bq, sQ + C * kLdB + boff);
+        ldsm_x4(bk, sK + C * kLdB + boff);
+        mma16816(accl[0], sh, bq[0], bq[1]);
+        mma16816(accl[1], sh, bq[2], bq[3]);
+        mma16816(accl[2], sh, bk[0], bk[1]);
+        mma16816(accl[3], sh, bk[2], bk[3]);
+      }
+    }
+    {
+      // V^T (A operand, transposed load of V[t][v]): rows t = rr + (m>>1)*8, columns v = 16 warp + (m&1)*8.
+      const int voff = (rr + (m >> 1) * 8) * L::kLdV + warp * 16 + (m & 1) * 8;
+      // Mw, Awn (B operands, stored [i][j] = [n][k]): rows (m>>1)*8 + rr, columns (m&1)*8.
+      const int soff = ((m >> 1) * 8 + rr) * kLdS + (m & 1) * 8;
+      uint32_t av[4], bm[4], ba[4];
+      ldsm_x4_t(av, sV + voff);
+      ldsm_x4(bm, sM + soff);
+      ldsm_x4(ba, sA + soff);
+      mma16816(accl[0], av, bm[0], bm[1]);
+      mma16816(accl[1], av, bm[2], bm[3]);
+      mma16816(accl[2], av, ba[0], ba[1]);
+      mma16816(accl[3], av, ba[2], ba[3]);
+      if constexpr (P == 2) {
+        uint32_t avl[4], bml[4], bal[4];
+        ldsm_x4_t(avl, sV + C * L::kLdV + voff);
+        ldsm_x4(bml, sM + C * kLdS + soff);
+        ldsm_x4(bal, sA + C * kLdS + soff);
+        mma16816(accl[0], avl, bm[0], bm[1]);
+        mma16816(accl[1], avl, bm[2], bm[3]);
+        mma16816(accl[2], avl, ba[0], ba[1]);
+        mma16816(accl[3], avl, ba[2], ba[3]);
+        mma16816(accl[0], av, bml[0], bml[1]);
+        mma16816(accl[1], av, bml[2], bml[3]);
+        mma16816(accl[2], av, bal[0], bal[1]);
+        mma16816(accl[3], av, bal[2], bal[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += accl[nt][e];
+
+    // Output: O^T -> the warp's [16 t][20] tile -> 16-byte stores of o[t][v0 .. v0+15], rows t < T only.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int t = nt * 8 + 2 * q;
+      sOut[t * 20 + r] = acc[nt][0];
+      sOut[(t + 1) * 20 + r] = acc[nt][1];
+      sOut[t * 20 + r + 8] = acc[nt][2];
+      sOut[(t + 1) * 20 + r + 8] = acc[nt][3];
+    }
+    __syncwarp();
+    {
+      const int t = lane >> 1, half = lane & 1;
+      const int64_t tg = n * C + t;
+      if (tg < a.T) store_out(out + ((b * a.T + tg) * a.H + h) * D + v0 + half * 8, sOut + t * 20 + half * 8);
+    }
+
+    // State: S^T <- S^T Diag(gamma) + Y Krn. Y (C layout, tokens 0-7 | 8-15) is already the A operand.
+    uint32_t yh[4], yl[4];
+    split_pack(acc[2][0], acc[2][1], yh[0], yl[0]);
+    split_pack(acc[2][2], acc[2][3], yh[1], yl[1]);
+    split_pack(acc[3][0], acc[3][1], yh[2], yl[2]);
+    split_pack(acc[3][2], acc[3][3], yh[3], yl[3]);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const float2 gm = *reinterpret_cast<const float2*>(sG + nt * 8 + 2 * q);
+      S[nt][0] *= gm.x;
+      S[nt][1] *= gm.y;
+      S[nt][2] *= gm.x;
+      S[nt][3] *= gm.y;
+    }
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      // Krn as B = Krn[t][c] (stored [k][n]): transposed load, rows t = rr + (m&1)*8, columns c = 8 (2np + (m>>1)).
+      const int roff = (rr + (m & 1) * 8) * kLdB + (2 * np + (m >> 1)) * 8;
+      uint32_t br[4];
+      ldsm_x4_t(br, sR + roff);
+      mma16816(S[2 * np], yh, br[0], br[1]);
+      mma16816(S[2 * np + 1], yh, br[2], br[3]);
+      mma16816(S[2 * np], yl, br[0], br[1]);
+      mma16816(S[2 * np + 1], yl, br[2], br[3]);
+      if constexpr (P == 2) {
+        ldsm_x4_t(br, sR + C * kLdB + roff);
+        mma16816(S[2 * np], yh, br[0], br[1]);
+        mma16816(S[2 * np + 1], yh, br[2], br[3]);
+      }
+    }
+    __syncthreads();  // stage n % kStages is refilled by the next iteration's load_chunk
+  }
+  cp_async_wait<0>();
+
+  if (a.state_out) {
+    float* so = a.state_out + (b * a.H + h) * D * D;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int c = nt * 8 + 2 * q;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) so[(c + (e & 1)) * D + v0 + r + (e >> 1) * 8] = S[nt][e];
+    }
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------------------
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    K3_CUDA_CHECK(cudaGetDevice(&dev));
+    K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+// Warps per CTA of the recurrence: the NW in {8, 4, 2, 1} whose busiest SM holds the fewest warps
+// (ceil(CTAs / SMs) * NW), the larger NW on a tie (fewer CTAs re-reading the same chunk tiles).
+int choose_nw(int64_t B, int64_t H, int sms) {
+  int best = 8;
+  int64_t best_load = INT64_MAX;
+  for (int nw : {8, 4, 2, 1}) {
+    const int64_t ctas = B * H * (8 / nw);
+    const int64_t load = (ctas + sms - 1) / sms * nw;
+    if (load < best_load) {
+      best_load = load;
+      best = nw;
+    }
+  }
+  return best;
+}
+
+template <int P, int NW, class TO>
+void launch_recurrence(const Args& a) {
+  using L = Smem2<P, NW>;
+  static bool attr_set = false;
+  if (!attr_set) {
+    K3_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrence_kernel<P, NW, TO>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       L::kBytes));
+    attr_set = true;
+  }
+  const int64_t grid = a.B * a.H * (D / L::NV);
+  kda_recurrence_kernel<P, NW, TO><<<static_cast<unsigned>(grid), NW * 32, L::kBytes>>>(a);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+template <int P, class TO>
+void launch_recurrence_nw(const Args& a, int nw) {
+  if constexpr (P == 2) {
+    launch_recurrence<2, 4, TO>(a);  // the parity path: one configuration
+  } else {
+    switch (nw) {
+      case 8: launch_recurrence<1, 8, TO>(a); break;
+      case 4: launch_recurrence<1, 4, TO>(a); break;
+      case 2: launch_recurrence<1, 2, TO>(a); break;
+      default: launch_recurrence<1, 1, TO>(a); break;
+    }
+  }
+}
+
+bool is_act(DType t) { return t == DType::BF16 || t == DType::F32; }
+
+}  // namespace
+
+size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype) {
+  const int64_t NC = (T + C - 1) / C;
+  const size_t item = in_dtype == DType::F32 ? Ws<2>::kItem_B : Ws<1>::kItem_B;
+  return static_cast<size_t>(B * NC * H) * item;
+}
+
+int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype) {
+  if (in_dtype == DType::F32) return 2;
+  return 8 / choose_nw(B, H, sm_count());
+}
+
+std::string kda_chunk_can_run(const KdaParams& p) {
+  std::string why;
+  if (!k3::cuda::available(&why)) return why;
+  if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_chunk_forward: need B >= 1, H >= 1, T >= 0";
+  if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_chunk_forward: q/k/v and o must be BF16 or F32";
+  if (p.B * ((p.T + C - 1) / C) * p.H >= (int64_t(1) << 31)) return "kda_chunk_forward: B * chunks * H exceeds 2^31";
+  if (p.T > 0) {
+    if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o) return "kda_chunk_forward: q, k, v, g, beta and o are required";
+    if (!p.workspace) return "kda_chunk_forward: no workspace (kda_chunk_workspace_bytes)";
+    const size_t need = kda_chunk_workspace_bytes(p.B, p.T, p.H, p.in_dtype);
+    if (p.workspace_bytes < need)
+      return "kda_chunk_forward: workspace has " + std::to_string(p.workspace_bytes) + " bytes, needs " +
+             std::to_string(need);
+    if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0 || reinterpret_cast<uintptr_t>(p.v) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(p.o) % 16 != 0)
+      return "kda_chunk_forward: v, o and the workspace must be 16-byte aligned";
+  }
+  return {};
+}
+
+void kda_chunk_forward(const KdaParams& p) {
+  const std::string why = kda_chunk_can_run(p);
+  K3_CHECK(why.empty(), why);
+  if (p.T == 0) {
+    // No tokens: the state passes through.
+    if (p.state_out && p.state_out != p.state_in) {
+      const size_t bytes = static_cast<size_t>(p.B * p.H) * D * D * sizeof(float);
+      if (p.state_in)
+        K3_CUDA_CHECK(cudaMemcpy(p.state_out, p.state_in, bytes, cudaMemcpyDeviceToDevice));
+      else
+        K3_CUDA_CHECK(cudaMemset(p.state_out, 0, bytes));
+    }
+    return;
+  }
+  Args a{p.B, p.T, p.H, (p.T + C - 1) / C, p.scale, p.q, p.k, p.v, p.g, p.beta, p.state_in, p.state_out, p.o,
+         static_cast<unsigned char*>(p.workspace)};
+  const unsigned items = static_cast<unsigned>(a.B * a.NC * a.H);
+  const bool f32_in = p.in_dtype == DType::F32;
+  if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
+    if (f32_in)
+      kda_prepare_kernel<float, 2><<<items, 128>>>(a);
+    else
+      kda_prepare_kernel<bf16, 1><<<items, 128>>>(a);
+    K3_CUDA_LAUNCH_CHECK();
+  }
+  if (p.stage == KdaParams::Stage::kPrepareOnly) return;
+  const int nw = choose_nw(a.B, a.H, sm_count());
+  if (f32_in) {
+    if (p.out_dtype == DType::F32)
+      launch_recurrence_nw<2, float>(a, nw);
+    else
+      launch_recurrence_nw<2, bf16>(a, nw);
+  } else {
+    if (p.out_dtype == DType::F32)
+      launch_recurrence_nw<1, float>(a, nw);
+    else
+      launch_recurrence_nw<1, bf16>(a, nw);
+  }
+}
+
+}  // namespace k3::kda::cuda

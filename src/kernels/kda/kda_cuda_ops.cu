@@ -1,0 +1,275 @@
+// KDA on the GPU, the small kernels: short conv + SiLU, per-head L2 norm, the lower-bounded gate, the
+// gated RMSNorm, and the fused token-by-token recurrence (decode). Contracts: kda_cuda.h. All arithmetic
+// in fp32 (bf16 values are widened on load and rounded once on store); the CPU twin sums squares in
+// double, so the two agree to fp32 rounding.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/cuda.h"
+#include "core/cuda_check.cuh"
+#include "core/error.h"
+#include "kernels/kda/kda_cuda.h"
+
+namespace k3::kda::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void st(bf16* p, int64_t i, float x) { p[i] = __float2bfloat16_rn(x); }
+
+// 1 / (1 + e^-x), as the CPU twin: no NaN at either end.
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// ---- short conv + SiLU -------------------------------------------------------------------------------------
+// One thread per (b, t, c). Taps in the CPU twin's order j = 0..K-1 (oldest first) whichever buffer the
+// input comes from, so a sequence split across calls gives bit-identical outputs.
+template <class T>
+__global__ void conv_silu_kernel(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K,
+                                 const float* tail) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= B * Tn * C) return;
+  const int64_t c = i % C, t = (i / C) % Tn, b = i / (C * Tn);
+  const int P = K - 1;
+  float acc = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    const int64_t s = t - P + j;
+    float in;
+    if (s >= 0)
+      in = ld(x, (b * Tn + s) * C + c);
+    else if (tail != nullptr)
+      in = tail[(b * P + P + s) * C + c];
+    else
+      continue;
+    acc = fmaf(w[c * K + j], in, acc);
+  }
+  st(out, i, acc * sigmoidf_(acc));
+}
+
+// One thread per (b, c): the new tail row m is position T - P + m of [old tail ; x], filled in increasing m
+// (a row taken from the old tail has index T + m > m, not yet overwritten).
+template <class T>
+__global__ void conv_tail_kernel(const T* x, int64_t B, int64_t Tn, int64_t C, int K, float* tail) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= B * C) return;
+  const int64_t c = i % C, b = i / C;
+  const int P = K - 1;
+  for (int m = 0; m < P; ++m) {
+    const int64_t s = Tn - P + m;
+    const float val = s >= 0 ? ld(x, (b * Tn + s) * C + c) : tail[(b * P + P + s) * C + c];
+    tail[(b * P + m) * C + c] = val;
+  }
+}
+
+template <class T>
+void conv_launch(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K, float* tail) {
+  K3_CHECK(B >= 1 && Tn >= 0 && C >= 1, "short_conv_silu: need B >= 1, T >= 0, C >= 1; got B=", B, " T=", Tn,
+           " C=", C);
+  K3_CHECK(K >= 1 && K <= 8, "short_conv_silu: K must be in [1, 8], got ", K);
+  if (Tn == 0) return;
+  conv_silu_kernel<T><<<blocks_for(B * Tn * C, 256), 256>>>(out, x, B, Tn, C, w, K, tail);
+  K3_CUDA_LAUNCH_CHECK();
+  if (tail != nullptr && K > 1) {
+    conv_tail_kernel<T><<<blocks_for(B * C, 256), 256>>>(x, B, Tn, C, K, tail);
+    K3_CUDA_LAUNCH_CHECK();
+  }
+}
+
+// ---- per-row norms: one warp per (row, head) --------------------------------------------------------------
+template <class T>
+__global__ void l2norm_kernel(T* x, int64_t rows, int64_t D, float eps) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  T* p = x + row * D;
+  float ss = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) {
+    const float v = ld(p, d);
+    ss = fmaf(v, v, ss);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = 1.0f / sqrtf(ss + eps);
+  for (int64_t d = lane; d < D; d += 32) st(p, d, ld(p, d) * inv);
+}
+
+template <class T>
+__global__ void gated_rmsnorm_kernel(T* y, const T* o, const T* gate, const float* w, float eps, int64_t rows,
+                                     int64_t D) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const T* x = o + row * D;
+  const T* gr = gate + row * D;
+  T* yr = y + row * D;
+  float ss = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) {
+    const float v = ld(x, d);
+    ss = fmaf(v, v, ss);
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
+  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  __syncwarp();  // y may alias o: every lane has read its part of the row before any lane writes
+  for (int64_t d = lane; d < D; d += 32) st(yr, d, ld(x, d) * inv * w[d] * sigmoidf_(ld(gr, d)));
+}
+
+template <class T>
+__global__ void gate_kernel(float* g, const T* z, const float* A_log, const float* dt_bias, float lb, int64_t rows,
+                            int64_t H, int64_t D) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= rows * H * D) return;
+  const int64_t hd = i % (H * D), h = hd / D;
+  g[i] = lb * sigmoidf_(expf(A_log[h]) * (ld(z, i) + dt_bias[hd]));
+}
+
+// ---- the fused recurrence ------------------------------------------------------------------------------------
+// One CTA of 512 threads per (b, h); thread (rg, j) = (tid / 128, tid % 128) owns state rows
+// c = 32 rg .. 32 rg + 31 of value column j in registers. Per token (K3 eq. 1, as the CPU twin):
+//   S <- Diag(alpha) S;  u = S^T k;  S <- S + beta k (v - u)^T;  o = S^T (scale q)
+// u and o are reduced over the 4 row groups through shared memory.
+constexpr int kRecThreads = 512;
+template <class TI, class TO>
+__global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) {
+  constexpr int D = kHeadDim;
+  __shared__ float sk[D], sq[D], sa[D], red_u[4][D], red_o[4][D];
+  const int64_t b = blockIdx.x / p.H, h = blockIdx.x % p.H;
+  const int tid = threadIdx.x, j = tid % D, rg = tid / D;
+  const TI* q = static_cast<const TI*>(p.q);
+  const TI* k = static_cast<const TI*>(p.k);
+  const TI* v = static_cast<const TI*>(p.v);
+  TO* o = static_cast<TO*>(p.o);
+  const float* S_in = p.state_in + (b * p.H + h) * D * D;
+  float s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = S_in[(rg * 32 + i) * D + j];
+
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int64_t off = ((b * p.T + t) * p.H + h) * D;
+    if (tid < D) {
+      sk[tid] = ld(k, off + tid);
+      sq[tid] = p.scale * ld(q, off + tid);
+      sa[tid] = expf(p.g[off + tid]);
+    }
+    __syncthreads();
+    float u = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int c = rg * 32 + i;
+      s[i] *= sa[c];
+      u = fmaf(sk[c], s[i], u);
+    }
+    red_u[rg][j] = u;
+    __syncthreads();
+    const float uu = (red_u[0][j] + red_u[1][j]) + (red_u[2][j] + red_u[3][j]);
+    const float d = p.beta[(b * p.T + t) * p.H + h] * (ld(v, off + j) - uu);
+    float ov = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int c = rg * 32 + i;
+      s[i] = fmaf(sk[c], d, s[i]);
+      ov = fmaf(sq[c], s[i], ov);
+    }
+    red_o[rg][j] = ov;
+    __syncthreads();
+    if (rg == 0) st(o, off + j, (red_o[0][j] + red_o[1][j]) + (red_o[2][j] + red_o[3][j]));
+  }
+  float* S_out = p.state_out + (b * p.H + h) * D * D;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) S_out[(rg * 32 + i) * D + j] = s[i];
+}
+
+bool is_act(DType t) { return t == DType::BF16 || t == DType::F32; }
+
+}  // namespace
+
+void short_conv_silu(float* out, const float* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
+                     float* tail) {
+  conv_launch<float>(out, x, B, T, C, weight, K, tail);
+}
+void short_conv_silu(uint16_t* out, const uint16_t* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
+                     float* tail) {
+  conv_launch<bf16>(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(x), B, T, C, weight, K, tail);
+}
+
+template <class T>
+static void l2norm_launch(T* x, int64_t rows, int64_t H, int64_t D, float eps) {
+  K3_CHECK(rows >= 0 && H >= 1 && D >= 1, "l2norm_heads: need rows >= 0, H >= 1, D >= 1");
+  const int64_t n = rows * H;
+  if (n == 0) return;
+  l2norm_kernel<T><<<blocks_for(n, 8), 256>>>(x, n, D, eps);
+  K3_CUDA_LAUNCH_CHECK();
+}
+void l2norm_heads(float* x, int64_t rows, int64_t H, int64_t D, float eps) { l2norm_launch(x, rows, H, D, eps); }
+void l2norm_heads(uint16_t* x, int64_t rows, int64_t H, int64_t D, float eps) {
+  l2norm_launch(reinterpret_cast<bf16*>(x), rows, H, D, eps);
+}
+
+template <class T>
+static void gate_launch(float* g, const T* z, const float* A_log, const float* dt_bias, float lb, int64_t rows,
+                        int64_t H, int64_t D) {
+  K3_CHECK(rows >= 0 && H >= 1 && D >= 1, "gate_forward: need rows >= 0, H >= 1, D >= 1");
+  K3_CHECK(lb < 0.0f, "gate_forward: lower_bound must be negative, got ", lb);
+  const int64_t n = rows * H * D;
+  if (n == 0) return;
+  gate_kernel<T><<<blocks_for(n, 256), 256>>>(g, z, A_log, dt_bias, lb, rows, H, D);
+  K3_CUDA_LAUNCH_CHECK();
+}
+void gate_forward(float* g, const float* z, const float* A_log, const float* dt_bias, float lower_bound, int64_t rows,
+                  int64_t H, int64_t D) {
+  gate_launch(g, z, A_log, dt_bias, lower_bound, rows, H, D);
+}
+void gate_forward(float* g, const uint16_t* z, const float* A_log, const float* dt_bias, float lower_bound,
+                  int64_t rows, int64_t H, int64_t D) {
+  gate_launch(g, reinterpret_cast<const bf16*>(z), A_log, dt_bias, lower_bound, rows, H, D);
+}
+
+template <class T>
+static void rmsnorm_launch(T* y, const T* o, const T* gate, const float* w, float eps, int64_t rows, int64_t H,
+                           int64_t D) {
+  K3_CHECK(rows >= 0 && H >= 1 && D >= 1, "gated_rmsnorm: need rows >= 0, H >= 1, Dv >= 1");
+  const int64_t n = rows * H;
+  if (n == 0) return;
+  gated_rmsnorm_kernel<T><<<blocks_for(n, 8), 256>>>(y, o, gate, w, eps, n, D);
+  K3_CUDA_LAUNCH_CHECK();
+}
+void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows,
+                   int64_t H, int64_t Dv) {
+  rmsnorm_launch(y, o, gate, weight, eps, rows, H, Dv);
+}
+void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps,
+                   int64_t rows, int64_t H, int64_t Dv) {
+  rmsnorm_launch(reinterpret_cast<bf16*>(y), reinterpret_cast<const bf16*>(o), reinterpret_cast<const bf16*>(gate),
+                 weight, eps, rows, H, Dv);
+}
+
+std::string kda_recurrent_can_run(const KdaParams& p) {
+  std::string why;
+  if (!k3::cuda::available(&why)) return why;
+  if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_recurrent_forward: need B >= 1, H >= 1, T >= 0";
+  if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_recurrent_forward: q/k/v and o must be BF16 or F32";
+  if (p.in_dtype != p.out_dtype) return "kda_recurrent_forward: o must have the dtype of q/k/v";
+  if (!p.state_in || !p.state_out) return "kda_recurrent_forward: state_in and state_out are required (may alias)";
+  if (p.T > 0 && (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o))
+    return "kda_recurrent_forward: q, k, v, g, beta and o are required";
+  return {};
+}
+
+void kda_recurrent_forward(const KdaParams& p) {
+  const std::string why = kda_recurrent_can_run(p);
+  K3_CHECK(why.empty(), why);
+  const unsigned grid = static_cast<unsigned>(p.B * p.H);
+  if (p.in_dtype == DType::F32)
+    recurrent_kernel<float, float><<<grid, kRecThreads>>>(p);
+  else
+    recurrent_kernel<bf16, bf16><<<grid, kRecThreads>>>(p);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace k3::kda::cuda

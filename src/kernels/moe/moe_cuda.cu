@@ -1,0 +1,813 @@
+// LatentMoE routed experts on the GPU: see moe_cuda.h for the API and the numerics.
+//
+// Grouped GEMM design (one kernel, templated on <Glu, Mxfp4>):
+//   - one CTA = 256 threads (8 warps as 2 (M) × 4 (N)) computes a 128 × 128 tile of one expert;
+//     each warp 64 × 32 with mma.sync.m16n8k16 bf16 -> fp32, fragments from ldmatrix.x4;
+//   - the tile list (expert, first row) comes from Dispatch::build; blockIdx.y indexes it and CTAs past
+//     the device-side tile count exit at once, so the whole layer is one launch with no host sync;
+//   - A rows are gathered in the loader (x_rows), rows past the expert's count and k past K are
+//     zero-filled by cp.async (src-size 0) and never stored;
+//   - 4-stage cp.async pipeline over BK = 64, 128-byte smem rows with the 16-byte chunk index XORed by
+//     (row & 7), so ldmatrix and cp.async are bank-conflict free;
+//   - Glu: the 128 B rows of a tile interleave gate and up rows in groups of 8 (n8 tile 2p = gate,
+//     2p+1 = up for the same 8 output columns), so the same thread holds matching gate/up
+//     accumulators and SiTU-GLU runs in registers in the epilogue: h never exists in fp32;
+//   - Mxfp4: the stages hold packed bytes (4 KB per stage instead of 16); the tile's E8M0 scales for
+//     the whole K sit in shared memory; after each stage lands, every thread decodes one 32-element
+//     group (16 bytes) into a bf16 tile of the same swizzled layout, and the MMA loop is the bf16 one.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <climits>
+#include <cmath>
+
+#include "core/cuda_check.cuh"
+#include "kernels/moe/moe_cuda.h"
+
+namespace k3::moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int BN = 128, BK = 64, kStages = 4;
+constexpr int kTileBytes = BN * BK * 2;         // one bf16 128 × 64 B tile: 16 KB (A: TM × 64)
+constexpr int kPackedStageBytes = BN * BK / 2;  // one packed MXFP4 128 × 64 tile: 4 KB
+constexpr int kMaxMxCols = 16384;
+constexpr int kRouterThreads = 128;
+constexpr int kRouterMaxExperts = 8192;
+
+// ---------------------------------------------------------------------------------------------------
+// small device helpers
+
+__device__ __forceinline__ float sigmoid_stable(float x) {
+  const float e = expf(-fabsf(x));  // never exp of a large positive number (as the CPU twin)
+  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // src-size 0: nothing is read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Byte offset of 16-byte chunk `c` (0..7) of row `r` in a 128-byte-row tile, XOR-swizzled.
+__device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+// 2^(s-127) as fp32 (s = 0 is the subnormal 2^-127), NaN for 255: exactly e8m0_to_f32 of gemm/mxfp4.h.
+__device__ __forceinline__ float e8m0_f32(uint32_t s) {
+  if (s == 255u) return __uint_as_float(0x7fc00000u);
+  return s == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);
+}
+
+// Two e2m1 nibbles of byte b (low = even element) × scale -> bf16x2 (low half = even element).
+// (nib & 7) << 22 is the fp32 with exponent field e and top mantissa bit m, i.e. E2M1 · 2^-126 (the
+// e = 0 code 1 lands on the subnormal 2^-127 = 0.5 · 2^-126); the sign goes to bit 31. Multiplying by
+// 2^126 and then by the scale reproduces kE2M1[nib] · 2^(s-127) with the CPU's single rounding
+// (exact unless the result leaves fp32's range); `s1` = 2^126 · scale folds both into one multiply
+// when that is itself exact and finite (fast = true).
+__device__ __forceinline__ uint32_t decode_byte(uint32_t b, float sc, float s1, bool fast) {
+  const float lo = __uint_as_float(((b & 7u) << 22) | ((b & 8u) << 28));
+  const float hi = __uint_as_float(((b & 0x70u) << 18) | ((b & 0x80u) << 24));
+  if (fast) return pack_bf16x2(lo * s1, hi * s1);
+  return pack_bf16x2((lo * 0x1p126f) * sc, (hi * 0x1p126f) * sc);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// router: one CTA per token
+
+struct Best {
+  float v;
+  int i;
+};
+__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+__device__ Best block_argmax(Best b, Best* red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, b.v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, b.i, o);
+    if (better(ov, oi, b.v, b.i)) b = Best{ov, oi};
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red[warp] = b;
+  __syncthreads();
+  Best r = red[0];
+  for (int w = 1; w < kRouterThreads / 32; ++w)
+    if (better(red[w].v, red[w].i, r.v, r.i)) r = red[w];
+  __syncthreads();  // red is reused by the next call
+  return r;
+}
+
+__global__ void __launch_bounds__(kRouterThreads) router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight,
+                                                                const float* __restrict__ logits,
+                                                                const float* __restrict__ bias, int E, int K, int G,
+                                                                int topk_groups, bool renormalize, float scaling) {
+  extern __shared__ unsigned char router_smem[];
+  float* s = reinterpret_cast<float*>(router_smem);  // [E] unbiased scores
+  float* sel = s + E;                                // [E] biased selection scores; -INF = masked
+  unsigned char* taken = reinterpret_cast<unsigned char*>(sel + E);  // [E]
+  __shared__ Best red[kRouterThreads / 32];
+  __shared__ float gscore[64];
+  __shared__ unsigned char gkeep[64];
+  __shared__ float chosen_s[64];
+  __shared__ int chosen_i[64];
+
+  const int64_t t = blockIdx.x;
+  const float* lg = logits + t * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = sigmoid_stable(lg[e]);
+    s[e] = v;
+    sel[e] = v + (bias ? bias[e] : 0.0f);
+    taken[e] = 0;
+  }
+  __syncthreads();
+  if (G > 1 && topk_groups < G) {
+    // DeepSeek-V3 group limit, as the CPU twin: a group's score is the sum of its two best biased
+    // scores; only the best topk_groups groups (ties to the lower group) stay selectable.
+    const int per = E / G;
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int e = g * per; e < (g + 1) * per; ++e) {
+        const float v = sel[e];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      gscore[g] = per >= 2 ? b1 + b2 : b1;
+      gkeep[g] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < topk_groups; ++r) {
+        int bi = -1;
+        for (int g = 0; g < G; ++g)
+          if (!gkeep[g] && (bi < 0 || gscore[g] > gscore[bi])) bi = g;
+        gkeep[bi] = 1;
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      if (!gkeep[e / per]) sel[e] = -INFINITY;
+    __syncthreads();
+  }
+  for (int k = 0; k < K; ++k) {
+    Best b{-INFINITY, INT_MAX};
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      if (!taken[e] && better(sel[e], e, b.v, b.i)) b = Best{sel[e], e};
+    const Best w = block_argmax(b, red);
+    if (threadIdx.x == 0) {
+      taken[w.i] = 1;
+      chosen_i[k] = w.i;
+      chosen_s[k] = s[w.i];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double sum = 0.0;
+    for (int k = 0; k < K; ++k) sum += chosen_s[k];
+    for (int k = 0; k < K; ++k) {
+      const double w = renormalize ? double(chosen_s[k]) / (sum + 1e-20) : double(chosen_s[k]);
+      idx[t * K + k] = chosen_i[k];
+      weight[t * K + k] = float(w * scaling);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// dispatch
+
+__global__ void count_kernel(int32_t* __restrict__ counts, const int32_t* __restrict__ idx, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    atomicAdd(&counts[idx[i]], 1);
+}
+
+// One CTA: offsets (exclusive scan of counts), cursors, and the TM-row tile list.
+__global__ void scan_kernel(int32_t* __restrict__ offsets, int32_t* __restrict__ cursor, int32_t* __restrict__ tiles,
+                            int32_t* __restrict__ num_tiles, const int32_t* __restrict__ counts, int E, int TM) {
+  extern __shared__ int32_t scan_smem[];  // [E] row offsets, [E] tile offsets
+  int32_t* roff = scan_smem;
+  int32_t* toff = scan_smem + E;
+  if (threadIdx.x == 0) {
+    int32_t r = 0, tt = 0;
+    for (int e = 0; e < E; ++e) {
+      const int32_t c = counts[e];
+      roff[e] = r;
+      toff[e] = tt;
+      r += c;
+      tt += (c + TM - 1) / TM;
+    }
+    offsets[E] = r;
+    *num_tiles = tt;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    offsets[e] = roff[e];
+    cursor[e] = roff[e];
+    const int32_t c = counts[e];
+    for (int m = 0; m * TM < c; ++m) {
+      tiles[2 * (toff[e] + m)] = e;
+      tiles[2 * (toff[e] + m) + 1] = m * TM;
+    }
+  }
+}
+
+__global__ void scatter_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ slot_token,
+                               int32_t* __restrict__ cursor, const int32_t* __restrict__ idx, int64_t n, int K) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t pos = atomicAdd(&cursor[idx[i]], 1);
+    slot_of[i] = pos;
+    slot_token[pos] = int32_t(i / K);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// grouped GEMM
+
+struct GemmArgs {
+  const bf16* x;          // A rows: x + row * K
+  const int32_t* x_rows;  // optional gather: sorted row -> row of x
+  const unsigned char* w0;  // weight (gate for Glu): bf16 [N, K] or packed [N, K/2], expert stride bytes
+  const unsigned char* w1;  // up weight (Glu only)
+  int64_t w_stride;
+  const uint8_t* s0;  // MXFP4 scales [N, K/32]
+  const uint8_t* s1;
+  int64_t s_stride;
+  int N, K;  // weight rows (= output columns of y; of h for Glu) and reduction length
+  const int32_t* offsets;
+  const int32_t* tiles;
+  const int32_t* num_tiles;
+  bf16* y;  // [S, N] in sorted order
+  float beta_gate, beta_up;
+  bool situ;
+};
+
+template <int TM, bool Glu, bool Mx>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs a) {
+  constexpr int MI = TM / 32;              // m16 tiles per warp (warp tile (TM/2) × 32)
+  constexpr int kATileBytes = TM * BK * 2;  // one bf16 TM × 64 A tile
+  const int tile = blockIdx.y;
+  if (tile >= *a.num_tiles) return;
+  const int e = a.tiles[2 * tile], m0 = a.tiles[2 * tile + 1];
+  const int row_base = a.offsets[e] + m0;                        // first sorted row of this tile
+  const int rows = min(TM, a.offsets[e + 1] - a.offsets[e] - m0);  // valid rows in the tile
+  const int n0 = blockIdx.x * (Glu ? BN / 2 : BN);              // first weight row (output column)
+  const int K = a.K, N = a.N;
+  const int KT = (K + BK - 1) / BK;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* sA = smem;                            // kStages × TM × 128 bytes
+  unsigned char* sB = smem + kStages * kATileBytes;    // bf16: kStages × 16 KB; Mx: kStages × 4 KB packed
+  unsigned char* sBdec = sB + kStages * kPackedStageBytes;  // Mx: the decoded bf16 tile
+  unsigned char* sScale = sBdec + kTileBytes;               // Mx: [BN][K/32]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+
+  // Weight row of combined tile row r (0..127): Glu interleaves gate/up in groups of 8.
+  auto wsrc = [&](int r, const unsigned char*& base, int& wrow) {
+    if (Glu) {
+      base = ((r >> 3) & 1) ? a.w1 : a.w0;
+      wrow = n0 + (r >> 4) * 8 + (r & 7);
+    } else {
+      base = a.w0;
+      wrow = n0 + r;
+    }
+  };
+
+  // Per-thread loader state. A and bf16 B: rows tid/8 + 32*i, 16-byte chunk tid%8.
+  const int lc = tid & 7;
+  const bf16* a_ptr[MI];
+  bool a_ok[MI];
+#pragma unroll
+  for (int i = 0; i < MI; ++i) {
+    const int r = (tid >> 3) + 32 * i;
+    a_ok[i] = r < rows;
+    const int64_t xr = a_ok[i] ? (a.x_rows ? a.x_rows[row_base + r] : row_base + r) : 0;
+    a_ptr[i] = a.x + xr * K + lc * 8;
+  }
+  const unsigned char* b_ptr[4];
+  bool b_ok[4];
+  if (!Mx) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned char* base;
+      int wrow;
+      wsrc((tid >> 3) + 32 * i, base, wrow);
+      b_ok[i] = wrow < N;
+      b_ptr[i] = base + e * a.w_stride + int64_t(b_ok[i] ? wrow : 0) * K * 2 + lc * 16;
+    }
+  } else {
+    // packed: row tid/2, 16-byte chunk tid%2 (one 32-element scale group)
+    const unsigned char* base;
+    int wrow;
+    wsrc(tid >> 1, base, wrow);
+    b_ok[0] = wrow < N;
+    b_ptr[0] = base + e * a.w_stride + int64_t(b_ok[0] ? wrow : 0) * (K / 2) + (tid & 1) * 16;
+    // All of this tile's scales (BN rows × K/32 bytes) into shared memory. With 4-byte aligned rows they
+    // travel as cp.async words in the first pipeline group (waited for with stage 0); otherwise as
+    // plain byte loads, published by the first k-loop barrier. Rows past N read as scale 0 (their
+    // packed bytes are zero-filled too, so they decode to 0, never NaN).
+    const int KS = K / 32;
+    const bool vec4 = KS % 4 == 0 && ((reinterpret_cast<uintptr_t>(a.s0) | reinterpret_cast<uintptr_t>(a.s1) |
+                                       uintptr_t(a.s_stride)) & 3u) == 0;
+    if (vec4) {
+      const int words = KS / 4;
+      for (int i = tid; i < BN * words; i += kThreads) {
+        const int r = i / words, q = i % words;
+        const unsigned char* wb;
+        int wr;
+        wsrc(r, wb, wr);
+        const uint8_t* sb = (Glu && ((r >> 3) & 1) ? a.s1 : a.s0) + e * a.s_stride;
+        const bool ok = wr < N;
+        cp_async4(smem_u32(sScale + r * KS + q * 4), sb + int64_t(ok ? wr : 0) * KS + q * 4, ok);
+      }
+    } else {
+      for (int i = tid; i < BN * KS; i += kThreads) {
+        const int r = i / KS, g = i % KS;
+        const unsigned char* wb;
+        int wr;
+        wsrc(r, wb, wr);
+        const uint8_t* sb = (Glu && ((r >> 3) & 1) ? a.s1 : a.s0) + e * a.s_stride;
+        sScale[i] = wr < N ? sb[int64_t(wr) * KS + g] : uint8_t(0);
+      }
+    }
+  }
+
+  auto load_stage = [&](int slot, int kt) {
+    const int k0 = kt * BK;
+    const uint32_t a_s = smem_u32(sA + slot * kATileBytes);
+    const bool k_ok = k0 + lc * 8 < K;
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const int r = (tid >> 3) + 32 * i;
+      cp_async16(a_s + swz(r, lc), a_ptr[i] + k0, a_ok[i] && k_ok);
+    }
+    if (!Mx) {
+      const uint32_t b_s = smem_u32(sB + slot * kTileBytes);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = (tid >> 3) + 32 * i;
+        cp_async16(b_s + swz(r, lc), b_ptr[i] + int64_t(k0) * 2, b_ok[i] && k_ok);
+      }
+    } else {
+      const uint32_t b_s = smem_u32(sB + slot * kPackedStageBytes);
+      const bool g_ok = k0 + (tid & 1) * 32 < K;
+      cp_async16(b_s + tid * 16, b_ptr[0] + k0 / 2, b_ok[0] && g_ok);
+    }
+  };
+
+  float acc[MI][4][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt visible to all; every warp is done with iteration kt-1
+    {
+      const int nk = kt + kStages - 1;
+      if (nk < KT) load_stage(nk % kStages, nk);
+      cp_async_commit();
+    }
+    const int slot = kt % kStages;
+    const unsigned char* bt;
+    if (Mx) {
+      // decode: thread tid -> row tid/2, group tid%2 (32 elements) of the packed stage
+      const int r = tid >> 1, g = tid & 1;
+      const int kg = kt * (BK / 32) + g;  // global scale-group index
+      uint4 out[4];
+      if (kg * 32 < K) {
+        const uint4 p = *reinterpret_cast<const uint4*>(sB + slot * kPackedStageBytes + tid * 16);
+        const uint32_t sb = sScale[r * (K / 32) + kg];
+        const float sc = e8m0_f32(sb);
+        const bool fast = sb >= 1u && sb <= 128u;  // 2^126 · 2^(s-127) = 2^(s-1) is a normal float
+        const float s1 = fast ? __uint_as_float((sb + 126u) << 23) : 0.0f;
+        const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+        uint32_t o[16];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int bb = 0; bb < 4; ++bb) o[q * 4 + bb] = decode_byte((w[q] >> (8 * bb)) & 0xffu, sc, s1, fast);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) out[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) out[q] = make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(sBdec + swz(r, g * 4 + q)) = out[q];
+      __syncthreads();
+      bt = sBdec;
+    } else {
+      bt = sB + slot * kTileBytes;
+    }
+    const uint32_t a_s = smem_u32(sA + slot * kATileBytes);
+    const uint32_t b_s = smem_u32(bt);
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      uint32_t af[MI][4], bfr[4][2];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int r = wm * (TM / 2) + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(af[mi], a_s + swz(r, ks * 2 + (lane >> 4)));
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        const int r = wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+        uint32_t t4[4];
+        ldmatrix_x4(t4, b_s + swz(r, ks * 2 + ((lane >> 3) & 1)));
+        bfr[2 * nj][0] = t4[0];
+        bfr[2 * nj][1] = t4[1];
+        bfr[2 * nj + 1][0] = t4[2];
+        bfr[2 * nj + 1][1] = t4[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_bf16(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // epilogue: accumulator (mi, ni) holds rows r0, r0+8 and columns c, c+1 of the warp's sub-tile
+  const int rq = lane >> 2, cq = (lane & 3) * 2;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm * (TM / 2) + mi * 16 + rq + h * 8;
+      if (r >= rows) continue;
+      bf16* yrow = a.y + int64_t(row_base + r) * N;
+      if (Glu) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const int c = n0 + wn * 16 + p * 8 + cq;
+          if (c >= N) continue;
+          float v[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const float g = acc[mi][2 * p][2 * h + q], u = acc[mi][2 * p + 1][2 * h + q];
+            const float sg = sigmoid_stable(g);
+            v[q] = a.situ ? (a.beta_gate * tanhf(g / a.beta_gate) * sg) * (a.beta_up * tanhf(u / a.beta_up))
+                          : g * sg * u;
+          }
+          *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(v[0], v[1]);
+        }
+      } else {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          const int c = n0 + wn * 32 + ni * 8 + cq;
+          if (c >= N) continue;
+          *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+size_t gemm_smem_bytes(int tm, bool mx, int K) {
+  const size_t a = size_t(kStages) * tm * BK * 2;
+  if (!mx) return a + size_t(kStages * kTileBytes);
+  return a + size_t(kStages * kPackedStageBytes + kTileBytes + BN * (K / 32));
+}
+
+template <int TM, bool Glu, bool Mx>
+void launch_gemm_tm(const GemmArgs& a, const Dispatch& d) {
+  const size_t smem = gemm_smem_bytes(TM, Mx, a.K);
+  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, Glu, Mx>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(smem)));
+  const int cols_per_tile = Glu ? BN / 2 : BN;
+  K3_CHECK(d.max_tiles() <= 65535, "moe::cuda: ", d.max_tiles(), " row tiles exceed the grid limit 65535");
+  const dim3 grid(unsigned((a.N + cols_per_tile - 1) / cols_per_tile), unsigned(d.max_tiles()));
+  grouped_gemm_kernel<TM, Glu, Mx><<<grid, kThreads, smem>>>(a);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+template <bool Glu, bool Mx>
+void launch_gemm(const GemmArgs& a, const Dispatch& d) {
+  if (d.tile_m() == 64) launch_gemm_tm<64, Glu, Mx>(a, d);
+  else launch_gemm_tm<128, Glu, Mx>(a, d);
+}
+
+void check_gemm(const ExpertLinear& w, const char* what) {
+  const std::string why = gemm_can_run(w);
+  K3_CHECK(why.empty(), "moe::cuda::", what, ": ", why);
+}
+
+// u [T, L] = Σ_k w[t,k] y[slot_of[t,k]]: one CTA per token, 8 bf16 per thread step.
+__global__ void combine_kernel(float* __restrict__ u, const bf16* __restrict__ y, const float* __restrict__ weight,
+                               const int32_t* __restrict__ slot_of, int K, int L) {
+  const int64_t t = blockIdx.x;
+  for (int c = threadIdx.x * 8; c < L; c += blockDim.x * 8) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < K; ++k) {
+      const float wk = weight[t * K + k];
+      const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
+      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[2 * q] += wk * __uint_as_float(w4[q] << 16);
+        acc[2 * q + 1] += wk * __uint_as_float(w4[q] & 0xffff0000u);
+      }
+    }
+    float4* dst = reinterpret_cast<float4*>(u + t * L + c);
+    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+}
+
+__global__ void f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(src[i]);
+    dst[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+__global__ void fill_bf16_kernel(bf16* __restrict__ dst, int64_t n, float scale, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = mix64(seed ^ mix64(uint64_t(i)));
+    const float u = float(h >> 40) * 0x1p-24f * 2.0f - 1.0f;  // [-1, 1)
+    const __nv_bfloat16 b = __float2bfloat16_rn(u * scale);
+    dst[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+__global__ void fill_u8_kernel(uint8_t* __restrict__ dst, int64_t n, int lo, int span, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = uint8_t(lo + int(mix64(seed ^ mix64(uint64_t(i))) % uint64_t(span)));
+}
+
+int grid_for(int64_t n, int threads) { return int(std::min<int64_t>((n + threads - 1) / threads, 65535 * 4)); }
+
+}  // namespace
+
+// ---- router ---------------------------------------------------------------------------------------
+
+std::string router_can_run(const RouterParams& p) {
+  if (p.num_experts < 1 || p.num_experts > kRouterMaxExperts)
+    return "num_experts must be in [1, " + std::to_string(kRouterMaxExperts) + "], got " + std::to_string(p.num_experts);
+  if (p.top_k < 1 || p.top_k > p.num_experts || p.top_k > 64)
+    return "top_k must be in [1, min(num_experts, 64)], got " + std::to_string(p.top_k);
+  if (p.num_groups < 1 || p.num_groups > 64 || p.num_experts % p.num_groups != 0)
+    return "num_groups must divide num_experts and be at most 64, got " + std::to_string(p.num_groups);
+  if (p.num_groups > 1 && (p.topk_groups < 1 || p.topk_groups > p.num_groups))
+    return "topk_groups must be in [1, num_groups], got " + std::to_string(p.topk_groups);
+  return "";
+}
+
+void router_forward(int32_t* idx, float* weight, const float* logits, const float* bias, int64_t T,
+                    const RouterParams& p) {
+  const std::string why = router_can_run(p);
+  K3_CHECK(why.empty(), "moe::cuda::router_forward: ", why);
+  if (T <= 0) return;
+  const size_t smem = size_t(p.num_experts) * 9;
+  K3_CUDA_CHECK(cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  router_kernel<<<unsigned(T), kRouterThreads, smem>>>(idx, weight, logits, bias, int(p.num_experts), int(p.top_k),
+                                                       int(p.num_groups), int(p.topk_groups), p.renormalize,
+                                                       p.scaling);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+// ---- dispatch -------------------------------------------------------------------------------------
+
+Dispatch::Dispatch(int64_t max_tokens, int64_t num_experts, int64_t top_k)
+    : E_(num_experts),
+      K_(top_k),
+      max_tokens_(max_tokens),
+      counts_(size_t(num_experts)),
+      offsets_(size_t(num_experts + 1)),
+      cursor_(size_t(num_experts)),
+      slot_token_(size_t(std::max<int64_t>(1, max_tokens * top_k))),
+      slot_of_(size_t(std::max<int64_t>(1, max_tokens * top_k))),
+      tiles_(size_t(2 * ((max_tokens * top_k + 63) / 64 + std::min(num_experts, max_tokens * top_k)) + 2)),
+      num_tiles_(1) {
+  K3_CHECK(num_experts >= 1 && top_k >= 1 && top_k <= num_experts && max_tokens >= 0,
+           "moe::cuda::Dispatch: need 1 <= top_k <= num_experts, got E=", num_experts, " K=", top_k);
+  K3_CHECK(max_tokens * top_k < (int64_t(1) << 31), "moe::cuda::Dispatch: ", max_tokens, " tokens × top-", top_k,
+           " slots overflow int32");
+}
+
+namespace {
+int choose_tile_m(int64_t S, int64_t E) {
+  // Rows computed per expert for an average group a = S/E: ceil(a/TM)·TM. 64-row tiles are guessed to
+  // cost ~15% more per FLOP (less reuse per shared-memory byte), so they are taken only where they pad
+  // much less (a = 292, K3 at 16384 tokens: 320 rows against 384). Guess, to check with the benchmark.
+  const double a = std::max(1.0, double(S) / double(E));
+  const double c128 = std::ceil(a / 128) * 128, c64 = std::ceil(a / 64) * 64 * 1.15;
+  return c64 < c128 ? 64 : 128;
+}
+}  // namespace
+
+void Dispatch::build(const int32_t* idx, int64_t T, int tile_m) {
+  K3_CHECK(T >= 0 && T <= max_tokens_, "moe::cuda::Dispatch::build: ", T, " tokens, capacity ", max_tokens_);
+  K3_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128,
+           "moe::cuda::Dispatch::build: tile_m must be 0 (auto), 64 or 128, got ", tile_m);
+  T_ = T;
+  const int64_t S = T * K_;
+  tile_m_ = tile_m ? tile_m : choose_tile_m(S, E_);
+  max_tiles_ = (S + tile_m_ - 1) / tile_m_ + std::min(E_, S);
+  K3_CUDA_CHECK(cudaMemsetAsync(counts_.data(), 0, size_t(E_) * 4));
+  if (S > 0) {
+    count_kernel<<<grid_for(S, 256), 256>>>(counts_.data(), idx, S);
+    K3_CUDA_LAUNCH_CHECK();
+  }
+  const size_t smem = size_t(2 * E_) * 4;
+  K3_CUDA_CHECK(cudaFuncSetAttribute(scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  scan_kernel<<<1, 1024, smem>>>(offsets_.data(), cursor_.data(), tiles_.data(), num_tiles_.data(), counts_.data(),
+                                 int(E_), tile_m_);
+  K3_CUDA_LAUNCH_CHECK();
+  if (S > 0) {
+    scatter_kernel<<<grid_for(S, 256), 256>>>(slot_of_.data(), slot_token_.data(), cursor_.data(), idx, S, int(K_));
+    K3_CUDA_LAUNCH_CHECK();
+  }
+}
+
+// ---- weights --------------------------------------------------------------------------------------
+
+ExpertLinear ExpertLinear::bf16_stacked(const bf16* w, int64_t rows, int64_t cols) {
+  ExpertLinear l;
+  l.format = Format::BF16;
+  l.rows = rows;
+  l.cols = cols;
+  l.data = w;
+  l.expert_stride = rows * cols * 2;
+  return l;
+}
+
+ExpertLinear ExpertLinear::mxfp4_stacked(const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols) {
+  ExpertLinear l;
+  l.format = Format::MXFP4;
+  l.rows = rows;
+  l.cols = cols;
+  l.data = packed;
+  l.expert_stride = rows * cols / 2;
+  l.scales = scales;
+  l.scale_stride = rows * cols / 32;
+  return l;
+}
+
+std::string gemm_can_run(const ExpertLinear& w) {
+  if (w.data == nullptr) return "the weight is empty";
+  if (w.rows < 1 || w.rows % 8 != 0) return "weight rows must be a positive multiple of 8, got " + std::to_string(w.rows);
+  if (w.rows >= (int64_t(1) << 30) || w.cols >= (int64_t(1) << 30)) return "weight too large";
+  if (w.format == ExpertLinear::Format::BF16) {
+    if (w.cols < 8 || w.cols % 8 != 0) return "bf16 weight cols must be a positive multiple of 8, got " + std::to_string(w.cols);
+    if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.expert_stride % 16 != 0)
+      return "bf16 weight data and expert stride must be 16-byte aligned";
+  } else {
+    if (w.cols < 32 || w.cols % 32 != 0) return "MXFP4 weight cols must be a positive multiple of 32, got " + std::to_string(w.cols);
+    if (w.cols > kMaxMxCols) return "MXFP4 weight cols above " + std::to_string(kMaxMxCols) + " (scales kept in shared memory)";
+    if (w.scales == nullptr) return "MXFP4 weight has no scales";
+    if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.expert_stride % 16 != 0)
+      return "MXFP4 packed data and expert stride must be 16-byte aligned";
+  }
+  return "";
+}
+
+// ---- GEMMs ----------------------------------------------------------------------------------------
+
+void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch& d, const ExpertLinear& w) {
+  check_gemm(w, "grouped_gemm");
+  if (d.slots() == 0) return;
+  K3_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe::cuda::grouped_gemm: x must be 16-byte aligned");
+  GemmArgs a{};
+  a.x = x;
+  a.x_rows = x_rows;
+  a.w0 = static_cast<const unsigned char*>(w.data);
+  a.w1 = a.w0;
+  a.w_stride = w.expert_stride;
+  a.s0 = w.scales;
+  a.s1 = w.scales;
+  a.s_stride = w.scale_stride;
+  a.N = int(w.rows);
+  a.K = int(w.cols);
+  a.offsets = d.offsets();
+  a.tiles = d.tiles();
+  a.num_tiles = d.num_tiles();
+  a.y = y;
+  if (w.format == ExpertLinear::Format::MXFP4) launch_gemm<false, true>(a, d);
+  else launch_gemm<false, false>(a, d);
+}
+
+void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinear& w1, const ExpertLinear& w3,
+                    const GluParams& glu) {
+  check_gemm(w1, "expert_gate_up (gate w1)");
+  check_gemm(w3, "expert_gate_up (up w3)");
+  K3_CHECK(w1.format == w3.format && w1.rows == w3.rows && w1.cols == w3.cols && w1.expert_stride == w3.expert_stride &&
+               w1.scale_stride == w3.scale_stride,
+           "moe::cuda::expert_gate_up: gate and up weights must have the same format, shape and strides");
+  if (d.slots() == 0) return;
+  K3_CHECK(reinterpret_cast<uintptr_t>(z) % 16 == 0, "moe::cuda::expert_gate_up: z must be 16-byte aligned");
+  GemmArgs a{};
+  a.x = z;
+  a.x_rows = d.slot_token();
+  a.w0 = static_cast<const unsigned char*>(w1.data);
+  a.w1 = static_cast<const unsigned char*>(w3.data);
+  a.w_stride = w1.expert_stride;
+  a.s0 = w1.scales;
+  a.s1 = w3.scales;
+  a.s_stride = w1.scale_stride;
+  a.N = int(w1.rows);
+  a.K = int(w1.cols);
+  a.offsets = d.offsets();
+  a.tiles = d.tiles();
+  a.num_tiles = d.num_tiles();
+  a.y = h;
+  a.situ = glu.situ;
+  a.beta_gate = glu.beta_gate;
+  a.beta_up = glu.beta_up;
+  if (w1.format == ExpertLinear::Format::MXFP4) launch_gemm<true, true>(a, d);
+  else launch_gemm<true, false>(a, d);
+}
+
+void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2) {
+  grouped_gemm(y, h, nullptr, d, w2);
+}
+
+void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L) {
+  K3_CHECK(L > 0 && L % 8 == 0, "moe::cuda::combine: L must be a positive multiple of 8, got ", L);
+  if (d.tokens() == 0) return;
+  combine_kernel<<<unsigned(d.tokens()), 128>>>(u, y, weight, d.slot_of(), int(d.top_k()), int(L));
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,
+                     const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu) {
+  K3_CHECK(w2.cols == w1.rows && w2.rows == w1.cols, "moe::cuda::experts_forward: w2 must be [L, I] for w1 [I, L]");
+  expert_gate_up(h, z, d, w1, w3, glu);
+  expert_down(y, h, d, w2);
+  combine(u, y, weight, d, w2.rows);
+}
+
+void f32_to_bf16(bf16* dst, const float* src, int64_t n) {
+  if (n <= 0) return;
+  f32_to_bf16_kernel<<<grid_for(n, 256), 256>>>(dst, src, n);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+void fill_random_bf16(bf16* dst, int64_t n, float scale, uint64_t seed) {
+  if (n <= 0) return;
+  fill_bf16_kernel<<<grid_for(n, 256), 256>>>(dst, n, scale, seed);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+void fill_random_u8(uint8_t* dst, int64_t n, int lo, int hi, uint64_t seed) {
+  K3_CHECK(0 <= lo && lo <= hi && hi <= 255, "moe::cuda::fill_random_u8: need 0 <= lo <= hi <= 255");
+  if (n <= 0) return;
+  fill_u8_kernel<<<grid_for(n, 256), 256>>>(dst, n, lo, hi - lo + 1, seed);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace k3::moe::cuda

@@ -14,6 +14,7 @@
 #include "core/cuda.h"
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/mma_sm80.cuh"
 #include "kernels/kda/kda_cuda.h"
 
 namespace k3::kda::cuda {
@@ -27,10 +28,6 @@ constexpr int C = kChunk;    // 16
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo_col, float hi_col) {
-  __nv_bfloat162 p = __floats2bfloat162_rn(lo_col, hi_col);  // .x (low half) = lo_col
-  return *reinterpret_cast<uint32_t*>(&p);
-}
 // x0, x1 -> hi pair and lo pair (x = hi + lo to ~2^-17 relative).
 __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
@@ -40,37 +37,15 @@ __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uin
   lo = *reinterpret_cast<uint32_t*>(&l);
 }
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
+// Shared PTX wrappers (kernels/common/mma_sm80.cuh), with generic shared-memory pointers.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) { ptx::ldmatrix_x4(r, ptx::smem_u32(p)); }
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) { ptx::ldmatrix_x4_trans(r, ptx::smem_u32(p)); }
 // 16-byte async copy; src_bytes = 0 fills the destination with zeros (rows past the end of a sequence).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
+  ptx::cp_async16(ptx::smem_u32(dst), src, src_bytes);
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
 
 // ---- workspace layout ------------------------------------------------------------------------------------
 // One item per (b, chunk, h), item index (b*NC + n)*H + h. P = 1 (bf16 inputs) or 2 (fp32 inputs: a hi and
@@ -165,9 +140,9 @@ struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
 // d += a * b with split operands: hi*hi + lo*hi + hi*lo.
 __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
                                           const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma16816(d, ah, bh[0], bh[1]);
-  mma16816(d, al, bh[0], bh[1]);
-  mma16816(d, ah, bl[0], bl[1]);
+  ptx::mma_bf16_16816(d, ah, bh[0], bh[1]);
+  ptx::mma_bf16_16816(d, al, bh[0], bh[1]);
+  ptx::mma_bf16_16816(d, ah, bl[0], bl[1]);
 }
 
 template <class TI, int P>
@@ -355,10 +330,10 @@ __device__ __forceinline__ void store_out(float* o, const float* src) {
 }
 __device__ __forceinline__ void store_out(bf16* o, const float* src) {
   uint4 u;
-  u.x = pack_bf16(src[0], src[1]);
-  u.y = pack_bf16(src[2], src[3]);
-  u.z = pack_bf16(src[4], src[5]);
-  u.w = pack_bf16(src[6], src[7]);
+  u.x = ptx::pack_bf16x2(src[0], src[1]);
+  u.y = ptx::pack_bf16x2(src[2], src[3]);
+  u.z = ptx::pack_bf16x2(src[4], src[5]);
+  u.w = ptx::pack_bf16x2(src[6], src[7]);
   *reinterpret_cast<uint4*>(o) = u;
 }
 
@@ -468,21 +443,21 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       uint32_t bq[4], bk[4];
       ldsm_x4(bq, sQ + boff);
       ldsm_x4(bk, sK + boff);
-      mma16816(acc[0], sh, bq[0], bq[1]);
-      mma16816(acc[1], sh, bq[2], bq[3]);
-      mma16816(acc[2], sh, bk[0], bk[1]);
-      mma16816(acc[3], sh, bk[2], bk[3]);
-      mma16816(accl[0], sl, bq[0], bq[1]);
-      mma16816(accl[1], sl, bq[2], bq[3]);
-      mma16816(accl[2], sl, bk[0], bk[1]);
-      mma16816(accl[3], sl, bk[2], bk[3]);
+      ptx::mma_bf16_16816(acc[0], sh, bq[0], bq[1]);
+      ptx::mma_bf16_16816(acc[1], sh, bq[2], bq[3]);
+      ptx::mma_bf16_16816(acc[2], sh, bk[0], bk[1]);
+      ptx::mma_bf16_16816(acc[3], sh, bk[2], bk[3]);
+      ptx::mma_bf16_16816(accl[0], sl, bq[0], bq[1]);
+      ptx::mma_bf16_16816(accl[1], sl, bq[2], bq[3]);
+      ptx::mma_bf16_16816(accl[2], sl, bk[0], bk[1]);
+      ptx::mma_bf16_16816(accl[3], sl, bk[2], bk[3]);
       if constexpr (P == 2) {
         ldsm_x4(bq, sQ + C * kLdB + boff);
         ldsm_x4(bk, sK + C * kLdB + boff);
-        mma16816(accl[0], sh, bq[0], bq[1]);
-        mma16816(accl[1], sh, bq[2], bq[3]);
-        mma16816(accl[2], sh, bk[0], bk[1]);
-        mma16816(accl[3], sh, bk[2], bk[3]);
+        ptx::mma_bf16_16816(accl[0], sh, bq[0], bq[1]);
+        ptx::mma_bf16_16816(accl[1], sh, bq[2], bq[3]);
+        ptx::mma_bf16_16816(accl[2], sh, bk[0], bk[1]);
+        ptx::mma_bf16_16816(accl[3], sh, bk[2], bk[3]);
       }
     }
     {
@@ -494,23 +469,23 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       ldsm_x4_t(av, sV + voff);
       ldsm_x4(bm, sM + soff);
       ldsm_x4(ba, sA + soff);
-      mma16816(accl[0], av, bm[0], bm[1]);
-      mma16816(accl[1], av, bm[2], bm[3]);
-      mma16816(accl[2], av, ba[0], ba[1]);
-      mma16816(accl[3], av, ba[2], ba[3]);
+      ptx::mma_bf16_16816(accl[0], av, bm[0], bm[1]);
+      ptx::mma_bf16_16816(accl[1], av, bm[2], bm[3]);
+      ptx::mma_bf16_16816(accl[2], av, ba[0], ba[1]);
+      ptx::mma_bf16_16816(accl[3], av, ba[2], ba[3]);
       if constexpr (P == 2) {
         uint32_t avl[4], bml[4], bal[4];
         ldsm_x4_t(avl, sV + C * L::kLdV + voff);
         ldsm_x4(bml, sM + C * kLdS + soff);
         ldsm_x4(bal, sA + C * kLdS + soff);
-        mma16816(accl[0], avl, bm[0], bm[1]);
-        mma16816(accl[1], avl, bm[2], bm[3]);
-        mma16816(accl[2], avl, ba[0], ba[1]);
-        mma16816(accl[3], avl, ba[2], ba[3]);
-        mma16816(accl[0], av, bml[0], bml[1]);
-        mma16816(accl[1], av, bml[2], bml[3]);
-        mma16816(accl[2], av, bal[0], bal[1]);
-        mma16816(accl[3], av, bal[2], bal[3]);
+        ptx::mma_bf16_16816(accl[0], avl, bm[0], bm[1]);
+        ptx::mma_bf16_16816(accl[1], avl, bm[2], bm[3]);
+        ptx::mma_bf16_16816(accl[2], avl, ba[0], ba[1]);
+        ptx::mma_bf16_16816(accl[3], avl, ba[2], ba[3]);
+        ptx::mma_bf16_16816(accl[0], av, bml[0], bml[1]);
+        ptx::mma_bf16_16816(accl[1], av, bml[2], bml[3]);
+        ptx::mma_bf16_16816(accl[2], av, bal[0], bal[1]);
+        ptx::mma_bf16_16816(accl[3], av, bal[2], bal[3]);
       }
     }
 #pragma unroll
@@ -554,14 +529,14 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       const int roff = (rr + (m & 1) * 8) * kLdB + (2 * np + (m >> 1)) * 8;
       uint32_t br[4];
       ldsm_x4_t(br, sR + roff);
-      mma16816(S[2 * np], yh, br[0], br[1]);
-      mma16816(S[2 * np + 1], yh, br[2], br[3]);
-      mma16816(S[2 * np], yl, br[0], br[1]);
-      mma16816(S[2 * np + 1], yl, br[2], br[3]);
+      ptx::mma_bf16_16816(S[2 * np], yh, br[0], br[1]);
+      ptx::mma_bf16_16816(S[2 * np + 1], yh, br[2], br[3]);
+      ptx::mma_bf16_16816(S[2 * np], yl, br[0], br[1]);
+      ptx::mma_bf16_16816(S[2 * np + 1], yl, br[2], br[3]);
       if constexpr (P == 2) {
         ldsm_x4_t(br, sR + C * kLdB + roff);
-        mma16816(S[2 * np], yh, br[0], br[1]);
-        mma16816(S[2 * np + 1], yh, br[2], br[3]);
+        ptx::mma_bf16_16816(S[2 * np], yh, br[0], br[1]);
+        ptx::mma_bf16_16816(S[2 * np + 1], yh, br[2], br[3]);
       }
     }
     __syncthreads();  // stage n % kStages is refilled by the next iteration's load_chunk

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "core/cuda_check.cuh"
+#include "kernels/common/mma_sm80.cuh"
 #include "kernels/mla/mla_cuda.h"
 
 namespace k3::mla::cuda {
@@ -29,44 +30,12 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Warp-level primitives.
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; when !pred the destination is zero-filled and nothing is read.
+// Shared PTX wrappers: kernels/common/mma_sm80.cuh. When !pred the destination is zero-filled
+// and nothing is read.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  ptx::cp_async16(dst, src, pred ? 16 : 0);
 }
 
-// c[16x8] += a[16x16] b[16x8], bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Max / sum over the 4 lanes of a quad (the 4 threads that hold one accumulator row).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -142,7 +111,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
       if (c < nchunk) {
         const bool ok = row0 + r < rows;
         const __nv_bfloat16* s = ok ? src + int64_t(row0 + r) * row_stride + c * 8 : src;
-        cp_async16(smem_addr(dst + r * ld + c * 8), s, ok);
+        cp_async16(ptx::smem_u32(dst + r * ld + c * 8), s, ok);
       }
     }
   };
@@ -155,7 +124,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
   };
   load_rows(sQ, S::LQ, qg, H * dqk, m0, a.n, CQ, ncq);
   load_kv(0, 0);
-  cp_async_commit();
+  ptx::cp_async_commit();
 
   uint32_t qf[KK][4];
   float o[2 * DP][4];
@@ -167,15 +136,15 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    cp_async_wait_all();
+    ptx::cp_async_wait<0>();
     __syncthreads();  // tile's K/V (and Q) visible to all; everyone done with the other stage
     if (tile + 1 < n_tiles) load_kv(tile + 1, stage ^ 1);
-    cp_async_commit();
+    ptx::cp_async_commit();
     if (tile == 0) {
 #pragma unroll
       for (int kk = 0; kk < KK; ++kk)
         if (kExact || kk < nkk)
-          ldsm_x4(qf[kk], smem_addr(sQ + (warp * 16 + (lane & 15)) * S::LQ + kk * 16 + (lane >> 4) * 8));
+          ptx::ldmatrix_x4(qf[kk], ptx::smem_u32(sQ + (warp * 16 + (lane & 15)) * S::LQ + kk * 16 + (lane >> 4) * 8));
     }
 
     // S = Q K^T for this warp's 16 rows x 64 keys.
@@ -189,10 +158,10 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           uint32_t bf[4];
-          ldsm_x4(bf, smem_addr(k_st + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LQ + kk * 16 +
+          ptx::ldmatrix_x4(bf, ptx::smem_u32(k_st + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LQ + kk * 16 +
                                 ((lane >> 3) & 1) * 8));
-          mma_16816(s[2 * np], qf[kk], bf[0], bf[1]);
-          mma_16816(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+          ptx::mma_bf16_16816(s[2 * np], qf[kk], bf[0], bf[1]);
+          ptx::mma_bf16_16816(s[2 * np + 1], qf[kk], bf[2], bf[3]);
         }
       }
     }
@@ -243,18 +212,18 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) {
       uint32_t pa[4];
-      pa[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
-      pa[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
-      pa[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-      pa[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+      pa[0] = ptx::pack_bf16x2(s[2 * kc][0], s[2 * kc][1]);
+      pa[1] = ptx::pack_bf16x2(s[2 * kc][2], s[2 * kc][3]);
+      pa[2] = ptx::pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      pa[3] = ptx::pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
       for (int dp = 0; dp < DP; ++dp) {
         if (kExact || dp < ndp) {
           uint32_t bf[4];
-          ldsm_x4_trans(bf, smem_addr(v_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LV + dp * 16 +
+          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(v_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LV + dp * 16 +
                                       (lane >> 4) * 8));
-          mma_16816(o[2 * dp], pa, bf[0], bf[1]);
-          mma_16816(o[2 * dp + 1], pa, bf[2], bf[3]);
+          ptx::mma_bf16_16816(o[2 * dp], pa, bf[0], bf[1]);
+          ptx::mma_bf16_16816(o[2 * dp + 1], pa, bf[2], bf[3]);
         }
       }
     }
@@ -276,7 +245,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
       if (a.o_f32)
         *reinterpret_cast<float2*>(static_cast<float*>(a.o) + base + col) = make_float2(x0, x1);
       else
-        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + base + col) = pack_bf16(x0, x1);
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + base + col) = ptx::pack_bf16x2(x0, x1);
     }
   }
 }
@@ -366,12 +335,12 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
       if (c < ncc) {
         const bool ok = key0 + r < ke;
         const __nv_bfloat16* s = ok ? cg + int64_t(key0 + r) * a.ldc + c * 8 : cg;
-        cp_async16(smem_addr(dst + r * S::LD + c * 8), s, ok);
+        cp_async16(ptx::smem_u32(dst + r * S::LD + c * 8), s, ok);
       }
     }
   };
   if (n_tiles > 0) load_tile(0, 0);
-  cp_async_commit();
+  ptx::cp_async_commit();
 
   // Q tile: [q_lat | q_rot] of each row as bf16; rows past the end are zero.
   for (int idx = tid; idx < kDcBM * CC; idx += kDcThreads) {
@@ -387,7 +356,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
       if (a.q_f32) {
         const float4 x0 = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + off);
         const float4 x1 = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + off + 4);
-        val = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+        val = make_uint4(ptx::pack_bf16x2(x0.x, x0.y), ptx::pack_bf16x2(x0.z, x0.w), ptx::pack_bf16x2(x1.x, x1.y), ptx::pack_bf16x2(x1.z, x1.w));
       } else {
         val = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(src) + off);
       }
@@ -411,10 +380,10 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
-    cp_async_wait_all();
+    ptx::cp_async_wait<0>();
     __syncthreads();  // tile (and Q) visible; the other stage, P and the reductions are free
     if (tile + 1 < n_tiles) load_tile(tile + 1, stage ^ 1);
-    cp_async_commit();
+    ptx::cp_async_commit();
     const __nv_bfloat16* c_st = sC + stage * S::kC;
 
     // Scores: 16 rows x 16 keys (two n-tiles) over K = R + Dr.
@@ -423,11 +392,11 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
     for (int kk = 0; kk < KK; ++kk) {
       if (kExact || kk < nkk) {
         uint32_t qa[4], bf[4];
-        ldsm_x4(qa, smem_addr(sQ + (rg * 16 + (lane & 15)) * S::LD + kk * 16 + (lane >> 4) * 8));
-        ldsm_x4(bf, smem_addr(c_st + (half * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LD + kk * 16 +
+        ptx::ldmatrix_x4(qa, ptx::smem_u32(sQ + (rg * 16 + (lane & 15)) * S::LD + kk * 16 + (lane >> 4) * 8));
+        ptx::ldmatrix_x4(bf, ptx::smem_u32(c_st + (half * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LD + kk * 16 +
                               ((lane >> 3) & 1) * 8));
-        mma_16816(s[0], qa, bf[0], bf[1]);
-        mma_16816(s[1], qa, bf[2], bf[3]);
+        ptx::mma_bf16_16816(s[0], qa, bf[0], bf[1]);
+        ptx::mma_bf16_16816(s[1], qa, bf[2], bf[3]);
       }
     }
     const int key0 = ks + tile * kDcBN + half * 16;
@@ -459,7 +428,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
       for (int j = 0; j < 2; ++j) {
         const float p0 = fast_exp2(s[j][2 * r] - m_use), p1 = fast_exp2(s[j][2 * r + 1] - m_use);
         sum += p0 + p1;
-        *reinterpret_cast<uint32_t*>(sP + lr * S::LP + half * 16 + j * 8 + 2 * t) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(sP + lr * S::LP + half * 16 + j * 8 + 2 * t) = ptx::pack_bf16x2(p0, p1);
       }
       l_r[r] = l_r[r] * alpha + sum;
 #pragma unroll
@@ -476,16 +445,16 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
 #pragma unroll
     for (int kc = 0; kc < kDcBN / 16; ++kc) {
       uint32_t pa[4];
-      ldsm_x4(pa, smem_addr(sP + (rg * 16 + (lane & 15)) * S::LP + kc * 16 + (lane >> 4) * 8));
+      ptx::ldmatrix_x4(pa, ptx::smem_u32(sP + (rg * 16 + (lane & 15)) * S::LP + kc * 16 + (lane >> 4) * 8));
 #pragma unroll
       for (int jd = 0; jd < JD; ++jd) {
         const int dp = 2 * jd + half;
         if (kExact || dp * 16 < R) {
           uint32_t bf[4];
-          ldsm_x4_trans(bf, smem_addr(c_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LD + dp * 16 +
+          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(c_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LD + dp * 16 +
                                       (lane >> 4) * 8));
-          mma_16816(o[jd][0], pa, bf[0], bf[1]);
-          mma_16816(o[jd][1], pa, bf[2], bf[3]);
+          ptx::mma_bf16_16816(o[jd][0], pa, bf[0], bf[1]);
+          ptx::mma_bf16_16816(o[jd][1], pa, bf[2], bf[3]);
         }
       }
     }

@@ -2,6 +2,7 @@
 // equal FLOPs, in the same run.
 //
 //   build/bench_cuda_moe [--config configs/kimi-k3.json] [--tokens 4096,16384] [--reps 5] [--experts N]
+//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0]
 //
 // Sizes come from the config: E experts, top-K, latent L (routed_expert_hidden_size), intermediate I.
 // Tokens are routed uniformly at random (K distinct experts per token), so each expert gets about
@@ -13,12 +14,16 @@
 // (TM = 128 and 64 rows; `*` marks the one Dispatch::build picks by itself). Also printed: the bytes of
 // expert weights each pass must read and the time that takes at the measured copy bandwidth, since at
 // few rows per expert the grouped GEMM is bound by weight traffic, which one dense GEMM never is.
+// --variants times each case once per value of K3_MOE_VARIANT (kernel variants for comparison, see
+// moe_cuda.cu; 0 = the default). --experts 16 with top-16 sends every token to every expert: one big
+// group per expert, the kernel's compute-bound rate.
 // Exits 0 with a message when there is no GPU.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -151,6 +156,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens_s, "comma-separated token counts");
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--experts", experts_override, "override num_experts (fewer experts: less memory)");
+  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0";
+  app.add_option("--formats", formats_s, "weight formats to time: bf16, mxfp4 (comma-separated)");
+  app.add_option("--tm", tm_s, "tile heights to time (comma-separated, 128 and/or 64)");
+  app.add_option("--variants", variants_s, "values of K3_MOE_VARIANT to time (comma-separated)");
   CLI11_PARSE(app, argc, argv);
 
   std::string why;
@@ -165,6 +174,9 @@ int main(int argc, char** argv) {
     const int64_t E = experts_override > 0 ? experts_override : c.num_experts, K = c.num_experts_per_token;
     const int64_t L = c.routed_expert_hidden_size, I = c.moe_intermediate_size;
     const std::vector<int32_t> tokens = cli::parse_ids(tokens_s, "--tokens");
+    const std::vector<int32_t> tms = cli::parse_ids(tm_s, "--tm"), variants = cli::parse_ids(variants_s, "--variants");
+    const bool want_bf16 = formats_s.find("bf16") != std::string::npos;
+    const bool want_mx = formats_s.find("mxfp4") != std::string::npos;
     const int64_t Tmax = *std::max_element(tokens.begin(), tokens.end());
     const GluParams glu{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
     std::printf("config %s: E=%lld top-%lld latent L=%lld intermediate I=%lld; reps %d (median)\n", config.c_str(),
@@ -194,6 +206,7 @@ int main(int argc, char** argv) {
         cublas_ms.push_back({gu, dn});
       }
       for (int fmt = 0; fmt < 2; ++fmt) {
+        if ((fmt == 0 && !want_bf16) || (fmt == 1 && !want_mx)) continue;
         Weights w;
         make_weights(w, fmt == 1, E, L, I);
         const char* name = fmt == 1 ? "MXFP4" : "bf16";
@@ -205,7 +218,9 @@ int main(int argc, char** argv) {
           wts.upload(hw.data(), hw.size());
           d.build(idx.data(), T);
           const int auto_tm = d.tile_m();
-          for (int tm : {128, 64}) {
+          for (int32_t var : variants)
+          for (int tm : tms) {
+            setenv("K3_MOE_VARIANT", std::to_string(var).c_str(), 1);
             d.build(idx.data(), T, tm);
             const double fgu = 2.0 * double(S) * double(2 * I) * double(L), fdn = 2.0 * double(S) * double(L) * double(I);
             const float tgu = median_ms([&] { mc::expert_gate_up(hbuf.data(), z.data(), d, w.w1, w.w3, glu); }, reps);
@@ -217,12 +232,16 @@ int main(int argc, char** argv) {
                 },
                 reps);
             const std::vector<float>& cb_ms = cublas_ms[ti];
-            char tag[32];
-            std::snprintf(tag, sizeof tag, "%s TM%d%s", name, tm, tm == auto_tm ? "*" : "");
+            char tag[40];
+            if (var != 0)
+              std::snprintf(tag, sizeof tag, "%s v%d TM%d%s", name, int(var), tm, tm == auto_tm ? "*" : "");
+            else
+              std::snprintf(tag, sizeof tag, "%s TM%d%s", name, tm, tm == auto_tm ? "*" : "");
             row(tag, T, "gate_up", fgu, tgu, cb_ms[0], w.gate_up_bytes, bw);
             row(tag, T, "down", fdn, tdn, cb_ms[1], w.down_bytes, bw);
             row(tag, T, "experts", fgu + fdn, tall, cb_ms[0] + cb_ms[1], w.gate_up_bytes + w.down_bytes, bw);
           }
+          setenv("K3_MOE_VARIANT", "0", 1);
         }
       }
     }

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -569,6 +570,35 @@ TEST(CudaMoeExperts, Mxfp4EqualsItsBf16Dequantisation) {
                   first_diff == gm.u.size() ? "bitwise equal" : "DIFFERENT");
     }
   }
+}
+
+// The kernel variants behind K3_MOE_VARIANT (tile raster, weight-tile height) only reorder the same
+// per-element work: u must be bitwise the default's.
+TEST(CudaMoeExperts, KernelVariantsAreBitwiseEqual) {
+  K3_REQUIRE_GPU();
+  const k3::GluParams gp{true, 4.0f, 25.0f};
+  uint64_t seed = 700;
+  for (bool mx : {false, true})
+    for (const Case& c : kCases)
+      for (int tm : {128, 64}) {
+        std::mt19937_64 r(seed++);
+        const HostExperts hx = make_experts(mx, c.E, c.L, c.I, r);
+        const std::vector<bf16> z = random_bf16(static_cast<size_t>(c.T * c.L), 1.0f, r);
+        const std::vector<int32_t> idx = skewed_idx(c.T, c.E, c.K, r);
+        const std::vector<float> wt = random_weights(c.T * c.K, r);
+        DevExperts dx;
+        upload(dx, hx, mx);
+        setenv("K3_MOE_VARIANT", "0", 1);
+        const GpuOut g0 = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+        for (const char* v : {"1", "2", "4", "7", "8", "15"}) {
+          setenv("K3_MOE_VARIANT", v, 1);
+          const GpuOut gv = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+          ASSERT_EQ(gv.u.size(), g0.u.size());
+          EXPECT_EQ(std::memcmp(gv.u.data(), g0.u.data(), g0.u.size() * 4), 0)
+              << c.name << (mx ? " MXFP4" : " BF16") << " TM=" << tm << " variant " << v;
+        }
+        unsetenv("K3_MOE_VARIANT");
+      }
 }
 
 // Router -> dispatch -> experts on the GPU against the CPU router + experts (K3's routing rule).

@@ -1,20 +1,29 @@
 // LatentMoE routed experts on the GPU: see moe_cuda.h for the API and the numerics.
 //
-// Grouped GEMM design (one kernel, templated on <Glu, Mxfp4>):
-//   - one CTA = 256 threads (8 warps as 2 (M) × 4 (N)) computes a 128 × 128 tile of one expert;
-//     each warp 64 × 32 with mma.sync.m16n8k16 bf16 -> fp32, fragments from ldmatrix.x4;
-//   - the tile list (expert, first row) comes from Dispatch::build; blockIdx.y indexes it and CTAs past
-//     the device-side tile count exit at once, so the whole layer is one launch with no host sync;
+// Grouped GEMM design (one kernel, templated on <TM, BNT, Glu, Mxfp4>):
+//   - one CTA = 256 threads (8 warps as 2 (M) × 4 (N)) computes a TM × BNT tile of one expert (TM rows,
+//     BNT weight rows = output columns; BNT/2 columns of h for Glu); each warp (TM/2) × (BNT/4) with
+//     mma.sync.m16n8k16 bf16 -> fp32, fragments from ldmatrix.x4. Shapes used: 128 × 256 (warp 64 × 64,
+//     ~230 registers, 1 CTA/SM: 4 ldmatrix.x4 per 8 MMAs) for TM = 128, 64 × 128 (warp 32 × 32, 2 CTAs/SM)
+//     for TM = 64; MXFP4 falls back to 128 × 128 where K's scales would not fit shared memory;
+//   - the tile list (expert, first row) comes from Dispatch::build; CTAs past the device-side tile count
+//     exit at once, so the whole layer is one launch with no host sync. The 1-D grid is rastered expert
+//     by expert, column tile by column tile, the expert's row tiles innermost (see grouped_gemm_kernel):
+//     a weight tile is read from DRAM once and its other row tiles hit L2;
 //   - A rows are gathered in the loader (x_rows), rows past the expert's count and k past K are
-//     zero-filled by cp.async (src-size 0) and never stored;
+//     zero-filled by cp.async (src-size 0) and never stored; a warp skips the MMAs of its m16 row blocks
+//     that hold no valid row (a group's last tile), which changes no stored value;
 //   - 4-stage cp.async pipeline over BK = 64, 128-byte smem rows with the 16-byte chunk index XORed by
 //     (row & 7), so ldmatrix and cp.async are bank-conflict free;
 //   - Glu: the 128 B rows of a tile interleave gate and up rows in groups of 8 (n8 tile 2p = gate,
 //     2p+1 = up for the same 8 output columns), so the same thread holds matching gate/up
 //     accumulators and SiTU-GLU runs in registers in the epilogue: h never exists in fp32;
-//   - Mxfp4: the stages hold packed bytes (4 KB per stage instead of 16); the tile's E8M0 scales for
-//     the whole K sit in shared memory; after each stage lands, every thread decodes one 32-element
-//     group (16 bytes) into a bf16 tile of the same swizzled layout, and the MMA loop is the bf16 one.
+//   - Mxfp4: the stages hold packed bytes (BNT × 32 B per stage instead of BNT × 128); the tile's E8M0
+//     scales for the whole K sit in shared memory; after each stage lands, every thread decodes
+//     BNT/128 32-element groups (16 bytes each) into a bf16 tile of the same swizzled layout, and the
+//     MMA loop is the bf16 one.
+// Every variant above computes each output element with the same k order, so results do not depend on
+// the tile shape, the raster or the skipping (test KernelVariantsAreBitwiseEqual).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,8 +31,10 @@
 #include <cfloat>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 
 #include "core/cuda_check.cuh"
+#include "kernels/common/mma_sm80.cuh"
 #include "kernels/moe/moe_cuda.h"
 
 namespace k3::moe::cuda {
@@ -31,8 +42,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int BN = 128, BK = 64, kStages = 4;
-constexpr int kTileBytes = BN * BK * 2;         // one bf16 128 × 64 B tile: 16 KB (A: TM × 64)
-constexpr int kPackedStageBytes = BN * BK / 2;  // one packed MXFP4 128 × 64 tile: 4 KB
 constexpr int kMaxMxCols = 16384;
 constexpr int kRouterThreads = 128;
 constexpr int kRouterMaxExperts = 8192;
@@ -45,42 +54,20 @@ __device__ __forceinline__ float sigmoid_stable(float x) {
   return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
+// Shared PTX wrappers: kernels/common/mma_sm80.cuh. When !valid nothing is read and the 16 bytes
+// are zero-filled.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // src-size 0: nothing is read, the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+  ptx::cp_async16(dst, src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::pack_bf16x2;
+using ptx::smem_u32;
 
 // Byte offset of 16-byte chunk `c` (0..7) of row `r` in a 128-byte-row tile, XOR-swizzled.
 __device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
@@ -275,26 +262,86 @@ struct GemmArgs {
   bf16* y;  // [S, N] in sorted order
   float beta_gate, beta_up;
   bool situ;
+  bool raster_expert;  // 1-D grid, expert-major, row tiles innermost (see grouped_gemm_kernel)
+  int col_tiles;       // column tiles per row tile
+  bool skip_rows;      // skip the MMAs of m16 row blocks past the tile's valid rows
 };
 
-template <int TM, bool Glu, bool Mx>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs a) {
-  constexpr int MI = TM / 32;              // m16 tiles per warp (warp tile (TM/2) × 32)
+// The MMAs of one BK = 64 stage for one warp: its (MI·16) × (NI·8) sub-tile at rows arow0, weight rows
+// brow0 of the swizzled stage tiles. Guard: only m16 blocks mi < mact (the warp-uniform count of blocks
+// holding valid rows); the hot path (all blocks) is compiled without the tests.
+template <int MI, int NI, bool Guard>
+__device__ __forceinline__ void mma_stage(float (&acc)[MI][NI][4], uint32_t a_s, uint32_t b_s, int arow0, int brow0,
+                                          int lane, int mact) {
+#pragma unroll
+  for (int ks = 0; ks < BK / 16; ++ks) {
+    uint32_t af[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      if (Guard && mi >= mact) continue;
+      const int r = arow0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4(af[mi], a_s + swz(r, ks * 2 + (lane >> 4)));
+    }
+#pragma unroll
+    for (int nj = 0; nj < NI / 2; ++nj) {
+      const int r = brow0 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+      uint32_t t4[4];
+      ldmatrix_x4(t4, b_s + swz(r, ks * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        if (Guard && mi >= mact) continue;
+        ptx::mma_bf16_16816(acc[mi][2 * nj], af[mi], t4[0], t4[1]);
+        ptx::mma_bf16_16816(acc[mi][2 * nj + 1], af[mi], t4[2], t4[3]);
+      }
+    }
+  }
+}
+
+// Tile rasterisation (raster_expert): CTA b of a 1-D grid of col_tiles × max_tiles CTAs takes tile-list
+// slot q = b / col_tiles, which names expert e; the CTAs [t0·C, (t0+R)·C) of expert e's R row tiles
+// (t0 its first slot) run its column tiles in order with the row tiles innermost, so the R CTAs that
+// read one weight tile run side by side (one DRAM read, the others hit L2) and the expert's A rows stay
+// in L2 across its column tiles. Otherwise (2-D grid, x = column tile) one row tile sweeps all column
+// tiles before the next starts: a weight tile comes back only after a whole expert's weights
+// (44 MB for K3's gate/up) went through L2.
+template <int TM, int BNT, bool Glu, bool Mx>
+__global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) grouped_gemm_kernel(const GemmArgs a) {
+  constexpr int MI = TM / 32;               // m16 tiles per warp (warp tile (TM/2) × WN)
+  constexpr int WN = BNT / 4;               // weight rows (combined output columns) per warp
+  constexpr int NI = WN / 8;                // n8 tiles per warp
+  constexpr int BR = BNT / 32;              // weight rows each thread loads per stage (bf16)
   constexpr int kATileBytes = TM * BK * 2;  // one bf16 TM × 64 A tile
-  const int tile = blockIdx.y;
-  if (tile >= *a.num_tiles) return;
+  constexpr int kBTileBytes = BNT * BK * 2;  // one bf16 BNT × 64 weight tile
+  constexpr int kPStage = BNT * BK / 2;      // one packed MXFP4 BNT × 64 stage
+  constexpr int MXC = BNT / 128;             // packed 16-byte chunks (32-element groups) per thread
+  int tile, ct;
+  if (a.raster_expert) {
+    const int C = a.col_tiles, b = int(blockIdx.x);
+    const int q = b / C;
+    if (q >= *a.num_tiles) return;
+    const int eq = a.tiles[2 * q];
+    const int t0 = q - a.tiles[2 * q + 1] / TM;  // the expert's first tile slot
+    const int R = (a.offsets[eq + 1] - a.offsets[eq] + TM - 1) / TM;
+    const int local = b - t0 * C;
+    ct = local / R;
+    tile = t0 + local % R;
+  } else {
+    tile = int(blockIdx.y);
+    ct = int(blockIdx.x);
+    if (tile >= *a.num_tiles) return;
+  }
   const int e = a.tiles[2 * tile], m0 = a.tiles[2 * tile + 1];
   const int row_base = a.offsets[e] + m0;                        // first sorted row of this tile
   const int rows = min(TM, a.offsets[e + 1] - a.offsets[e] - m0);  // valid rows in the tile
-  const int n0 = blockIdx.x * (Glu ? BN / 2 : BN);              // first weight row (output column)
+  const int n0 = ct * (Glu ? BNT / 2 : BNT);                     // first weight row (output column)
   const int K = a.K, N = a.N;
   const int KT = (K + BK - 1) / BK;
 
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* sA = smem;                            // kStages × TM × 128 bytes
-  unsigned char* sB = smem + kStages * kATileBytes;    // bf16: kStages × 16 KB; Mx: kStages × 4 KB packed
-  unsigned char* sBdec = sB + kStages * kPackedStageBytes;  // Mx: the decoded bf16 tile
-  unsigned char* sScale = sBdec + kTileBytes;               // Mx: [BN][K/32]
+  unsigned char* sB = smem + kStages * kATileBytes;    // bf16: kStages × BNT × 128 B; Mx: kStages × 4 KB packed
+  unsigned char* sBdec = sB + kStages * kPStage;  // Mx: the decoded bf16 tile
+  unsigned char* sScale = sBdec + kBTileBytes;    // Mx: [BNT][K/32]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 2, wn = warp & 3;
@@ -321,25 +368,31 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     const int64_t xr = a_ok[i] ? (a.x_rows ? a.x_rows[row_base + r] : row_base + r) : 0;
     a_ptr[i] = a.x + xr * K + lc * 8;
   }
-  const unsigned char* b_ptr[4];
-  bool b_ok[4];
+  // bf16 B: rows (tid/8) + 32 i, i < BR, chunk tid%8. Row i's weight row is wrow0 + i·dstep (gate/up
+  // interleave: (r >> 3) & 1 is the same for all i, and r >> 4 steps by 2), so one pointer and the count
+  // of rows below N describe them all.
+  constexpr int dstep = Glu ? 16 : 32;
+  const unsigned char* b_ptr0 = nullptr;
+  int b_nvalid = 0;
+  const unsigned char* mx_ptr[MXC];
+  bool mx_ok[MXC];
   if (!Mx) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const unsigned char* base;
-      int wrow;
-      wsrc((tid >> 3) + 32 * i, base, wrow);
-      b_ok[i] = wrow < N;
-      b_ptr[i] = base + e * a.w_stride + int64_t(b_ok[i] ? wrow : 0) * K * 2 + lc * 16;
-    }
-  } else {
-    // packed: row tid/2, 16-byte chunk tid%2 (one 32-element scale group)
     const unsigned char* base;
     int wrow;
-    wsrc(tid >> 1, base, wrow);
-    b_ok[0] = wrow < N;
-    b_ptr[0] = base + e * a.w_stride + int64_t(b_ok[0] ? wrow : 0) * (K / 2) + (tid & 1) * 16;
-    // All of this tile's scales (BN rows × K/32 bytes) into shared memory. With 4-byte aligned rows they
+    wsrc(tid >> 3, base, wrow);
+    b_nvalid = wrow < N ? min(BR, (N - wrow + dstep - 1) / dstep) : 0;
+    b_ptr0 = base + e * a.w_stride + int64_t(b_nvalid > 0 ? wrow : 0) * K * 2 + lc * 16;
+  } else {
+    // packed: chunk c = tid + 256 j is row c/2, 16-byte half c%2 (one 32-element scale group)
+#pragma unroll
+    for (int j = 0; j < MXC; ++j) {
+      const unsigned char* base;
+      int wrow;
+      wsrc((tid >> 1) + 128 * j, base, wrow);
+      mx_ok[j] = wrow < N;
+      mx_ptr[j] = base + e * a.w_stride + int64_t(mx_ok[j] ? wrow : 0) * (K / 2) + (tid & 1) * 16;
+    }
+    // All of this tile's scales (BNT rows × K/32 bytes) into shared memory. With 4-byte aligned rows they
     // travel as cp.async words in the first pipeline group (waited for with stage 0); otherwise as
     // plain byte loads, published by the first k-loop barrier. Rows past N read as scale 0 (their
     // packed bytes are zero-filled too, so they decode to 0, never NaN).
@@ -348,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
                                        uintptr_t(a.s_stride)) & 3u) == 0;
     if (vec4) {
       const int words = KS / 4;
-      for (int i = tid; i < BN * words; i += kThreads) {
+      for (int i = tid; i < BNT * words; i += kThreads) {
         const int r = i / words, q = i % words;
         const unsigned char* wb;
         int wr;
@@ -358,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
         cp_async4(smem_u32(sScale + r * KS + q * 4), sb + int64_t(ok ? wr : 0) * KS + q * 4, ok);
       }
     } else {
-      for (int i = tid; i < BN * KS; i += kThreads) {
+      for (int i = tid; i < BNT * KS; i += kThreads) {
         const int r = i / KS, g = i % KS;
         const unsigned char* wb;
         int wr;
@@ -379,24 +432,31 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
       cp_async16(a_s + swz(r, lc), a_ptr[i] + k0, a_ok[i] && k_ok);
     }
     if (!Mx) {
-      const uint32_t b_s = smem_u32(sB + slot * kTileBytes);
+      const uint32_t b_s = smem_u32(sB + slot * kBTileBytes);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < BR; ++i) {
         const int r = (tid >> 3) + 32 * i;
-        cp_async16(b_s + swz(r, lc), b_ptr[i] + int64_t(k0) * 2, b_ok[i] && k_ok);
+        const bool ok = i < b_nvalid;
+        cp_async16(b_s + swz(r, lc), b_ptr0 + (ok ? int64_t(i) * dstep * K * 2 : 0) + int64_t(k0) * 2, ok && k_ok);
       }
     } else {
-      const uint32_t b_s = smem_u32(sB + slot * kPackedStageBytes);
+      const uint32_t b_s = smem_u32(sB + slot * kPStage);
       const bool g_ok = k0 + (tid & 1) * 32 < K;
-      cp_async16(b_s + tid * 16, b_ptr[0] + k0 / 2, b_ok[0] && g_ok);
+#pragma unroll
+      for (int j = 0; j < MXC; ++j) cp_async16(b_s + (tid + 256 * j) * 16, mx_ptr[j] + k0 / 2, mx_ok[j] && g_ok);
     }
   };
 
-  float acc[MI][4][4];
+  // m16 row blocks of this warp that hold valid rows: the others' MMAs are skipped (their rows are
+  // never stored), so a group's last, partly filled tile costs only what it holds.
+  const int wrows = rows - wm * (TM / 2);
+  const int mact = !a.skip_rows ? MI : wrows <= 0 ? 0 : min(MI, (wrows + 15) >> 4);
+
+  float acc[MI][NI][4];
 #pragma unroll
   for (int i = 0; i < MI; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NI; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
@@ -417,60 +477,42 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     const int slot = kt % kStages;
     const unsigned char* bt;
     if (Mx) {
-      // decode: thread tid -> row tid/2, group tid%2 (32 elements) of the packed stage
-      const int r = tid >> 1, g = tid & 1;
-      const int kg = kt * (BK / 32) + g;  // global scale-group index
-      uint4 out[4];
-      if (kg * 32 < K) {
-        const uint4 p = *reinterpret_cast<const uint4*>(sB + slot * kPackedStageBytes + tid * 16);
-        const uint32_t sb = sScale[r * (K / 32) + kg];
-        const float sc = e8m0_f32(sb);
-        const bool fast = sb >= 1u && sb <= 128u;  // 2^126 · 2^(s-127) = 2^(s-1) is a normal float
-        const float s1 = fast ? __uint_as_float((sb + 126u) << 23) : 0.0f;
-        const uint32_t w[4] = {p.x, p.y, p.z, p.w};
-        uint32_t o[16];
+      // decode: thread tid -> rows tid/2 + 128 j, group tid%2 (32 elements) of the packed stage
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < MXC; ++j) {
+        const int r = (tid >> 1) + 128 * j, g = tid & 1;
+        const int kg = kt * (BK / 32) + g;  // global scale-group index
+        uint4 out[4];
+        if (kg * 32 < K) {
+          const uint4 p = *reinterpret_cast<const uint4*>(sB + slot * kPStage + (tid + 256 * j) * 16);
+          const uint32_t sb = sScale[r * (K / 32) + kg];
+          const float sc = e8m0_f32(sb);
+          const bool fast = sb >= 1u && sb <= 128u;  // 2^126 · 2^(s-127) = 2^(s-1) is a normal float
+          const float s1 = fast ? __uint_as_float((sb + 126u) << 23) : 0.0f;
+          const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+          uint32_t o[16];
 #pragma unroll
-          for (int bb = 0; bb < 4; ++bb) o[q * 4 + bb] = decode_byte((w[q] >> (8 * bb)) & 0xffu, sc, s1, fast);
+          for (int q = 0; q < 4; ++q)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) out[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-      } else {
+            for (int bb = 0; bb < 4; ++bb) o[q * 4 + bb] = decode_byte((w[q] >> (8 * bb)) & 0xffu, sc, s1, fast);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) out[q] = make_uint4(0u, 0u, 0u, 0u);
+          for (int q = 0; q < 4; ++q) out[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+        } else {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) out[q] = make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(sBdec + swz(r, g * 4 + q)) = out[q];
       }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(sBdec + swz(r, g * 4 + q)) = out[q];
       __syncthreads();
       bt = sBdec;
     } else {
-      bt = sB + slot * kTileBytes;
+      bt = sB + slot * kBTileBytes;
     }
     const uint32_t a_s = smem_u32(sA + slot * kATileBytes);
     const uint32_t b_s = smem_u32(bt);
-#pragma unroll
-    for (int ks = 0; ks < BK / 16; ++ks) {
-      uint32_t af[MI][4], bfr[4][2];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        const int r = wm * (TM / 2) + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(af[mi], a_s + swz(r, ks * 2 + (lane >> 4)));
-      }
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        const int r = wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8;
-        uint32_t t4[4];
-        ldmatrix_x4(t4, b_s + swz(r, ks * 2 + ((lane >> 3) & 1)));
-        bfr[2 * nj][0] = t4[0];
-        bfr[2 * nj][1] = t4[1];
-        bfr[2 * nj + 1][0] = t4[2];
-        bfr[2 * nj + 1][1] = t4[3];
-      }
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_bf16(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
-    }
+    if (mact == MI) mma_stage<MI, NI, false>(acc, a_s, b_s, wm * (TM / 2), wn * WN, lane, MI);
+    else if (mact > 0) mma_stage<MI, NI, true>(acc, a_s, b_s, wm * (TM / 2), wn * WN, lane, mact);
   }
   cp_async_wait<0>();
 
@@ -485,8 +527,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
       bf16* yrow = a.y + int64_t(row_base + r) * N;
       if (Glu) {
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const int c = n0 + wn * 16 + p * 8 + cq;
+        for (int p = 0; p < NI / 2; ++p) {
+          const int c = n0 + wn * (WN / 2) + p * 8 + cq;
           if (c >= N) continue;
           float v[2];
 #pragma unroll
@@ -500,8 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
         }
       } else {
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
-          const int c = n0 + wn * 32 + ni * 8 + cq;
+        for (int ni = 0; ni < NI; ++ni) {
+          const int c = n0 + wn * WN + ni * 8 + cq;
           if (c >= N) continue;
           *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
         }
@@ -510,28 +552,60 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   }
 }
 
-size_t gemm_smem_bytes(int tm, bool mx, int K) {
+size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
   const size_t a = size_t(kStages) * tm * BK * 2;
-  if (!mx) return a + size_t(kStages * kTileBytes);
-  return a + size_t(kStages * kPackedStageBytes + kTileBytes + BN * (K / 32));
+  if (!mx) return a + size_t(kStages) * bn * BK * 2;
+  return a + size_t(kStages) * bn * BK / 2 + size_t(bn) * BK * 2 + size_t(bn) * (K / 32);
 }
 
-template <int TM, bool Glu, bool Mx>
-void launch_gemm_tm(const GemmArgs& a, const Dispatch& d) {
-  const size_t smem = gemm_smem_bytes(TM, Mx, a.K);
-  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, Glu, Mx>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(smem)));
-  const int cols_per_tile = Glu ? BN / 2 : BN;
-  K3_CHECK(d.max_tiles() <= 65535, "moe::cuda: ", d.max_tiles(), " row tiles exceed the grid limit 65535");
-  const dim3 grid(unsigned((a.N + cols_per_tile - 1) / cols_per_tile), unsigned(d.max_tiles()));
-  grouped_gemm_kernel<TM, Glu, Mx><<<grid, kThreads, smem>>>(a);
+// K3_MOE_VARIANT (benchmarking aid, bits): 1 = row-major 2-D raster; 2 = bf16 TM 128 with 128-row
+// weight tiles (bf16 and MXFP4); 4 = bf16 TM 64 with 256-row weight tiles; 8 = MMAs on every row block
+// of a tile.
+int gemm_variant() {
+  const char* v = std::getenv("K3_MOE_VARIANT");
+  return v ? std::atoi(v) : 0;
+}
+
+template <int TM, int BNT, bool Glu, bool Mx>
+void launch_gemm_tm(GemmArgs a, const Dispatch& d, bool raster_expert) {
+  const size_t smem = gemm_smem_bytes(TM, BNT, Mx, a.K);
+  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, BNT, Glu, Mx>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int cols_per_tile = Glu ? BNT / 2 : BNT;
+  a.col_tiles = (a.N + cols_per_tile - 1) / cols_per_tile;
+  a.raster_expert = raster_expert;
+  a.skip_rows = (gemm_variant() & 8) == 0;
+  dim3 grid;
+  if (raster_expert) {
+    K3_CHECK(int64_t(a.col_tiles) * d.max_tiles() < (int64_t(1) << 31), "moe::cuda: ", d.max_tiles(),
+             " row tiles × ", a.col_tiles, " column tiles exceed the grid limit");
+    grid = dim3(unsigned(int64_t(a.col_tiles) * d.max_tiles()));
+  } else {
+    K3_CHECK(d.max_tiles() <= 65535, "moe::cuda: ", d.max_tiles(), " row tiles exceed the grid limit 65535");
+    grid = dim3(unsigned(a.col_tiles), unsigned(d.max_tiles()));
+  }
+  grouped_gemm_kernel<TM, BNT, Glu, Mx><<<grid, kThreads, smem>>>(a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
 template <bool Glu, bool Mx>
 void launch_gemm(const GemmArgs& a, const Dispatch& d) {
-  if (d.tile_m() == 64) launch_gemm_tm<64, Glu, Mx>(a, d);
-  else launch_gemm_tm<128, Glu, Mx>(a, d);
+  const int v = gemm_variant();
+  const bool raster = (v & 1) == 0;
+  if constexpr (Mx) {
+    // 256 weight rows at TM 128 unless their K/32 scale bytes push shared memory past the 227 KB limit.
+    if (d.tile_m() == 64) launch_gemm_tm<64, BN, Glu, Mx>(a, d, raster);
+    else if ((v & 2) || gemm_smem_bytes(128, 256, true, a.K) > 227 * 1024) launch_gemm_tm<128, BN, Glu, Mx>(a, d, raster);
+    else launch_gemm_tm<128, 256, Glu, Mx>(a, d, raster);
+  } else {
+    if (d.tile_m() == 64) {
+      if (v & 4) launch_gemm_tm<64, 256, Glu, Mx>(a, d, raster);
+      else launch_gemm_tm<64, BN, Glu, Mx>(a, d, raster);
+    } else {
+      if (v & 2) launch_gemm_tm<128, BN, Glu, Mx>(a, d, raster);
+      else launch_gemm_tm<128, 256, Glu, Mx>(a, d, raster);
+    }
+  }
 }
 
 void check_gemm(const ExpertLinear& w, const char* what) {
@@ -641,11 +715,12 @@ Dispatch::Dispatch(int64_t max_tokens, int64_t num_experts, int64_t top_k)
 
 namespace {
 int choose_tile_m(int64_t S, int64_t E) {
-  // Rows computed per expert for an average group a = S/E: ceil(a/TM)·TM. 64-row tiles are guessed to
-  // cost ~15% more per FLOP (less reuse per shared-memory byte), so they are taken only where they pad
-  // much less (a = 292, K3 at 16384 tokens: 320 rows against 384). Guess, to check with the benchmark.
+  // Rows computed per expert for an average group a = S/E: ceil(a/TM)·TM. A 64-row tile (128 weight
+  // rows, 2 CTAs/SM) costs ~1.3× more per computed row than a 128-row one (256 weight rows) on the
+  // H200 (bf16, K3 at 16384 tokens: 70.0 ms for 320 rows/expert against 63.1 ms for 384), so 64 is taken
+  // only for small groups, where it pads much less.
   const double a = std::max(1.0, double(S) / double(E));
-  const double c128 = std::ceil(a / 128) * 128, c64 = std::ceil(a / 64) * 64 * 1.15;
+  const double c128 = std::ceil(a / 128) * 128, c64 = std::ceil(a / 64) * 64 * 1.3;
   return c64 < c128 ? 64 : 128;
 }
 }  // namespace

@@ -36,10 +36,10 @@ namespace k3::moe::cuda {
 
 using bf16 = uint16_t;
 
-// The tile of the grouped GEMMs: TM rows of one expert × 128 output columns (gate/up: 64 columns of
-// h from 64 gate + 64 up weight rows), BK = 64 per pipeline stage. TM is 128 or 64, chosen per
-// build() from the average rows per expert (rows of a tile past the expert's count are computed on
-// zeros and not stored, so small groups waste up to TM-1 rows).
+// The tile of the grouped GEMMs: TM rows of one expert × 256 weight rows (gate/up: 128 columns of h
+// from 128 gate + 128 up weight rows) at TM = 128, × 128 weight rows at TM = 64; BK = 64 per pipeline
+// stage. TM is 128 or 64, chosen per build() from the average rows per expert (rows of a tile past the
+// expert's count are zero-filled and not stored; their MMAs are skipped per 16-row block).
 inline constexpr int kTileM = 128;
 
 // ---- router -------------------------------------------------------------------------------------

@@ -6,16 +6,18 @@
 #   4. runs the peer baselines in the same session: flash-linear-attention's chunk_kda (source from
 #      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA.
 # Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
-# Usage: bash scripts/gpu/run_all.sh [--no-peers] [--only REGEX]   (REGEX filters test/bench names)
+# Usage: bash scripts/gpu/run_all.sh [--no-peers] [--no-bench] [--only REGEX]   (REGEX filters test/bench names)
 # Before it, here: bash scripts/gpu/fetch_deps.sh (the Debian packages the GPU image lacks), and carry
 # .gpudeps and third_party_ref/fla_src to the GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PEERS=1
+BENCH=1
 ONLY=.
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-peers) PEERS=0 ;;
+    --no-bench) BENCH=0; PEERS=0 ;;
     --only) ONLY="$2"; shift ;;
     -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -39,7 +41,8 @@ fi
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON -DK3_BUILD_BENCH=ON "${DEPS[@]}" >"$LOGDIR/cmake.log" 2>&1 \
   || { tail -30 "$LOGDIR/cmake.log"; exit 1; }
 TARGETS=$(cd tests && ls test_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
-BENCHES=$(cd bench && ls bench_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
+BENCHES=""
+[ $BENCH = 1 ] && BENCHES=$(cd bench && ls bench_cuda_*.cpp 2>/dev/null | sed 's/\.cpp$//' | grep -E "$ONLY")
 cmake --build build-gpu -j"$(nproc)" --target k3 $TARGETS $BENCHES 2>&1 | grep -E "error|warning: |Error" ; true
 echo "== build: $(( $(date +%s) - START )) s"
 FAILED=0

@@ -168,6 +168,18 @@ void bench_attnres(Bench& B, double copy_gbs) {
         print_bw(label, ms, bytes, copy_gbs);
       }
   }
+  {  // BF16 sources (half the bytes per source: the prefetch depth matters more)
+    const int S = 9;
+    std::vector<kc::DeviceBuffer<uint8_t>> src;
+    for (int i = 0; i < S; ++i) src.push_back(filled(size_t(N * D) * 2, 0x3c + i));
+    auto normed = filled(size_t(N * D) * 2, 0);
+    attnres::cuda::AttnResParams p;
+    for (int i = 0; i < S; ++i) p.sources[i] = src[size_t(i)].data();
+    p.S = S, p.src_type = DType::BF16, p.N = N, p.D = D, p.query = reinterpret_cast<const float*>(q.data());
+    p.out_type = DType::BF16, p.normed = normed.data(), p.norm_weight = reinterpret_cast<const float*>(nw.data());
+    const double ms = B.time_ms([&] { attnres::cuda::attnres_forward(p); });
+    print_bw("S=9 BF16 src -> BF16", ms, double(N * D) * (2.0 * S + 2.0), copy_gbs);
+  }
 }
 
 void bench_glu(Bench& B, double copy_gbs) {

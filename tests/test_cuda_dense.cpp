@@ -389,6 +389,46 @@ TEST(CudaDense, GluInPlaceContiguous) {
   EXPECT_LE(k3test::rel_l2(got, ref), kTolF32);
 }
 
+// The SiTU betas take different code paths (a power-of-two beta divides by multiplying with its
+// exact reciprocal, any other by the IEEE division): every combination against the CPU twin, on the
+// 16-byte path and the scalar one, with a multi-row strided layout.
+TEST(CudaDense, GluSituBetaForms) {
+  K3_REQUIRE_GPU();
+  const float betas[][2] = {{4.0f, 25.0f}, {2.0f, 8.0f}, {3.0f, 7.0f}, {0.5f, 1.0f}, {1.5f, 0.25f}};
+  for (const auto& b : betas)
+    for (int64_t cols : {int64_t(7168), int64_t(130)})
+      for (DType t : {DType::F32, DType::BF16}) {
+        const int64_t rows = 5;
+        const std::string ctx = "betas " + std::to_string(b[0]) + "," + std::to_string(b[1]) +
+                                " cols=" + std::to_string(cols) + " " + tname(t);
+        auto g = randf(rows * cols, 700 + uint64_t(cols), 6.0);
+        auto u = randf(rows * cols, 800 + uint64_t(cols), 20.0);
+        if (t == DType::BF16) g = bf16_round(g), u = bf16_round(u);
+        k3::GluParams act;
+        act.beta_gate = b[0], act.beta_up = b[1];
+        std::vector<float> ref(g.size());
+        k3::glu_forward(ref.data(), g.data(), u.data(), int64_t(g.size()), act);
+        std::vector<float> fused(size_t(rows * 2 * cols));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            fused[size_t(r * 2 * cols + c)] = g[size_t(r * cols + c)];
+            fused[size_t(r * 2 * cols + cols + c)] = u[size_t(r * cols + c)];
+          }
+        DevIn din(fused, t);
+        GuardedOut out(size_t(rows * cols), t);
+        k3::ffn::cuda::GluLaunch p;
+        p.out = out.data(), p.out_type = t, p.gate = din.data();
+        p.up = static_cast<uint8_t*>(din.data()) + size_t(cols) * k3::dtype_size(t);
+        p.in_type = t, p.ld_in = 2 * cols, p.rows = rows, p.cols = cols, p.act = act;
+        k3::ffn::cuda::glu_forward(p);
+        kc::synchronize();
+        std::string bad;
+        const auto got = out.values(&bad);
+        ASSERT_TRUE(bad.empty()) << bad << " " << ctx;
+        EXPECT_LE(k3test::rel_l2(got, ref), tol_for(t)) << ctx;
+      }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fused Block AttnRes (+ RMSNorm)
 
@@ -485,6 +525,22 @@ TEST(CudaDense, AttnResOutputsAndPeakedSoftmax) {
     run_attnres_case({9, 37, 7168, DType::F32, to, true, true, true, 8.0 / std::sqrt(7168.0)}, seed++);
     run_attnres_case({8, 5, 1000, DType::BF16, to, true, true, true, 8.0 / std::sqrt(1000.0)}, seed++);
   }
+}
+
+TEST(CudaDense, AttnResRowLengthsAndManyRows) {
+  K3_REQUIRE_GPU();
+  uint64_t seed = 2000;
+  // The longest row (16384), rows whose slices do not fill every thread's packs, BF16 sources on the
+  // 16-byte path and on the scalar path (D % 8 != 0), and enough rows that blocks share the SMs.
+  for (DType ts : {DType::F32, DType::BF16})
+    for (DType to : {DType::F32, DType::BF16}) {
+      run_attnres_case({9, 3, 16384, ts, to, true, true, true, 2.0 / std::sqrt(16384.0)}, seed++);
+      run_attnres_case({4, 7, 5000, ts, to, true, true, false, 2.0 / std::sqrt(5000.0)}, seed++);
+      run_attnres_case({3, 5, 7172, ts, to, false, true, true, 2.0 / std::sqrt(7172.0)}, seed++);
+      run_attnres_case({2, 9, 8, ts, to, true, false, false, 2.0 / std::sqrt(8.0)}, seed++);
+    }
+  run_attnres_case({9, 400, 7168, DType::BF16, DType::BF16, true, true, true, 2.0 / std::sqrt(7168.0)}, seed++);
+  run_attnres_case({6, 400, 7168, DType::F32, DType::BF16, false, true, true, 2.0 / std::sqrt(7168.0)}, seed++);
 }
 
 TEST(CudaDense, AttnResRejectsWhatItCannotRun) {

@@ -1,12 +1,34 @@
 // Fused Block AttnRes (+ RMSNorm) on the GPU (attnres_cuda.h).
 //
-// One block per token row. Alive at once per thread: the current source's slice v (<= 32 floats)
-// and the accumulator acc (<= 32 floats); the query and norm weight are re-read from L1/L2 (they
-// are shared by every row). Each source is read from memory exactly once:
-//   for i in sources:  v = V_i[row];  (ss, dot) = block_sum(Σv², Σv·q);  s = dot / sqrt(ss/D + eps)
+// One block per token row. Alive at once per thread: the accumulator acc (<= 32 floats) and NB raw
+// slices of the sources (<= 32 elements each, kept as loaded: F32, or BF16 widened on use): the one
+// being merged and the next NB-1, in flight (NB = 2 for F32 sources, 3 for BF16: the same bytes in
+// flight). The query and norm weight are re-read from L1/L2 (they are shared by every row). Each
+// source is read from memory exactly once:
+//   issue the loads of V_0 .. V_{NB-2}
+//   for i in sources:  issue the loads of V_{i+NB-1};  (ss, dot) = block_sum(Σv², Σv·q) over V_i
+//                      s = dot / sqrt(ss/D + eps)
 //                      m' = max(m, s);  acc = acc·e^(m−m') + e^(s−m')·v;  z = z·e^(m−m') + e^(s−m');  m = m'
 //   h = acc / z;  [y = w ⊙ h / sqrt(mean(h²) + eps_n)]
 // block_sum gives every thread the same bits, so the softmax state is uniform across the block.
+//
+// What changed, and why (measured on an H200 with bench_cuda_dense, N=8192, D=7168, F32 sources):
+//   - The first version issued the loads of V_i only when source i's turn came, each pack's load
+//     guarded together with its use, so a block had nothing in flight while it reduced: 31-47% of
+//     copy bandwidth. Issuing a thread's whole slice before using it (still one source at a time,
+//     NB = 1): 36-55%. Issuing the next source's loads before reducing the current one (this NB-slice
+//     ring): S=2 54-75%, S=5 74-81%, S=9 84-88%. Blocks of 448 threads holding 16 floats each (64
+//     registers, two blocks per SM) were better at S=2 (58-86%) and worse at S=9 (73-83%); with NB=3
+//     (one block per SM), 39-58%. BF16 sources (S=9, NB=3): 44.5% (not measured before).
+//   - The loads stream (ld.global.cs, evict-first: read once), which leaves L1 to the query and the
+//     norm weight.
+//   - A persistent-block version (the ring running across row ends, the query in shared memory)
+//     spilled at 128 registers; at 144 it ran at 30-49%, so it is not used. Inferred, not measured:
+//     at 144 registers only one 224-thread block fits per SM (warps are given registers in groups
+//     of 4, so 2 x 7 warps x 144 x 32 does not fit), which halves what is in flight.
+// The arithmetic and its order are those of the first version: the same row geometry, the same
+// per-thread fma order and block_sum, so the same bits. The kernel parameters are __grid_constant__,
+// so that the run-time indexed source pointers are read from the parameter space, not a local copy.
 #include <climits>
 #include <cmath>
 
@@ -35,13 +57,77 @@ struct Args {
   float norm_eps;
 };
 
-template <class Tsrc, class Tout, int VEC>
-__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(const Args<Tsrc> a) {
-  constexpr int NVMAX = rowwise::kRowElemsPerThread / VEC;
+// A thread's slice of one source row as loaded (NVMAX packs of VEC elements; packs past the row
+// end are zero).
+template <class Tsrc, int VEC, int NVMAX>
+struct Slice {
+  alignas(16) Tsrc raw[NVMAX][VEC];
+};
+
+// Issue the loads of a thread's slice of row `vr`: every load before any use.
+template <class Tsrc, int VEC, int NVMAX>
+__device__ __forceinline__ void load_slice(Slice<Tsrc, VEC, NVMAX>& sl, const Tsrc* vr, int nv, int D) {
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j) {
+    const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (j < nv && d0 < D) {
+      rowwise::copy_bytes_stream<int(sizeof(Tsrc)) * VEC>(sl.raw[j], vr + d0);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sl.raw[j][k] = Tsrc(0);
+    }
+  }
+}
+
+// Merge one source (its slice in `sl`) into the online softmax state (m, z, acc).
+template <class Tsrc, int VEC, int NVMAX>
+__device__ __forceinline__ void merge_source(const Slice<Tsrc, VEC, NVMAX>& sl, float (&acc)[NVMAX][VEC], float& m,
+                                             float& z, const Args<Tsrc>& a, float (*sh)[2]) {
+  const int D = a.D, nv = a.nv;
+  float part[2] = {0.0f, 0.0f};  // Σv², Σv·q
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j) {
+    const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (j < nv && d0 < D) {
+      float q[VEC];
+      rowwise::load_vec<float, VEC>(q, a.query + d0);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float v = rowwise::to_f32(sl.raw[j][k]);
+        part[0] = fmaf(v, v, part[0]);
+        part[1] = fmaf(v, q[k], part[1]);
+      }
+    }
+  }
+  rowwise::block_sum<2>(part, sh);
+  const float s = part[1] / sqrtf(part[0] / float(D) + a.eps);
+  const float m_new = fmaxf(m, s);
+  const float c_old = expf(m - m_new);  // m = -inf on the first source: c_old = 0, acc and z are 0
+  const float c_new = expf(s - m_new);
+  z = fmaf(z, c_old, c_new);
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[j][k] = fmaf(acc[j][k], c_old, c_new * rowwise::to_f32(sl.raw[j][k]));
+  m = m_new;
+}
+
+// Slices per thread: the one being merged plus the sources in flight. A BF16 slice is half the
+// registers and half the bytes of an F32 one, so BF16 sources keep two in flight (the same bytes).
+// The scalar path (rows that are not 16-byte packs; 32 one-element loads per slice, each with its
+// own address) does not prefetch: a second slice made ptxas spill.
+template <class Tsrc, int VEC>
+constexpr int prefetch_slices() {
+  return VEC == 1 ? 1 : sizeof(Tsrc) == 2 ? 3 : 2;
+}
+
+template <class Tsrc, class Tout, int VEC, int EPT, int NB>
+__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(const __grid_constant__ Args<Tsrc> a) {
+  constexpr int NVMAX = EPT / VEC;
   __shared__ float sh[32][2];
   __shared__ float sh1[32][1];
   const int64_t row = blockIdx.x;
-  const int D = a.D, nv = a.nv;
+  const int D = a.D, nv = a.nv, S = a.S;
 
   float acc[NVMAX][VEC];
 #pragma unroll
@@ -50,38 +136,22 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(co
     for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
   float m = -INFINITY, z = 0.0f;
 
-  for (int i = 0; i < a.S; ++i) {
-    const Tsrc* vr = a.src[i] + row * a.ld_src;
-    float v[NVMAX][VEC];
-    float part[2] = {0.0f, 0.0f};  // Σv², Σv·q
+  // NB slices, used in turn: while one is merged, the loads of the next NB-1 sources into the others
+  // are in flight. The source loop is unrolled by NB so that every slice index is a compile-time
+  // constant (the slices stay in registers). merge_source has barriers: `i < S` is uniform.
+  Slice<Tsrc, VEC, NVMAX> sl[NB];
 #pragma unroll
-    for (int j = 0; j < NVMAX; ++j) {
-      const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
-      if (j < nv && d0 < D) {
-        rowwise::load_vec<Tsrc, VEC>(v[j], vr + d0);
-        float q[VEC];
-        rowwise::load_vec<float, VEC>(q, a.query + d0);
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < S) load_slice(sl[b], a.src[b] + row * a.ld_src, nv, D);
+  for (int i0 = 0; i0 < S; i0 += NB) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          part[0] = fmaf(v[j][k], v[j][k], part[0]);
-          part[1] = fmaf(v[j][k], q[k], part[1]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
+    for (int b = 0; b < NB; ++b) {
+      const int i = i0 + b;
+      if (i < S) {
+        if (i + NB - 1 < S) load_slice(sl[(b + NB - 1) % NB], a.src[i + NB - 1] + row * a.ld_src, nv, D);
+        merge_source(sl[b], acc, m, z, a, sh);
       }
     }
-    rowwise::block_sum<2>(part, sh);
-    const float s = part[1] / sqrtf(part[0] / float(D) + a.eps);
-    const float m_new = fmaxf(m, s);
-    const float c_old = expf(m - m_new);  // m = -inf on the first source: c_old = 0, acc and z are 0
-    const float c_new = expf(s - m_new);
-    z = fmaf(z, c_old, c_new);
-#pragma unroll
-    for (int j = 0; j < NVMAX; ++j)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[j][k] = fmaf(acc[j][k], c_old, c_new * v[j][k]);
-    m = m_new;
   }
 
   // h = acc / z, as it will be stored (rounded to Tout): the norm below reads exactly that.
@@ -121,6 +191,15 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(co
   }
 }
 
+// One block per row of `nvec` packs, each thread holding at most EPT elements of it.
+template <class Tsrc, class Tout, int VEC, int EPT, int NB>
+void run_kernel(Args<Tsrc> a, int64_t N, int64_t nvec) {
+  const auto g = rowwise::row_geometry(nvec, EPT / VEC);
+  a.nv = g.nv;
+  attnres_row_kernel<Tsrc, Tout, VEC, EPT, NB><<<unsigned(N), g.threads>>>(a);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
 template <class Tsrc, class Tout>
 void launch(const AttnResParams& p) {
   Args<Tsrc> a{};
@@ -141,16 +220,8 @@ void launch(const AttnResParams& p) {
              (!p.out || rowwise::aligned16(p.out)) && (!p.normed || rowwise::aligned16(p.normed)) &&
              (!p.norm_weight || rowwise::aligned16(p.norm_weight));
   for (int i = 0; i < p.S; ++i) vec = vec && rowwise::aligned16(p.sources[i]);
-  if (vec) {
-    const auto g = rowwise::row_geometry(p.D / VEC, rowwise::kRowElemsPerThread / VEC);
-    a.nv = g.nv;
-    attnres_row_kernel<Tsrc, Tout, VEC><<<unsigned(p.N), g.threads>>>(a);
-  } else {
-    const auto g = rowwise::row_geometry(p.D, rowwise::kRowElemsPerThread);
-    a.nv = g.nv;
-    attnres_row_kernel<Tsrc, Tout, 1><<<unsigned(p.N), g.threads>>>(a);
-  }
-  K3_CUDA_LAUNCH_CHECK();
+  if (vec) run_kernel<Tsrc, Tout, VEC, rowwise::kRowElemsPerThread, prefetch_slices<Tsrc, VEC>()>(a, p.N, p.D / VEC);
+  else run_kernel<Tsrc, Tout, 1, rowwise::kRowElemsPerThread, prefetch_slices<Tsrc, 1>()>(a, p.N, p.D);
 }
 
 bool float_like(DType t) { return t == DType::F32 || t == DType::BF16; }

@@ -4,7 +4,9 @@
 //   - bf16 is uint16_t on the device too; widening is a shift, narrowing rounds to nearest even with
 //     the exact bit rules of core/dtype.h (so host and device agree bit for bit, NaN included).
 //   - load_vec / store_vec move VEC elements of one type as float registers with 16-byte (or
-//     smaller, when the pack is smaller) accesses; the caller guarantees the alignment.
+//     smaller, when the pack is smaller) accesses; the caller guarantees the alignment. store_vec
+//     narrows pairs to bf16 with the hardware conversion (pack2_bf16_rne, same bits as the integer
+//     rule); copy_bytes_stream loads data read once with evict-first (ld.global.cs).
 //   - block_sum reduces per-thread partial sums over the block so that EVERY thread gets the same
 //     bits (butterfly shuffles are symmetric; the cross-warp sum runs in one fixed order), which the
 //     online softmax of AttnRes relies on.
@@ -61,6 +63,23 @@ __device__ __forceinline__ void copy_bytes(void* dst, const void* src) {
   }
 }
 
+// copy_bytes from global memory with streaming loads (ld.global.cs, evict-first): for data read
+// exactly once, so that it does not push reused data (weights, a query) out of L1/L2.
+template <int BYTES>
+__device__ __forceinline__ void copy_bytes_stream(void* dst, const void* src) {
+  if constexpr (BYTES >= 16) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) static_cast<uint4*>(dst)[i] = __ldcs(static_cast<const uint4*>(src) + i);
+  } else if constexpr (BYTES == 8) {
+    *static_cast<uint2*>(dst) = __ldcs(static_cast<const uint2*>(src));
+  } else if constexpr (BYTES == 4) {
+    *static_cast<unsigned int*>(dst) = __ldcs(static_cast<const unsigned int*>(src));
+  } else {
+    static_assert(BYTES == 2, "unsupported pack size");
+    *static_cast<unsigned short*>(dst) = __ldcs(static_cast<const unsigned short*>(src));
+  }
+}
+
 template <class T, int VEC>
 __device__ __forceinline__ void load_vec(float (&out)[VEC], const T* p) {
   alignas(16) T tmp[VEC];
@@ -69,12 +88,30 @@ __device__ __forceinline__ void load_vec(float (&out)[VEC], const T* p) {
   for (int k = 0; k < VEC; ++k) out[k] = to_f32(tmp[k]);
 }
 
+// Two floats as two bf16 packed in a word (lo in the low half: the lower address), the same bits as
+// f32_to_bf16_rne on each: the hardware's round-to-nearest-even conversion (one instruction for the
+// pair; finite values, infinities and subnormals round exactly as the integer rule does), with NaNs,
+// whose payload rule is ours, redone in software.
+__device__ __forceinline__ uint32_t pack2_bf16_rne(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if ((lo != lo) | (hi != hi)) r = uint32_t(f32_to_bf16_rne(lo)) | (uint32_t(f32_to_bf16_rne(hi)) << 16);
+  return r;
+}
+
 template <class T, int VEC>
 __device__ __forceinline__ void store_vec(T* p, const float (&v)[VEC]) {
-  alignas(16) T tmp[VEC];
+  if constexpr (std::is_same_v<T, bf16> && VEC % 2 == 0) {
+    alignas(16) uint32_t tmp[VEC / 2];
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) tmp[k] = from_f32<T>(v[k]);
-  copy_bytes<int(sizeof(T)) * VEC>(p, tmp);
+    for (int k = 0; k < VEC / 2; ++k) tmp[k] = pack2_bf16_rne(v[2 * k], v[2 * k + 1]);
+    copy_bytes<int(sizeof(T)) * VEC>(p, tmp);
+  } else {
+    alignas(16) T tmp[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) tmp[k] = from_f32<T>(v[k]);
+    copy_bytes<int(sizeof(T)) * VEC>(p, tmp);
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

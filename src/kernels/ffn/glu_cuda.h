@@ -2,7 +2,11 @@
 // GluParams (SiTU-GLU with activation_situ_beta / activation_situ_linear_beta, or SwiGLU):
 //   SiTU-GLU(g, u) = [b1·tanh(g/b1)·sigmoid(g)] · [b2·tanh(u/b2)]      sigmoid of the UNCAPPED gate
 // Evaluated in fp32 with the accurate tanhf/expf (no fast-math) and the overflow-free sigmoid of
-// glu_cpu.cpp; one rounding at the store. gate/up are F32 or BF16 (same type), out F32 or BF16.
+// glu_cpu.cpp; one rounding at the store. With BF16 in/out the kernel is bound by instruction issue,
+// not memory (about 100 instructions an element: two tanhf, an expf, three divisions), so
+// glu_cuda.cu forms the same bits with fewer instructions: a power-of-two beta divides by
+// multiplying with its exact reciprocal, the other divisions run the IEEE division's own fast path
+// where its range check provably passes, and bf16 pairs are narrowed by the hardware conversion. gate/up are F32 or BF16 (same type), out F32 or BF16.
 // Rows × cols with row strides, so the gate and up halves of one fused [rows, 2I] GEMM output
 // can be passed directly (gate = base, up = base + I, ld_in = 2I). Device pointers; default stream.
 #pragma once

@@ -9,7 +9,8 @@
 //                                        relative per product; 1e-4 allows the 16-step solve and the chain of
 //                                        chunks a factor ~6 over one product)
 // The CPU side always gets the same (bf16-rounded, where the GPU reads bf16) inputs, so an error measures the
-// kernel, not the input rounding.
+// kernel, not the input rounding. The KDA-core tests run at every head dim the kernels take, D = 128 (K3),
+// 64 (k3-small, k3-1b) and 32 (k3-tiny), with the same tolerances.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -36,8 +37,12 @@ using k3::DType;
 using k3::cuda::DeviceBuffer;
 using Vec = std::vector<float>;
 using U16 = std::vector<uint16_t>;
-constexpr int D = 128;
+constexpr int kK3HeadDim = 128;
+constexpr int kHeadDims[] = {128, 64, 32};
 constexpr double kBf16Tol = 1e-2, kF32Tol = 1e-6, kRecF32Tol = 1e-5, kChunkF32Tol = 1e-4;
+
+// Seed offset per head dim: 0 at D = 128 (the inputs the D = 128 tests always had).
+uint32_t dseed(int D) { return D == kK3HeadDim ? 0u : 1000u * uint32_t(D); }
 
 Vec normal(std::mt19937& rng, size_t n, float sd = 1.0f) {
   std::normal_distribution<float> d(0.0f, sd);
@@ -68,18 +73,22 @@ std::vector<T> download(const DeviceBuffer<T>& d, size_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// KDA inputs for B sequences: q, k L2-normalised, g in [-5, 0] drawn per token from four modes (all at the
-// bound, near 0, uniform, per-channel mix), beta in (0.01, 0.99), a nonzero initial state. With bf16 = true
-// q, k, v are rounded to bf16 (the values both sides see).
+// KDA inputs for B sequences of head dim D: q, k L2-normalised, g in [-5, 0] drawn per token from four modes
+// (all at the bound, near 0, uniform, per-channel mix), beta in (0.01, 0.99), a nonzero initial state. With
+// bf16 = true q, k, v are rounded to bf16 (the values both sides see).
 struct Case {
   int64_t B, T, H;
-  Vec q, k, v, g, beta, state0;  // state0: [B][H][128][128]
-  float scale = 1.0f / std::sqrt(float(D));
+  Vec q, k, v, g, beta, state0;  // state0: [B][H][D][D]
+  int D = kK3HeadDim;
+  float scale = 1.0f / std::sqrt(float(kK3HeadDim));
 };
 
-Case make_case(int64_t B, int64_t T, int64_t H, uint32_t seed, bool bf16, bool all_at_bound = false) {
+Case make_case(int64_t B, int64_t T, int64_t H, uint32_t seed, bool bf16, bool all_at_bound = false,
+               int D = kK3HeadDim) {
   std::mt19937 rng(seed);
   Case c{B, T, H, {}, {}, {}, {}, {}, {}};
+  c.D = D;
+  c.scale = 1.0f / std::sqrt(float(D));
   const size_t n = size_t(B * T * H * D);
   c.q = normal(rng, n);
   c.k = normal(rng, n);
@@ -115,6 +124,7 @@ struct Result {
 
 // The CPU twin, sequence by sequence (the recurrence, or the chunked form for long inputs).
 Result cpu_ref(const Case& c, bool chunked = false) {
+  const int64_t D = c.D;
   Result r{Vec(c.q.size()), Vec(c.state0.size())};
   const size_t sx = size_t(c.T * c.H * D), ss = size_t(c.H * D * D), sb = size_t(c.T * c.H);
   for (int64_t b = 0; b < c.B; ++b) {
@@ -142,6 +152,7 @@ Result gpu_run(const Case& c, bool chunked, DType in, DType out) {
   p.B = c.B;
   p.T = c.T;
   p.H = c.H;
+  p.D = c.D;
   p.scale = c.scale;
   p.in_dtype = in;
   p.out_dtype = out;
@@ -179,7 +190,7 @@ Result gpu_run(const Case& c, bool chunked, DType in, DType out) {
   }
   DeviceBuffer<unsigned char> ws;
   if (chunked) {
-    const size_t bytes = kc::kda_chunk_workspace_bytes(c.B, c.T, c.H, in);
+    const size_t bytes = kc::kda_chunk_workspace_bytes(c.B, c.T, c.H, in, c.D);
     ws = DeviceBuffer<unsigned char>(bytes);
     p.workspace = ws.data();
     p.workspace_bytes = bytes;
@@ -204,23 +215,26 @@ Result gpu_run(const Case& c, bool chunked, DType in, DType out) {
 }
 
 std::string name(const Case& c) {
-  return "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H);
+  return "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) +
+         " D=" + std::to_string(c.D);
 }
 
 // ---------------------------------------------------------------------------------------------------------
 TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
   K3_REQUIRE_GPU();
   const int64_t shapes[][3] = {{1, 1, 1}, {2, 15, 3}, {1, 16, 2}, {2, 17, 3}, {3, 100, 2}, {1, 257, 5}, {2, 64, 1}};
-  for (const auto& s : shapes) {
-    const Case c = make_case(s[0], s[1], s[2], 100 + uint32_t(s[1]), true);
-    const Result ref = cpu_ref(c);
-    for (DType out : {DType::BF16, DType::F32}) {
-      const Result got = gpu_run(c, true, DType::BF16, out);
-      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-      std::printf("[chunk bf16 -> %s, %s] rel L2: o %.3g, state %.3g\n", k3::dtype_name(out), name(c).c_str(), eo,
-                  es);
-      EXPECT_LE(eo, kBf16Tol) << name(c);
-      EXPECT_LE(es, kBf16Tol) << name(c);
+  for (int D : kHeadDims) {
+    for (const auto& s : shapes) {
+      const Case c = make_case(s[0], s[1], s[2], 100 + uint32_t(s[1]) + dseed(D), true, false, D);
+      const Result ref = cpu_ref(c);
+      for (DType out : {DType::BF16, DType::F32}) {
+        const Result got = gpu_run(c, true, DType::BF16, out);
+        const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+        std::printf("[chunk bf16 -> %s, %s] rel L2: o %.3g, state %.3g\n", k3::dtype_name(out), name(c).c_str(), eo,
+                    es);
+        EXPECT_LE(eo, kBf16Tol) << name(c);
+        EXPECT_LE(es, kBf16Tol) << name(c);
+      }
     }
   }
 }
@@ -228,33 +242,37 @@ TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
 TEST(CudaKdaChunk, Fp32MatchesCpuRecurrenceTightly) {
   K3_REQUIRE_GPU();
   const int64_t shapes[][3] = {{1, 1, 1}, {2, 17, 3}, {3, 100, 2}, {1, 257, 4}};
-  for (const auto& s : shapes) {
-    const Case c = make_case(s[0], s[1], s[2], 200 + uint32_t(s[1]), false);
-    const Result ref = cpu_ref(c);
-    const Result got = gpu_run(c, true, DType::F32, DType::F32);
-    const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-    std::printf("[chunk fp32, %s] rel L2: o %.3g, state %.3g\n", name(c).c_str(), eo, es);
-    EXPECT_LE(eo, kChunkF32Tol) << name(c);
-    EXPECT_LE(es, kChunkF32Tol) << name(c);
-    // bf16 output of the fp32 path: one rounding of o.
-    const Result gb = gpu_run(c, true, DType::F32, DType::BF16);
-    EXPECT_LE(rel(gb.o, ref.o), kBf16Tol) << name(c);
+  for (int D : kHeadDims) {
+    for (const auto& s : shapes) {
+      const Case c = make_case(s[0], s[1], s[2], 200 + uint32_t(s[1]) + dseed(D), false, false, D);
+      const Result ref = cpu_ref(c);
+      const Result got = gpu_run(c, true, DType::F32, DType::F32);
+      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+      std::printf("[chunk fp32, %s] rel L2: o %.3g, state %.3g\n", name(c).c_str(), eo, es);
+      EXPECT_LE(eo, kChunkF32Tol) << name(c);
+      EXPECT_LE(es, kChunkF32Tol) << name(c);
+      // bf16 output of the fp32 path: one rounding of o.
+      const Result gb = gpu_run(c, true, DType::F32, DType::BF16);
+      EXPECT_LE(rel(gb.o, ref.o), kBf16Tol) << name(c);
+    }
   }
 }
 
 TEST(CudaKdaRecurrent, MatchesCpuRecurrence) {
   K3_REQUIRE_GPU();
   const int64_t shapes[][3] = {{1, 1, 1}, {2, 37, 3}, {1, 100, 2}};
-  for (const auto& s : shapes) {
-    for (bool bf16 : {false, true}) {
-      const Case c = make_case(s[0], s[1], s[2], 300 + uint32_t(s[1]), bf16);
-      const Result ref = cpu_ref(c);
-      const DType dt = bf16 ? DType::BF16 : DType::F32;
-      const Result got = gpu_run(c, false, dt, dt);
-      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-      std::printf("[recurrent %s, %s] rel L2: o %.3g, state %.3g\n", k3::dtype_name(dt), name(c).c_str(), eo, es);
-      EXPECT_LE(eo, bf16 ? kBf16Tol : kRecF32Tol) << name(c);
-      EXPECT_LE(es, kRecF32Tol) << name(c);  // the state is fp32 either way, from the same inputs
+  for (int D : kHeadDims) {
+    for (const auto& s : shapes) {
+      for (bool bf16 : {false, true}) {
+        const Case c = make_case(s[0], s[1], s[2], 300 + uint32_t(s[1]) + dseed(D), bf16, false, D);
+        const Result ref = cpu_ref(c);
+        const DType dt = bf16 ? DType::BF16 : DType::F32;
+        const Result got = gpu_run(c, false, dt, dt);
+        const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+        std::printf("[recurrent %s, %s] rel L2: o %.3g, state %.3g\n", k3::dtype_name(dt), name(c).c_str(), eo, es);
+        EXPECT_LE(eo, bf16 ? kBf16Tol : kRecF32Tol) << name(c);
+        EXPECT_LE(es, kRecF32Tol) << name(c);  // the state is fp32 either way, from the same inputs
+      }
     }
   }
 }
@@ -263,45 +281,55 @@ TEST(CudaKdaRecurrent, MatchesCpuRecurrence) {
 // tokens; and two chunked calls (a boundary inside a chunk) equal one.
 TEST(CudaKdaChunk, PrefillThenDecodeEqualsLongerPrefill) {
   K3_REQUIRE_GPU();
-  for (bool bf16 : {true, false}) {
-    const DType dt = bf16 ? DType::BF16 : DType::F32;
-    const double tol = bf16 ? kBf16Tol : kChunkF32Tol;
-    const int64_t B = 2, H = 3, T1 = 37, steps = 5, T = T1 + steps;
-    const Case whole = make_case(B, T, H, 77, bf16);
-    const Result ref = gpu_run(whole, true, dt, dt);
-    // Slice tokens [t0, t1) of every sequence.
-    auto slice = [&](int64_t t0, int64_t t1, const Vec& st) {
-      Case c{B, t1 - t0, H, {}, {}, {}, {}, {}, st};
-      for (int64_t b = 0; b < B; ++b) {
-        const size_t x0 = size_t((b * T + t0) * H * D), x1 = size_t((b * T + t1) * H * D);
-        const std::pair<Vec*, const Vec*> parts[] = {{&c.q, &whole.q}, {&c.k, &whole.k}, {&c.v, &whole.v}, {&c.g, &whole.g}};
-        for (const auto& [dst, src] : parts) dst->insert(dst->end(), src->begin() + x0, src->begin() + x1);
-        c.beta.insert(c.beta.end(), whole.beta.begin() + (b * T + t0) * H, whole.beta.begin() + (b * T + t1) * H);
+  for (int D : kHeadDims) {
+    for (bool bf16 : {true, false}) {
+      const DType dt = bf16 ? DType::BF16 : DType::F32;
+      const double tol = bf16 ? kBf16Tol : kChunkF32Tol;
+      const int64_t B = 2, H = 3, T1 = 37, steps = 5, T = T1 + steps;
+      const Case whole = make_case(B, T, H, 77 + dseed(D), bf16, false, D);
+      const Result ref = gpu_run(whole, true, dt, dt);
+      {  // the longer prefill itself is the CPU twin's answer
+        const Result cpu = cpu_ref(whole);
+        EXPECT_LE(rel(ref.o, cpu.o), tol) << "D=" << D;
+        EXPECT_LE(rel(ref.state, cpu.state), tol) << "D=" << D;
       }
-      return c;
-    };
-    // Prefill + decode.
-    Result r = gpu_run(slice(0, T1, whole.state0), true, dt, dt);
-    Vec last_o, ref_o;
-    for (int64_t t = T1; t < T; ++t) {
-      const Result step = gpu_run(slice(t, t + 1, r.state), false, dt, dt);
-      r.state = step.state;
-      last_o.insert(last_o.end(), step.o.begin(), step.o.end());
-      for (int64_t b = 0; b < B; ++b) {
-        const size_t x0 = size_t((b * T + t) * H * D);
-        ref_o.insert(ref_o.end(), ref.o.begin() + x0, ref.o.begin() + x0 + H * D);
+      // Slice tokens [t0, t1) of every sequence.
+      auto slice = [&](int64_t t0, int64_t t1, const Vec& st) {
+        Case c{B, t1 - t0, H, {}, {}, {}, {}, {}, st};
+        c.D = whole.D;
+        c.scale = whole.scale;
+        for (int64_t b = 0; b < B; ++b) {
+          const size_t x0 = size_t((b * T + t0) * H * D), x1 = size_t((b * T + t1) * H * D);
+          const std::pair<Vec*, const Vec*> parts[] = {
+              {&c.q, &whole.q}, {&c.k, &whole.k}, {&c.v, &whole.v}, {&c.g, &whole.g}};
+          for (const auto& [dst, src] : parts) dst->insert(dst->end(), src->begin() + x0, src->begin() + x1);
+          c.beta.insert(c.beta.end(), whole.beta.begin() + (b * T + t0) * H, whole.beta.begin() + (b * T + t1) * H);
+        }
+        return c;
+      };
+      // Prefill + decode.
+      Result r = gpu_run(slice(0, T1, whole.state0), true, dt, dt);
+      Vec last_o, ref_o;
+      for (int64_t t = T1; t < T; ++t) {
+        const Result step = gpu_run(slice(t, t + 1, r.state), false, dt, dt);
+        r.state = step.state;
+        last_o.insert(last_o.end(), step.o.begin(), step.o.end());
+        for (int64_t b = 0; b < B; ++b) {
+          const size_t x0 = size_t((b * T + t) * H * D);
+          ref_o.insert(ref_o.end(), ref.o.begin() + x0, ref.o.begin() + x0 + H * D);
+        }
       }
+      // last_o is [step][b][h][d]; ref_o was gathered in the same order.
+      const double eo = rel(last_o, ref_o), es = rel(r.state, ref.state);
+      std::printf("[%s D=%d prefill %lld + %lld decode steps vs prefill %lld] rel L2: o %.3g, state %.3g\n",
+                  k3::dtype_name(dt), D, (long long)T1, (long long)steps, (long long)T, eo, es);
+      EXPECT_LE(eo, tol) << "D=" << D;
+      EXPECT_LE(es, tol) << "D=" << D;
+      // Two chunked calls, split at 21 (inside the second chunk).
+      const Result a = gpu_run(slice(0, 21, whole.state0), true, dt, dt);
+      const Result b2 = gpu_run(slice(21, T, a.state), true, dt, dt);
+      EXPECT_LE(rel(b2.state, ref.state), tol) << "D=" << D;
     }
-    // last_o is [step][b][h][d]; ref_o was gathered in the same order.
-    const double eo = rel(last_o, ref_o), es = rel(r.state, ref.state);
-    std::printf("[%s prefill %lld + %lld decode steps vs prefill %lld] rel L2: o %.3g, state %.3g\n",
-                k3::dtype_name(dt), (long long)T1, (long long)steps, (long long)T, eo, es);
-    EXPECT_LE(eo, tol);
-    EXPECT_LE(es, tol);
-    // Two chunked calls, split at 21 (inside the second chunk).
-    const Result a = gpu_run(slice(0, 21, whole.state0), true, dt, dt);
-    const Result b2 = gpu_run(slice(21, T, a.state), true, dt, dt);
-    EXPECT_LE(rel(b2.state, ref.state), tol);
   }
 }
 
@@ -309,144 +337,187 @@ TEST(CudaKdaChunk, PrefillThenDecodeEqualsLongerPrefill) {
 // still the CPU's answer.
 TEST(CudaKdaChunk, GatesAtTheBoundStayFinite) {
   K3_REQUIRE_GPU();
-  const Case c = make_case(2, 100, 2, 5, true, /*all_at_bound=*/true);
-  const Result ref = cpu_ref(c);
-  const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
-  EXPECT_TRUE(all_finite(got.o));
-  EXPECT_TRUE(all_finite(got.state));
-  EXPECT_LE(rel(got.o, ref.o), kBf16Tol);
-  EXPECT_LE(rel(got.state, ref.state), kBf16Tol);
-  const Case c32 = make_case(1, 50, 2, 6, false, true);
-  const Result got32 = gpu_run(c32, true, DType::F32, DType::F32);
-  EXPECT_LE(rel(got32.o, cpu_ref(c32).o), kChunkF32Tol);
+  for (int D : kHeadDims) {
+    const Case c = make_case(2, 100, 2, 5 + dseed(D), true, /*all_at_bound=*/true, D);
+    const Result ref = cpu_ref(c);
+    const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
+    EXPECT_TRUE(all_finite(got.o)) << "D=" << D;
+    EXPECT_TRUE(all_finite(got.state)) << "D=" << D;
+    EXPECT_LE(rel(got.o, ref.o), kBf16Tol) << "D=" << D;
+    EXPECT_LE(rel(got.state, ref.state), kBf16Tol) << "D=" << D;
+    const Case c32 = make_case(1, 50, 2, 6 + dseed(D), false, true, D);
+    const Result got32 = gpu_run(c32, true, DType::F32, DType::F32);
+    EXPECT_LE(rel(got32.o, cpu_ref(c32).o), kChunkF32Tol) << "D=" << D;
+  }
+}
+
+// The recurrence kernel of kda_chunk_forward picks its CTA width (NW warps of 16 value columns, D / (16 NW)
+// slices per head) from B * H and the SM count (kda_chunk_value_slices). The small shapes above all take
+// NW = 1; here, per head dim, one head count for every slice count the kernel can choose on this GPU.
+TEST(CudaKdaChunk, EverySliceWidthMatchesCpu) {
+  K3_REQUIRE_GPU();
+  for (int D : kHeadDims) {
+    std::vector<int> seen;
+    for (int64_t H = 1; H <= 600; ++H) {
+      const int slices = kc::kda_chunk_value_slices(1, H, DType::BF16, D);
+      ASSERT_TRUE(slices >= 1 && slices <= D / 16 && (D / 16) % slices == 0) << slices;
+      if (std::find(seen.begin(), seen.end(), slices) != seen.end()) continue;
+      seen.push_back(slices);
+      const Case c = make_case(1, 21, H, 400 + uint32_t(H) + dseed(D), true, false, D);
+      const Result ref = cpu_ref(c);
+      const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
+      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+      std::printf("[chunk bf16, %s, %d slices of %d columns] rel L2: o %.3g, state %.3g\n", name(c).c_str(), slices,
+                  D / slices, eo, es);
+      EXPECT_LE(eo, kBf16Tol) << name(c) << " slices " << slices;
+      EXPECT_LE(es, kBf16Tol) << name(c) << " slices " << slices;
+    }
+    std::printf("[D=%d] %zu slice counts exercised\n", D, seen.size());
+  }
+  // The parity path uses one CTA width per D.
+  EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 128), 2);
+  EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 64), 1);
+  EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 32), 1);
 }
 
 // 65536 tokens (4096 chunks), two heads: finite, and the CPU's answer (its chunked form, for time).
 TEST(CudaKdaChunk, LongSequenceFiniteAndCorrect) {
   K3_REQUIRE_GPU();
-  const Case c = make_case(1, 65536, 2, 9, true);
-  const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
-  EXPECT_TRUE(all_finite(got.o));
-  EXPECT_TRUE(all_finite(got.state));
-  const Result ref = cpu_ref(c, /*chunked=*/true);
-  const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-  std::printf("[chunk bf16, T=65536 H=2] rel L2: o %.3g, state %.3g\n", eo, es);
-  EXPECT_LE(eo, kBf16Tol);
-  EXPECT_LE(es, kBf16Tol);
+  for (int D : kHeadDims) {
+    const Case c = make_case(1, 65536, 2, 9 + dseed(D), true, false, D);
+    const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
+    EXPECT_TRUE(all_finite(got.o)) << "D=" << D;
+    EXPECT_TRUE(all_finite(got.state)) << "D=" << D;
+    const Result ref = cpu_ref(c, /*chunked=*/true);
+    const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+    std::printf("[chunk bf16, T=65536 H=2 D=%d] rel L2: o %.3g, state %.3g\n", D, eo, es);
+    EXPECT_LE(eo, kBf16Tol) << "D=" << D;
+    EXPECT_LE(es, kBf16Tol) << "D=" << D;
+  }
 }
 
 // The prepare kernel's workspace (layout in kda_cuda.h) against the same algebra in fp64 on the CPU: this
 // localises a failure of the chunked form to one of its two kernels. One sequence of 21 tokens (a full and a
-// partial chunk), two heads.
+// partial chunk), two heads, at every head dim. Item layout (bf16 inputs, kda_cuda.h): Qw @0, Kw @32D,
+// -Kr @64D, -Aw @96D, Mw @96D+512, gamma @96D+1024, 100D+1024 bytes.
 TEST(CudaKdaChunk, PrepareWorkspaceMatchesAlgebra) {
   K3_REQUIRE_GPU();
   constexpr int C = 16;
-  const Case c = make_case(1, 21, 2, 31, true);
-  DeviceBuffer<float> g(c.g.data(), c.g.size()), beta(c.beta.data(), c.beta.size());
-  DeviceBuffer<uint16_t> q(to_bf16(c.q).data(), c.q.size()), k(to_bf16(c.k).data(), c.k.size()),
-      v(to_bf16(c.v).data(), c.v.size()), o(c.q.size());
-  const size_t bytes = kc::kda_chunk_workspace_bytes(1, c.T, c.H, DType::BF16);
-  ASSERT_EQ(bytes, size_t(2 * 2 * 13824));
-  DeviceBuffer<unsigned char> ws(bytes);
-  kc::KdaParams p;
-  p.B = 1;
-  p.T = c.T;
-  p.H = c.H;
-  p.scale = c.scale;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.g = g.data();
-  p.beta = beta.data();
-  p.o = o.data();
-  p.workspace = ws.data();
-  p.workspace_bytes = bytes;
-  p.stage = kc::KdaParams::Stage::kPrepareOnly;
-  kc::kda_chunk_forward(p);
-  std::vector<unsigned char> w(bytes);
-  ws.download(w.data(), bytes);
-  auto bf = [&](size_t item, size_t byte_off, size_t i) {
-    uint16_t u;
-    std::memcpy(&u, &w[item * 13824 + byte_off + 2 * i], 2);
-    return k3::bf16_to_f32(u);
-  };
-  for (int64_t n = 0; n < 2; ++n)
-    for (int64_t h = 0; h < c.H; ++h) {
-      const size_t item = size_t(n * c.H + h);
-      const int64_t t0 = n * C, nv = std::min<int64_t>(C, c.T - t0);
-      // fp64 algebra (kda_cuda.h): Qd, Kd, Ki, Kr, gamma; L, M; Aw; Mw, Kw, Qw.
-      std::vector<double> Qd(C * D), Kd(C * D), Ki(C * D), Kr(C * D), gam(D), L(C * C), M(C * C), Aw(C * C),
-          Mw(C * C), Kw(C * D), Qw(C * D), bt(C);
-      for (int d = 0; d < D; ++d) {
-        double G = 0, Gi[C];
-        for (int i = 0; i < C; ++i) {
-          G += i < nv ? c.g[((t0 + i) * c.H + h) * D + d] : 0.0;
-          Gi[i] = G;
-        }
-        for (int i = 0; i < C; ++i) {
-          const double qv = i < nv ? c.q[((t0 + i) * c.H + h) * D + d] : 0.0;
-          const double kv = i < nv ? c.k[((t0 + i) * c.H + h) * D + d] : 0.0;
-          Qd[i * D + d] = c.scale * qv * std::exp(Gi[i]);
-          Kd[i * D + d] = kv * std::exp(Gi[i]);
-          Ki[i * D + d] = kv * std::exp(-Gi[i]);
-          Kr[i * D + d] = kv * std::exp(G - Gi[i]);
-        }
-        gam[d] = std::exp(G);
-      }
-      for (int i = 0; i < C; ++i) bt[i] = i < nv ? c.beta[(t0 + i) * c.H + h] : 0.0;
-      for (int i = 0; i < C; ++i)
-        for (int j = 0; j < C; ++j) {
-          double a = 0, m = 0;
-          for (int d = 0; d < D; ++d) {
-            a += Kd[i * D + d] * Ki[j * D + d];
-            m += Qd[i * D + d] * Ki[j * D + d];
-          }
-          L[i * C + j] = i > j ? bt[i] * a : 0.0;
-          M[i * C + j] = i >= j ? m : 0.0;
-        }
-      for (int col = 0; col < C; ++col)
-        for (int i = 0; i < C; ++i) {
-          double s = i == col ? bt[i] : 0.0;
-          for (int j = 0; j < i; ++j) s -= L[i * C + j] * Aw[j * C + col];
-          Aw[i * C + col] = s;
-        }
-      for (int i = 0; i < C; ++i)
-        for (int j = 0; j < C; ++j) {
-          double s = 0;
-          for (int l = 0; l < C; ++l) s += M[i * C + l] * Aw[l * C + j];
-          Mw[i * C + j] = s;
-        }
-      for (int i = 0; i < C; ++i)
-        for (int d = 0; d < D; ++d) {
-          double kw = 0, mk = 0;
-          for (int j = 0; j < C; ++j) {
-            kw += Aw[i * C + j] * Kd[j * D + d];
-            mk += Mw[i * C + j] * Kd[j * D + d];
-          }
-          Kw[i * D + d] = kw;
-          Qw[i * D + d] = Qd[i * D + d] - mk;
-        }
-      auto cmp = [&](const char* what, size_t off, const std::vector<double>& ref, double sign) {
-        Vec got(ref.size()), r(ref.size());
-        for (size_t i = 0; i < ref.size(); ++i) {
-          got[i] = bf(item, off, i);
-          r[i] = float(sign * ref[i]);
-        }
-        const double e = rel(got, r);
-        EXPECT_LE(e, kBf16Tol) << what << " chunk " << n << " head " << h;
-        return e;
-      };
-      const double e1 = cmp("Qw", 0, Qw, 1), e2 = cmp("Kw", 4096, Kw, 1), e3 = cmp("-Kr", 8192, Kr, -1),
-                   e4 = cmp("-Aw", 12288, Aw, -1), e5 = cmp("Mw", 12800, Mw, 1);
-      Vec gg(D), gr(D);
-      std::memcpy(gg.data(), &w[item * 13824 + 13312], D * 4);
-      for (int d = 0; d < D; ++d) gr[d] = float(gam[d]);
-      const double e6 = rel(gg, gr);
-      // gamma = e^G with G summed in fp32: |G| <= 80, 16 additions of <= 2^-24 * 80 each -> <= 7.6e-5 in G.
-      EXPECT_LE(e6, 1e-4) << "gamma chunk " << n << " head " << h;
-      std::printf("[workspace chunk %lld head %lld] rel L2: Qw %.2g Kw %.2g Kr %.2g Aw %.2g Mw %.2g gamma %.2g\n",
-                  (long long)n, (long long)h, e1, e2, e3, e4, e5, e6);
+  for (const int D : kHeadDims) {
+    const size_t kItem = size_t(100 * D + 1024);
+    const Case c = make_case(1, 21, 2, 31 + dseed(D), true, false, D);
+    DeviceBuffer<float> g(c.g.data(), c.g.size()), beta(c.beta.data(), c.beta.size());
+    DeviceBuffer<uint16_t> q(to_bf16(c.q).data(), c.q.size()), k(to_bf16(c.k).data(), c.k.size()),
+        v(to_bf16(c.v).data(), c.v.size()), o(c.q.size());
+    const size_t bytes = kc::kda_chunk_workspace_bytes(1, c.T, c.H, DType::BF16, D);
+    ASSERT_EQ(bytes, size_t(2 * 2) * kItem) << "D=" << D;
+    if (D == 128) {
+      ASSERT_EQ(kItem, size_t(13824));
     }
+    DeviceBuffer<unsigned char> ws(bytes);
+    kc::KdaParams p;
+    p.B = 1;
+    p.T = c.T;
+    p.H = c.H;
+    p.D = D;
+    p.scale = c.scale;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.g = g.data();
+    p.beta = beta.data();
+    p.o = o.data();
+    p.workspace = ws.data();
+    p.workspace_bytes = bytes;
+    p.stage = kc::KdaParams::Stage::kPrepareOnly;
+    kc::kda_chunk_forward(p);
+    std::vector<unsigned char> w(bytes);
+    ws.download(w.data(), bytes);
+    auto bf = [&](size_t item, size_t byte_off, size_t i) {
+      uint16_t u;
+      std::memcpy(&u, &w[item * kItem + byte_off + 2 * i], 2);
+      return k3::bf16_to_f32(u);
+    };
+    for (int64_t n = 0; n < 2; ++n)
+      for (int64_t h = 0; h < c.H; ++h) {
+        const size_t item = size_t(n * c.H + h);
+        const int64_t t0 = n * C, nv = std::min<int64_t>(C, c.T - t0);
+        // fp64 algebra (kda_cuda.h): Qd, Kd, Ki, Kr, gamma; L, M; Aw; Mw, Kw, Qw.
+        std::vector<double> Qd(C * D), Kd(C * D), Ki(C * D), Kr(C * D), gam(D), L(C * C), M(C * C), Aw(C * C),
+            Mw(C * C), Kw(C * D), Qw(C * D), bt(C);
+        for (int d = 0; d < D; ++d) {
+          double G = 0, Gi[C];
+          for (int i = 0; i < C; ++i) {
+            G += i < nv ? c.g[((t0 + i) * c.H + h) * D + d] : 0.0;
+            Gi[i] = G;
+          }
+          for (int i = 0; i < C; ++i) {
+            const double qv = i < nv ? c.q[((t0 + i) * c.H + h) * D + d] : 0.0;
+            const double kv = i < nv ? c.k[((t0 + i) * c.H + h) * D + d] : 0.0;
+            Qd[i * D + d] = c.scale * qv * std::exp(Gi[i]);
+            Kd[i * D + d] = kv * std::exp(Gi[i]);
+            Ki[i * D + d] = kv * std::exp(-Gi[i]);
+            Kr[i * D + d] = kv * std::exp(G - Gi[i]);
+          }
+          gam[d] = std::exp(G);
+        }
+        for (int i = 0; i < C; ++i) bt[i] = i < nv ? c.beta[(t0 + i) * c.H + h] : 0.0;
+        for (int i = 0; i < C; ++i)
+          for (int j = 0; j < C; ++j) {
+            double a = 0, m = 0;
+            for (int d = 0; d < D; ++d) {
+              a += Kd[i * D + d] * Ki[j * D + d];
+              m += Qd[i * D + d] * Ki[j * D + d];
+            }
+            L[i * C + j] = i > j ? bt[i] * a : 0.0;
+            M[i * C + j] = i >= j ? m : 0.0;
+          }
+        for (int col = 0; col < C; ++col)
+          for (int i = 0; i < C; ++i) {
+            double s = i == col ? bt[i] : 0.0;
+            for (int j = 0; j < i; ++j) s -= L[i * C + j] * Aw[j * C + col];
+            Aw[i * C + col] = s;
+          }
+        for (int i = 0; i < C; ++i)
+          for (int j = 0; j < C; ++j) {
+            double s = 0;
+            for (int l = 0; l < C; ++l) s += M[i * C + l] * Aw[l * C + j];
+            Mw[i * C + j] = s;
+          }
+        for (int i = 0; i < C; ++i)
+          for (int d = 0; d < D; ++d) {
+            double kw = 0, mk = 0;
+            for (int j = 0; j < C; ++j) {
+              kw += Aw[i * C + j] * Kd[j * D + d];
+              mk += Mw[i * C + j] * Kd[j * D + d];
+            }
+            Kw[i * D + d] = kw;
+            Qw[i * D + d] = Qd[i * D + d] - mk;
+          }
+        auto cmp = [&](const char* what, size_t off, const std::vector<double>& ref, double sign) {
+          Vec got(ref.size()), r(ref.size());
+          for (size_t i = 0; i < ref.size(); ++i) {
+            got[i] = bf(item, off, i);
+            r[i] = float(sign * ref[i]);
+          }
+          const double e = rel(got, r);
+          EXPECT_LE(e, kBf16Tol) << what << " chunk " << n << " head " << h << " D=" << D;
+          return e;
+        };
+        const size_t ud = size_t(D);
+        const double e1 = cmp("Qw", 0, Qw, 1), e2 = cmp("Kw", 32 * ud, Kw, 1), e3 = cmp("-Kr", 64 * ud, Kr, -1),
+                     e4 = cmp("-Aw", 96 * ud, Aw, -1), e5 = cmp("Mw", 96 * ud + 512, Mw, 1);
+        Vec gg(D), gr(D);
+        std::memcpy(gg.data(), &w[item * kItem + 96 * ud + 1024], ud * 4);
+        for (int d = 0; d < D; ++d) gr[d] = float(gam[d]);
+        const double e6 = rel(gg, gr);
+        // gamma = e^G with G summed in fp32: |G| <= 80, 16 additions of <= 2^-24 * 80 each -> <= 7.6e-5 in G.
+        EXPECT_LE(e6, 1e-4) << "gamma chunk " << n << " head " << h << " D=" << D;
+        std::printf("[workspace D=%d chunk %lld head %lld] rel L2: Qw %.2g Kw %.2g Kr %.2g Aw %.2g Mw %.2g "
+                    "gamma %.2g\n",
+                    D, (long long)n, (long long)h, e1, e2, e3, e4, e5, e6);
+      }
+  }
 }
 
 TEST(CudaKdaChunk, CanRunNamesTheProblem) {
@@ -457,13 +528,30 @@ TEST(CudaKdaChunk, CanRunNamesTheProblem) {
   p.H = 1;
   EXPECT_NE(kc::kda_chunk_can_run(p).find("required"), std::string::npos) << kc::kda_chunk_can_run(p);
   EXPECT_THROW(kc::kda_chunk_forward(p), k3::Error);
-  DeviceBuffer<float> dummy(16 * D * 2);
+  DeviceBuffer<float> dummy(16 * kK3HeadDim * 2);
   p.q = p.k = p.v = p.o = dummy.data();
   p.g = p.beta = dummy.data();
   p.workspace = dummy.data();
   p.workspace_bytes = 100;
   EXPECT_NE(kc::kda_chunk_can_run(p).find("needs 13824"), std::string::npos) << kc::kda_chunk_can_run(p);
   EXPECT_NE(kc::kda_recurrent_can_run(p).find("state_in and state_out"), std::string::npos);
+  p.D = 64;
+  EXPECT_NE(kc::kda_chunk_can_run(p).find("needs 7424"), std::string::npos) << kc::kda_chunk_can_run(p);
+  p.D = 32;
+  EXPECT_NE(kc::kda_chunk_can_run(p).find("needs 4224"), std::string::npos) << kc::kda_chunk_can_run(p);
+  // A head dim the kernels do not take: both can_run name it, both forwards throw, the sizes throw.
+  for (int bad : {48, 96, 256, 0}) {
+    p.D = bad;
+    const std::string want = "got D = " + std::to_string(bad);
+    EXPECT_NE(kc::kda_chunk_can_run(p).find(want), std::string::npos) << kc::kda_chunk_can_run(p);
+    EXPECT_THROW(kc::kda_chunk_forward(p), k3::Error);
+    p.state_in = p.state_out = dummy.data();
+    EXPECT_NE(kc::kda_recurrent_can_run(p).find(want), std::string::npos) << kc::kda_recurrent_can_run(p);
+    EXPECT_THROW(kc::kda_recurrent_forward(p), k3::Error);
+    p.state_in = nullptr;
+    p.state_out = nullptr;
+    EXPECT_THROW(kc::kda_chunk_workspace_bytes(1, 16, 1, DType::BF16, bad), k3::Error);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -539,7 +627,7 @@ TEST(CudaKdaConv, MatchesCpuAndDecodeStepsEqualPrefill) {
 TEST(CudaKdaL2Norm, MatchesCpu) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(12);
-  for (int64_t Dh : {128, 100}) {
+  for (int64_t Dh : {128, 100, 64, 32}) {
     const int64_t rows = 37, H = 3;
     const Vec x = round_bf16(normal(rng, size_t(rows * H * Dh), 2.0f));
     Vec ref = x;
@@ -557,6 +645,7 @@ TEST(CudaKdaGate, MatchesCpuAndRespectsTheBound) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(13);
   const int64_t rows = 37, H = 3;
+  constexpr int64_t D = kK3HeadDim;
   Vec z = round_bf16(normal(rng, size_t(rows * H * D), 3.0f));
   for (size_t i = 0; i < z.size(); i += 97) z[i] = 1e4f;  // saturates: g = -5 exactly
   const Vec A_log = normal(rng, size_t(H), 0.5f), dt = normal(rng, size_t(H * D), 0.5f);
@@ -577,7 +666,7 @@ TEST(CudaKdaGate, MatchesCpuAndRespectsTheBound) {
 TEST(CudaKdaGatedRmsNorm, MatchesCpuInPlace) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(14);
-  for (int64_t Dv : {128, 72}) {
+  for (int64_t Dv : {128, 72, 64, 32}) {
     const int64_t rows = 37, H = 3;
     const Vec o = round_bf16(normal(rng, size_t(rows * H * Dv), 3.0f));
     const Vec gate = round_bf16(normal(rng, o.size(), 2.0f));

@@ -2,8 +2,9 @@
 // kernels/kda/kda.h. Plain C++ (no CUDA headers): every pointer here is a DEVICE pointer, every kernel
 // runs on the default stream, and a launcher returns as soon as its kernels are queued.
 //
-// Shapes and letters. B independent sequences of T tokens each (equal lengths), H heads, D = 128 for
-// q/k/v (Dk = Dv = 128 is the only head dim of the KDA kernels; the elementwise kernels take any D).
+// Shapes and letters. B independent sequences of T tokens each (equal lengths), H heads, head dim D for
+// q/k/v: the KDA kernels take Dk = Dv = D in {32, 64, 128} (K3: 128; k3-small / k3-1b: 64; k3-tiny: 32),
+// each D its own instantiation; the elementwise kernels take any D.
 // Activations are token-major like the CPU twin, with the batch outermost: x[b][t][h][d] at
 // ((b*T + t)*H + h)*D + d. bf16 on the host side is uint16_t (core/dtype.h converts).
 //
@@ -23,7 +24,7 @@
 //   1. prepare (token-parallel: one CTA per sequence, 16-token chunk and head). With Gamma_i the inclusive
 //      cumulative sum of g inside the chunk (per key channel) and scale folded into q:
 //        Qd = scale q e^Gamma,  Kd = k e^Gamma,  Ki = k e^-Gamma,  Kr = k e^(Gamma_15 - Gamma),  gamma = e^Gamma_15
-//        A  = Kd Ki^T   L = Diag(beta) StrictLower(A)      M = Lower(Qd Ki^T)    (16x16, MMA over 128 channels)
+//        A  = Kd Ki^T   L = Diag(beta) StrictLower(A)      M = Lower(Qd Ki^T)    (16x16, MMA over D channels)
 //        Aw = (I + L)^-1 Diag(beta)                                           (16x16 forward substitution)
 //        Mw = M Aw,   Kw = Aw Kd,   Qw = Qd - Mw Kd                           (MMA)
 //      and writes Qw, Kw, -Kr, -Aw, Mw, gamma to a workspace (kda_chunk_workspace_bytes).
@@ -59,7 +60,7 @@
 // The fp32 path (q/k/v fp32) also splits the workspace tiles and v into hi/lo planes and multiplies
 // hi*hi + hi*lo + lo*hi everywhere: every product is then fp32-accurate to ~2^-16 (parity with the CPU).
 //
-// Measured (H200, 2026-11-29, bench_cuda_kda, bf16, median of 30; prepare + recurrence kernels):
+// Measured (H200, 2026-11-29, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels):
 //   (B, T, H)        ms      prepare  recurrence   fla chunk_kda fwd (ANCHORS.md)
 //   1, 8192, 64     1.379    0.665    0.723        1.76
 //   1, 8192, 96     2.129    0.990    1.148        2.60
@@ -68,7 +69,7 @@
 //   1, 65536, 16    8.833    1.325    7.498        4.43
 // The recurrence costs ~1.4-1.8 us per 16-token chunk whatever the shape (latency of one chunk step),
 // so few heads and long T are its weak case; the prepare kernel moves ~1.5 TB/s.
-// Accuracy against the CPU twin (relative L2): bf16 path o ~2.3e-3, state ~1.5e-3 (also at T = 65536);
+// Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.3e-3, state ~1.5e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once
 #include <cstddef>
@@ -109,53 +110,58 @@ void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const f
                    int64_t rows, int64_t H, int64_t Dv);
 
 // ---------------------------------------------------------------------------------------------------------
-// KDA core. Dk = Dv = 128.
-constexpr int kHeadDim = 128;
+// KDA core. Dk = Dv = D in {32, 64, 128} (KdaParams::D).
+constexpr int kHeadDim = 128;  // K3's head dim, the default of KdaParams::D
 constexpr int kChunk = 16;
 
 struct KdaParams {
   int64_t B = 0, T = 0, H = 0;
-  float scale = 0.0f;           // K3: 128^-0.5
+  float scale = 0.0f;           // K3: D^-0.5
   DType in_dtype = DType::BF16;  // q, k, v: BF16 (fast path) or F32 (parity path)
   DType out_dtype = DType::BF16; // o: BF16 or F32
-  const void* q = nullptr;      // [B][T][H][128], L2-normalised per head
-  const void* k = nullptr;      // [B][T][H][128], L2-normalised per head
-  const void* v = nullptr;      // [B][T][H][128]
-  const float* g = nullptr;     // [B][T][H][128], log-decay in [-5, 0]
+  const void* q = nullptr;      // [B][T][H][D], L2-normalised per head
+  const void* k = nullptr;      // [B][T][H][D], L2-normalised per head
+  const void* v = nullptr;      // [B][T][H][D]
+  const float* g = nullptr;     // [B][T][H][D], log-decay in [-5, 0]
   const float* beta = nullptr;  // [B][T][H]
-  const float* state_in = nullptr;  // [B][H][128 key][128 value] fp32, key-major like the CPU twin; nullptr = zeros
+  const float* state_in = nullptr;  // [B][H][D key][D value] fp32, key-major like the CPU twin; nullptr = zeros
   float* state_out = nullptr;       // same layout; nullptr = not written; may equal state_in
-  void* o = nullptr;                // [B][T][H][128]
-  void* workspace = nullptr;        // kda_chunk_forward only: kda_chunk_workspace_bytes(B, T, H, in_dtype) bytes
+  void* o = nullptr;                // [B][T][H][D]
+  void* workspace = nullptr;        // kda_chunk_forward only: kda_chunk_workspace_bytes(B, T, H, in_dtype, D) bytes
   size_t workspace_bytes = 0;
   // kda_chunk_forward only, for benchmarks: run both kernels (the default), only the prepare kernel, or
   // only the recurrence kernel (which then reads the workspace a previous call with the same inputs left).
   enum class Stage { kAll, kPrepareOnly, kRecurrenceOnly } stage = Stage::kAll;
+  // Head dim, Dk = Dv = D: 32, 64 or 128. Last and an int: it fills the tail padding, so the struct (a kernel
+  // parameter of kda_recurrent_forward) keeps its size and layout.
+  int D = kHeadDim;
 };
 
 // Workspace of kda_chunk_forward: one item per (sequence b, 16-token chunk n, head h), item (b*NC + n)*H + h.
-// bf16 inputs, 13,824 bytes per item (the test reads it back):
-//   bf16 Qw[16][128] @0   Kw[16][128] @4096   -Kr[16][128] @8192   -Aw[16][16] @12288   Mw[16][16] @12800
-//   fp32 gamma[128] @13312
-// fp32 inputs, 35,328 bytes: each bf16 tile as a hi and a lo plane back to back (Qw hi, Qw lo, Kw hi, ...),
-// gamma, then v's hi and lo planes [16][128]. B1 T8192 H64 bf16: 453 MB.
-size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype);
+// bf16 inputs, 100 D + 1024 bytes per item (D = 128: 13,824; 64: 7,424; 32: 4,224; the test reads it back):
+//   bf16 Qw[16][D] @0   Kw[16][D] @32D   -Kr[16][D] @64D   -Aw[16][16] @96D   Mw[16][16] @96D+512
+//   fp32 gamma[D] @96D+1024
+// fp32 inputs, 260 D + 2048 bytes (D = 128: 35,328; 64: 18,688; 32: 10,368): each bf16 tile as a hi and a
+// lo plane back to back (Qw hi, Qw lo, Kw hi, ...), gamma, then v's hi and lo planes [16][D].
+// B1 T8192 H64 D128 bf16: 453 MB. Throws k3::Error for a D other than 32, 64, 128.
+size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype, int64_t D = kHeadDim);
 
-// Empty when kda_chunk_forward can take p, else the reason (shape, dtype, workspace, or no GPU).
+// Empty when kda_chunk_forward can take p, else the reason (shape, head dim, dtype, workspace, or no GPU).
 std::string kda_chunk_can_run(const KdaParams& p);
 // The chunked forward (16-token chunks, tensor cores). T = 0 is a no-op. Throws k3::Error with the
 // reason of kda_chunk_can_run when it cannot take p.
 void kda_chunk_forward(const KdaParams& p);
 
-// Empty when kda_recurrent_forward can take p (state_in and state_out both required, they may alias;
-// o has the dtype of q/k/v).
+// Empty when kda_recurrent_forward can take p (D in {32, 64, 128}; state_in and state_out both required,
+// they may alias; o has the dtype of q/k/v).
 std::string kda_recurrent_can_run(const KdaParams& p);
-// The fused recurrence, token by token with the state in fp32 registers: one CTA (512 threads) per
+// The fused recurrence, token by token with the state in fp32 registers: one CTA (4 D threads) per
 // (sequence, head). Decode is T = 1; it also serves as the GPU reference for the chunked form.
 void kda_recurrent_forward(const KdaParams& p);
 
 // For the benchmark: the number of value-column slices (CTAs per head) the recurrence kernel of
-// kda_chunk_forward uses at this shape (1, 2, 4 or 8), chosen so that the busiest SM holds the fewest warps.
-int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype);
+// kda_chunk_forward uses at this shape (1 .. D/16; each slice is a CTA of 16-column warps), chosen so that
+// the busiest SM holds the fewest warps.
+int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype, int64_t D = kHeadDim);
 
 }  // namespace k3::kda::cuda

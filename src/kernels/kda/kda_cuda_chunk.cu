@@ -21,8 +21,8 @@ namespace k3::kda::cuda {
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int D = kHeadDim;  // 128
-constexpr int C = kChunk;    // 16
+constexpr int C = kChunk;  // 16
+// Every kernel and layout below is templated on the head dim D (Dk = Dv = D) in {32, 64, 128}.
 
 // ---- small device helpers -------------------------------------------------------------------------------
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -50,9 +50,9 @@ using ptx::cp_async_wait;
 // ---- workspace layout ------------------------------------------------------------------------------------
 // One item per (b, chunk, h), item index (b*NC + n)*H + h. P = 1 (bf16 inputs) or 2 (fp32 inputs: a hi and
 // a lo plane of every bf16 tile). Offsets in bf16 elements unless named _B (bytes):
-//   Qw  [P][16][128]   Kw [P][16][128]   Krn [P][16][128] (= -Kr)   Awn [P][16][16] (= -Aw)   Mw [P][16][16]
-//   gamma [128] fp32   (P = 2 only) V [2][16][128]
-template <int P>
+//   Qw  [P][16][D]   Kw [P][16][D]   Krn [P][16][D] (= -Kr)   Awn [P][16][16] (= -Aw)   Mw [P][16][16]
+//   gamma [D] fp32   (P = 2 only) V [2][16][D]
+template <int P, int D>
 struct Ws {
   static constexpr int kQW = 0;
   static constexpr int kKW = P * C * D;
@@ -64,7 +64,9 @@ struct Ws {
   static constexpr int kItem_B = kV_B + (P == 2 ? 2 * C * D * 2 : 0);
   static_assert(kGM_B % 16 == 0 && kV_B % 16 == 0 && kItem_B % 16 == 0, "workspace tiles must be 16-byte aligned");
 };
-static_assert(Ws<1>::kItem_B == 13824 && Ws<2>::kItem_B == 35328, "kda_cuda.h documents these sizes");
+static_assert(Ws<1, 128>::kItem_B == 13824 && Ws<2, 128>::kItem_B == 35328, "kda_cuda.h documents these sizes");
+static_assert(Ws<1, 64>::kItem_B == 7424 && Ws<2, 64>::kItem_B == 18688, "kda_cuda.h documents these sizes");
+static_assert(Ws<1, 32>::kItem_B == 4224 && Ws<2, 32>::kItem_B == 10368, "kda_cuda.h documents these sizes");
 
 template <int P>
 __device__ __forceinline__ void put(bf16* plane0, int plane_stride, int idx, float x) {
@@ -95,10 +97,12 @@ struct Args {
 };
 
 // =========================================================================================================
-// Kernel 1: prepare. One CTA of 128 threads per (b, chunk, h); thread c owns key channel c in phase 1.
-// Shared memory (fp32, rows padded to 136 floats so the float2 fragment reads of 8 rows x 4 lanes hit 32
-// distinct banks): Qd, Kd, Ki [16][136]; L, M, Aw, Mw [16][17]. All MMAs use split operands (3 products).
-constexpr int kLdF = D + 8;
+// Kernel 1: prepare. One CTA of NT = max(D, 64) threads per (b, chunk, h) (phases 2 and 4 need two warps);
+// thread c < D owns key channel c in phase 1. Shared memory (fp32, rows padded to D + 8 floats, i.e. a row
+// shift of 8 banks, so the float2 fragment reads of 8 rows x 4 lanes hit 32 distinct banks): Qd, Kd, Ki
+// [16][D+8]; L, M, Aw, Mw [16][17]. All MMAs use split operands (3 products).
+template <int D>
+constexpr int prep_threads() { return D < 64 ? 64 : D; }
 
 struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
   // A operand from row-major X[16][ld], k-step at column k0.
@@ -145,9 +149,14 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
   ptx::mma_bf16_16816(d, ah, bl[0], bl[1]);
 }
 
-template <class TI, int P>
-__global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
-  using W = Ws<P>;
+template <class TI, int P, int D>
+__global__ void __launch_bounds__(prep_threads<D>()) kda_prepare_kernel(Args a) {
+  static_assert(D == 32 || D == 64 || D == 128, "head dim");
+  using W = Ws<P, D>;
+  constexpr int kLdF = D + 8;
+  constexpr int NT = prep_threads<D>();
+  constexpr int kTilesPerWarp = (D / 8) / (NT / 32);  // phase 5: 8-channel column tiles per warp (4, 4, 2)
+  static_assert(kTilesPerWarp * (NT / 32) * 8 == D, "phase 5 covers every channel once");
   __shared__ __align__(16) float sQd[C][kLdF];
   __shared__ __align__(16) float sKd[C][kLdF];
   __shared__ __align__(16) float sKi[C][kLdF];
@@ -166,7 +175,7 @@ __global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
 
   // Phase 1: thread = channel c. Gamma (inclusive cumsum of g), the decayed q/k, Kr, gamma; padded rows
   // (t >= nv) get g = q = k = v = 0 and beta = 0, which makes their rows of every tile exactly zero.
-  {
+  if (NT == D || tid < D) {
     const int c = tid;
     const TI* qp = static_cast<const TI*>(a.q);
     const TI* kp = static_cast<const TI*>(a.k);
@@ -196,7 +205,7 @@ __global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
       }
     }
     reinterpret_cast<float*>(wsb + W::kGM_B)[c] = expf(G);
-    if (c < C) sBeta[c] = c < nv ? a.beta[(b * a.T + t0 + c) * a.H + h] : 0.0f;
+    if (c < C) sBeta[c] = c < nv ? a.beta[(b * a.T + t0 + c) * a.H + h] : 0.0f;  // C <= 32 <= D
   }
   __syncthreads();
 
@@ -274,14 +283,14 @@ __global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
   }
   __syncthreads();
 
-  // Phase 5: Kw = Aw Kd and Qw = Qd - Mw Kd, 4 column tiles of 8 channels per warp.
+  // Phase 5: Kw = Aw Kd and Qw = Qd - Mw Kd, kTilesPerWarp column tiles of 8 channels per warp.
   {
     uint32_t awh[4], awl[4], mwh[4], mwl[4];
     FragF::a_small(awh, awl, &sAw[0][0], r, q);
     FragF::a_small(mwh, mwl, &sMw[0][0], r, q);
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int n0 = (warp * 4 + t) * 8;
+    for (int t = 0; t < kTilesPerWarp; ++t) {
+      const int n0 = (warp * kTilesPerWarp + t) * 8;
       uint32_t bh[2], bl[2];
       FragF::b_kn(bh, bl, &sKd[0][0], kLdF, n0, r, q);
       float kw[4] = {}, mk[4] = {};
@@ -298,17 +307,18 @@ __global__ void __launch_bounds__(128) kda_prepare_kernel(Args a) {
 
 // =========================================================================================================
 // Kernel 2: the recurrence. One CTA of NW warps per (b, h, slice of NV = 16 NW value columns); warp w
-// owns S^T rows v0 = slice*NV + 16 w .. +15 (all 128 key columns) in 64 fp32 registers per thread:
-//   S[nt][0..3] = S^T[v0 + r (+8)][8 nt + 2q (+1)]  (C layout of 16 tiles 16x8).
-// Shared memory per stage (bf16 rows padded to 136 / 24 / NV+8 elements: 16-byte row shifts, so ldmatrix
-// reads 8 rows from 8 distinct bank groups): Qw, Kw, Krn [P][16][136]; Awn, Mw [P][16][24];
-// gamma [128] fp32; V [P][16][NV+8]. Then per warp an fp32 [16][20] tile to transpose O for the store.
-constexpr int kLdB = D + 8;
+// owns S^T rows v0 = slice*NV + 16 w .. +15 (all D key columns) in D/2 fp32 registers per thread:
+//   S[nt][0..3] = S^T[v0 + r (+8)][8 nt + 2q (+1)]  (C layout of D/8 tiles 16x8).
+// Shared memory per stage (bf16 rows padded to D+8 / 24 / NV+8 elements: odd multiples of 16 bytes mod 128,
+// so ldmatrix reads 8 rows from 8 distinct bank groups): Qw, Kw, Krn [P][16][D+8]; Awn, Mw [P][16][24];
+// gamma [D] fp32; V [P][16][NV+8]. Then per warp an fp32 [16][20] tile to transpose O for the store.
 constexpr int kLdS = C + 8;
 
-template <int P, int NW>
+template <int P, int NW, int D>
 struct Smem2 {
+  static constexpr int kLdB = D + 8;
   static constexpr int NV = 16 * NW;
+  static_assert(NV <= D && D % NV == 0, "the slices tile the value columns");
   static constexpr int kLdV = NV + 8;
   static constexpr int kStages = P == 1 ? 4 : 2;
   static constexpr int kQ = 0;  // bytes within a stage
@@ -337,11 +347,17 @@ __device__ __forceinline__ void store_out(bf16* o, const float* src) {
   *reinterpret_cast<uint4*>(o) = u;
 }
 
-template <int P, int NW, class TO>
+template <int P, int NW, class TO, int D>
 __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
-  using W = Ws<P>;
-  using L = Smem2<P, NW>;
+  static_assert(D == 32 || D == 64 || D == 128, "head dim");
+  using W = Ws<P, D>;
+  using L = Smem2<P, NW, D>;
   constexpr int NV = L::NV, kSlices = D / NV, kStages = L::kStages;
+  constexpr int kLdB = L::kLdB;
+  constexpr int kRowSegs = D / 8;    // 16-byte pieces of a D-element bf16 row
+  constexpr int kGamSegs = D / 4;    // 16-byte pieces of gamma[D] fp32
+  constexpr int kNT = D / 8;         // 16x8 state tiles per warp (key columns / 8)
+  constexpr int kKS = D / 16;        // 16-wide k-steps over the key columns
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int slice = blockIdx.x % kSlices;
@@ -357,14 +373,14 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     if (n < NC) {
       unsigned char* st = smem + s * L::kStage;
       const unsigned char* src = a.ws + ((b * NC + n) * a.H + h) * W::kItem_B;
-      // Qw, Kw, Krn: 3 P planes of 16 rows x 256 bytes (16 segments per row).
-      for (int i = tid; i < 3 * P * C * 16; i += NW * 32) {
-        const int plane = i / (C * 16), row = (i / 16) % C, seg = i % 16;
+      // Qw, Kw, Krn: 3 P planes of 16 rows x 2D bytes (D/8 segments per row).
+      for (int i = tid; i < 3 * P * C * kRowSegs; i += NW * 32) {
+        const int plane = i / (C * kRowSegs), row = (i / kRowSegs) % C, seg = i % kRowSegs;
         cp_async16(st + plane * C * kLdB * 2 + row * kLdB * 2 + seg * 16, src + plane * C * D * 2 + row * D * 2 + seg * 16,
                    16);
       }
-      // Awn, Mw: 2 P planes of 16 rows x 32 bytes; gamma: 512 bytes.
-      for (int i = tid; i < 2 * P * C * 2 + 32; i += NW * 32) {
+      // Awn, Mw: 2 P planes of 16 rows x 32 bytes; gamma: 4D bytes.
+      for (int i = tid; i < 2 * P * C * 2 + kGamSegs; i += NW * 32) {
         if (i < 2 * P * C * 2) {
           const int plane = i / (C * 2), row = (i / 2) % C, seg = i % 2;
           cp_async16(st + L::kA + plane * C * kLdS * 2 + row * kLdS * 2 + seg * 16,
@@ -396,11 +412,11 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
   for (int s = 0; s < kStages - 1; ++s) load_chunk(s, s);
 
   // The state, transposed, into registers.
-  float S[16][4];
+  float S[kNT][4];
   {
     const float* sin = a.state_in ? a.state_in + (b * a.H + h) * D * D : nullptr;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < kNT; ++nt) {
       const int c = nt * 8 + 2 * q;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -432,7 +448,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     // [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | Awn^T]; acc[0..1] = O^T (tokens 0-7, 8-15), acc[2..3] = Y.
     float acc[4][4] = {}, accl[4][4] = {};
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
+    for (int ks = 0; ks < kKS; ++ks) {
       uint32_t sh[4], sl[4];
       split_pack(S[2 * ks][0], S[2 * ks][1], sh[0], sl[0]);
       split_pack(S[2 * ks][2], S[2 * ks][3], sh[1], sl[1]);
@@ -516,7 +532,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     split_pack(acc[3][0], acc[3][1], yh[2], yl[2]);
     split_pack(acc[3][2], acc[3][3], yh[3], yl[3]);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < kNT; ++nt) {
       const float2 gm = *reinterpret_cast<const float2*>(sG + nt * 8 + 2 * q);
       S[nt][0] *= gm.x;
       S[nt][1] *= gm.y;
@@ -524,7 +540,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       S[nt][3] *= gm.y;
     }
 #pragma unroll
-    for (int np = 0; np < 8; ++np) {
+    for (int np = 0; np < kKS; ++np) {
       // Krn as B = Krn[t][c] (stored [k][n]): transposed load, rows t = rr + (m&1)*8, columns c = 8 (2np + (m>>1)).
       const int roff = (rr + (m & 1) * 8) * kLdB + (2 * np + (m >> 1)) * 8;
       uint32_t br[4];
@@ -546,7 +562,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
   if (a.state_out) {
     float* so = a.state_out + (b * a.H + h) * D * D;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < kNT; ++nt) {
       const int c = nt * 8 + 2 * q;
 #pragma unroll
       for (int e = 0; e < 4; ++e) so[(c + (e & 1)) * D + v0 + r + (e >> 1) * 8] = S[nt][e];
@@ -565,13 +581,15 @@ int sm_count() {
   return n;
 }
 
-// Warps per CTA of the recurrence: the NW in {8, 4, 2, 1} whose busiest SM holds the fewest warps
-// (ceil(CTAs / SMs) * NW), the larger NW on a tie (fewer CTAs re-reading the same chunk tiles).
-int choose_nw(int64_t B, int64_t H, int sms) {
-  int best = 8;
+// Warps per CTA of the recurrence: the NW in {8, 4, 2, 1} with 16 NW <= D whose busiest SM holds the fewest
+// warps (ceil(CTAs / SMs) * NW), the larger NW on a tie (fewer CTAs re-reading the same chunk tiles).
+int choose_nw(int64_t B, int64_t H, int sms, int D) {
+  const int max_nw = D / 16;  // 8, 4 or 2
+  int best = max_nw;
   int64_t best_load = INT64_MAX;
   for (int nw : {8, 4, 2, 1}) {
-    const int64_t ctas = B * H * (8 / nw);
+    if (nw > max_nw) continue;
+    const int64_t ctas = B * H * (max_nw / nw);
     const int64_t load = (ctas + sms - 1) / sms * nw;
     if (load < best_load) {
       best_load = load;
@@ -581,59 +599,103 @@ int choose_nw(int64_t B, int64_t H, int sms) {
   return best;
 }
 
-template <int P, int NW, class TO>
+// Warps per CTA of the parity path (fp32 inputs): 4, or D / 16 when that is fewer.
+constexpr int p2_nw(int D) { return D / 16 < 4 ? D / 16 : 4; }
+
+template <int P, int NW, class TO, int D>
 void launch_recurrence(const Args& a) {
-  using L = Smem2<P, NW>;
+  using L = Smem2<P, NW, D>;
   static bool attr_set = false;
   if (!attr_set) {
-    K3_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrence_kernel<P, NW, TO>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       L::kBytes));
+    K3_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrence_kernel<P, NW, TO, D>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
     attr_set = true;
   }
   const int64_t grid = a.B * a.H * (D / L::NV);
-  kda_recurrence_kernel<P, NW, TO><<<static_cast<unsigned>(grid), NW * 32, L::kBytes>>>(a);
+  kda_recurrence_kernel<P, NW, TO, D><<<static_cast<unsigned>(grid), NW * 32, L::kBytes>>>(a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
-template <int P, class TO>
+template <int P, class TO, int D>
 void launch_recurrence_nw(const Args& a, int nw) {
   if constexpr (P == 2) {
-    launch_recurrence<2, 4, TO>(a);  // the parity path: one configuration
+    launch_recurrence<2, p2_nw(D), TO, D>(a);  // the parity path: one configuration per D
   } else {
-    switch (nw) {
-      case 8: launch_recurrence<1, 8, TO>(a); break;
-      case 4: launch_recurrence<1, 4, TO>(a); break;
-      case 2: launch_recurrence<1, 2, TO>(a); break;
-      default: launch_recurrence<1, 1, TO>(a); break;
+    // nw <= D / 16 (choose_nw); a wider request than D allows takes the widest CTA there is.
+    if constexpr (D >= 128) {
+      if (nw >= 8) return launch_recurrence<1, 8, TO, D>(a);
     }
+    if constexpr (D >= 64) {
+      if (nw >= 4) return launch_recurrence<1, 4, TO, D>(a);
+    }
+    if (nw >= 2) return launch_recurrence<1, 2, TO, D>(a);
+    launch_recurrence<1, 1, TO, D>(a);
+  }
+}
+
+template <int D>
+void chunk_forward_d(const KdaParams& p, const Args& a) {
+  const unsigned items = static_cast<unsigned>(a.B * a.NC * a.H);
+  const bool f32_in = p.in_dtype == DType::F32;
+  constexpr int NT = prep_threads<D>();
+  if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
+    if (f32_in)
+      kda_prepare_kernel<float, 2, D><<<items, NT>>>(a);
+    else
+      kda_prepare_kernel<bf16, 1, D><<<items, NT>>>(a);
+    K3_CUDA_LAUNCH_CHECK();
+  }
+  if (p.stage == KdaParams::Stage::kPrepareOnly) return;
+  const int nw = choose_nw(a.B, a.H, sm_count(), D);
+  if (f32_in) {
+    if (p.out_dtype == DType::F32)
+      launch_recurrence_nw<2, float, D>(a, nw);
+    else
+      launch_recurrence_nw<2, bf16, D>(a, nw);
+  } else {
+    if (p.out_dtype == DType::F32)
+      launch_recurrence_nw<1, float, D>(a, nw);
+    else
+      launch_recurrence_nw<1, bf16, D>(a, nw);
   }
 }
 
 bool is_act(DType t) { return t == DType::BF16 || t == DType::F32; }
+bool is_head_dim(int64_t D) { return D == 32 || D == 64 || D == 128; }
+
+template <int P>
+size_t item_bytes(int64_t D) {
+  return D == 32 ? Ws<P, 32>::kItem_B : D == 64 ? Ws<P, 64>::kItem_B : Ws<P, 128>::kItem_B;
+}
 
 }  // namespace
 
-size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype) {
+size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype, int64_t D) {
+  K3_CHECK(is_head_dim(D), "kda_chunk_workspace_bytes: head dim D must be 32, 64 or 128, got ", D);
   const int64_t NC = (T + C - 1) / C;
-  const size_t item = in_dtype == DType::F32 ? Ws<2>::kItem_B : Ws<1>::kItem_B;
+  const size_t item = in_dtype == DType::F32 ? item_bytes<2>(D) : item_bytes<1>(D);
   return static_cast<size_t>(B * NC * H) * item;
 }
 
-int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype) {
-  if (in_dtype == DType::F32) return 2;
-  return 8 / choose_nw(B, H, sm_count());
+int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype, int64_t D) {
+  K3_CHECK(is_head_dim(D), "kda_chunk_value_slices: head dim D must be 32, 64 or 128, got ", D);
+  const int d = static_cast<int>(D);
+  if (in_dtype == DType::F32) return d / (16 * p2_nw(d));
+  return d / (16 * choose_nw(B, H, sm_count(), d));
 }
 
 std::string kda_chunk_can_run(const KdaParams& p) {
   std::string why;
   if (!k3::cuda::available(&why)) return why;
   if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_chunk_forward: need B >= 1, H >= 1, T >= 0";
+  if (!is_head_dim(p.D))
+    return "kda_chunk_forward: head dim D must be 32, 64 or 128 (Dk = Dv = D), got D = " + std::to_string(p.D);
   if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_chunk_forward: q/k/v and o must be BF16 or F32";
   if (p.B * ((p.T + C - 1) / C) * p.H >= (int64_t(1) << 31)) return "kda_chunk_forward: B * chunks * H exceeds 2^31";
   if (p.T > 0) {
     if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o) return "kda_chunk_forward: q, k, v, g, beta and o are required";
     if (!p.workspace) return "kda_chunk_forward: no workspace (kda_chunk_workspace_bytes)";
-    const size_t need = kda_chunk_workspace_bytes(p.B, p.T, p.H, p.in_dtype);
+    const size_t need = kda_chunk_workspace_bytes(p.B, p.T, p.H, p.in_dtype, p.D);
     if (p.workspace_bytes < need)
       return "kda_chunk_forward: workspace has " + std::to_string(p.workspace_bytes) + " bytes, needs " +
              std::to_string(need);
@@ -650,7 +712,7 @@ void kda_chunk_forward(const KdaParams& p) {
   if (p.T == 0) {
     // No tokens: the state passes through.
     if (p.state_out && p.state_out != p.state_in) {
-      const size_t bytes = static_cast<size_t>(p.B * p.H) * D * D * sizeof(float);
+      const size_t bytes = static_cast<size_t>(p.B * p.H) * p.D * p.D * sizeof(float);
       if (p.state_in)
         K3_CUDA_CHECK(cudaMemcpy(p.state_out, p.state_in, bytes, cudaMemcpyDeviceToDevice));
       else
@@ -660,27 +722,10 @@ void kda_chunk_forward(const KdaParams& p) {
   }
   Args a{p.B, p.T, p.H, (p.T + C - 1) / C, p.scale, p.q, p.k, p.v, p.g, p.beta, p.state_in, p.state_out, p.o,
          static_cast<unsigned char*>(p.workspace)};
-  const unsigned items = static_cast<unsigned>(a.B * a.NC * a.H);
-  const bool f32_in = p.in_dtype == DType::F32;
-  if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
-    if (f32_in)
-      kda_prepare_kernel<float, 2><<<items, 128>>>(a);
-    else
-      kda_prepare_kernel<bf16, 1><<<items, 128>>>(a);
-    K3_CUDA_LAUNCH_CHECK();
-  }
-  if (p.stage == KdaParams::Stage::kPrepareOnly) return;
-  const int nw = choose_nw(a.B, a.H, sm_count());
-  if (f32_in) {
-    if (p.out_dtype == DType::F32)
-      launch_recurrence_nw<2, float>(a, nw);
-    else
-      launch_recurrence_nw<2, bf16>(a, nw);
-  } else {
-    if (p.out_dtype == DType::F32)
-      launch_recurrence_nw<1, float>(a, nw);
-    else
-      launch_recurrence_nw<1, bf16>(a, nw);
+  switch (p.D) {
+    case 32: chunk_forward_d<32>(p, a); break;
+    case 64: chunk_forward_d<64>(p, a); break;
+    default: chunk_forward_d<128>(p, a); break;
   }
 }
 

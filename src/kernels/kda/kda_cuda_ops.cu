@@ -130,14 +130,17 @@ __global__ void gate_kernel(float* g, const T* z, const float* A_log, const floa
 }
 
 // ---- the fused recurrence ------------------------------------------------------------------------------------
-// One CTA of 512 threads per (b, h); thread (rg, j) = (tid / 128, tid % 128) owns state rows
-// c = 32 rg .. 32 rg + 31 of value column j in registers. Per token (K3 eq. 1, as the CPU twin):
+// One CTA of 4 D threads per (b, h) (D = Dk = Dv in {32, 64, 128}); thread (rg, j) = (tid / D, tid % D) owns
+// state rows c = R rg .. R rg + R-1 (R = D / 4) of value column j in registers. Per token (K3 eq. 1, as the
+// CPU twin):
 //   S <- Diag(alpha) S;  u = S^T k;  S <- S + beta k (v - u)^T;  o = S^T (scale q)
 // u and o are reduced over the 4 row groups through shared memory.
-constexpr int kRecThreads = 512;
-template <class TI, class TO>
-__global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) {
-  constexpr int D = kHeadDim;
+template <int D>
+constexpr int rec_threads() { return 4 * D; }
+template <class TI, class TO, int D>
+__global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParams p) {
+  static_assert(D == 32 || D == 64 || D == 128, "head dim");
+  constexpr int R = D / 4;  // state rows per thread
   __shared__ float sk[D], sq[D], sa[D], red_u[4][D], red_o[4][D];
   const int64_t b = blockIdx.x / p.H, h = blockIdx.x % p.H;
   const int tid = threadIdx.x, j = tid % D, rg = tid / D;
@@ -146,9 +149,9 @@ __global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) 
   const TI* v = static_cast<const TI*>(p.v);
   TO* o = static_cast<TO*>(p.o);
   const float* S_in = p.state_in + (b * p.H + h) * D * D;
-  float s[32];
+  float s[R];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = S_in[(rg * 32 + i) * D + j];
+  for (int i = 0; i < R; ++i) s[i] = S_in[(rg * R + i) * D + j];
 
   for (int64_t t = 0; t < p.T; ++t) {
     const int64_t off = ((b * p.T + t) * p.H + h) * D;
@@ -160,8 +163,8 @@ __global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) 
     __syncthreads();
     float u = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int c = rg * 32 + i;
+    for (int i = 0; i < R; ++i) {
+      const int c = rg * R + i;
       s[i] *= sa[c];
       u = fmaf(sk[c], s[i], u);
     }
@@ -171,8 +174,8 @@ __global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) 
     const float d = p.beta[(b * p.T + t) * p.H + h] * (ld(v, off + j) - uu);
     float ov = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int c = rg * 32 + i;
+    for (int i = 0; i < R; ++i) {
+      const int c = rg * R + i;
       s[i] = fmaf(sk[c], d, s[i]);
       ov = fmaf(sq[c], s[i], ov);
     }
@@ -182,7 +185,7 @@ __global__ void __launch_bounds__(kRecThreads, 1) recurrent_kernel(KdaParams p) 
   }
   float* S_out = p.state_out + (b * p.H + h) * D * D;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) S_out[(rg * 32 + i) * D + j] = s[i];
+  for (int i = 0; i < R; ++i) S_out[(rg * R + i) * D + j] = s[i];
 }
 
 bool is_act(DType t) { return t == DType::BF16 || t == DType::F32; }
@@ -253,6 +256,8 @@ std::string kda_recurrent_can_run(const KdaParams& p) {
   std::string why;
   if (!k3::cuda::available(&why)) return why;
   if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_recurrent_forward: need B >= 1, H >= 1, T >= 0";
+  if (p.D != 32 && p.D != 64 && p.D != 128)
+    return "kda_recurrent_forward: head dim D must be 32, 64 or 128 (Dk = Dv = D), got D = " + std::to_string(p.D);
   if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_recurrent_forward: q/k/v and o must be BF16 or F32";
   if (p.in_dtype != p.out_dtype) return "kda_recurrent_forward: o must have the dtype of q/k/v";
   if (!p.state_in || !p.state_out) return "kda_recurrent_forward: state_in and state_out are required (may alias)";
@@ -265,10 +270,27 @@ void kda_recurrent_forward(const KdaParams& p) {
   const std::string why = kda_recurrent_can_run(p);
   K3_CHECK(why.empty(), why);
   const unsigned grid = static_cast<unsigned>(p.B * p.H);
-  if (p.in_dtype == DType::F32)
-    recurrent_kernel<float, float><<<grid, kRecThreads>>>(p);
-  else
-    recurrent_kernel<bf16, bf16><<<grid, kRecThreads>>>(p);
+  const bool f32 = p.in_dtype == DType::F32;
+  switch (p.D) {
+    case 32:
+      if (f32)
+        recurrent_kernel<float, float, 32><<<grid, rec_threads<32>()>>>(p);
+      else
+        recurrent_kernel<bf16, bf16, 32><<<grid, rec_threads<32>()>>>(p);
+      break;
+    case 64:
+      if (f32)
+        recurrent_kernel<float, float, 64><<<grid, rec_threads<64>()>>>(p);
+      else
+        recurrent_kernel<bf16, bf16, 64><<<grid, rec_threads<64>()>>>(p);
+      break;
+    default:
+      if (f32)
+        recurrent_kernel<float, float, 128><<<grid, rec_threads<128>()>>>(p);
+      else
+        recurrent_kernel<bf16, bf16, 128><<<grid, rec_threads<128>()>>>(p);
+      break;
+  }
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -46,19 +46,9 @@ struct Bench {
 
   // Median milliseconds of `fn` over iters calls, each after an L2 flush; two warm-up calls first.
   double time_ms(const std::function<void()>& fn) {
-    fn();
-    fn();
-    check(cudaDeviceSynchronize(), "warm-up");
-    std::vector<double> ms;
-    kc::EventTimer t;
-    for (int i = 0; i < iters; ++i) {
+    return kc::median_ms([&](int) { fn(); }, iters, 2, [&](int i) {
       check(cudaMemsetAsync(flush_buf.data(), i & 0xff, flush_buf.size()), "L2 flush");
-      t.start();
-      fn();
-      ms.push_back(t.stop_ms());
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    });
   }
 };
 

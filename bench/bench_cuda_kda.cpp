@@ -122,17 +122,7 @@ void upload(Device& d, const Inputs& in) {
 }
 
 float median_ms(const std::function<void()>& f, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) f();
-  k3::cuda::synchronize();
-  k3::cuda::EventTimer timer;
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    timer.start();
-    f();
-    t.push_back(timer.stop_ms());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return k3::cuda::median_ms([&](int) { f(); }, reps, warmup);
 }
 
 double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {

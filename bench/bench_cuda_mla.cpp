@@ -51,18 +51,7 @@ void fill_f32(float* dev, size_t n, uint64_t seed, float std) {
 
 template <class F>
 double median_ms(int reps, F&& run) {
-  run(0);
-  run(1);
-  cuda::synchronize();
-  std::vector<double> ms;
-  cuda::EventTimer timer;
-  for (int r = 0; r < reps; ++r) {
-    timer.start();
-    run(r);
-    ms.push_back(timer.stop_ms());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return cuda::median_ms([&](int r) { run(r); }, reps, 2);
 }
 
 void bench_prefill(int reps) {

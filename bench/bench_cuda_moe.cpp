@@ -54,17 +54,7 @@ namespace {
   } while (0)
 
 float median_ms(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 2; ++i) f();
-  cuda::synchronize();
-  std::vector<float> t;
-  cuda::EventTimer timer;
-  for (int i = 0; i < reps; ++i) {
-    timer.start();
-    f();
-    t.push_back(timer.stop_ms());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return cuda::median_ms([&](int) { f(); }, reps, 2);
 }
 
 // C[M, N] = A[M, K] · B[N, K]ᵀ, bf16 in and out, fp32 compute (row-major; cuBLAS sees Cᵀ = B · Aᵀ).

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -44,6 +45,12 @@ class EventTimer {
   void* start_ = nullptr;
   void* stop_ = nullptr;
 };
+
+// Benchmarks' timing rule, in one place: `warmup` untimed calls f(0..warmup-1), a synchronisation,
+// then `reps` calls f(0..reps-1) each timed alone with CUDA events (before_each(i), if given, runs
+// untimed just before call i: an L2 flush, say). Returns the median in milliseconds.
+float median_ms(const std::function<void(int)>& f, int reps, int warmup = 2,
+                const std::function<void(int)>& before_each = {});
 
 // An owned device array of n elements of T.
 template <class T>

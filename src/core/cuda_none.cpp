@@ -23,6 +23,7 @@ EventTimer::EventTimer() { no_cuda(); }
 EventTimer::~EventTimer() = default;
 void EventTimer::start() { no_cuda(); }
 float EventTimer::stop_ms() { no_cuda(); }
+float median_ms(const std::function<void(int)>&, int, int, const std::function<void(int)>&) { no_cuda(); }
 
 }  // namespace k3::cuda
 #endif

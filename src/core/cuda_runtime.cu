@@ -1,4 +1,7 @@
 // core/cuda.h with the CUDA backend.
+#include <algorithm>
+#include <vector>
+
 #include "core/cuda.h"
 #include "core/cuda_check.cuh"
 
@@ -71,6 +74,22 @@ float EventTimer::stop_ms() {
   float ms = 0.0f;
   K3_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)));
   return ms;
+}
+
+float median_ms(const std::function<void(int)>& f, int reps, int warmup, const std::function<void(int)>& before_each) {
+  if (reps < 1) fail("median_ms: reps must be at least 1, got ", reps);
+  for (int i = 0; i < warmup; ++i) f(i);
+  synchronize();
+  EventTimer timer;
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    if (before_each) before_each(i);
+    timer.start();
+    f(i);
+    ms.push_back(timer.stop_ms());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 }  // namespace k3::cuda

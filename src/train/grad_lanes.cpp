@@ -8,6 +8,28 @@
 
 namespace k3::train {
 
+namespace {
+
+// body(i) for i in [0, n), side by side (OpenMP, one index per thread at a time). An exception must
+// not leave an OpenMP region, so each is caught in its iteration; after the loop the first one (by
+// index) is raised again as a k3::Error with its message.
+template <class Body>
+void parallel_for_rethrow(int64_t n, Body&& body) {
+  std::vector<std::string> error(static_cast<size_t>(n));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      body(i);
+    } catch (const std::exception& e) {
+      error[size_t(i)] = e.what();
+    }
+  }
+  for (const std::string& e : error)
+    if (!e.empty()) fail(e);
+}
+
+}  // namespace
+
 std::vector<int64_t> assign_lanes(const std::vector<std::vector<int32_t>>& pieces, int64_t lanes) {
   if (lanes < 1) fail("gradient lanes: need at least 1, got ", lanes);
   std::vector<size_t> order(pieces.size());
@@ -41,30 +63,22 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
   };
   std::vector<double> loss(static_cast<size_t>(n), 0.0);
   std::vector<std::vector<Scores>> scores(static_cast<size_t>(n));
-  std::vector<std::string> error(static_cast<size_t>(nl));
   for (ParamStore& g : extra_) g.zero_grads();
 
   // One thread per lane; kernels inside run single-threaded (nested regions are inactive and the
   // OpenMP build of OpenBLAS runs serially inside a parallel region). Even one lane runs inside
   // the region: the multi-threaded kernels do not give the same bits at every thread count (measured:
   // the serial loop's gradients at 1 and 2 threads differ), single-threaded ones do.
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t l = 0; l < nl; ++l) {
+  parallel_for_rethrow(nl, [&](int64_t l) {
     ParamStore& G = l == 0 ? P_ : extra_[size_t(l - 1)];
-    try {
-      for (size_t i : work[size_t(l)]) {
-        TrainHooks h;
-        h.router_bias = router_bias;
-        if (on_router_scores)
-          h.on_moe = [&scores, i](int64_t layer, const MoeTape& t) { scores[i].push_back({layer, t.N, t.scores}); };
-        loss[i] = sequence_loss(G, c, pieces[i], true, grad_scale, nullptr, &h);
-      }
-    } catch (const std::exception& e) {  // exceptions must not leave an OpenMP region
-      error[size_t(l)] = e.what();
+    for (size_t i : work[size_t(l)]) {
+      TrainHooks h;
+      h.router_bias = router_bias;
+      if (on_router_scores)
+        h.on_moe = [&scores, i](int64_t layer, const MoeTape& t) { scores[i].push_back({layer, t.N, t.scores}); };
+      loss[i] = sequence_loss(G, c, pieces[i], true, grad_scale, nullptr, &h);
     }
-  }
-  for (const std::string& e : error)
-    if (!e.empty()) fail(e);
+  });
 
   std::vector<double>& g0 = P_.grads();
   for (ParamStore& G : extra_) {
@@ -84,17 +98,7 @@ double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::v
                       const TrainHooks* hooks) {
   const int64_t n = int64_t(pieces.size());
   std::vector<double> loss(static_cast<size_t>(n), 0.0);
-  std::vector<std::string> error(static_cast<size_t>(n));
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) {
-    try {
-      loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks);
-    } catch (const std::exception& e) {
-      error[size_t(i)] = e.what();
-    }
-  }
-  for (const std::string& e : error)
-    if (!e.empty()) fail(e);
+  parallel_for_rethrow(n, [&](int64_t i) { loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks); });
   double sum = 0.0;
   for (double l : loss) sum += l;
   return sum;

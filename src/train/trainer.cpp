@@ -174,8 +174,8 @@ TrainResult train(const TrainOptions& opt) {
       fail(opt.eval_path, ": token id ", eval_shard.max_id(), " is outside the model's vocabulary (", c.vocab_size, ")");
   }
 
-  TrainHooks hooks;
-  hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
+  // Routing uses each balancer's current bias (selection only; the checkpoint carries it too).
+  const std::function<const double*(int64_t)> router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
 
   auto save = [&]() {
     TrainState st;
@@ -215,7 +215,7 @@ TrainResult train(const TrainOptions& opt) {
     int64_t count = 0;
     for (const auto& p : pieces) count += int64_t(p.size()) - 1;
     P.zero_grads();
-    double loss = grad_lanes.step(c, pieces, 1.0 / double(std::max<int64_t>(count, 1)), hooks.router_bias,
+    double loss = grad_lanes.step(c, pieces, 1.0 / double(std::max<int64_t>(count, 1)), router_bias,
                                   [&](int64_t l, const double* s, int64_t N) { bal[size_t(l)]->accumulate(s, N); });
     loss /= double(std::max<int64_t>(count, 1));
     const double lr = cosine_lr(step, warmup, total_steps, opt.lr, opt.lr * opt.min_lr_ratio);
@@ -255,7 +255,7 @@ TrainResult train(const TrainOptions& opt) {
   }
   if (!opt.eval_path.empty()) {
     TrainHooks eval_hooks;  // route with the current biases; nothing is accumulated
-    eval_hooks.router_bias = hooks.router_bias;
+    eval_hooks.router_bias = router_bias;
     res.eval = evaluate(P, c, eval_shard, opt.eval_tokens, stages.back().seq_len, &eval_hooks);
     std::fprintf(stderr, "held-out: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
                  res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);

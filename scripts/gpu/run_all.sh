@@ -7,6 +7,8 @@
 #      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA.
 # Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
 # Usage: bash scripts/gpu/run_all.sh [--no-peers] [--no-bench] [--only REGEX]   (REGEX filters test/bench names)
+# bench_cuda_model writes random k3-small and k3-1b checkpoints under models/ first (k3 init) and
+# takes extra arguments from $MODEL_BENCH_ARGS.
 # Before it, here: bash scripts/gpu/fetch_deps.sh (the Debian packages the GPU image lacks), and carry
 # .gpudeps and third_party_ref/fla_src to the GPU machine.
 set -uo pipefail
@@ -19,7 +21,7 @@ while [ $# -gt 0 ]; do
     --no-peers) PEERS=0 ;;
     --no-bench) BENCH=0; PEERS=0 ;;
     --only) ONLY="$2"; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -52,7 +54,16 @@ for t in $TARGETS; do
 done
 for b in $BENCHES; do
   echo "== bench $b"
-  ./build-gpu/$b || FAILED=1
+  if [ "$b" = bench_cuda_model ]; then
+    # End to end on random k3-small and k3-1b checkpoints (written once, kept while the machine is warm).
+    for m in k3-small k3-1b; do
+      [ -f "models/$m/config.json" ] || ./build-gpu/k3 init --config "configs/$m.json" --out "models/$m" --seed 1 >/dev/null \
+        || FAILED=1
+    done
+    ./build-gpu/$b --model models/k3-small --model models/k3-1b ${MODEL_BENCH_ARGS:-} || FAILED=1
+  else
+    ./build-gpu/$b || FAILED=1
+  fi
 done
 if [ $PEERS = 1 ]; then
   echo "== peers (flash-linear-attention chunk_kda, PyTorch SDPA)"

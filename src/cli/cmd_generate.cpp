@@ -6,6 +6,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/engine.h"
 #include "core/error.h"
 #include "model/generate.h"
 #include "tokenizer/python_json.h"
@@ -42,6 +43,7 @@ void register_generate(CLI::App& app) {
     float temperature = 1.0f, top_p = 1.0f;
     int64_t top_k = 0;
     uint64_t seed = 0;
+    DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* sub = app.add_subcommand(
@@ -67,6 +69,7 @@ void register_generate(CLI::App& app) {
   auto* topk = sub->add_option("--top-k", o->top_k, "sample among the K most likely tokens (0: all)");
   auto* topp = sub->add_option("--top-p", o->top_p, "sample from the smallest set with this probability mass, in (0, 1]");
   sub->add_option("--seed", o->seed, "random seed for sampling")->capture_default_str();
+  add_device_options(sub, o->device);
   sub->add_flag("--print-ids", o->print_ids, "print only the generated ids (the last line of stdout)");
   greedy->excludes(temp)->excludes(topk)->excludes(topp);
   ids_opt->excludes(prompt_opt)->excludes(request_opt);
@@ -88,19 +91,18 @@ void register_generate(CLI::App& app) {
     std::vector<ChatSegment> segments;
     if (request) segments = render_chat(*request);  // bad requests fail before the model loads
 
-    std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
-    auto m = Model::load(o->model);
+    Engine m = Engine::load(o->model, o->device);
     std::optional<Tokenizer> tok;
     std::vector<int32_t> prompt;
     if (text_mode) {
-      tok = load_tokenizer(o->model, o->tokenizer, m->config());
+      tok = load_tokenizer(o->model, o->tokenizer, m.config());
       prompt = request ? encode_segments(*tok, segments) : tok->encode(o->prompt, o->allow_special);
       if (prompt.empty()) fail("--prompt: the text encodes to no tokens");
     } else {
       prompt = parse_ids(o->ids, "--ids");
-      if (!o->tokenizer.empty()) tok = load_tokenizer(o->model, o->tokenizer, m->config());
+      if (!o->tokenizer.empty()) tok = load_tokenizer(o->model, o->tokenizer, m.config());
     }
-    check_ids_in_vocab({prompt}, m->config().vocab_size, text_mode ? "the tokenised prompt" : "--ids", m->config().source);
+    check_ids_in_vocab({prompt}, m.config().vocab_size, text_mode ? "the tokenised prompt" : "--ids", m.config().source);
 
     // Stream the text as it is generated (bytes of a multi-byte character may arrive in two steps).
     std::vector<int32_t> so_far;
@@ -113,7 +115,7 @@ void register_generate(CLI::App& app) {
       std::fflush(stdout);
       printed = text.size();
     };
-    GenerateResult r = generate(*m, prompt, o->max_new, sampler, on_token);
+    GenerateResult r = generate(m.session(), m.config(), prompt, o->max_new, sampler, on_token);
     if (printed) std::printf("\n");
 
     const std::string ids = join_ids(r.tokens);

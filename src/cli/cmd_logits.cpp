@@ -4,6 +4,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/engine.h"
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model/model.h"
@@ -14,6 +15,7 @@ void register_logits(CLI::App& app) {
   struct Opts {
     std::string model, out;
     std::vector<std::string> ids;
+    DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* sub = app.add_subcommand(
@@ -24,6 +26,7 @@ void register_logits(CLI::App& app) {
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--ids", o->ids, "comma-separated token ids of one row; repeat for more rows")->required();
   sub->add_option("--out", o->out, "output .safetensors path (written atomically)")->required();
+  add_device_options(sub, o->device);
   sub->callback([o] {
     std::vector<std::vector<int32_t>> rows;
     for (const auto& s : o->ids) rows.push_back(parse_ids(s, "--ids"));
@@ -31,16 +34,12 @@ void register_logits(CLI::App& app) {
       if (rows[b].size() != rows[0].size())
         fail("--ids: all rows must have the same length (row 0 has ", rows[0].size(), " ids, row ", b, " has ",
              rows[b].size(), ")");
-    std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
-    auto m = Model::load(o->model);
-    check_ids_in_vocab(rows, m->config().vocab_size, "--ids", m->config().source);
-    const int64_t B = int64_t(rows.size()), T = int64_t(rows[0].size()), V = m->config().vocab_size;
-    std::vector<SequenceCache> caches;
-    std::vector<SequenceCache*> ptrs;
-    for (int64_t b = 0; b < B; ++b) caches.push_back(m->new_cache());
-    for (auto& c : caches) ptrs.push_back(&c);
-    std::fprintf(stderr, "[%.2fs] forward: %lld row(s) x %lld tokens\n", elapsed_seconds(), (long long)B, (long long)T);
-    std::vector<float> logits = m->forward(ptrs, rows, true);
+    Engine m = Engine::load(o->model, o->device);
+    check_ids_in_vocab(rows, m.config().vocab_size, "--ids", m.config().source);
+    const int64_t B = int64_t(rows.size()), T = int64_t(rows[0].size()), V = m.config().vocab_size;
+    std::fprintf(stderr, "[%.2fs] forward on %s: %lld row(s) x %lld tokens\n", elapsed_seconds(),
+                 m.description().c_str(), (long long)B, (long long)T);
+    std::vector<float> logits = m.forward_fresh(rows);
     write_safetensors(o->out, {{"logits", DType::F32, {B, T, V}, logits.data()}});
     std::fprintf(stderr, "[%.2fs] wrote %s: logits [%lld, %lld, %lld]\n", elapsed_seconds(), o->out.c_str(),
                  (long long)B, (long long)T, (long long)V);

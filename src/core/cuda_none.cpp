@@ -18,6 +18,8 @@ void* device_alloc(size_t) { no_cuda(); }
 void device_free(void*) noexcept {}
 void copy_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_to_host(void*, const void*, size_t) { no_cuda(); }
+void copy_on_device(void*, const void*, size_t) { no_cuda(); }
+void zero_on_device(void*, size_t) { no_cuda(); }
 void synchronize() { no_cuda(); }
 EventTimer::EventTimer() { no_cuda(); }
 EventTimer::~EventTimer() = default;

@@ -54,6 +54,14 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes) K3_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 
+void copy_on_device(void* dst, const void* src, size_t bytes) {
+  if (bytes) K3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+}
+
+void zero_on_device(void* dst, size_t bytes) {
+  if (bytes) K3_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
+}
+
 void synchronize() { K3_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 EventTimer::EventTimer() {

@@ -8,15 +8,21 @@ namespace k3 {
 
 GenerateResult generate(Model& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
                         const std::function<void(int32_t)>& on_token) {
+  SequenceCache cache = m.new_cache();
+  const AppendFn append = [&](const std::vector<int32_t>& t) { return m.forward({&cache}, {t}, false); };
+  return generate(append, m.config(), prompt, max_new_tokens, sampler, on_token);
+}
+
+GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                        int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token) {
   K3_CHECK(!prompt.empty(), "generate: the prompt is empty");
   K3_CHECK(max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ", max_new_tokens);
-  const int64_t V = m.config().vocab_size, eos = m.config().eos_token_id;
+  const int64_t V = cfg.vocab_size, eos = cfg.eos_token_id;
   using clock = std::chrono::steady_clock;
   GenerateResult r;
   if (max_new_tokens == 0) return r;
-  SequenceCache cache = m.new_cache();
   auto t0 = clock::now();
-  std::vector<float> logits = m.forward({&cache}, {prompt}, false);
+  std::vector<float> logits = append(prompt);
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   t0 = clock::now();
   for (int64_t i = 0; i < max_new_tokens; ++i) {
@@ -27,7 +33,7 @@ GenerateResult generate(Model& m, const std::vector<int32_t>& prompt, int64_t ma
       r.stopped_on_eos = true;
       break;
     }
-    if (i + 1 < max_new_tokens) logits = m.forward({&cache}, {{next}}, false);
+    if (i + 1 < max_new_tokens) logits = append({next});
   }
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return r;

@@ -20,4 +20,10 @@ struct GenerateResult {
 GenerateResult generate(Model& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
                         const std::function<void(int32_t)>& on_token = {});
 
+// The same loop over any engine: append(tokens) appends tokens to the one sequence being generated
+// and returns the logits [V] of its last token (the CPU Model and the CudaModel both provide it).
+using AppendFn = std::function<std::vector<float>(const std::vector<int32_t>& tokens)>;
+GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                        int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});
+
 }  // namespace k3

@@ -45,6 +45,20 @@ struct GemmContext::Impl {
   cublasHandle_t blas_exact = nullptr;  // CUBLAS_PEDANTIC_MATH: fp32 GEMMs, no TF32
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
+  double* scratch_[2] = {nullptr, nullptr};  // the exact GEMM's fp64 operands (widened x, fp64 y)
+  size_t scratch_n_[2] = {0, 0};
+
+  // Scratch i of at least n doubles (grown by cudaMalloc; contents not kept).
+  double* scratch(int i, size_t n) {
+    if (n > scratch_n_[i]) {
+      if (scratch_[i]) K3_CUDA_CHECK(cudaFree(scratch_[i]));
+      scratch_[i] = nullptr;
+      scratch_n_[i] = 0;
+      K3_CUDA_CHECK(cudaMalloc(&scratch_[i], n * sizeof(double)));
+      scratch_n_[i] = n;
+    }
+    return scratch_[i];
+  }
 
   ~Impl() {  // teardown: errors are ignored (the process may be exiting)
     for (auto& kv : plans) {
@@ -58,6 +72,8 @@ struct GemmContext::Impl {
     if (blas) cublasDestroy(blas);
     if (lt) cublasLtDestroy(lt);
     if (workspace) cudaFree(workspace);
+    for (double* p : scratch_)
+      if (p) cudaFree(p);
   }
 
   const Plan& plan(const LinearParams& p, int64_t ld_x, int64_t ld_y, int64_t ld_w) {
@@ -129,11 +145,16 @@ std::string can_run(const LinearParams& p) {
   if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
     return "linear (cuda): M, N, K must each be <= 2^31-1, got " + std::to_string(p.M) + ", " + std::to_string(p.N) +
            ", " + std::to_string(p.K);
-  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : p.K, ld_y = p.ld_y ? p.ld_y : p.N;
-  if (ld_x < p.K || ld_w < p.K || ld_y < p.N) return "linear (cuda): a row stride is smaller than its row";
+  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : (p.w_in_out ? p.N : p.K),
+                ld_y = p.ld_y ? p.ld_y : p.N;
+  if (ld_x < p.K || (!p.w_in_out && ld_w < p.K) || ld_y < p.N) return "linear (cuda): a row stride is smaller than its row";
   if (ld_x > INT_MAX || ld_w > INT_MAX || ld_y > INT_MAX) return "linear (cuda): row strides must be <= 2^31-1";
   if (p.M > 0 && p.N > 0 && (!p.y || (p.K > 0 && (!p.x || !p.w)))) return "linear (cuda): null pointer";
   if (f32 && p.backend == GemmBackend::Lt) return "linear (cuda): the F32 exact mode runs on cublasGemmEx, not Lt";
+  if (p.batch < 1 || p.batch > INT_MAX) return "linear (cuda): batch must be in [1, 2^31-1], got " + std::to_string(p.batch);
+  if (p.w_in_out && ld_w < p.N) return "linear (cuda): W is [K, N] (w_in_out) but ld_w < N";
+  if ((p.batch > 1 || p.w_in_out) && p.backend == GemmBackend::Lt)
+    return "linear (cuda): batched and [K, N] products run on cublasGemmStridedBatchedEx, not Lt";
   return {};
 }
 
@@ -141,16 +162,29 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
   const std::string why = can_run(p);
   if (!why.empty()) fail(why);
   if (p.M == 0 || p.N == 0) return;
-  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : p.K, ld_y = p.ld_y ? p.ld_y : p.N;
+  const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : (p.w_in_out ? p.N : p.K),
+                ld_y = p.ld_y ? p.ld_y : p.N;
   const size_t ysz = dtype_size(p.y_type);
   if (p.K == 0) {  // empty sum: y = 0, or unchanged when accumulating
     if (!p.accumulate)
-      K3_CUDA_CHECK(cudaMemset2D(p.y, size_t(ld_y) * ysz, 0, size_t(p.N) * ysz, size_t(p.M)));
+      for (int64_t b = 0; b < p.batch; ++b)
+        K3_CUDA_CHECK(cudaMemset2D(static_cast<char*>(p.y) + b * p.stride_y * int64_t(ysz), size_t(ld_y) * ysz, 0,
+                                   size_t(p.N) * ysz, size_t(p.M)));
     return;
   }
   GemmContext::Impl& c = ctx.impl();
   const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
   const int m = int(p.N), n = int(p.M), k = int(p.K);
+
+  if (p.batch > 1 || p.w_in_out) {  // column-major: yᵀ[N, M] = op(W)·xᵀ, op = T for [N, K], N for [K, N]
+    const bool exact = p.in_type == DType::F32;
+    K3_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        exact ? c.blas_exact : c.blas, p.w_in_out ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, p.w,
+        cuda_type(p.in_type), int(ld_w), p.stride_w, p.x, cuda_type(p.in_type), int(ld_x), p.stride_x, &beta, p.y,
+        cuda_type(p.y_type), int(ld_y), p.stride_y, int(p.batch),
+        exact ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
 
   if (p.in_type == DType::F32) {
     K3_CUBLAS_CHECK(cublasGemmEx(c.blas_exact, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, p.w, CUDA_R_32F, int(ld_w),
@@ -196,6 +230,64 @@ void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w
   p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::F32;
   p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
   linear_forward(ctx, p);
+}
+
+namespace {
+
+__global__ void widen_rows_kernel(double* __restrict__ dst, const float* __restrict__ src, int64_t ld_src, int64_t rows,
+                                  int64_t cols) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    dst[i] = double(src[r * ld_src + c]);
+  }
+}
+
+__global__ void narrow_rows_kernel(float* __restrict__ dst, int64_t ld_dst, const double* __restrict__ src, int64_t rows,
+                                   int64_t cols) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    dst[r * ld_dst + c] = float(src[i]);
+  }
+}
+
+unsigned grid_for(int64_t work) {
+  const int64_t b = (work + 255) / 256;
+  return unsigned(b < 1 ? 1 : (b > 65536 ? 65536 : b));
+}
+
+// y64[M, N] (ld_y) = widen(x)[M, K] · W[N, K]ᵀ in fp64.
+void gemm_exact(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
+                int64_t N, int64_t K) {
+  K3_CHECK(M >= 0 && N >= 0 && K >= 0 && M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && ld_x >= K && ld_y >= N,
+           "linear_exact (cuda): bad shape M=", M, " N=", N, " K=", K, " ld_x=", ld_x, " ld_y=", ld_y);
+  if (M == 0 || N == 0) return;
+  GemmContext::Impl& c = ctx.impl();
+  double* x64 = c.scratch(0, size_t(M * K));
+  if (K > 0) {
+    widen_rows_kernel<<<grid_for(M * K), 256>>>(x64, x, ld_x, M, K);
+    K3_CUDA_LAUNCH_CHECK();
+  }
+  const double alpha = 1.0, beta = 0.0;
+  K3_CUBLAS_CHECK(cublasGemmEx(c.blas_exact, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &alpha, w, CUDA_R_64F,
+                               int(K > 0 ? K : 1), x64, CUDA_R_64F, int(K > 0 ? K : 1), &beta, y, CUDA_R_64F, int(ld_y),
+                               CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w,
+                      int64_t M, int64_t N, int64_t K) {
+  gemm_exact(ctx, y, ld_y, x, ld_x, w, M, N, K);
+}
+
+void linear_exact(GemmContext& ctx, float* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
+                  int64_t N, int64_t K) {
+  K3_CHECK(ld_y >= N, "linear_exact (cuda): ld_y ", ld_y, " < N ", N);
+  if (M == 0 || N == 0) return;
+  double* y64 = ctx.impl().scratch(1, size_t(M * N));
+  gemm_exact(ctx, y64, N, x, ld_x, w, M, N, K);
+  narrow_rows_kernel<<<grid_for(M * N), 256>>>(y, ld_y, y64, M, N);
+  K3_CUDA_LAUNCH_CHECK();
 }
 
 void lm_head_forward(GemmContext& ctx, float* logits, const uint16_t* x, const uint16_t* lm_head, int64_t M, int64_t V,

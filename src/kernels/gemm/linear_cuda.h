@@ -52,6 +52,12 @@ struct LinearParams {
   int64_t M = 0, N = 0, K = 0;
   bool accumulate = false;  // y += x·Wᵀ (y is read in y_type) instead of y = x·Wᵀ
   GemmBackend backend = GemmBackend::Auto;
+  // W stored [K, N] (ld_w >= N) instead of [N, K]: y = x·W. MLA's weight absorption reads W_kb that way.
+  bool w_in_out = false;
+  // `batch` independent products, operand b at x + b·stride_x, W + b·stride_w, y + b·stride_y
+  // (elements): one cublasGemmStridedBatchedEx. MLA's per-head products run as one call.
+  int64_t batch = 1;
+  int64_t stride_x = 0, stride_w = 0, stride_y = 0;
 };
 
 // Empty string when linear_forward can take p, else why not (dtype pair, dims over 2^31-1, strides).
@@ -66,6 +72,15 @@ void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_
                  int64_t K, bool accumulate = false);
 void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                       bool accumulate = false);
+
+// The exact path's GEMM (the CUDA twin of the CPU's default fp64 accumulation, kernels/gemm/linear.h):
+// W is held in fp64 on the device; x (fp32, or fp64 with the _f64 form) is widened to fp64, the
+// product runs in fp64 FMAs (cublasGemmEx, CUBLAS_COMPUTE_64F) and y is rounded once to fp32 (or kept
+// fp64). y[M, N] (ld_y) = x[M, K] (ld_x) · W[N, K]ᵀ (ld_w = K). Scratch is held by the context.
+void linear_exact(GemmContext& ctx, float* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
+                  int64_t N, int64_t K);
+void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w,
+                      int64_t M, int64_t N, int64_t K);
 
 // The output head: logits[M, V] (fp32) = x[M, D] (bf16, the final-normed rows) · lm_head[V, D]ᵀ.
 // A plain BF16 GEMM (no soft-cap, no scaling in K3); its own name so profiles and callers read well.

@@ -61,7 +61,25 @@ struct DecodeParams {
   size_t workspace_bytes = 0;
 };
 
+// The exact path (the GPU model's fp32 parity mode): the expanded form in fp64, the twin of
+// mla::attention_head_expanded for all heads at once. Scores, softmax and sums are fp64 as on the CPU;
+// the only difference is the order of the softmax (online, over tiles of keys, rather than two passes),
+// which changes fp64 roundings only. One CTA per (query, head); not a fast kernel.
+struct ExactParams {
+  float* o = nullptr;          // [n, H, Dv] fp32
+  const float* q = nullptr;    // [n, H, Dn+Dr] fp32: per head [q_nope | q_rot]
+  const double* kvh = nullptr; // [T, H, Dn+Dv] fp64: per head [k_nope | v] (kv_b applied to the cached latents)
+  const float* cache = nullptr;  // [T, ldc] fp32 cache rows: k_rot at columns R..R+Dr
+  int64_t ldc = 0;
+  Dims d{};
+  int64_t n = 0, p0 = 0;       // T = p0 + n
+};
+
 #ifdef K3_HAVE_CUDA
+// "" when the exact kernel takes p (Dv <= 1024, Dn + Dr <= 4096), else the reason.
+std::string can_run(const ExactParams& p);
+void attention_expanded_exact(const ExactParams& p);
+
 // "" when the prefill kernel takes these params, else the reason (names the argument).
 std::string can_run(const PrefillParams& p);
 // o <- causal softmax attention. Throws k3::Error when can_run says no.
@@ -78,6 +96,10 @@ size_t decode_workspace_bytes(const DecodeParams& p);
 void decode(const DecodeParams& p);
 
 #else  // a build without the CUDA backend: every entry point says so
+inline std::string can_run(const ExactParams&) { return "this build has no CUDA backend"; }
+inline void attention_expanded_exact(const ExactParams&) {
+  fail("mla::cuda::attention_expanded_exact: this build has no CUDA backend");
+}
 inline std::string can_run(const PrefillParams&) { return "this build has no CUDA backend"; }
 inline std::string can_run(const DecodeParams&) { return "this build has no CUDA backend"; }
 inline void prefill(const PrefillParams&) { fail("mla::cuda::prefill: this build has no CUDA backend"); }

@@ -1,0 +1,155 @@
+// End-to-end GPU prefill and decode throughput of K3 model directories (model/cuda/cuda_model.h),
+// with the CPU engine on the same machine as the baseline in the same run.
+//
+//   build/bench_cuda_model --model models/k3-small [--model models/k3-1b] [--prefill 512,2048,8192]
+//                          [--contexts 128,1024,8192] [--batch 1,16] [--decode-steps 32]
+//                          [--precision bf16|f32] [--cpu-tokens 128]
+//
+// For each model:
+//   prefill: seconds and tokens/s of one prompt of each length (fresh cache, logits of the last token
+//            copied to the host: what serving pays before the first sampled token).
+//   decode:  ms per step and tokens/s after a prefix of each --contexts length, for each --batch size
+//            (B sequences stepped together, one token each), and the cost of recomputing the prefix
+//            for one token as the no-cache baseline.
+//   cpu:     the CPU engine (all cores) on a --cpu-tokens prompt and 8 decode steps after it, and the
+//            GPU's ratio at the same length (0 skips it).
+// Times are wall clock around forward() (which ends by copying logits to the host), medians of 3
+// for prefill, means over the steps for decode. Make the models first, e.g.
+// `build/k3 init --config configs/k3-1b.json --out models/k3-1b`.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "cli/args.h"
+#include "core/cuda.h"
+#include "core/error.h"
+#include "model/cuda/cuda_model.h"
+#include "model/model.h"
+
+using namespace k3;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+std::vector<int32_t> random_ids(int64_t n, int64_t V, uint64_t seed) {
+  std::mt19937_64 r(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& t : ids) t = int32_t(r() % uint64_t(V));
+  return ids;
+}
+
+double gpu_prefill_seconds(CudaModel& m, const std::vector<int32_t>& ids) {
+  std::vector<double> t;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto c = m.new_cache();
+    const auto t0 = clock_type::now();
+    m.forward({c.get()}, {ids}, false);
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[1];
+}
+
+// Mean seconds per decode step of B sequences after a prefix of ctx tokens each.
+double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed) {
+  const int64_t V = m.config().vocab_size;
+  std::vector<std::unique_ptr<CudaSequenceCache>> caches;
+  std::vector<CudaSequenceCache*> ptrs;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t b = 0; b < B; ++b) {
+    caches.push_back(m.new_cache());
+    ptrs.push_back(caches.back().get());
+    prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
+  }
+  m.forward(ptrs, prompts, false);
+  std::vector<std::vector<int32_t>> step(size_t(B), std::vector<int32_t>(1));
+  for (int64_t b = 0; b < B; ++b) step[size_t(b)][0] = int32_t((b * 31 + 7) % V);
+  m.forward(ptrs, step, false);  // warm-up step (first decode-shaped GEMM plans)
+  const auto t0 = clock_type::now();
+  for (int s = 0; s < steps; ++s) m.forward(ptrs, step, false);
+  return seconds_since(t0) / steps;
+}
+
+void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<int32_t>& prefills,
+                 const std::vector<int32_t>& contexts, const std::vector<int32_t>& batches, int steps, int cpu_tokens) {
+  auto t0 = clock_type::now();
+  auto m = CudaModel::load(dir, prec);
+  const K3Config& c = m->config();
+  const int64_t V = c.vocab_size;
+  std::printf("\n== %s (%s): %lld layers (%lld MLA), hidden %lld, %lld experts top-%lld; %.0f MiB of weights on the "
+              "GPU, loaded in %.2f s\n",
+              dir.c_str(), gpu_precision_name(prec), (long long)c.num_hidden_layers,
+              (long long)std::count(c.layer_kind.begin(), c.layer_kind.end(), AttnKind::MLA), (long long)c.hidden_size,
+              (long long)c.num_experts, (long long)c.num_experts_per_token, double(m->weight_bytes()) / 1048576.0,
+              seconds_since(t0));
+  gpu_prefill_seconds(*m, random_ids(64, V, 98));  // warm-up: cuBLAS handles, plans, the arena
+  std::printf("%-10s %10s %12s\n", "prefill", "ms", "tokens/s");
+  for (int32_t T : prefills) {
+    if (T > c.max_position_embeddings) continue;
+    const double s = gpu_prefill_seconds(*m, random_ids(T, V, 1));
+    std::printf("%-10d %10.2f %12.0f\n", T, 1e3 * s, double(T) / s);
+  }
+  std::printf("%-10s %6s %10s %12s | %16s %8s\n", "context", "batch", "ms/step", "tokens/s", "full-recompute ms",
+              "ratio");
+  for (int32_t ctx : contexts) {
+    if (ctx + steps + 2 > c.max_position_embeddings) continue;
+    const double full = gpu_prefill_seconds(*m, random_ids(ctx + 1, V, 3));
+    for (int32_t B : batches) {
+      const double per = gpu_decode_seconds(*m, ctx, B, steps, 11);
+      std::printf("%-10d %6d %10.3f %12.0f | %16.2f %7.1fx\n", ctx, B, 1e3 * per, double(B) / per, 1e3 * full,
+                  full / per);
+    }
+  }
+  if (cpu_tokens > 0) {
+    auto cpu = Model::load(dir);
+    const auto ids = random_ids(cpu_tokens + 9, V, 5);
+    const std::vector<int32_t> prompt(ids.begin(), ids.begin() + cpu_tokens);
+    SequenceCache cc = cpu->new_cache();
+    t0 = clock_type::now();
+    cpu->forward({&cc}, {prompt}, false);
+    const double cpu_pre = seconds_since(t0);
+    t0 = clock_type::now();
+    for (int s = 0; s < 8; ++s) cpu->forward({&cc}, {{ids[size_t(cpu_tokens + s)]}}, false);
+    const double cpu_dec = seconds_since(t0) / 8;
+    const double gpu_pre = gpu_prefill_seconds(*m, prompt);
+    const double gpu_dec = gpu_decode_seconds(*m, cpu_tokens, 1, steps, 5);
+    std::printf("cpu baseline at %d tokens: prefill %.1f tok/s (GPU %.0f, %.0fx), decode %.1f tok/s (GPU %.0f, %.0fx)\n",
+                cpu_tokens, cpu_tokens / cpu_pre, cpu_tokens / gpu_pre, cpu_pre / gpu_pre, 1.0 / cpu_dec,
+                1.0 / gpu_dec, cpu_dec / gpu_dec);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"GPU end-to-end prefill/decode benchmark (see the header of bench/bench_cuda_model.cpp)"};
+  std::vector<std::string> models;
+  std::string prefill = "512,2048,8192", contexts = "128,1024,8192", batches = "1,16", precision = "bf16";
+  int steps = 32, cpu_tokens = 128;
+  app.add_option("--model", models, "model directory (repeatable)")->required();
+  app.add_option("--prefill", prefill, "prompt lengths for the prefill rows")->capture_default_str();
+  app.add_option("--contexts", contexts, "context lengths for the decode rows")->capture_default_str();
+  app.add_option("--batch", batches, "sequences decoded together, for each decode row")->capture_default_str();
+  app.add_option("--decode-steps", steps, "decode steps timed per row")->capture_default_str();
+  app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
+  app.add_option("--cpu-tokens", cpu_tokens, "prompt length of the CPU baseline (0: skip it)")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    std::string why;
+    if (!cuda::available(&why)) {
+      std::printf("no GPU: %s\n", why.c_str());
+      return 0;
+    }
+    std::printf("k3cpp GPU model benchmark on %s\n", cuda::device_summary().c_str());
+    for (const auto& d : models)
+      bench_model(d, parse_gpu_precision(precision, "--precision"), cli::parse_ids(prefill, "--prefill"),
+                  cli::parse_ids(contexts, "--contexts"), cli::parse_ids(batches, "--batch"), steps, cpu_tokens);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

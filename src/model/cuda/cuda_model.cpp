@@ -1,0 +1,261 @@
+// The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass, the
+// CUDA twin of model/model.cpp (the same block order, AttnRes sources and row selection).
+#ifdef K3_HAVE_CUDA
+#include <filesystem>
+
+#include "core/error.h"
+#include "kernels/attnres/attnres_cuda.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/gemm/convert_cuda.h"
+#include "kernels/norm/norm_cuda.h"
+#include "model/cuda/cuda_model_impl.h"
+
+namespace k3 {
+
+using gpu::bf16;
+
+// ---- scratch arena and the linear helper -----------------------------------------------------------
+namespace gpu {
+
+void DeviceArena::reset() {
+  if (chunks_.size() > 1) {  // last forward outgrew the first chunk: one chunk of the high-water size
+    const size_t want = total_;
+    chunks_.clear();
+    chunks_.emplace_back(want);
+  }
+  used_ = 0;
+  total_ = 0;
+}
+
+void* DeviceArena::take_bytes(size_t bytes) {
+  constexpr size_t kAlign = 256;
+  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (bytes == 0) bytes = kAlign;
+  if (chunks_.empty() || used_ + bytes > chunks_.back().size()) {
+    const size_t prev = chunks_.empty() ? 0 : chunks_.back().size();
+    chunks_.emplace_back(std::max(bytes, std::max(prev, size_t(64) << 20)));
+    used_ = 0;
+  }
+  void* p = chunks_.back().data() + used_;
+  used_ += bytes;
+  total_ += bytes;
+  return p;
+}
+
+template <class T>
+void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W) {
+  if constexpr (std::is_same_v<T, float>) {
+    K3_CHECK(y_type == DType::F32, "GPU model (F32 path): a linear output must be F32");
+    gemm::cuda::linear_exact(r.gemm, static_cast<float*>(y), ld_y, x, ld_x, W.as<double>(), M, W.rows, W.cols);
+  } else {
+    gemm::cuda::LinearParams p;
+    p.y = y, p.y_type = y_type, p.ld_y = ld_y, p.x = x, p.ld_x = ld_x, p.w = W.as<bf16>(), p.in_type = DType::BF16;
+    p.M = M, p.N = W.rows, p.K = W.cols;
+    gemm::cuda::linear_forward(r.gemm, p);
+  }
+}
+template void linear<float>(Run&, void*, DType, int64_t, const float*, int64_t, int64_t, const DevMatrix&);
+template void linear<bf16>(Run&, void*, DType, int64_t, const bf16*, int64_t, int64_t, const DevMatrix&);
+
+}  // namespace gpu
+
+// ---- the cache -----------------------------------------------------------------------------------------
+CudaSequenceCache::CudaSequenceCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaSequenceCache::~CudaSequenceCache() = default;
+int64_t CudaSequenceCache::length() const { return impl_->length; }
+size_t CudaSequenceCache::bytes() const {
+  size_t b = 0;
+  for (auto& k : impl_->kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
+  for (auto& m : impl_->mla) b += m.rows.size();
+  return b;
+}
+
+// ---- the model -----------------------------------------------------------------------------------------
+struct CudaModel::Impl {
+  K3Config cfg;
+  GpuPrecision precision = GpuPrecision::BF16;
+  gpu::WeightsDev w;
+  int64_t mla_ldc = 0;  // device cache row stride: R + Dr, rounded up to 8 (16-byte rows) in bf16
+  std::unique_ptr<gemm::cuda::GemmContext> gemm;
+  gpu::DeviceArena arena;
+  std::unique_ptr<moe::cuda::Dispatch> dispatch;
+  int64_t dispatch_tokens = 0;
+
+  template <class T>
+  std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
+                             const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                             const ForwardHooks* hooks);
+};
+
+CudaModel::CudaModel() : impl_(std::make_unique<Impl>()) {}
+CudaModel::~CudaModel() = default;
+const K3Config& CudaModel::config() const { return impl_->cfg; }
+GpuPrecision CudaModel::precision() const { return impl_->precision; }
+size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
+
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, GpuPrecision precision) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) fail(dir, ": not a model directory (expected config.json and safetensors inside)");
+  return load((fs::path(dir) / "config.json").string(), dir, precision);
+}
+
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& config_path, const std::string& weights_path,
+                                           GpuPrecision precision) {
+  std::string why;
+  if (!cuda::available(&why)) fail("--device cuda: ", why);
+  auto m = std::unique_ptr<CudaModel>(new CudaModel());
+  Impl& I = *m->impl_;
+  I.cfg = load_config(config_path);
+  I.precision = precision;
+  {
+    SafeTensors st = SafeTensors::open(weights_path);  // host mapping only for the upload
+    const ModelWeights w = bind_weights(I.cfg, st);
+    I.w = gpu::upload_weights(I.cfg, w, precision);
+  }
+  const int64_t lrow = I.cfg.kv_lora_rank + I.cfg.qk_rope_head_dim;
+  I.mla_ldc = precision == GpuPrecision::BF16 ? (lrow + 7) / 8 * 8 : lrow;
+  I.gemm = std::make_unique<gemm::cuda::GemmContext>();
+  return m;
+}
+
+std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const {
+  const K3Config& c = impl_->cfg;
+  auto s = std::make_unique<CudaSequenceCache::Impl>();
+  s->owner = impl_.get();
+  const size_t L = size_t(c.num_hidden_layers);
+  s->kda.resize(L);
+  s->mla.resize(L);
+  const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
+  for (size_t l = 0; l < L; ++l) {
+    if (c.layer_kind[l] != AttnKind::KDA) continue;  // MLA rows are allocated as tokens arrive
+    s->kda[l].q_tail = gpu::DevVector(tail);  // zero-initialised
+    s->kda[l].k_tail = gpu::DevVector(tail);
+    s->kda[l].v_tail = gpu::DevVector(tail);
+    s->kda[l].state = gpu::DevVector(size_t(c.kda_num_heads * c.kda_head_dim * c.kda_head_dim));
+  }
+  return std::unique_ptr<CudaSequenceCache>(new CudaSequenceCache(std::move(s)));
+}
+
+std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& caches,
+                                      const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                      const ForwardHooks* hooks) {
+  if (impl_->precision == GpuPrecision::F32) return impl_->forward<float>(caches, tokens, all_positions, hooks);
+  return impl_->forward<bf16>(caches, tokens, all_positions, hooks);
+}
+
+template <class T>
+std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*>& caches,
+                                            const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                            const ForwardHooks* hooks) {
+  const K3Config& c = cfg;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
+  constexpr DType act = gpu::dtype_of<T>();
+  K3_CHECK(caches.size() == tokens.size(), "forward (cuda): ", caches.size(), " caches for ", tokens.size(),
+           " sequences");
+  K3_CHECK(!tokens.empty(), "forward (cuda): no sequences");
+  std::vector<gpu::SegmentDev> segs;
+  std::vector<int32_t> ids;
+  int64_t N = 0;
+  for (size_t b = 0; b < tokens.size(); ++b) {
+    K3_CHECK(caches[b] != nullptr, "forward (cuda): cache ", b, " is null");
+    CudaSequenceCache::Impl& ci = caches[b]->impl();
+    K3_CHECK(ci.owner == this, "forward (cuda): cache ", b, " was made by another model");
+    K3_CHECK(!tokens[b].empty(), "forward (cuda): sequence ", b, " has no new tokens");
+    for (int32_t id : tokens[b])
+      K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
+    K3_CHECK(ci.length + int64_t(tokens[b].size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
+             ci.length + int64_t(tokens[b].size()), " tokens, past max_position_embeddings = ",
+             c.max_position_embeddings, " of ", c.source);
+    for (size_t j = 0; j < b; ++j)
+      K3_CHECK(caches[j] != caches[b], "forward (cuda): sequences ", j, " and ", b, " share one cache");
+    segs.push_back({N, int64_t(tokens[b].size()), &ci});
+    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
+    N += int64_t(tokens[b].size());
+  }
+  arena.reset();
+  if constexpr (!std::is_same_v<T, float>) {
+    if (N > dispatch_tokens) {
+      dispatch = std::make_unique<moe::cuda::Dispatch>(N, std::max<int64_t>(c.num_experts, 1),
+                                                       std::max<int64_t>(c.num_experts_per_token, 1));
+      dispatch_tokens = N;
+    }
+  }
+  gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks};
+  auto emit = [&](const char* name, int64_t l, const float* dev) {
+    if (!hooks || !hooks->tensor) return;
+    std::vector<float> h(size_t(N * D));
+    cuda::copy_to_host(h.data(), dev, h.size() * 4);
+    hooks->tensor(name, l, h.data(), N, D);
+  };
+
+  int32_t* ids_dev = arena.take<int32_t>(N);
+  cuda::copy_to_device(ids_dev, ids.data(), ids.size() * 4);
+  float* prefix = arena.take<float>(N * D);  // running partial sum of the current AttnRes block
+  if constexpr (std::is_same_v<T, float>)
+    elementwise::cuda::embedding_gather_f32(prefix, reinterpret_cast<const float*>(w.embed.data()), ids_dev, N, V, D);
+  else
+    gemm::cuda::embedding_gather(prefix, reinterpret_cast<const bf16*>(w.embed.data()), ids_dev, N, V, D);
+
+  std::vector<float*> blocks;  // completed block sums, the embedding first
+  T* xn = arena.take<T>(N * D);
+  float* a = arena.take<float>(N * D);
+  // xn <- RMSNorm(AttnRes(blocks, partial; query)) in one kernel.
+  auto attnres_norm = [&](const float* partial, const gpu::DevVector& query, const gpu::DevVector& norm_w, T* dst,
+                          int64_t rows) {
+    attnres::cuda::AttnResParams p;
+    K3_CHECK(int(blocks.size()) + 1 <= attnres::cuda::kMaxSources, "forward (cuda): ", blocks.size() + 1,
+             " AttnRes sources, more than the kernel's ", attnres::cuda::kMaxSources);
+    for (size_t i = 0; i < blocks.size(); ++i) p.sources[i] = blocks[i];
+    p.sources[blocks.size()] = partial;
+    p.S = int(blocks.size()) + 1;
+    p.src_type = DType::F32, p.N = rows, p.D = D, p.query = query.data(), p.eps = float(c.rms_norm_eps);
+    p.out_type = act, p.normed = dst, p.norm_weight = norm_w.data(), p.norm_eps = float(c.rms_norm_eps);
+    attnres::cuda::attnres_forward(p);
+  };
+
+  bool prefix_empty = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const gpu::LayerDev& L = w.layers[size_t(l)];
+    if (blocks.empty()) norm::cuda::rmsnorm_forward(xn, prefix, L.input_layernorm.data(), float(c.rms_norm_eps), N, D);
+    else attnres_norm(prefix, L.attn_res_query, L.input_layernorm, xn, N);
+    if (l % c.attn_res_block_size == 0) {  // block boundary: the partial sum becomes a block, a new one starts
+      blocks.push_back(prefix);
+      prefix = arena.take<float>(N * D);
+      prefix_empty = true;
+    }
+    if (c.layer_kind[size_t(l)] == AttnKind::KDA) gpu::kda_attention_forward<T>(run, a, xn, N, segs, l, L.kda);
+    else gpu::mla_attention_forward<T>(run, a, xn, N, segs, l, L.mla);
+    emit("attn_out", l, a);
+    if (prefix_empty) cuda::copy_on_device(prefix, a, size_t(N * D) * 4);
+    else elementwise::cuda::add_inplace(prefix, a, N * D);
+    prefix_empty = false;
+
+    attnres_norm(prefix, L.mlp_res_query, L.post_attention_layernorm, xn, N);
+    if (c.is_moe_layer(l)) gpu::moe_ffn_forward<T>(run, a, xn, N, l, L.moe);
+    else gpu::dense_ffn_forward<T>(run, a, xn, N, L.dense);
+    emit("ffn_out", l, a);
+    elementwise::cuda::add_inplace(prefix, a, N * D);
+  }
+
+  // Output: AttnRes over all blocks + final norm (fused), the selected rows, lm_head.
+  attnres_norm(prefix, w.output_res_query, w.norm, xn, N);
+  const T* hn = xn;
+  int64_t M = N;
+  if (!all_positions) {
+    M = int64_t(segs.size());
+    T* sel = arena.take<T>(M * D);
+    for (size_t i = 0; i < segs.size(); ++i)
+      elementwise::cuda::copy_rows(sel + int64_t(i) * D, act, D, xn + (segs[i].row0 + segs[i].n - 1) * D, act, D, 1, D);
+    hn = sel;
+  }
+  float* logits_dev = arena.take<float>(M * V);
+  gpu::linear_f32_out<T>(run, logits_dev, hn, M, w.lm_head);
+  std::vector<float> logits(size_t(M * V));
+  cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
+  for (const gpu::SegmentDev& s : segs) s.cache->length += s.n;
+  return logits;
+}
+
+}  // namespace k3
+#endif  // K3_HAVE_CUDA

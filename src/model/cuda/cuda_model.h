@@ -1,0 +1,85 @@
+// The Kimi K3 text model on one NVIDIA Hopper GPU: the CUDA twin of model/model.h.
+//
+// Same contract as k3::Model::forward: every sequence's new tokens are appended after what its cache
+// holds, so one entry point serves full recomputation, prefill and decoding. Weights are uploaded
+// once at load; the per-sequence state (KDA conv tails and fp32 recurrent state, MLA latent rows)
+// lives on the device in a CudaSequenceCache; only token ids go up and logits come down.
+//
+// Two precisions (docs/CUDA.md, "The model on the GPU"):
+//   BF16  the serving path: bf16 weights (routed experts bf16 or MXFP4 as stored) and bf16 activations
+//         into every GEMM; fp32 residual stream, AttnRes, norms' math, softmax, router, KDA state and
+//         MoE aggregate. KDA prefill runs the 16-token tensor-core chunk kernel, decode the fused
+//         recurrence; MLA prefill the flash kernel, decode the absorbed split-K kernel.
+//   F32   the parity path (TF32 off everywhere): fp32 activations, and the CPU's own accumulation
+//         choices (kernels/gemm/linear.h, docs/NUMERICS.md): GEMMs accumulate in fp64 on fp64 copies of
+//         the weights, MLA attention keeps kvh, scores and sums in fp64, the KDA recurrence runs token
+//         by token in fp32. Checked against the float64 golden fixtures at the CPU's bars.
+// Not thread-safe: one model, one caller, the default stream.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "model/layers.h"
+
+namespace k3 {
+
+enum class GpuPrecision { BF16, F32 };
+const char* gpu_precision_name(GpuPrecision p);
+// "bf16" or "f32"; anything else is a k3::Error naming `what` (e.g. the CLI flag).
+GpuPrecision parse_gpu_precision(const std::string& s, const char* what);
+
+class CudaModel;
+
+// One sequence's decoding state on the device. Made by CudaModel::new_cache(); usable only with
+// the model that made it.
+class CudaSequenceCache {
+ public:
+  ~CudaSequenceCache();
+  CudaSequenceCache(const CudaSequenceCache&) = delete;
+  CudaSequenceCache& operator=(const CudaSequenceCache&) = delete;
+  int64_t length() const;  // tokens consumed so far
+  size_t bytes() const;    // device memory held
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  friend class CudaModel;
+  explicit CudaSequenceCache(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class CudaModel {
+ public:
+  // dir: a Hugging Face model directory, as Model::load. Throws k3::Error when the build has no CUDA
+  // backend, no Hopper GPU is visible, or the weights do not fit.
+  static std::unique_ptr<CudaModel> load(const std::string& dir, GpuPrecision precision);
+  static std::unique_ptr<CudaModel> load(const std::string& config_path, const std::string& weights_path,
+                                         GpuPrecision precision);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const K3Config& config() const;
+  GpuPrecision precision() const;
+  size_t weight_bytes() const;  // device memory held by the weights
+  std::unique_ptr<CudaSequenceCache> new_cache() const;
+
+  // As Model::forward: appends tokens[b] to *caches[b] and returns fp32 logits on the host, one row
+  // per new token (all_positions) or per sequence. Hooks receive `attn_out`, `ffn_out` (fp32, copied
+  // to the host) and the routed experts, with the fixtures' names.
+  std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
+                             const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                             const ForwardHooks* hooks = nullptr);
+
+  struct Impl;
+
+ private:
+  CudaModel();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace k3

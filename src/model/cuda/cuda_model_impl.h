@@ -1,0 +1,166 @@
+// Internals of the GPU model (cuda_model.h), shared by its .cpp files: the device weights, the
+// device cache, the per-forward scratch arena and the layer functions. Plain C++ over the kernels'
+// launcher headers; only compiled with the CUDA backend.
+#pragma once
+#ifdef K3_HAVE_CUDA
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "core/cuda.h"
+#include "io/safetensors.h"
+#include "kernels/gemm/linear_cuda.h"
+#include "kernels/moe/moe_cuda.h"
+#include "model/cuda/cuda_model.h"
+#include "model/weights.h"
+
+namespace k3::gpu {
+
+using bf16 = uint16_t;
+
+// The activation type of a precision: bf16 bits for BF16, float for F32.
+template <class T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, float> ? DType::F32 : DType::BF16;
+}
+
+// A matrix [rows, cols] (PyTorch [out, in]) on the device: bf16 in the BF16 path, fp64 in the F32
+// path (the exact GEMM's operand, see linear_cuda.h: linear_exact).
+struct DevMatrix {
+  cuda::DeviceBuffer<uint8_t> buf;
+  int64_t rows = 0, cols = 0;
+  bool empty() const { return rows == 0; }
+  template <class W>
+  const W* as() const {
+    return reinterpret_cast<const W*>(buf.data());
+  }
+};
+
+// All experts' w1, w3 or w2 stacked [E, rows, cols]: bf16 or MXFP4 as stored (BF16 path), fp64 (F32 path).
+struct DevExperts {
+  cuda::DeviceBuffer<uint8_t> data, scales;  // scales: MXFP4 only
+  bool mxfp4 = false;
+  int64_t rows = 0, cols = 0;
+  moe::cuda::ExpertLinear linear() const;     // BF16 path
+  const double* expert_f64(int64_t e) const;  // F32 path
+};
+
+using DevVector = cuda::DeviceBuffer<float>;
+
+struct KdaDev {
+  DevMatrix q_proj, k_proj, v_proj, f_a_proj, f_b_proj, b_proj, g_proj, o_proj;
+  DevVector q_conv, k_conv, v_conv, A_log, dt_bias, o_norm;
+};
+struct MlaDev {
+  DevMatrix q_a_proj, q_b_proj, q_proj, kv_a_proj_with_mqa, kv_b_proj, g_proj, o_proj;
+  DevVector q_a_layernorm, kv_a_layernorm;
+};
+struct GluDev {
+  DevMatrix gate_proj, up_proj, down_proj;
+  bool empty() const { return gate_proj.empty(); }
+};
+struct MoeDev {
+  DevMatrix router, latent_down, latent_up;
+  DevVector router_bias, latent_norm;
+  DevExperts w1, w3, w2;
+  GluDev shared;
+};
+struct LayerDev {
+  DevVector input_layernorm, post_attention_layernorm, attn_res_query, mlp_res_query;
+  KdaDev kda;
+  MlaDev mla;
+  GluDev dense;
+  MoeDev moe;
+};
+struct WeightsDev {
+  cuda::DeviceBuffer<uint8_t> embed;  // [V, D]: bf16 (BF16 path) or fp32 (F32 path)
+  DevMatrix lm_head;
+  DevVector norm, output_res_query;
+  std::vector<LayerDev> layers;
+  size_t bytes = 0;
+};
+
+// Uploads every tensor the forward pass reads. Prints nothing; throws k3::Error on a format the
+// path cannot take (MXFP4 experts whose width is not a multiple of 32, say).
+WeightsDev upload_weights(const K3Config& c, const ModelWeights& w, GpuPrecision p);
+
+// Per-forward scratch: a bump allocator over device chunks. reset() at the start of each forward;
+// after a forward that outgrew the first chunk, reset() replaces the chunks by one of the high-water
+// size, so steady-state decoding never calls cudaMalloc.
+class DeviceArena {
+ public:
+  void reset();
+  void* take_bytes(size_t bytes);
+  template <class T>
+  T* take(int64_t n) {
+    return static_cast<T*>(take_bytes(size_t(n) * sizeof(T)));
+  }
+
+ private:
+  std::vector<cuda::DeviceBuffer<uint8_t>> chunks_;
+  size_t used_ = 0;   // in the last chunk
+  size_t total_ = 0;  // over all chunks, this forward
+};
+
+// One sequence's device state (CudaSequenceCache::Impl).
+struct KdaCacheDev {
+  DevVector q_tail, k_tail, v_tail;  // [K-1, H*D] fp32
+  DevVector state;                   // [H, Dk, Dv] fp32
+};
+struct MlaCacheDev {
+  cuda::DeviceBuffer<uint8_t> rows;  // [capacity, ldc] of the activation type: [latent (R) | k_rot (Dr) | pad]
+  int64_t capacity = 0;
+};
+
+// Everything a layer needs for one forward besides its weights.
+struct Run {
+  const K3Config& c;
+  GpuPrecision precision;
+  gemm::cuda::GemmContext& gemm;
+  DeviceArena& arena;
+  moe::cuda::Dispatch* dispatch;  // BF16 path
+  int64_t mla_ldc;                // cache row stride (elements)
+  const ForwardHooks* hooks;
+};
+
+// A run of rows [row0, row0 + n) of one sequence, with that sequence's device state.
+struct SegmentDev {
+  int64_t row0 = 0, n = 0;
+  CudaSequenceCache::Impl* cache = nullptr;
+};
+
+// y[M, W.rows] (ld_y) = x[M, W.cols] (ld_x) · Wᵀ. BF16 path: x bf16, y bf16 or fp32. F32 path: x, y fp32.
+template <class T>
+void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W);
+template <class T>
+void linear(Run& r, T* y, const T* x, int64_t M, const DevMatrix& W) {
+  linear<T>(r, y, dtype_of<T>(), W.rows, x, W.cols, M, W);
+}
+template <class T>
+void linear_f32_out(Run& r, float* y, const T* x, int64_t M, const DevMatrix& W) {
+  linear<T>(r, y, DType::F32, W.rows, x, W.cols, M, W);
+}
+
+// The blocks (CUDA twins of model/layers.h): x̂ [N, hidden] of the activation type in, fp32 [N, hidden] out.
+template <class T>
+void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
+                           const KdaDev& w);
+template <class T>
+void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
+                           const MlaDev& w);
+template <class T>
+void dense_ffn_forward(Run& r, float* out, const T* x, int64_t N, const GluDev& w);
+template <class T>
+void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, const MoeDev& w);
+
+}  // namespace k3::gpu
+
+namespace k3 {
+struct CudaSequenceCache::Impl {
+  int64_t length = 0;
+  std::vector<gpu::KdaCacheDev> kda;  // [num_layers] (used at KDA layers)
+  std::vector<gpu::MlaCacheDev> mla;  // [num_layers] (used at MLA layers)
+  const void* owner = nullptr;        // the CudaModel::Impl that made it
+};
+}  // namespace k3
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,32 @@
+// model/cuda/cuda_model.h in a build without the CUDA backend: loading says so.
+#ifndef K3_HAVE_CUDA
+#include "core/error.h"
+#include "model/cuda/cuda_model.h"
+
+namespace k3 {
+
+
+struct CudaSequenceCache::Impl {};
+CudaSequenceCache::~CudaSequenceCache() = default;
+int64_t CudaSequenceCache::length() const { return 0; }
+size_t CudaSequenceCache::bytes() const { return 0; }
+
+struct CudaModel::Impl {};
+CudaModel::CudaModel() = default;
+CudaModel::~CudaModel() = default;
+
+std::unique_ptr<CudaModel> CudaModel::load(const std::string&, GpuPrecision) {
+  fail("--device cuda: this k3 was built without the CUDA backend (nvcc not found at build time, or -DK3_CUDA=OFF)");
+}
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& c, const std::string&, GpuPrecision p) { return load(c, p); }
+const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); }
+GpuPrecision CudaModel::precision() const { fail("CudaModel: no CUDA backend"); }
+size_t CudaModel::weight_bytes() const { return 0; }
+std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const { fail("CudaModel: no CUDA backend"); }
+std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>&, const std::vector<std::vector<int32_t>>&,
+                                      bool, const ForwardHooks*) {
+  fail("CudaModel: no CUDA backend");
+}
+
+}  // namespace k3
+#endif  // K3_HAVE_CUDA

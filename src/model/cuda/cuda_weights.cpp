@@ -1,0 +1,189 @@
+// Uploading a bound checkpoint (model/weights.h) to the device (cuda_model_impl.h: upload_weights).
+// Matrices are widened row-block by row-block from wherever the checkpoint keeps them (mmap'ed
+// BF16/F32/F16, or MXFP4) and narrowed to the path's type, so host memory stays bounded by one
+// block; a BF16 matrix bound for the BF16 path is copied as is.
+#ifdef K3_HAVE_CUDA
+#include <algorithm>
+
+#include "core/error.h"
+#include "model/cuda/cuda_model_impl.h"
+
+namespace k3::gpu {
+
+namespace {
+
+constexpr int64_t kBlockElems = int64_t(1) << 22;  // host staging: 4M elements per upload
+
+// Writes W's rows, converted to the path's type, at dst (device) contiguously.
+void upload_rows(uint8_t* dst, const WeightRef& w, GpuPrecision p) {
+  const bool exact = p == GpuPrecision::F32;
+  const size_t esize = exact ? sizeof(double) : sizeof(bf16);
+  if (!exact && w.format == WeightRef::Format::BF16) {
+    cuda::copy_to_device(dst, w.data, size_t(w.rows * w.cols) * esize);
+    return;
+  }
+  const int64_t block_rows = std::max<int64_t>(1, kBlockElems / std::max<int64_t>(1, w.cols));
+  std::vector<float> f32;
+  std::vector<double> f64;
+  std::vector<bf16> b16;
+  for (int64_t r0 = 0; r0 < w.rows; r0 += block_rows) {
+    const int64_t n = std::min(block_rows, w.rows - r0), len = n * w.cols;
+    f32.resize(size_t(len));
+    w.rows_to_f32(f32.data(), r0, n);
+    uint8_t* at = dst + size_t(r0 * w.cols) * esize;
+    if (exact) {
+      f64.assign(f32.begin(), f32.end());
+      cuda::copy_to_device(at, f64.data(), size_t(len) * esize);
+    } else {
+      b16.resize(size_t(len));
+      for (int64_t i = 0; i < len; ++i) b16[size_t(i)] = f32_to_bf16(f32[size_t(i)]);
+      cuda::copy_to_device(at, b16.data(), size_t(len) * esize);
+    }
+  }
+}
+
+size_t matrix_bytes(const WeightRef& w, GpuPrecision p) {
+  return size_t(w.rows * w.cols) * (p == GpuPrecision::F32 ? sizeof(double) : sizeof(bf16));
+}
+
+class Uploader {
+ public:
+  explicit Uploader(GpuPrecision p) : p_(p) {}
+  size_t bytes = 0;
+
+  DevMatrix matrix(const WeightRef& w) {
+    DevMatrix m;
+    if (w.empty()) return m;
+    m.rows = w.rows;
+    m.cols = w.cols;
+    m.buf = cuda::DeviceBuffer<uint8_t>(matrix_bytes(w, p_));
+    upload_rows(m.buf.data(), w, p_);
+    bytes += m.buf.size();
+    return m;
+  }
+
+  DevVector vec(const std::vector<float>& v) {
+    DevVector d(v.data(), v.size());
+    bytes += v.size() * sizeof(float);
+    return d;
+  }
+
+  // Stacks one Linear of every expert: pick(e) is expert e's weight.
+  template <class Pick>
+  DevExperts experts(int64_t E, Pick pick) {
+    DevExperts x;
+    const WeightRef& w0 = pick(0);
+    x.rows = w0.rows;
+    x.cols = w0.cols;
+    x.mxfp4 = p_ == GpuPrecision::BF16 && w0.format == WeightRef::Format::MXFP4;
+    if (x.mxfp4) {
+      const size_t pb = size_t(w0.rows * w0.cols / 2), sb = size_t(w0.rows * w0.cols / 32);
+      x.data = cuda::DeviceBuffer<uint8_t>(pb * size_t(E));
+      x.scales = cuda::DeviceBuffer<uint8_t>(sb * size_t(E));
+      for (int64_t e = 0; e < E; ++e) {
+        const WeightRef& w = pick(e);
+        K3_CHECK(w.format == WeightRef::Format::MXFP4, "GPU upload: expert ", e, " is not MXFP4 while expert 0 is");
+        cuda::copy_to_device(x.data.data() + pb * size_t(e), w.data, pb);
+        cuda::copy_to_device(x.scales.data() + sb * size_t(e), w.scales, sb);
+      }
+      const std::string why = moe::cuda::gemm_can_run(x.linear());
+      K3_CHECK(why.empty(), "GPU upload: routed experts: ", why);
+    } else {
+      const size_t one = matrix_bytes(w0, p_);
+      x.data = cuda::DeviceBuffer<uint8_t>(one * size_t(E));
+      for (int64_t e = 0; e < E; ++e) upload_rows(x.data.data() + one * size_t(e), pick(e), p_);
+      if (p_ == GpuPrecision::BF16) {
+        const std::string why = moe::cuda::gemm_can_run(x.linear());
+        K3_CHECK(why.empty(), "GPU upload: routed experts: ", why);
+      }
+    }
+    bytes += x.data.size() + x.scales.size();
+    return x;
+  }
+
+  GluDev glu(const GluFfnWeights& w) { return GluDev{matrix(w.gate_proj), matrix(w.up_proj), matrix(w.down_proj)}; }
+
+ private:
+  GpuPrecision p_;
+};
+
+}  // namespace
+
+moe::cuda::ExpertLinear DevExperts::linear() const {
+  return mxfp4 ? moe::cuda::ExpertLinear::mxfp4_stacked(data.data(), scales.data(), rows, cols)
+               : moe::cuda::ExpertLinear::bf16_stacked(reinterpret_cast<const bf16*>(data.data()), rows, cols);
+}
+
+const double* DevExperts::expert_f64(int64_t e) const {
+  return reinterpret_cast<const double*>(data.data()) + e * rows * cols;
+}
+
+WeightsDev upload_weights(const K3Config& c, const ModelWeights& w, GpuPrecision p) {
+  Uploader up(p);
+  WeightsDev d;
+  {  // the embedding table: the gather reads bf16 (BF16 path) or fp32 rows
+    const WeightRef& e = w.embed_tokens;
+    const bool exact = p == GpuPrecision::F32;
+    d.embed = cuda::DeviceBuffer<uint8_t>(size_t(e.rows * e.cols) * (exact ? 4 : 2));
+    const int64_t block_rows = std::max<int64_t>(1, kBlockElems / e.cols);
+    std::vector<float> f32;
+    std::vector<bf16> b16;
+    for (int64_t r0 = 0; r0 < e.rows; r0 += block_rows) {
+      const int64_t n = std::min(block_rows, e.rows - r0), len = n * e.cols;
+      f32.resize(size_t(len));
+      e.rows_to_f32(f32.data(), r0, n);
+      if (exact) {
+        cuda::copy_to_device(d.embed.data() + size_t(r0 * e.cols) * 4, f32.data(), size_t(len) * 4);
+      } else {
+        b16.resize(size_t(len));
+        for (int64_t i = 0; i < len; ++i) b16[size_t(i)] = f32_to_bf16(f32[size_t(i)]);
+        cuda::copy_to_device(d.embed.data() + size_t(r0 * e.cols) * 2, b16.data(), size_t(len) * 2);
+      }
+    }
+    up.bytes += d.embed.size();
+  }
+  d.lm_head = up.matrix(w.lm_head);
+  d.norm = up.vec(w.norm);
+  d.output_res_query = up.vec(w.output_res_query);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& L = w.layers[size_t(l)];
+    LayerDev D;
+    D.input_layernorm = up.vec(L.input_layernorm);
+    D.post_attention_layernorm = up.vec(L.post_attention_layernorm);
+    D.attn_res_query = up.vec(L.attn_res_query);
+    D.mlp_res_query = up.vec(L.mlp_res_query);
+    if (L.kind == AttnKind::KDA) {
+      const KdaWeights& k = L.kda;
+      D.kda = KdaDev{up.matrix(k.q_proj), up.matrix(k.k_proj), up.matrix(k.v_proj), up.matrix(k.f_a_proj),
+                     up.matrix(k.f_b_proj), up.matrix(k.b_proj), up.matrix(k.g_proj), up.matrix(k.o_proj),
+                     up.vec(k.q_conv),      up.vec(k.k_conv),      up.vec(k.v_conv),   up.vec(k.A_log),
+                     up.vec(k.dt_bias),     up.vec(k.o_norm)};
+    } else {
+      const MlaWeights& m = L.mla;
+      D.mla = MlaDev{up.matrix(m.q_a_proj), up.matrix(m.q_b_proj), up.matrix(m.q_proj), up.matrix(m.kv_a_proj_with_mqa),
+                     up.matrix(m.kv_b_proj), up.matrix(m.g_proj), up.matrix(m.o_proj), up.vec(m.q_a_layernorm),
+                     up.vec(m.kv_a_layernorm)};
+    }
+    if (L.is_moe) {
+      const MoeWeights& m = L.moe;
+      D.moe.router = up.matrix(m.router);
+      D.moe.router_bias = up.vec(m.router_bias);
+      D.moe.latent_down = up.matrix(m.latent_down);
+      D.moe.latent_up = up.matrix(m.latent_up);
+      D.moe.latent_norm = up.vec(m.latent_norm);
+      const int64_t E = c.num_experts;
+      D.moe.w1 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w1; });
+      D.moe.w3 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w3; });
+      D.moe.w2 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w2; });
+      D.moe.shared = up.glu(m.shared);
+    } else {
+      D.dense = up.glu(L.dense);
+    }
+    d.layers.push_back(std::move(D));
+  }
+  d.bytes = up.bytes;
+  return d;
+}
+
+}  // namespace k3::gpu
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,146 @@
+// FFN blocks on the GPU: the CUDA twin of model/ffn_layer.cpp. Dense SiTU-GLU MLP, and Stable
+// LatentMoE: fp32 sigmoid router on the full-width x̂ with biased top-k, latent down-projection,
+// routed experts, fp32 weighted sum, RMSNorm of the aggregate, up-projection, plus shared experts.
+//   BF16 path: device dispatch + the grouped GEMMs with SiTU fused (moe_cuda.h), no host round trip.
+//   F32 path: the routing comes to the host and each chosen expert runs as exact GEMMs on its
+//             gathered rows, experts in ascending order, so every token's aggregate sums in the
+//             CPU's order.
+#ifdef K3_HAVE_CUDA
+#include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/ffn/glu_cuda.h"
+#include "kernels/norm/norm_cuda.h"
+#include "model/cuda/cuda_model_impl.h"
+
+namespace k3::gpu {
+
+namespace {
+
+GluParams glu_params(const K3Config& c) {
+  return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
+}
+
+// out[N, down.rows] fp32 = down( act(gate x, up x) ).
+template <class T>
+void glu_mlp(Run& r, float* out, const T* x, int64_t N, const GluDev& w) {
+  const int64_t I = w.gate_proj.rows;
+  T* g = r.arena.take<T>(N * I);
+  T* u = r.arena.take<T>(N * I);
+  linear<T>(r, g, x, N, w.gate_proj);
+  linear<T>(r, u, x, N, w.up_proj);
+  ffn::cuda::GluLaunch gl;
+  gl.out = g, gl.out_type = dtype_of<T>(), gl.gate = g, gl.up = u, gl.in_type = dtype_of<T>();
+  gl.rows = N, gl.cols = I, gl.act = glu_params(r.c);
+  ffn::cuda::glu_forward(gl);
+  linear_f32_out<T>(r, out, g, N, w.down_proj);
+}
+
+// The F32 path's routed experts: u [N, lat] = Σ_k w[t,k] expert_{idx[t,k]}(z[t]).
+void experts_exact(Run& r, float* u, const float* z, const int32_t* idx_dev, const float* wt_dev, int64_t N,
+                   const MoeDev& w) {
+  const K3Config& c = r.c;
+  const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
+  const int64_t I = w.w1.rows;
+  std::vector<int32_t> idx(size_t(N * K));
+  std::vector<float> wt(size_t(N * K));
+  cuda::copy_to_host(idx.data(), idx_dev, idx.size() * 4);
+  cuda::copy_to_host(wt.data(), wt_dev, wt.size() * 4);
+  // Rows grouped by expert (ascending), tokens ascending within an expert: the CPU's order.
+  std::vector<int64_t> count(size_t(E) + 1, 0);
+  for (int32_t e : idx) {
+    K3_CHECK(e >= 0 && e < E, "GPU MoE: router chose expert ", e, " of ", E);
+    ++count[size_t(e) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[size_t(e) + 1] += count[size_t(e)];
+  std::vector<int32_t> tok(idx.size());
+  std::vector<float> a(idx.size());
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = idx[size_t(t * K + k)], at = fill[size_t(e)]++;
+      tok[size_t(at)] = int32_t(t);
+      a[size_t(at)] = wt[size_t(t * K + k)];
+    }
+  int32_t* tok_dev = r.arena.take<int32_t>(N * K);
+  float* a_dev = r.arena.take<float>(N * K);
+  cuda::copy_to_device(tok_dev, tok.data(), tok.size() * 4);
+  cuda::copy_to_device(a_dev, a.data(), a.size() * 4);
+
+  const int64_t maxn = N;  // an expert gets each token at most once
+  float* zin = r.arena.take<float>(maxn * lat);
+  float* g = r.arena.take<float>(maxn * I);
+  float* up = r.arena.take<float>(maxn * I);
+  float* y = r.arena.take<float>(maxn * lat);
+  cuda::zero_on_device(u, size_t(N * lat) * 4);
+  const GluParams gp = glu_params(c);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = count[size_t(e)], ne = count[size_t(e) + 1] - r0;
+    if (ne == 0) continue;
+    elementwise::cuda::gather_rows(zin, z, tok_dev + r0, ne, lat);
+    gemm::cuda::linear_exact(r.gemm, g, I, zin, lat, w.w1.expert_f64(e), ne, I, lat);
+    gemm::cuda::linear_exact(r.gemm, up, I, zin, lat, w.w3.expert_f64(e), ne, I, lat);
+    ffn::cuda::glu_forward(g, g, up, ne * I, gp);
+    gemm::cuda::linear_exact(r.gemm, y, lat, g, I, w.w2.expert_f64(e), ne, lat, I);
+    elementwise::cuda::scatter_add_rows(u, y, tok_dev + r0, a_dev + r0, ne, lat);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void dense_ffn_forward(Run& r, float* out, const T* x, int64_t N, const GluDev& w) {
+  glu_mlp<T>(r, out, x, N, w);
+}
+
+template <class T>
+void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, const MoeDev& w) {
+  const K3Config& c = r.c;
+  const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size, D = c.hidden_size;
+
+  float* logits = r.arena.take<float>(N * E);
+  linear_f32_out<T>(r, logits, x, N, w.router);
+  int32_t* idx = r.arena.take<int32_t>(N * K);
+  float* wt = r.arena.take<float>(N * K);
+  const moe::RouterParams rp{E, K, c.use_grouped_topk ? c.num_expert_group : 1, c.use_grouped_topk ? c.topk_group : 1,
+                             c.moe_renormalize, c.routed_scaling_factor};
+  moe::cuda::router_forward(idx, wt, logits, w.router_bias.data(), N, rp);
+  if (r.hooks && r.hooks->topk) {
+    std::vector<int32_t> h(size_t(N * K));
+    cuda::copy_to_host(h.data(), idx, h.size() * 4);
+    r.hooks->topk(layer, h.data(), N, K);
+  }
+
+  T* z = r.arena.take<T>(N * lat);
+  linear<T>(r, z, x, N, w.latent_down);
+  float* u = r.arena.take<float>(N * lat);  // fp32 aggregate of the routed experts
+  if constexpr (std::is_same_v<T, float>) {
+    experts_exact(r, u, z, idx, wt, N, w);
+  } else {
+    r.dispatch->build(idx, N);
+    bf16* h = r.arena.take<bf16>(N * K * w.w1.rows);
+    bf16* y = r.arena.take<bf16>(N * K * lat);
+    moe::cuda::experts_forward(u, h, y, z, wt, *r.dispatch, w.w1.linear(), w.w3.linear(), w.w2.linear(),
+                               glu_params(c));
+  }
+  if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
+  if constexpr (std::is_same_v<T, float>) {
+    linear_f32_out<T>(r, out, u, N, w.latent_up);
+  } else {
+    bf16* u16 = r.arena.take<bf16>(N * lat);
+    elementwise::cuda::copy_rows(u16, DType::BF16, N * lat, u, DType::F32, N * lat, 1, N * lat);
+    linear_f32_out<T>(r, out, u16, N, w.latent_up);
+  }
+  if (!w.shared.empty()) {
+    float* sh = r.arena.take<float>(N * D);
+    glu_mlp<T>(r, sh, x, N, w.shared);
+    elementwise::cuda::add_inplace(out, sh, N * D);
+  }
+}
+
+template void dense_ffn_forward<float>(Run&, float*, const float*, int64_t, const GluDev&);
+template void dense_ffn_forward<bf16>(Run&, float*, const bf16*, int64_t, const GluDev&);
+template void moe_ffn_forward<float>(Run&, float*, const float*, int64_t, int64_t, const MoeDev&);
+template void moe_ffn_forward<bf16>(Run&, float*, const bf16*, int64_t, int64_t, const MoeDev&);
+
+}  // namespace k3::gpu
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,82 @@
+// KDA attention block on the GPU: the CUDA twin of model/kda_layer.cpp, step for step.
+#ifdef K3_HAVE_CUDA
+#include <cmath>
+
+#include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/kda/kda_cuda.h"
+#include "model/cuda/cuda_model_impl.h"
+
+namespace k3::gpu {
+
+template <class T>
+void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
+                           const KdaDev& w) {
+  const K3Config& c = r.c;
+  const int64_t H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D, K = c.short_conv_kernel_size;
+  const bool exact = r.precision == GpuPrecision::F32;
+  T* qp = r.arena.take<T>(N * HD);
+  T* kp = r.arena.take<T>(N * HD);
+  T* vp = r.arena.take<T>(N * HD);
+  linear<T>(r, qp, x, N, w.q_proj);
+  linear<T>(r, kp, x, N, w.k_proj);
+  linear<T>(r, vp, x, N, w.v_proj);
+
+  T* q = r.arena.take<T>(N * HD);
+  T* k = r.arena.take<T>(N * HD);
+  T* v = r.arena.take<T>(N * HD);
+  for (const SegmentDev& s : segs) {
+    KdaCacheDev& lc = s.cache->kda[size_t(layer)];
+    const int64_t o = s.row0 * HD;
+    kda::cuda::short_conv_silu(q + o, qp + o, 1, s.n, HD, w.q_conv.data(), int(K), lc.q_tail.data());
+    kda::cuda::short_conv_silu(k + o, kp + o, 1, s.n, HD, w.k_conv.data(), int(K), lc.k_tail.data());
+    kda::cuda::short_conv_silu(v + o, vp + o, 1, s.n, HD, w.v_conv.data(), int(K), lc.v_tail.data());
+  }
+  kda::cuda::l2norm_heads(q, N, H, D, 1e-6f);
+  kda::cuda::l2norm_heads(k, N, H, D, 1e-6f);
+
+  float* beta = r.arena.take<float>(N * H);
+  linear_f32_out<T>(r, beta, x, N, w.b_proj);
+  elementwise::cuda::sigmoid_inplace(beta, N * H);
+
+  T* fa = r.arena.take<T>(N * D);
+  float* g = r.arena.take<float>(N * HD);
+  linear<T>(r, fa, x, N, w.f_a_proj);
+  linear<T>(r, qp, fa, N, w.f_b_proj);  // z (reuses qp)
+  kda::cuda::gate_forward(g, qp, w.A_log.data(), w.dt_bias.data(), c.gate_lower_bound, N, H, D);
+
+  // Prefill runs the chunked tensor-core form; decode steps (and anything under one chunk) the fused
+  // recurrence. The F32 path always takes the recurrence: plain fp32 FMAs token by token, where the
+  // chunked fp32 form splits operands into bf16 pairs (~2^-16 per product, kda_cuda.h), which the
+  // fixtures' AttnRes cancellations would amplify past 1e-4 (docs/NUMERICS.md).
+  T* o = kp;  // reuses kp
+  for (const SegmentDev& s : segs) {
+    KdaCacheDev& lc = s.cache->kda[size_t(layer)];
+    kda::cuda::KdaParams p;
+    p.B = 1, p.T = s.n, p.H = H, p.D = int(D);
+    p.scale = 1.0f / std::sqrt(float(D));
+    p.in_dtype = p.out_dtype = dtype_of<T>();
+    p.q = q + s.row0 * HD, p.k = k + s.row0 * HD, p.v = v + s.row0 * HD, p.o = o + s.row0 * HD;
+    p.g = g + s.row0 * HD, p.beta = beta + s.row0 * H;
+    p.state_in = lc.state.data(), p.state_out = lc.state.data();
+    if (exact || s.n < kda::cuda::kChunk) {
+      kda::cuda::kda_recurrent_forward(p);
+    } else {
+      p.workspace_bytes = kda::cuda::kda_chunk_workspace_bytes(1, s.n, H, p.in_dtype, D);
+      p.workspace = r.arena.take_bytes(p.workspace_bytes);
+      kda::cuda::kda_chunk_forward(p);
+    }
+  }
+
+  linear<T>(r, vp, x, N, w.g_proj);  // output gate pre-activation (reuses vp)
+  kda::cuda::gated_rmsnorm(o, o, vp, w.o_norm.data(), float(c.rms_norm_eps), N, H, D);
+  linear_f32_out<T>(r, out, o, N, w.o_proj);
+}
+
+template void kda_attention_forward<float>(Run&, float*, const float*, int64_t, const std::vector<SegmentDev>&, int64_t,
+                                           const KdaDev&);
+template void kda_attention_forward<bf16>(Run&, float*, const bf16*, int64_t, const std::vector<SegmentDev>&, int64_t,
+                                          const KdaDev&);
+
+}  // namespace k3::gpu
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,138 @@
+// Gated MLA block on the GPU: the CUDA twin of model/mla_layer.cpp. New rows' [latent | k_rot] are
+// appended to each sequence's device cache; attention then reads the cache in one of two forms:
+//   expanded (prefill, and every call of the F32 path): kv_b applied to all cached latents, then the
+//            flash prefill kernel (BF16) or the fp64 exact kernel (F32);
+//   absorbed (BF16 decode, when the new tokens are under a quarter of the cache): q_lat = W_kbᵀ q_nope
+//            per head (one batched GEMM), the split-K latent decode kernel, then W_vb per head.
+#ifdef K3_HAVE_CUDA
+#include <algorithm>
+
+#include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/mla/mla_cuda.h"
+#include "kernels/norm/norm_cuda.h"
+#include "model/cuda/cuda_model_impl.h"
+
+namespace k3::gpu {
+
+namespace {
+
+// Room for `need` rows in the cache (grown geometrically; old rows kept).
+void reserve_rows(MlaCacheDev& mc, int64_t need, int64_t ldc, size_t esize) {
+  if (need <= mc.capacity) return;
+  const int64_t cap = std::max<int64_t>({need, 2 * mc.capacity, 64});
+  cuda::DeviceBuffer<uint8_t> grown(size_t(cap * ldc) * esize);
+  cuda::copy_on_device(grown.data(), mc.rows.data(), size_t(mc.capacity * ldc) * esize);
+  mc.rows = std::move(grown);
+  mc.capacity = cap;
+}
+
+// The BF16 path's batched per-head product of the absorbed form: y_h[n, N] = x_h[n, K] · op(W_h) for
+// every head h, where W_h sits at kv_b + w_row0(h)·R.
+void per_head_linear(Run& r, bf16* y, int64_t ld_y, int64_t stride_y, const bf16* x, int64_t ld_x, int64_t stride_x,
+                     int64_t n, int64_t K, int64_t Nout, const bf16* w, int64_t ld_w, int64_t stride_w, bool w_in_out,
+                     int64_t heads) {
+  gemm::cuda::LinearParams p;
+  p.y = y, p.y_type = DType::BF16, p.ld_y = ld_y, p.stride_y = stride_y;
+  p.x = x, p.ld_x = ld_x, p.stride_x = stride_x;
+  p.w = w, p.ld_w = ld_w, p.stride_w = stride_w, p.w_in_out = w_in_out;
+  p.in_type = DType::BF16, p.M = n, p.N = Nout, p.K = K, p.batch = heads;
+  gemm::cuda::linear_forward(r.gemm, p);
+}
+
+}  // namespace
+
+template <class T>
+void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
+                           const MlaDev& w) {
+  const K3Config& c = r.c;
+  const mla::Dims d{c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank};
+  const int64_t H = d.H, dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv, lrow = d.R + d.Dr, ldc = r.mla_ldc;
+  const bool exact = r.precision == GpuPrecision::F32;
+  constexpr DType act = dtype_of<T>();
+
+  T* q = r.arena.take<T>(N * H * dq);  // [N, H, Dn + Dr]
+  if (!w.q_a_proj.empty()) {
+    T* qa = r.arena.take<T>(N * c.q_lora_rank);
+    linear<T>(r, qa, x, N, w.q_a_proj);
+    norm::cuda::RmsNormParams np;
+    np.y = qa, np.y_type = act, np.x = qa, np.x_type = act, np.weight = w.q_a_layernorm.data();
+    np.eps = float(c.mla_norm_eps), np.N = N, np.D = c.q_lora_rank;
+    norm::cuda::rmsnorm_forward(np);
+    linear<T>(r, q, qa, N, w.q_b_proj);
+  } else {
+    linear<T>(r, q, x, N, w.q_proj);
+  }
+  float* ckv = r.arena.take<float>(N * lrow);  // [N, R + Dr]: the latent normalised in place, k_rot as is
+  linear_f32_out<T>(r, ckv, x, N, w.kv_a_proj_with_mqa);
+  {
+    norm::cuda::RmsNormParams np;
+    np.y = ckv, np.y_type = DType::F32, np.ld_y = lrow, np.x = ckv, np.x_type = DType::F32, np.ld_x = lrow;
+    np.weight = w.kv_a_layernorm.data(), np.eps = float(c.mla_norm_eps), np.N = N, np.D = d.R;
+    norm::cuda::rmsnorm_forward(np);
+  }
+
+  T* o = r.arena.take<T>(N * H * d.Dv);  // [N, H, Dv]
+  for (const SegmentDev& s : segs) {
+    MlaCacheDev& mc = s.cache->mla[size_t(layer)];
+    const int64_t p0 = s.cache->length, Tc = p0 + s.n;
+    reserve_rows(mc, Tc, ldc, sizeof(T));
+    T* rows = reinterpret_cast<T*>(mc.rows.data());
+    elementwise::cuda::copy_rows(rows + p0 * ldc, act, ldc, ckv + s.row0 * lrow, DType::F32, lrow, s.n, lrow);
+    const T* qs = q + s.row0 * H * dq;
+    T* os = o + s.row0 * H * d.Dv;
+
+    if constexpr (std::is_same_v<T, float>) {  // the F32 path: expanded, in fp64
+      double* kvh = r.arena.take<double>(Tc * H * dkv);
+      gemm::cuda::linear_exact_f64(r.gemm, kvh, H * dkv, rows, ldc, w.kv_b_proj.as<double>(), Tc, H * dkv, d.R);
+      mla::cuda::ExactParams ep;
+      ep.o = os, ep.q = qs, ep.kvh = kvh, ep.cache = rows, ep.ldc = ldc, ep.d = d, ep.n = s.n, ep.p0 = p0;
+      mla::cuda::attention_expanded_exact(ep);
+      (void)exact;
+    } else if (s.n * 4 >= Tc) {  // BF16 expanded: keys and values of every cached position
+      bf16* kvh = r.arena.take<bf16>(Tc * H * dkv);
+      linear<T>(r, kvh, DType::BF16, H * dkv, rows, ldc, Tc, w.kv_b_proj);
+      bf16* kk = r.arena.take<bf16>(Tc * H * dq);  // [Tc, H, Dn + Dr]
+      bf16* vv = r.arena.take<bf16>(Tc * H * d.Dv);
+      elementwise::cuda::copy_rows(kk, act, dq, kvh, act, dkv, Tc * H, d.Dn);
+      elementwise::cuda::copy_rows(vv, act, d.Dv, kvh + d.Dn, act, dkv, Tc * H, d.Dv);
+      for (int64_t h = 0; h < H; ++h)  // k_rot is shared by the heads
+        elementwise::cuda::copy_rows(kk + h * dq + d.Dn, act, H * dq, rows + d.R, act, ldc, Tc, d.Dr);
+      mla::cuda::PrefillParams pp;
+      pp.q = qs, pp.k = kk, pp.v = vv, pp.o = os, pp.o_type = mla::cuda::Dtype::BF16, pp.d = d;
+      pp.B = 1, pp.n = s.n, pp.p0 = p0;
+      mla::cuda::prefill(pp);
+    } else {  // BF16 absorbed (decode)
+      const bf16* kvb = w.kv_b_proj.as<bf16>();
+      bf16* q_lat = r.arena.take<bf16>(s.n * H * d.R);  // [n, H, R]
+      per_head_linear(r, q_lat, H * d.R, d.R, qs, H * dq, dq, s.n, d.Dn, d.R, kvb, d.R, dkv * d.R, true, H);
+      bf16* q_rot = r.arena.take<bf16>(s.n * H * d.Dr);
+      elementwise::cuda::copy_rows(q_rot, act, d.Dr, qs + d.Dn, act, dq, s.n * H, d.Dr);
+      float* o_lat = r.arena.take<float>(s.n * H * d.R);
+      mla::cuda::DecodeParams dp;
+      dp.q_lat = q_lat, dp.q_rot = q_rot, dp.q_type = mla::cuda::Dtype::BF16;
+      dp.cache = rows, dp.ldc = ldc, dp.o_lat = o_lat, dp.d = d, dp.B = 1, dp.n = s.n, dp.p0 = p0;
+      dp.workspace_bytes = mla::cuda::decode_workspace_bytes(dp);
+      dp.workspace = dp.workspace_bytes ? r.arena.take_bytes(dp.workspace_bytes) : nullptr;
+      mla::cuda::decode(dp);
+      bf16* o_lat16 = r.arena.take<bf16>(s.n * H * d.R);
+      elementwise::cuda::copy_rows(o_lat16, act, s.n * H * d.R, o_lat, DType::F32, s.n * H * d.R, 1, s.n * H * d.R);
+      per_head_linear(r, os, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, s.n, d.R, d.Dv, kvb + d.Dn * d.R, d.R, dkv * d.R,
+                      false, H);
+    }
+  }
+  if (!w.g_proj.empty()) {
+    T* gate = r.arena.take<T>(N * H * d.Dv);
+    linear<T>(r, gate, x, N, w.g_proj);
+    elementwise::cuda::mul_sigmoid(o, gate, N * H * d.Dv);
+  }
+  linear_f32_out<T>(r, out, o, N, w.o_proj);
+}
+
+template void mla_attention_forward<float>(Run&, float*, const float*, int64_t, const std::vector<SegmentDev>&, int64_t,
+                                           const MlaDev&);
+template void mla_attention_forward<bf16>(Run&, float*, const bf16*, int64_t, const std::vector<SegmentDev>&, int64_t,
+                                          const MlaDev&);
+
+}  // namespace k3::gpu
+#endif  // K3_HAVE_CUDA

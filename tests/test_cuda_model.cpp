@@ -1,0 +1,356 @@
+// The whole K3 model on the GPU (model/cuda/cuda_model.h). Truths:
+//   - the golden k3-tiny-a fixture (Moonshot's float64 reference) for the F32 path: logits of every
+//     input at the CPU's bar (1e-4), every layer's block outputs and routed experts, the greedy
+//     continuation, and the MXFP4 model;
+//   - the F32 path itself for the BF16 path, layer by layer up to the first routing flip (the
+//     fixtures README: a random model's top-k routing is chaotic, so bf16 noise flips near ties);
+//   - full recomputation for cached decoding (the prompt through the chunked KDA and flash MLA
+//     prefill, new tokens through the recurrence and the absorbed split-K decode), on the fixture in
+//     F32 and on a dense (router-free) random model in BF16, where no routing can flip;
+//   - each sequence alone for a batch of sequences.
+// Skipped without a Hopper GPU or a CUDA build.
+//
+// BF16 bar. The BF16 path rounds activations to bf16 where they enter a GEMM or a tensor-core kernel
+// (unit roundoff 2^-9, RMS relative error 2^-9/sqrt(3) = 1.1e-3 per rounding); the fixture's weights
+// are bf16 already, so both paths multiply the same weights. A block output passes ~5 such roundings
+// in sequence and inherits the residual stream's error from the blocks before it (8 layers, 16
+// blocks): sqrt(40) x 1.1e-3 = 7e-3 if the errors add at random. The bar, 2e-2, is that estimate with
+// a factor of 3 for the amplification a random model can add; a real bug (a wrong scale, a dropped
+// tail, a mis-assigned head) moves these outputs by O(1).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+#include "model/cuda/cuda_model.h"
+#include "model/generate.h"
+#include "model/init_random.h"
+#include "model/sampler.h"
+#include "util/cli.h"
+#include "util/cuda_test.h"
+#include "util/fixture.h"
+#include "util/temp_dir.h"
+
+using namespace k3;
+using k3test::fixture;
+using k3test::golden;
+using k3test::golden_row;
+using k3test::golden_rows;
+using k3test::rel_l2;
+
+namespace {
+
+constexpr double kFixtureBar = 1e-4;  // fixtures README: logits and per-layer outputs of an fp32 engine
+constexpr double kBf16Bar = 2e-2;     // see the header comment
+
+CudaModel& gpu_tiny(GpuPrecision p, bool mxfp4 = false) {
+  static std::map<std::pair<int, bool>, std::unique_ptr<CudaModel>> models;
+  auto& m = models[{int(p), mxfp4}];
+  if (!m)
+    m = mxfp4 ? CudaModel::load(fixture("k3-tiny-a/config-mxfp4.json"), fixture("k3-tiny-a/model-mxfp4.safetensors"), p)
+              : CudaModel::load(fixture("k3-tiny-a/config.json"), fixture("k3-tiny-a/model.safetensors"), p);
+  return *m;
+}
+
+std::vector<float> forward_fresh(CudaModel& m, const std::vector<std::vector<int32_t>>& rows, bool all = true,
+                                 const ForwardHooks* hooks = nullptr) {
+  std::vector<std::unique_ptr<CudaSequenceCache>> caches;
+  std::vector<CudaSequenceCache*> ptrs;
+  for (size_t b = 0; b < rows.size(); ++b) caches.push_back(m.new_cache());
+  for (auto& c : caches) ptrs.push_back(c.get());
+  return m.forward(ptrs, rows, all, hooks);
+}
+
+// Every block output and routing decision of one forward, by fixture name.
+struct Trace {
+  std::map<std::string, std::vector<float>> tensors;           // attn_out.L, ffn_out.L
+  std::map<int64_t, std::vector<std::set<int32_t>>> experts;  // layer -> per token, the chosen set
+  ForwardHooks hooks() {
+    ForwardHooks h;
+    h.tensor = [this](const char* name, int64_t l, const float* p, int64_t rows, int64_t cols) {
+      tensors[std::string(name) + "." + std::to_string(l)] = std::vector<float>(p, p + rows * cols);
+    };
+    h.topk = [this](int64_t l, const int32_t* idx, int64_t rows, int64_t k) {
+      auto& v = experts[l];
+      v.clear();
+      for (int64_t t = 0; t < rows; ++t) v.emplace_back(idx + t * k, idx + (t + 1) * k);
+    };
+    return h;
+  }
+};
+
+Trace trace(CudaModel& m, const std::vector<int32_t>& ids) {
+  Trace t;
+  const ForwardHooks h = t.hooks();
+  forward_fresh(m, {ids}, true, &h);
+  return t;
+}
+
+int32_t argmax_row(const float* x, int64_t n) { return int32_t(std::max_element(x, x + n) - x); }
+
+// ---------------------------------------------------------------------------------------------
+// F32 path against the float64 golden fixture
+// ---------------------------------------------------------------------------------------------
+
+TEST(CudaModelF32, FixtureLogitsEveryInput) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::F32);
+  for (const char* name : {"ids_a", "ids_b", "ids_long"}) {
+    const std::vector<float> got = forward_fresh(m, golden_rows(name));
+    const double err = rel_l2(got, golden().read_f32(std::string("logits_") + name));
+    std::printf("GPU f32 %-8s logits vs float64 golden: rel L2 %.3e\n", name, err);
+    EXPECT_LE(err, kFixtureBar) << name;
+  }
+}
+
+TEST(CudaModelF32, FixtureMxfp4Logits) {
+  K3_REQUIRE_GPU();
+  const std::vector<float> got = forward_fresh(gpu_tiny(GpuPrecision::F32, true), golden_rows("ids_a"));
+  const double err = rel_l2(got, golden().read_f32("logits_mxfp4_ids_a"));
+  std::printf("GPU f32 MXFP4 ids_a logits vs golden: rel L2 %.3e\n", err);
+  EXPECT_LE(err, kFixtureBar);
+}
+
+TEST(CudaModelF32, FixtureEveryLayerAndRouting) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::F32);
+  Trace t = trace(m, golden_row("ids_a"));
+  const int64_t L = m.config().num_hidden_layers;
+  for (int64_t l = 0; l < L; ++l) {
+    for (const char* kind : {"attn_out", "ffn_out"}) {
+      const std::string key = std::string(kind) + "." + std::to_string(l);
+      ASSERT_TRUE(t.tensors.count(key)) << key;
+      const double err = rel_l2(t.tensors[key], golden().read_f32(key));
+      EXPECT_LE(err, kFixtureBar) << key << ": rel L2 " << err;
+    }
+    if (!m.config().is_moe_layer(l)) continue;
+    const std::vector<int64_t> want = golden().read_i64("topk_idx." + std::to_string(l));
+    const int64_t K = m.config().num_experts_per_token;
+    ASSERT_EQ(t.experts[l].size() * size_t(K), want.size()) << "layer " << l;
+    for (size_t tok = 0; tok < t.experts[l].size(); ++tok) {
+      const std::set<int32_t> w(want.begin() + int64_t(tok) * K, want.begin() + int64_t(tok + 1) * K);
+      EXPECT_EQ(t.experts[l][tok], w) << "layer " << l << " token " << tok;
+    }
+  }
+}
+
+TEST(CudaModelF32, GreedyGenerateEqualsGolden) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::F32);
+  std::unique_ptr<CudaSequenceCache> cache = m.new_cache();
+  const AppendFn append = [&](const std::vector<int32_t>& t) { return m.forward({cache.get()}, {t}, false); };
+  Sampler greedy(SamplingParams{});
+  const std::vector<int32_t> want = golden_row("greedy_cached_ids_a");
+  GenerateResult r = generate(append, m.config(), golden_row("ids_a"), int64_t(want.size()), greedy);
+  EXPECT_EQ(r.tokens, want);
+  EXPECT_EQ(cache->length(), int64_t(golden_row("ids_a").size() + want.size() - 1));
+}
+
+// Prefill ids_a, then teacher-force the rest of ids_long one token at a time: every position's
+// logits against the golden full forward (the CPU's FixtureDecode test, on the GPU).
+TEST(CudaModelF32, TeacherForcedDecodeMatchesGolden) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::F32);
+  const std::vector<int32_t> ids = golden_row("ids_long");
+  std::unique_ptr<CudaSequenceCache> cache = m.new_cache();
+  std::vector<float> got = m.forward({cache.get()}, {std::vector<int32_t>(ids.begin(), ids.begin() + 37)}, true);
+  for (size_t t = 37; t < ids.size(); ++t) {
+    const std::vector<float> l = m.forward({cache.get()}, {{ids[t]}}, false);
+    got.insert(got.end(), l.begin(), l.end());
+  }
+  const double err = rel_l2(got, golden().read_f32("logits_ids_long"));
+  std::printf("GPU f32 ids_long teacher-forced decode vs golden: rel L2 %.3e\n", err);
+  EXPECT_LE(err, kFixtureBar);
+}
+
+// ---------------------------------------------------------------------------------------------
+// BF16 path against the F32 path, layer by layer up to the first routing flip
+// ---------------------------------------------------------------------------------------------
+
+void bf16_against_f32(bool mxfp4, const std::string& input) {
+  CudaModel& f = gpu_tiny(GpuPrecision::F32, mxfp4);
+  CudaModel& b = gpu_tiny(GpuPrecision::BF16, mxfp4);
+  const std::vector<int32_t> ids = golden_row(input);
+  Trace tf = trace(f, ids), tb = trace(b, ids);
+  const int64_t L = f.config().num_hidden_layers;
+  int64_t flip = L;  // first layer whose routing differs
+  for (int64_t l = 0; l < L && flip == L; ++l)
+    if (f.config().is_moe_layer(l) && tf.experts[l] != tb.experts[l]) flip = l;
+  int compared = 0;
+  for (int64_t l = 0; l <= std::min(flip, L - 1); ++l) {
+    for (const char* kind : {"attn_out", "ffn_out"}) {
+      if (l == flip && std::string(kind) == "ffn_out") break;  // the flipped layer's FFN differs by design
+      const std::string key = std::string(kind) + "." + std::to_string(l);
+      const double err = rel_l2(tb.tensors[key], tf.tensors[key]);
+      std::printf("GPU bf16 vs f32 (%s, %s) %-10s rel L2 %.3e\n", mxfp4 ? "mxfp4" : "bf16 experts", input.c_str(),
+                  key.c_str(), err);
+      EXPECT_LE(err, kBf16Bar) << key;
+      ++compared;
+    }
+  }
+  std::printf("GPU bf16 vs f32 (%s, %s): first routing flip at layer %lld of %lld\n", mxfp4 ? "mxfp4" : "bf16 experts",
+              input.c_str(), (long long)flip, (long long)L);
+  EXPECT_GE(compared, 3) << "routing flipped too early to compare anything";
+}
+
+TEST(CudaModelBF16, LayersMatchF32UpToFirstRoutingFlip) {
+  K3_REQUIRE_GPU();
+  bf16_against_f32(false, "ids_a");
+  bf16_against_f32(false, "ids_long");
+}
+
+TEST(CudaModelBF16, Mxfp4LayersMatchF32UpToFirstRoutingFlip) {
+  K3_REQUIRE_GPU();
+  bf16_against_f32(true, "ids_a");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cached decoding = full recomputation; batches = sequences alone
+// ---------------------------------------------------------------------------------------------
+
+// Prefill `prompt`, then decode `steps` greedy tokens, comparing each step with a full forward of the
+// sequence so far. A middle piece of `piece` tokens exercises multi-token appends. Returns the worst.
+double cached_vs_full(CudaModel& m, const std::vector<int32_t>& prompt, int64_t piece, int steps, double tol) {
+  const int64_t V = m.config().vocab_size;
+  std::unique_ptr<CudaSequenceCache> cache = m.new_cache();
+  std::vector<int32_t> seq = prompt;
+  std::vector<float> got = m.forward({cache.get()}, {prompt}, false);
+  if (piece > 0) {  // a multi-token append after the prefill
+    std::vector<int32_t> more;
+    for (int64_t i = 0; i < piece; ++i) more.push_back(int32_t((seq[size_t(i)] * 7 + 3) % V));
+    seq.insert(seq.end(), more.begin(), more.end());
+    got = m.forward({cache.get()}, {more}, false);
+  }
+  double worst = 0.0;
+  for (int step = 0;; ++step) {
+    const double err = rel_l2(got, forward_fresh(m, {seq}, false));
+    worst = std::max(worst, err);
+    EXPECT_LE(err, tol) << "step " << step << " (" << seq.size() << " tokens)";
+    if (step == steps) break;
+    seq.push_back(argmax_row(got.data(), V));
+    got = m.forward({cache.get()}, {{seq.back()}}, false);
+  }
+  EXPECT_EQ(cache->length(), int64_t(seq.size()));
+  return worst;
+}
+
+TEST(CudaModelF32, CachedDecodeEqualsFullRecomputation) {
+  K3_REQUIRE_GPU();
+  // Both run the same kernels (the recurrence, the exact MLA) on different row counts: the fp64 GEMMs
+  // round to fp32 the same way almost always; 1e-5 is the CPU's bar for the same comparison.
+  const double worst = cached_vs_full(gpu_tiny(GpuPrecision::F32), golden_row("ids_a"), 9, 24, 1e-5);
+  std::printf("GPU f32 cached decode vs full recomputation (fixture, 24 steps): worst rel L2 %.3e\n", worst);
+}
+
+// A router-free random model (every layer dense) for the BF16 path: cached decoding takes other
+// kernels than the full forward (recurrence vs chunks, absorbed vs expanded MLA), and without a
+// router their bf16 differences cannot flip a discrete decision.
+struct DenseModel {
+  k3test::TempDir dir{"cuda-dense"};
+  std::unique_ptr<CudaModel> bf16, f32;
+  DenseModel() {
+    std::ifstream in(fixture("k3-tiny-a/config.json"));
+    nlohmann::json j = nlohmann::json::parse(in);
+    auto& t = j["text_config"];
+    t["first_k_dense_replace"] = t["num_hidden_layers"];
+    const std::string input = (dir.path() / "input-config.json").string();
+    std::ofstream(input) << j.dump(2);
+    RandomInitOptions o;
+    o.seed = 77;
+    o.random_attnres_queries = true;
+    write_random_model(input, dir.path().string(), o);
+    bf16 = CudaModel::load(dir.path().string(), GpuPrecision::BF16);
+    f32 = CudaModel::load(dir.path().string(), GpuPrecision::F32);
+  }
+};
+DenseModel& dense() {
+  static DenseModel d;
+  return d;
+}
+
+std::vector<int32_t> tokens(int64_t n, int64_t V, uint64_t seed) {
+  std::vector<int32_t> t;
+  for (int64_t i = 0; i < n; ++i) t.push_back(int32_t((i * 2654435761u + seed * 97) % uint64_t(V)));
+  return t;
+}
+
+TEST(CudaModelBF16, CachedDecodeEqualsFullRecomputationDenseModel) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = *dense().bf16;
+  const double worst = cached_vs_full(m, tokens(40, m.config().vocab_size, 1), 8, 24, kBf16Bar);
+  std::printf("GPU bf16 cached decode vs full recomputation (dense random model, 24 steps): worst rel L2 %.3e\n", worst);
+}
+
+TEST(CudaModelBF16, MatchesF32DenseModel) {
+  K3_REQUIRE_GPU();
+  const std::vector<int32_t> ids = tokens(100, dense().f32->config().vocab_size, 2);
+  const double err = rel_l2(forward_fresh(*dense().bf16, {ids}), forward_fresh(*dense().f32, {ids}));
+  std::printf("GPU bf16 vs f32 logits (dense random model, 100 tokens): rel L2 %.3e\n", err);
+  EXPECT_LE(err, kBf16Bar);
+}
+
+TEST(CudaModel, BatchEqualsSequencesAlone) {
+  K3_REQUIRE_GPU();
+  for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
+    CudaModel& m = p == GpuPrecision::F32 ? gpu_tiny(p) : *dense().bf16;
+    const int64_t V = m.config().vocab_size;
+    const std::vector<std::vector<int32_t>> seqs = {tokens(37, V, 3), tokens(5, V, 4), tokens(20, V, 5)};
+    const std::vector<float> batched = forward_fresh(m, seqs, true);
+    int64_t r0 = 0;
+    for (const auto& s : seqs) {
+      const std::vector<float> alone = forward_fresh(m, {s}, true);
+      const std::vector<float> part(batched.begin() + r0 * V, batched.begin() + (r0 + int64_t(s.size())) * V);
+      // Same kernels per sequence; only the GEMMs see other row counts. bf16 GEMMs may pick another
+      // algorithm for another M (fp32 accumulation order), hence not bit equality.
+      EXPECT_LE(rel_l2(part, alone), p == GpuPrecision::F32 ? 1e-6 : 1e-3) << gpu_precision_name(p);
+      r0 += int64_t(s.size());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors and the CLI
+// ---------------------------------------------------------------------------------------------
+
+TEST(CudaModel, BadInputsAreErrors) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::BF16);
+  auto c = m.new_cache();
+  EXPECT_THROW(m.forward({c.get()}, {{1, int32_t(m.config().vocab_size)}}, false), k3::Error);
+  EXPECT_THROW(m.forward({c.get()}, std::vector<std::vector<int32_t>>{std::vector<int32_t>{}}, false), k3::Error);
+  auto other = gpu_tiny(GpuPrecision::F32).new_cache();
+  EXPECT_THROW(m.forward({other.get()}, {{1}}, false), k3::Error);
+  EXPECT_THROW(m.forward({c.get(), c.get()}, {{1}, {2}}, false), k3::Error);
+  EXPECT_EQ(c->length(), 0) << "a rejected call must not advance the cache";
+  EXPECT_THROW(parse_gpu_precision("fp8", "--precision"), k3::Error);
+}
+
+TEST(CudaModelCli, LogitsAndGenerateOnTheGpu) {
+  K3_REQUIRE_GPU();
+  k3test::TempDir dir("cuda-cli");
+  const std::string out = (dir.path() / "logits.safetensors").string();
+  const std::vector<int32_t> ids = golden_row("ids_a");
+  std::string csv;
+  for (int32_t i : ids) csv += (csv.empty() ? "" : ",") + std::to_string(i);
+  const std::string model = fixture("k3-tiny-a");
+  auto r = k3test::run_k3({"logits", "--model", model, "--ids", csv, "--out", out, "--device", "cuda", "--precision", "f32"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  const SafeTensors st = SafeTensors::open(out);
+  EXPECT_LE(rel_l2(st.read_f32("logits"), golden().read_f32("logits_ids_a")), kFixtureBar);
+
+  r = k3test::run_k3({"generate", "--model", model, "--ids", csv, "--max-new-tokens", "24", "--print-ids", "--device",
+                      "cuda", "--precision", "f32"},
+                     "2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::string want;
+  for (int32_t i : golden_row("greedy_cached_ids_a")) want += (want.empty() ? "" : " ") + std::to_string(i);
+  EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+}
+
+}  // namespace

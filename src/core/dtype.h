@@ -51,6 +51,12 @@ inline uint16_t f32_to_bf16(float f) {
 
 float f16_to_f32(uint16_t h);
 
+// x[i] <- the bf16 value nearest x[i] (round to nearest even), kept as f32: what storing x as bf16 and
+// reading it back gives.
+inline void round_to_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
 // Widen n elements of a float-like dtype (F32, BF16, F16) to f32.
 void widen_to_f32(float* dst, const void* src, DType t, size_t n);
 

@@ -16,24 +16,28 @@ GluParams glu_params(const K3Config& c) {
   return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
 }
 
-// out[N, out_dim] = down( act(gate x, up x) ).
+// out[N, out_dim] = down( act(gate x, up x) ). With bf16 activations: the gate/up GEMM outputs are
+// rounded too unless `fused` (the GPU's routed experts apply SiTU to the fp32 accumulators).
 void glu_mlp(float* out, const float* x, int64_t N, const WeightRef& gate, const WeightRef& up, const WeightRef& down,
-             const GluParams& p) {
+             const GluParams& p, const PathOptions& opt, bool fused = false) {
   std::vector<float> g(size_t(N * gate.rows)), u(size_t(N * up.rows));
   linear_forward(g.data(), x, N, gate);
   linear_forward(u.data(), x, N, up);
+  if (!fused) opt.bf16(g), opt.bf16(u);
   glu_forward(g.data(), g.data(), u.data(), int64_t(g.size()), p);
+  opt.bf16(g);
   linear_forward(out, g.data(), N, down);
 }
 
 }  // namespace
 
-void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c) {
-  glu_mlp(out, x, N, w.gate_proj, w.up_proj, w.down_proj, glu_params(c));
+void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
+                       const PathOptions& opt) {
+  glu_mlp(out, x, N, w.gate_proj, w.up_proj, w.down_proj, glu_params(c), opt);
 }
 
 void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,
-                     const ForwardHooks* hooks) {
+                     const ForwardHooks* hooks, const PathOptions& opt) {
   const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
   const GluParams gp = glu_params(c);
 
@@ -48,6 +52,7 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
 
   std::vector<float> z(size_t(N * lat));
   linear_forward(z.data(), x, N, w.latent_down);  // [N, latent]
+  opt.bf16(z);
 
   // Group (token, weight) pairs by expert, then run each expert once on its gathered rows.
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert(static_cast<size_t>(E));
@@ -63,7 +68,8 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
     y.resize(size_t(ne * lat));
     for (int64_t i = 0; i < ne; ++i) std::memcpy(&zin[size_t(i * lat)], &z[size_t(rows[size_t(i)].first * lat)], size_t(lat) * 4);
     const ExpertWeights& ew = w.experts[size_t(e)];
-    glu_mlp(y.data(), zin.data(), ne, ew.w1, ew.w3, ew.w2, gp);
+    glu_mlp(y.data(), zin.data(), ne, ew.w1, ew.w3, ew.w2, gp, opt, /*fused=*/true);
+    opt.bf16(y);
     for (int64_t i = 0; i < ne; ++i) {
       float* dst = &u[size_t(rows[size_t(i)].first * lat)];
       const float a = rows[size_t(i)].second;
@@ -71,10 +77,11 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
     }
   }
   if (c.latent_moe_use_norm) rmsnorm_forward(u.data(), u.data(), w.latent_norm.data(), c.rms_norm_eps, N, lat);
+  opt.bf16(u);
   linear_forward(out, u.data(), N, w.latent_up);  // [N, hidden]
   if (!w.shared.empty()) {
     std::vector<float> sh(size_t(N * c.hidden_size));
-    glu_mlp(sh.data(), x, N, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj, gp);
+    glu_mlp(sh.data(), x, N, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj, gp, opt);
     for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   }
 }

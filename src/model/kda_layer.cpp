@@ -24,6 +24,7 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
   linear_forward(qp.data(), x, N, w.q_proj);  // [N, HD]
   linear_forward(kp.data(), x, N, w.k_proj);  // [N, HD]
   linear_forward(vp.data(), x, N, w.v_proj);  // [N, HD]
+  opt.bf16(qp), opt.bf16(kp), opt.bf16(vp);
 
   std::vector<float> q(size_t(N * HD)), k(size_t(N * HD)), v(size_t(N * HD));
   for (const Segment& s : segs) {
@@ -33,8 +34,10 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
     kda::short_conv_silu_forward(k.data() + o, kp.data() + o, s.n, HD, w.k_conv.data(), int(K), lc.k_tail.data());
     kda::short_conv_silu_forward(v.data() + o, vp.data() + o, s.n, HD, w.v_conv.data(), int(K), lc.v_tail.data());
   }
+  opt.bf16(q), opt.bf16(k), opt.bf16(v);
   kda::l2norm_heads(q.data(), N, H, D, 1e-6f);
   kda::l2norm_heads(k.data(), N, H, D, 1e-6f);
+  opt.bf16(q), opt.bf16(k);
 
   std::vector<float> beta(size_t(N * H));
   linear_forward(beta.data(), x, N, w.b_proj);  // [N, H]
@@ -42,6 +45,7 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
 
   std::vector<float> fa(size_t(N * D)), g(size_t(N * HD));
   linear_forward(fa.data(), x, N, w.f_a_proj);   // [N, D]
+  opt.bf16(fa);  // (z stays fp32 on the GPU too)
   linear_forward(qp.data(), fa.data(), N, w.f_b_proj);  // z: [N, HD] (reuses qp)
   kda::gate_forward(g.data(), qp.data(), w.A_log.data(), w.dt_bias.data(), c.gate_lower_bound, N, H, D);
 
@@ -60,8 +64,11 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
                              opt.kda_chunk);
   }
 
+  opt.bf16(o);
   linear_forward(vp.data(), x, N, w.g_proj);  // output gate pre-activation [N, HD] (reuses vp)
+  opt.bf16(vp);
   kda::gated_rmsnorm_forward(o.data(), o.data(), vp.data(), w.o_norm.data(), c.rms_norm_eps, N, H, D);
+  opt.bf16(o);
   linear_forward(out, o.data(), N, w.o_proj);  // [N, hidden]
 }
 

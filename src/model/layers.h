@@ -7,6 +7,7 @@
 #include <functional>
 #include <vector>
 
+#include "core/dtype.h"
 #include "io/config.h"
 #include "model/cache.h"
 #include "model/weights.h"
@@ -25,6 +26,17 @@ struct PathOptions {
   bool reference = false;
   int kda_chunk = 64;
   bool profile = false;  // accumulate wall time per block kind into Model::timings()
+  // The CPU twin of the GPU model's BF16 path (model/cuda): every activation that path stores in bf16
+  // (GEMM inputs and most GEMM outputs, conv and norm outputs, the MLA cache rows, expert outputs) is
+  // rounded to bf16 at the same point; everything else runs as usual. Its purpose is the test of that
+  // path: bf16 roundings of a random model's activations move its block outputs by ~1e-2 (x̂ alone:
+  // 4e-3 at the fixture's first KDA block), far more than the GPU kernels differ from one another.
+  bool bf16_activations = false;
+  // Rounds x[0..n) to bf16 when bf16_activations is set.
+  void bf16(float* x, int64_t n) const {
+    if (bf16_activations) round_to_bf16(x, n);
+  }
+  void bf16(std::vector<float>& x) const { bf16(x.data(), int64_t(x.size())); }
   static PathOptions from_env();
 };
 
@@ -32,8 +44,9 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
                            const KdaWeights& w, const K3Config& c, const PathOptions& opt);
 void mla_attention_forward(float* out, const float* x, int64_t N, const std::vector<Segment>& segs, int64_t layer,
                            const MlaWeights& w, const K3Config& c, const PathOptions& opt);
-void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c);
+void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
+                       const PathOptions& opt);
 void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,
-                     const ForwardHooks* hooks);
+                     const ForwardHooks* hooks, const PathOptions& opt);
 
 }  // namespace k3

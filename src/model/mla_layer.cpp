@@ -21,14 +21,18 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
   if (!w.q_a_proj.empty()) {
     std::vector<float> qa(size_t(N * c.q_lora_rank));
     linear_forward(qa.data(), x, N, w.q_a_proj);  // [N, q_lora]
+    opt.bf16(qa);
     rmsnorm_forward(qa.data(), qa.data(), w.q_a_layernorm.data(), c.mla_norm_eps, N, c.q_lora_rank);
+    opt.bf16(qa);
     linear_forward(q.data(), qa.data(), N, w.q_b_proj);
   } else {
     linear_forward(q.data(), x, N, w.q_proj);
   }
+  opt.bf16(q);
   std::vector<float> ckv(size_t(N * ldc));
   linear_forward(ckv.data(), x, N, w.kv_a_proj_with_mqa);  // [N, R + Dr]
   rmsnorm_forward(ckv.data(), ckv.data(), w.kv_a_layernorm.data(), c.mla_norm_eps, N, d.R, ldc);  // latent only
+  opt.bf16(ckv);  // the GPU's cache rows are bf16
 
   std::vector<float> o(size_t(N * H * d.Dv));  // [N, H*Dv]
   for (const Segment& s : segs) {
@@ -46,6 +50,8 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
         for (int64_t j = 0; j < d.R; ++j) lat[size_t(t * d.R + j)] = lc.rows[size_t(t * ldc + j)];
       for (int64_t h = 0; h < H; ++h) {
         linear_forward_f64(kvh.data(), lat.data(), T, w.kv_b_proj.row_slice(h * dkv, dkv));  // [T, Dn+Dv]
+        if (opt.bf16_activations)
+          for (double& v : kvh) v = bf16_to_f32(f32_to_bf16(float(v)));
         mla::attention_head_expanded(os + h * d.Dv, H * d.Dv, qs + h * dq, H * dq, kvh.data(), lc.rows.data(), ldc,
                                      s.n, p0, d, scale);
       }
@@ -57,10 +63,14 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
           for (int64_t j = 0; j < d.Dn; ++j) qn[size_t(i * d.Dn + j)] = qs[i * H * dq + h * dq + j];
         linear_transposed_forward_f64(&qlat[size_t(h * nR)], qn.data(), s.n, w.kv_b_proj.row_slice(h * dkv, d.Dn));
       }
+      if (opt.bf16_activations)
+        for (double& v : qlat) v = bf16_to_f32(f32_to_bf16(float(v)));
 #pragma omp parallel for schedule(dynamic)
       for (int64_t h = 0; h < H; ++h)
         mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
                                    ldc, s.n, p0, d, scale);
+      if (opt.bf16_activations)  // the latent output is fp32 in the kernel, bf16 into the W_vb product
+        for (double& v : olat) v = bf16_to_f32(f32_to_bf16(float(v)));
       for (int64_t h = 0; h < H; ++h) {  // v_h = W_vb_h · o_lat_h   [n, Dv]
         linear_forward_f64(vh.data(), &olat[size_t(h * nR)], s.n, w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv));
         for (int64_t i = 0; i < s.n; ++i)
@@ -68,10 +78,13 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
       }
     }
   }
+  opt.bf16(o);
   if (!w.g_proj.empty()) {
     std::vector<float> gate(size_t(N * H * d.Dv));
     linear_forward(gate.data(), x, N, w.g_proj);
+    opt.bf16(gate);
     for (size_t i = 0; i < o.size(); ++i) o[i] *= sigmoidf_stable(gate[i]);
+    opt.bf16(o);
   }
   linear_forward(out, o.data(), N, w.o_proj);
 }

@@ -82,6 +82,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
       prefix_empty = true;
     }
     rmsnorm_forward(xn.data(), h.data(), L.input_layernorm.data(), c.rms_norm_eps, N, D);
+    opt_.bf16(xn);
     emit("attn_in", l, xn.data());
     tick(timings_.attnres_norm);
     if (L.kind == AttnKind::KDA) kda_attention_forward(a.data(), xn.data(), N, segs, l, L.kda, c, opt_);
@@ -96,10 +97,11 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     // FFN input: AttnRes again (blocks is never empty here).
     attnres(h.data(), prefix.data(), L.mlp_res_query);
     rmsnorm_forward(xn.data(), h.data(), L.post_attention_layernorm.data(), c.rms_norm_eps, N, D);
+    opt_.bf16(xn);
     emit("ffn_in", l, xn.data());
     tick(timings_.attnres_norm);
-    if (L.is_moe) moe_ffn_forward(a.data(), xn.data(), N, l, L.moe, c, hooks);
-    else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c);
+    if (L.is_moe) moe_ffn_forward(a.data(), xn.data(), N, l, L.moe, c, hooks, opt_);
+    else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c, opt_);
     tick(L.is_moe ? timings_.moe : timings_.dense_ffn);
     emit("ffn_out", l, a.data());
     for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
@@ -116,6 +118,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
   std::vector<float> hn(size_t(M * D));
   for (int64_t i = 0; i < M; ++i) std::copy_n(&h[size_t(rows[size_t(i)] * D)], D, &hn[size_t(i * D)]);
   rmsnorm_forward(hn.data(), hn.data(), w_.norm.data(), c.rms_norm_eps, M, D);
+  opt_.bf16(hn);
   std::vector<float> logits(size_t(M * V));
   linear_forward(logits.data(), hn.data(), M, w_.lm_head);
   for (const Segment& s : segs) s.cache->length += s.n;

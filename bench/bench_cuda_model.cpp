@@ -9,8 +9,8 @@
 //   prefill: seconds and tokens/s of one prompt of each length (fresh cache, logits of the last token
 //            copied to the host: what serving pays before the first sampled token).
 //   decode:  ms per step and tokens/s after a prefix of each --contexts length, for each --batch size
-//            (B sequences stepped together, one token each), and the cost of recomputing the prefix
-//            for one token as the no-cache baseline.
+//            (B sequences of one cache pool stepped together, one token each), and the cost of
+//            recomputing the prefix for one token as the no-cache baseline.
 //   cpu:     the CPU engine (all cores) on a --cpu-tokens prompt and 8 decode steps after it, and the
 //            GPU's ratio at the same length (0 skips it).
 // Times are wall clock around forward() (which ends by copying logits to the host), medians of 3
@@ -57,12 +57,11 @@ double gpu_prefill_seconds(CudaModel& m, const std::vector<int32_t>& ids) {
 // Mean seconds per decode step of B sequences after a prefix of ctx tokens each.
 double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed) {
   const int64_t V = m.config().vocab_size;
-  std::vector<std::unique_ptr<CudaSequenceCache>> caches;
+  std::vector<std::unique_ptr<CudaSequenceCache>> caches = m.new_caches(B);  // one pool: batched launches
   std::vector<CudaSequenceCache*> ptrs;
   std::vector<std::vector<int32_t>> prompts;
   for (int64_t b = 0; b < B; ++b) {
-    caches.push_back(m.new_cache());
-    ptrs.push_back(caches.back().get());
+    ptrs.push_back(caches[size_t(b)].get());
     prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
   }
   m.forward(ptrs, prompts, false);

@@ -395,6 +395,46 @@ TEST(CudaModel, BatchEqualsSequencesAlone) {
   }
 }
 
+// Sequences of one cache pool run their per-sequence steps as one launch (model/cuda/cuda_model.h:
+// new_caches). Equal lengths take the batched conv, KDA core, MLA append and absorbed decode; unequal
+// ones fall back to one sequence at a time. Both against each sequence alone.
+TEST(CudaModel, PooledBatchEqualsSequencesAlone) {
+  K3_REQUIRE_GPU();
+  for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
+    CudaModel& m = p == GpuPrecision::F32 ? gpu_tiny(p) : *dense().bf16;
+    const int64_t V = m.config().vocab_size;
+    const double tol = p == GpuPrecision::F32 ? 1e-6 : 1e-3;  // as BatchEqualsSequencesAlone
+    for (bool equal : {true, false}) {
+      const std::vector<std::vector<int32_t>> prompts = {tokens(40, V, 6), tokens(equal ? 40 : 23, V, 7),
+                                                         tokens(40, V, 8)};
+      auto pool = m.new_caches(3);
+      std::vector<CudaSequenceCache*> bp;
+      std::vector<std::unique_ptr<CudaSequenceCache>> alone;
+      for (int i = 0; i < 3; ++i) {
+        bp.push_back(pool[size_t(i)].get());
+        alone.push_back(m.new_cache());
+      }
+      auto check = [&](const std::vector<std::vector<int32_t>>& ids, bool all, const char* what) {
+        const std::vector<float> batched = m.forward(bp, ids, all);
+        int64_t r0 = 0;
+        for (size_t i = 0; i < ids.size(); ++i) {
+          const std::vector<float> one = m.forward({alone[i].get()}, {ids[i]}, all);
+          const int64_t rows = int64_t(one.size()) / V;
+          const std::vector<float> part(batched.begin() + r0 * V, batched.begin() + (r0 + rows) * V);
+          EXPECT_LE(rel_l2(part, one), tol) << gpu_precision_name(p) << (equal ? " equal" : " unequal") << " lengths, "
+                                            << what << ", sequence " << i;
+          r0 += rows;
+        }
+      };
+      check(prompts, true, "prefill");
+      check({{1, 2, 3, 4, 5, 6, 7, 8}, {9, 10, 11, 12, 13, 14, 15, 16}, {17, 18, 19, 20, 21, 22, 23, 24}}, true,
+            "8-token append");
+      for (int s = 0; s < 5; ++s) check({{int32_t(30 + s)}, {int32_t(40 + s)}, {int32_t(50 + s)}}, false, "decode step");
+      EXPECT_EQ(pool[1]->length(), alone[1]->length());
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Errors and the CLI
 // ---------------------------------------------------------------------------------------------

@@ -63,12 +63,29 @@ template void linear<bf16>(Run&, void*, DType, int64_t, const bf16*, int64_t, in
 CudaSequenceCache::CudaSequenceCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaSequenceCache::~CudaSequenceCache() = default;
 int64_t CudaSequenceCache::length() const { return impl_->length; }
-size_t CudaSequenceCache::bytes() const {
+size_t CudaSequenceCache::bytes() const {  // this sequence's share of its pool
+  const gpu::CachePool& p = *impl_->pool;
   size_t b = 0;
-  for (auto& k : impl_->kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
-  for (auto& m : impl_->mla) b += m.rows.size();
-  return b;
+  for (auto& k : p.kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
+  for (auto& m : p.mla) b += m.rows.size();
+  return b / size_t(p.B);
 }
+
+namespace gpu {
+std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_length) {
+  bool one = segs.size() > 1;
+  const CudaSequenceCache::Impl& c0 = *segs[0].cache;
+  for (size_t i = 1; i < segs.size() && one; ++i) {
+    const CudaSequenceCache::Impl& c = *segs[i].cache;
+    one = c.pool == c0.pool && c.index == c0.index + int64_t(i) && segs[i].n == segs[0].n &&
+          segs[i].row0 == segs[0].row0 + int64_t(i) * segs[0].n && (!same_length || c.length == c0.length);
+  }
+  if (one) return {SeqGroup{segs[0].row0, segs[0].n, int64_t(segs.size()), segs[0].cache}};
+  std::vector<SeqGroup> g;
+  for (const SegmentDev& s : segs) g.push_back(SeqGroup{s.row0, s.n, 1, s.cache});
+  return g;
+}
+}  // namespace gpu
 
 // ---- the model -----------------------------------------------------------------------------------------
 struct CudaModel::Impl {
@@ -119,22 +136,33 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::string& config_path, const
   return m;
 }
 
-std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const {
+std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const { return std::move(new_caches(1)[0]); }
+
+std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B) const {
+  K3_CHECK(B >= 1, "new_caches: need at least one sequence, got ", B);
   const K3Config& c = impl_->cfg;
-  auto s = std::make_unique<CudaSequenceCache::Impl>();
-  s->owner = impl_.get();
+  auto pool = std::make_shared<gpu::CachePool>();
+  pool->B = B;
   const size_t L = size_t(c.num_hidden_layers);
-  s->kda.resize(L);
-  s->mla.resize(L);
+  pool->kda.resize(L);
+  pool->mla.resize(L);
   const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
   for (size_t l = 0; l < L; ++l) {
     if (c.layer_kind[l] != AttnKind::KDA) continue;  // MLA rows are allocated as tokens arrive
-    s->kda[l].q_tail = gpu::DevVector(tail);  // zero-initialised
-    s->kda[l].k_tail = gpu::DevVector(tail);
-    s->kda[l].v_tail = gpu::DevVector(tail);
-    s->kda[l].state = gpu::DevVector(size_t(c.kda_num_heads * c.kda_head_dim * c.kda_head_dim));
+    pool->kda[l].q_tail = gpu::DevVector(tail * size_t(B));  // zero-initialised
+    pool->kda[l].k_tail = gpu::DevVector(tail * size_t(B));
+    pool->kda[l].v_tail = gpu::DevVector(tail * size_t(B));
+    pool->kda[l].state = gpu::DevVector(size_t(B * c.kda_num_heads * c.kda_head_dim * c.kda_head_dim));
   }
-  return std::unique_ptr<CudaSequenceCache>(new CudaSequenceCache(std::move(s)));
+  std::vector<std::unique_ptr<CudaSequenceCache>> out;
+  for (int64_t b = 0; b < B; ++b) {
+    auto s = std::make_unique<CudaSequenceCache::Impl>();
+    s->owner = impl_.get();
+    s->pool = pool;
+    s->index = b;
+    out.push_back(std::unique_ptr<CudaSequenceCache>(new CudaSequenceCache(std::move(s))));
+  }
+  return out;
 }
 
 std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& caches,

@@ -67,6 +67,11 @@ class CudaModel {
   GpuPrecision precision() const;
   size_t weight_bytes() const;  // device memory held by the weights
   std::unique_ptr<CudaSequenceCache> new_cache() const;
+  // B caches whose device state lives in one pool: a forward over all of them, in this order and with
+  // the same number of new tokens each, runs the per-sequence steps (short conv, KDA core, and for
+  // sequences of equal length the MLA cache append and absorbed decode) as one launch for the batch
+  // instead of one per sequence. Any other use is correct too, one sequence at a time.
+  std::vector<std::unique_ptr<CudaSequenceCache>> new_caches(int64_t B) const;
 
   // As Model::forward: appends tokens[b] to *caches[b] and returns fp32 logits on the host, one row
   // per new token (all_positions) or per sequence. Hooks receive `attn_out`, `ffn_out` (fp32, copied

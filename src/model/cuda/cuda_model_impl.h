@@ -102,14 +102,22 @@ class DeviceArena {
   size_t total_ = 0;  // over all chunks, this forward
 };
 
-// One sequence's device state (CudaSequenceCache::Impl).
-struct KdaCacheDev {
-  DevVector q_tail, k_tail, v_tail;  // [K-1, H*D] fp32
-  DevVector state;                   // [H, Dk, Dv] fp32
+// The device state of a pool of B sequences (made together by CudaModel::new_caches). Each layer's
+// buffers hold all B sequences back to back in the layouts the kernels take for a batch, so a forward
+// over consecutive members of one pool with equal token counts runs the per-sequence steps (conv,
+// KDA core, the MLA cache append and the absorbed decode) once for all of them.
+struct KdaPoolDev {
+  DevVector q_tail, k_tail, v_tail;  // [B][K-1][H*D] fp32
+  DevVector state;                   // [B][H][Dk][Dv] fp32
 };
-struct MlaCacheDev {
-  cuda::DeviceBuffer<uint8_t> rows;  // [capacity, ldc] of the activation type: [latent (R) | k_rot (Dr) | pad]
-  int64_t capacity = 0;
+struct MlaPoolDev {
+  cuda::DeviceBuffer<uint8_t> rows;  // [B][capacity][ldc] of the activation type: [latent (R) | k_rot (Dr) | pad]
+  int64_t capacity = 0;              // rows per sequence
+};
+struct CachePool {
+  int64_t B = 0;
+  std::vector<KdaPoolDev> kda;  // [num_layers] (used at KDA layers)
+  std::vector<MlaPoolDev> mla;  // [num_layers] (used at MLA layers)
 };
 
 // Everything a layer needs for one forward besides its weights.
@@ -128,6 +136,16 @@ struct SegmentDev {
   int64_t row0 = 0, n = 0;
   CudaSequenceCache::Impl* cache = nullptr;
 };
+
+// The launches of a per-sequence step: B consecutive sequences of n new tokens each at rows
+// [row0, row0 + B n), `first` the first one's state. All segments form one group when they are
+// consecutive members of one pool (index ascending by one) with the same n and, if same_length,
+// the same cached length; otherwise every segment is a group of its own.
+struct SeqGroup {
+  int64_t row0 = 0, n = 0, B = 1;
+  CudaSequenceCache::Impl* first = nullptr;
+};
+std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_length);
 
 // y[M, W.rows] (ld_y) = x[M, W.cols] (ld_x) · Wᵀ. BF16 path: x bf16, y bf16 or fp32. F32 path: x, y fp32.
 template <class T>
@@ -158,9 +176,9 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
 namespace k3 {
 struct CudaSequenceCache::Impl {
   int64_t length = 0;
-  std::vector<gpu::KdaCacheDev> kda;  // [num_layers] (used at KDA layers)
-  std::vector<gpu::MlaCacheDev> mla;  // [num_layers] (used at MLA layers)
-  const void* owner = nullptr;        // the CudaModel::Impl that made it
+  std::shared_ptr<gpu::CachePool> pool;  // shared by the caches made together
+  int64_t index = 0;                     // this sequence's place in the pool
+  const void* owner = nullptr;           // the CudaModel::Impl that made it
 };
 }  // namespace k3
 #endif  // K3_HAVE_CUDA

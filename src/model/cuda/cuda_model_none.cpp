@@ -23,6 +23,9 @@ const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); 
 GpuPrecision CudaModel::precision() const { fail("CudaModel: no CUDA backend"); }
 size_t CudaModel::weight_bytes() const { return 0; }
 std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const { fail("CudaModel: no CUDA backend"); }
+std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t) const {
+  fail("CudaModel: no CUDA backend");
+}
 std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>&, const std::vector<std::vector<int32_t>>&,
                                       bool, const ForwardHooks*) {
   fail("CudaModel: no CUDA backend");

@@ -25,12 +25,13 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   T* q = r.arena.take<T>(N * HD);
   T* k = r.arena.take<T>(N * HD);
   T* v = r.arena.take<T>(N * HD);
-  for (const SegmentDev& s : segs) {
-    KdaCacheDev& lc = s.cache->kda[size_t(layer)];
-    const int64_t o = s.row0 * HD;
-    kda::cuda::short_conv_silu(q + o, qp + o, 1, s.n, HD, w.q_conv.data(), int(K), lc.q_tail.data());
-    kda::cuda::short_conv_silu(k + o, kp + o, 1, s.n, HD, w.k_conv.data(), int(K), lc.k_tail.data());
-    kda::cuda::short_conv_silu(v + o, vp + o, 1, s.n, HD, w.v_conv.data(), int(K), lc.v_tail.data());
+  const std::vector<SeqGroup> groups = seq_groups(segs, /*same_length=*/false);
+  for (const SeqGroup& s : groups) {
+    KdaPoolDev& pk = s.first->pool->kda[size_t(layer)];
+    const int64_t o = s.row0 * HD, ti = s.first->index * (K - 1) * HD;
+    kda::cuda::short_conv_silu(q + o, qp + o, s.B, s.n, HD, w.q_conv.data(), int(K), pk.q_tail.data() + ti);
+    kda::cuda::short_conv_silu(k + o, kp + o, s.B, s.n, HD, w.k_conv.data(), int(K), pk.k_tail.data() + ti);
+    kda::cuda::short_conv_silu(v + o, vp + o, s.B, s.n, HD, w.v_conv.data(), int(K), pk.v_tail.data() + ti);
   }
   kda::cuda::l2norm_heads(q, N, H, D, 1e-6f);
   kda::cuda::l2norm_heads(k, N, H, D, 1e-6f);
@@ -54,19 +55,19 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   // chunked fp32 form splits operands into bf16 pairs (~2^-16 per product, kda_cuda.h), which the
   // fixtures' AttnRes cancellations would amplify past 1e-4 (docs/NUMERICS.md).
   T* o = kp;  // reuses kp
-  for (const SegmentDev& s : segs) {
-    KdaCacheDev& lc = s.cache->kda[size_t(layer)];
+  for (const SeqGroup& s : groups) {
+    float* state = s.first->pool->kda[size_t(layer)].state.data() + s.first->index * H * D * D;
     kda::cuda::KdaParams p;
-    p.B = 1, p.T = s.n, p.H = H, p.D = int(D);
+    p.B = s.B, p.T = s.n, p.H = H, p.D = int(D);
     p.scale = 1.0f / std::sqrt(float(D));
     p.in_dtype = p.out_dtype = dtype_of<T>();
     p.q = q + s.row0 * HD, p.k = k + s.row0 * HD, p.v = v + s.row0 * HD, p.o = o + s.row0 * HD;
     p.g = g + s.row0 * HD, p.beta = beta + s.row0 * H;
-    p.state_in = lc.state.data(), p.state_out = lc.state.data();
+    p.state_in = state, p.state_out = state;
     if (exact || s.n < kda::cuda::kChunk) {
       kda::cuda::kda_recurrent_forward(p);
     } else {
-      p.workspace_bytes = kda::cuda::kda_chunk_workspace_bytes(1, s.n, H, p.in_dtype, D);
+      p.workspace_bytes = kda::cuda::kda_chunk_workspace_bytes(s.B, s.n, H, p.in_dtype, D);
       p.workspace = r.arena.take_bytes(p.workspace_bytes);
       kda::cuda::kda_chunk_forward(p);
     }

@@ -17,14 +17,17 @@ namespace k3::gpu {
 
 namespace {
 
-// Room for `need` rows in the cache (grown geometrically; old rows kept).
-void reserve_rows(MlaCacheDev& mc, int64_t need, int64_t ldc, size_t esize) {
-  if (need <= mc.capacity) return;
-  const int64_t cap = std::max<int64_t>({need, 2 * mc.capacity, 64});
-  cuda::DeviceBuffer<uint8_t> grown(size_t(cap * ldc) * esize);
-  cuda::copy_on_device(grown.data(), mc.rows.data(), size_t(mc.capacity * ldc) * esize);
-  mc.rows = std::move(grown);
-  mc.capacity = cap;
+// Room for `need` rows per sequence in the pool (grown geometrically for all its sequences; old rows
+// kept, one strided copy).
+void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize) {
+  if (need <= mp.capacity) return;
+  const int64_t cap = std::max<int64_t>({need, 2 * mp.capacity, 64});
+  cuda::DeviceBuffer<uint8_t> grown(size_t(B * cap * ldc) * esize);
+  const size_t old_seq = size_t(mp.capacity * ldc) * esize, new_seq = size_t(cap * ldc) * esize;
+  for (int64_t b = 0; b < B && old_seq > 0; ++b)
+    cuda::copy_on_device(grown.data() + size_t(b) * new_seq, mp.rows.data() + size_t(b) * old_seq, old_seq);
+  mp.rows = std::move(grown);
+  mp.capacity = cap;
 }
 
 // The BF16 path's batched per-head product of the absorbed form: y_h[n, N] = x_h[n, K] · op(W_h) for
@@ -73,52 +76,71 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   }
 
   T* o = r.arena.take<T>(N * H * d.Dv);  // [N, H, Dv]
-  for (const SegmentDev& s : segs) {
-    MlaCacheDev& mc = s.cache->mla[size_t(layer)];
-    const int64_t p0 = s.cache->length, Tc = p0 + s.n;
-    reserve_rows(mc, Tc, ldc, sizeof(T));
-    T* rows = reinterpret_cast<T*>(mc.rows.data());
-    elementwise::cuda::copy_rows(rows + p0 * ldc, act, ldc, ckv + s.row0 * lrow, DType::F32, lrow, s.n, lrow);
-    const T* qs = q + s.row0 * H * dq;
-    T* os = o + s.row0 * H * d.Dv;
+  for (const SeqGroup& g : seq_groups(segs, /*same_length=*/true)) {
+    CachePool& pool = *g.first->pool;
+    MlaPoolDev& mp = pool.mla[size_t(layer)];
+    const int64_t p0 = g.first->length, Tc = p0 + g.n;
+    reserve_rows(mp, pool.B, Tc, ldc, sizeof(T));
+    const int64_t seq_stride = mp.capacity * ldc;  // elements between the pool's sequences
+    T* rows0 = reinterpret_cast<T*>(mp.rows.data()) + g.first->index * seq_stride;
+    // Append the new rows: sequence b's n rows go to its rows p0 .. p0+n-1.
+    if (g.n == 1)
+      elementwise::cuda::copy_rows(rows0 + p0 * ldc, act, seq_stride, ckv + g.row0 * lrow, DType::F32, lrow, g.B, lrow);
+    else
+      for (int64_t b = 0; b < g.B; ++b)
+        elementwise::cuda::copy_rows(rows0 + b * seq_stride + p0 * ldc, act, ldc, ckv + (g.row0 + b * g.n) * lrow,
+                                     DType::F32, lrow, g.n, lrow);
 
-    if constexpr (std::is_same_v<T, float>) {  // the F32 path: expanded, in fp64
+    if constexpr (std::is_same_v<T, float>) {  // the F32 path: expanded, in fp64, a sequence at a time
       double* kvh = r.arena.take<double>(Tc * H * dkv);
-      gemm::cuda::linear_exact_f64(r.gemm, kvh, H * dkv, rows, ldc, w.kv_b_proj.as<double>(), Tc, H * dkv, d.R);
-      mla::cuda::ExactParams ep;
-      ep.o = os, ep.q = qs, ep.kvh = kvh, ep.cache = rows, ep.ldc = ldc, ep.d = d, ep.n = s.n, ep.p0 = p0;
-      mla::cuda::attention_expanded_exact(ep);
+      for (int64_t b = 0; b < g.B; ++b) {
+        const float* rows = rows0 + b * seq_stride;
+        const int64_t r0 = g.row0 + b * g.n;
+        gemm::cuda::linear_exact_f64(r.gemm, kvh, H * dkv, rows, ldc, w.kv_b_proj.as<double>(), Tc, H * dkv, d.R);
+        mla::cuda::ExactParams ep;
+        ep.o = o + r0 * H * d.Dv, ep.q = q + r0 * H * dq, ep.kvh = kvh, ep.cache = rows, ep.ldc = ldc, ep.d = d;
+        ep.n = g.n, ep.p0 = p0;
+        mla::cuda::attention_expanded_exact(ep);
+      }
       (void)exact;
-    } else if (s.n * 4 >= Tc) {  // BF16 expanded: keys and values of every cached position
+    } else if (g.n * 4 >= Tc) {  // BF16 expanded (prefill): keys and values of every cached position
       bf16* kvh = r.arena.take<bf16>(Tc * H * dkv);
-      linear<T>(r, kvh, DType::BF16, H * dkv, rows, ldc, Tc, w.kv_b_proj);
       bf16* kk = r.arena.take<bf16>(Tc * H * dq);  // [Tc, H, Dn + Dr]
       bf16* vv = r.arena.take<bf16>(Tc * H * d.Dv);
-      elementwise::cuda::copy_rows(kk, act, dq, kvh, act, dkv, Tc * H, d.Dn);
-      elementwise::cuda::copy_rows(vv, act, d.Dv, kvh + d.Dn, act, dkv, Tc * H, d.Dv);
-      for (int64_t h = 0; h < H; ++h)  // k_rot is shared by the heads
-        elementwise::cuda::copy_rows(kk + h * dq + d.Dn, act, H * dq, rows + d.R, act, ldc, Tc, d.Dr);
-      mla::cuda::PrefillParams pp;
-      pp.q = qs, pp.k = kk, pp.v = vv, pp.o = os, pp.o_type = mla::cuda::Dtype::BF16, pp.d = d;
-      pp.B = 1, pp.n = s.n, pp.p0 = p0;
-      mla::cuda::prefill(pp);
-    } else {  // BF16 absorbed (decode)
+      for (int64_t b = 0; b < g.B; ++b) {
+        const bf16* rows = rows0 + b * seq_stride;
+        const int64_t r0 = g.row0 + b * g.n;
+        linear<T>(r, kvh, DType::BF16, H * dkv, rows, ldc, Tc, w.kv_b_proj);
+        elementwise::cuda::copy_rows(kk, act, dq, kvh, act, dkv, Tc * H, d.Dn);
+        elementwise::cuda::copy_rows(vv, act, d.Dv, kvh + d.Dn, act, dkv, Tc * H, d.Dv);
+        for (int64_t h = 0; h < H; ++h)  // k_rot is shared by the heads
+          elementwise::cuda::copy_rows(kk + h * dq + d.Dn, act, H * dq, rows + d.R, act, ldc, Tc, d.Dr);
+        mla::cuda::PrefillParams pp;
+        pp.q = q + r0 * H * dq, pp.k = kk, pp.v = vv, pp.o = o + r0 * H * d.Dv, pp.o_type = mla::cuda::Dtype::BF16;
+        pp.d = d, pp.B = 1, pp.n = g.n, pp.p0 = p0;
+        mla::cuda::prefill(pp);
+      }
+    } else {  // BF16 absorbed (decode), the whole group at once
+      const int64_t rows_n = g.B * g.n;  // query tokens of the group, consecutive from g.row0
+      const bf16* qs = q + g.row0 * H * dq;
       const bf16* kvb = w.kv_b_proj.as<bf16>();
-      bf16* q_lat = r.arena.take<bf16>(s.n * H * d.R);  // [n, H, R]
-      per_head_linear(r, q_lat, H * d.R, d.R, qs, H * dq, dq, s.n, d.Dn, d.R, kvb, d.R, dkv * d.R, true, H);
-      bf16* q_rot = r.arena.take<bf16>(s.n * H * d.Dr);
-      elementwise::cuda::copy_rows(q_rot, act, d.Dr, qs + d.Dn, act, dq, s.n * H, d.Dr);
-      float* o_lat = r.arena.take<float>(s.n * H * d.R);
+      bf16* q_lat = r.arena.take<bf16>(rows_n * H * d.R);  // [B n, H, R]
+      per_head_linear(r, q_lat, H * d.R, d.R, qs, H * dq, dq, rows_n, d.Dn, d.R, kvb, d.R, dkv * d.R, true, H);
+      bf16* q_rot = r.arena.take<bf16>(rows_n * H * d.Dr);
+      elementwise::cuda::copy_rows(q_rot, act, d.Dr, qs + d.Dn, act, dq, rows_n * H, d.Dr);
+      float* o_lat = r.arena.take<float>(rows_n * H * d.R);
       mla::cuda::DecodeParams dp;
       dp.q_lat = q_lat, dp.q_rot = q_rot, dp.q_type = mla::cuda::Dtype::BF16;
-      dp.cache = rows, dp.ldc = ldc, dp.o_lat = o_lat, dp.d = d, dp.B = 1, dp.n = s.n, dp.p0 = p0;
+      dp.cache = rows0, dp.ldc = ldc, dp.cache_stride_b = seq_stride, dp.o_lat = o_lat, dp.d = d;
+      dp.B = g.B, dp.n = g.n, dp.p0 = p0;
       dp.workspace_bytes = mla::cuda::decode_workspace_bytes(dp);
       dp.workspace = dp.workspace_bytes ? r.arena.take_bytes(dp.workspace_bytes) : nullptr;
       mla::cuda::decode(dp);
-      bf16* o_lat16 = r.arena.take<bf16>(s.n * H * d.R);
-      elementwise::cuda::copy_rows(o_lat16, act, s.n * H * d.R, o_lat, DType::F32, s.n * H * d.R, 1, s.n * H * d.R);
-      per_head_linear(r, os, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, s.n, d.R, d.Dv, kvb + d.Dn * d.R, d.R, dkv * d.R,
-                      false, H);
+      bf16* o_lat16 = r.arena.take<bf16>(rows_n * H * d.R);
+      elementwise::cuda::copy_rows(o_lat16, act, rows_n * H * d.R, o_lat, DType::F32, rows_n * H * d.R, 1,
+                                   rows_n * H * d.R);
+      per_head_linear(r, o + g.row0 * H * d.Dv, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, rows_n, d.R, d.Dv,
+                      kvb + d.Dn * d.R, d.R, dkv * d.R, false, H);
     }
   }
   if (!w.g_proj.empty()) {

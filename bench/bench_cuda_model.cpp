@@ -10,7 +10,9 @@
 //            copied to the host: what serving pays before the first sampled token).
 //   decode:  ms per step and tokens/s after a prefix of each --contexts length, for each --batch size
 //            (B sequences of one cache pool stepped together, one token each), and the cost of
-//            recomputing the prefix for one token as the no-cache baseline.
+//            recomputing the prefix for one token as the no-cache baseline; then the same steps
+//            profiled (the GPU waited for after every block) split by block kind: KDA, MLA, MoE, dense
+//            FFN, head (output AttnRes, norm, lm_head, logits to the host), other (embedding, AttnRes).
 //   cpu:     the CPU engine (all cores) on a --cpu-tokens prompt and 8 decode steps after it, and the
 //            GPU's ratio at the same length (0 skips it).
 // Times are wall clock around forward() (which ends by copying logits to the host), medians of 3
@@ -55,7 +57,8 @@ double gpu_prefill_seconds(CudaModel& m, const std::vector<int32_t>& ids) {
 }
 
 // Mean seconds per decode step of B sequences after a prefix of ctx tokens each.
-double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed) {
+double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed,
+                          BlockTimings* breakdown = nullptr) {
   const int64_t V = m.config().vocab_size;
   std::vector<std::unique_ptr<CudaSequenceCache>> caches = m.new_caches(B);  // one pool: batched launches
   std::vector<CudaSequenceCache*> ptrs;
@@ -70,7 +73,15 @@ double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint6
   m.forward(ptrs, step, false);  // warm-up step (first decode-shaped GEMM plans)
   const auto t0 = clock_type::now();
   for (int s = 0; s < steps; ++s) m.forward(ptrs, step, false);
-  return seconds_since(t0) / steps;
+  const double per = seconds_since(t0) / steps;
+  if (breakdown) {  // the same steps again, profiled (a wait after every block)
+    m.reset_timings();
+    m.set_profile(true);
+    for (int s = 0; s < steps; ++s) m.forward(ptrs, step, false);
+    m.set_profile(false);
+    *breakdown = m.timings();
+  }
+  return per;
 }
 
 void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<int32_t>& prefills,
@@ -92,15 +103,18 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
     const double s = gpu_prefill_seconds(*m, random_ids(T, V, 1));
     std::printf("%-10d %10.2f %12.0f\n", T, 1e3 * s, double(T) / s);
   }
-  std::printf("%-10s %6s %10s %12s | %16s %8s\n", "context", "batch", "ms/step", "tokens/s", "full-recompute ms",
-              "ratio");
+  std::printf("%-10s %6s %10s %12s | %16s %8s | %6s %6s %6s %6s %6s %6s  (profiled ms/step)\n", "context", "batch",
+              "ms/step", "tokens/s", "full-recompute ms", "ratio", "KDA", "MLA", "MoE", "dense", "head", "other");
   for (int32_t ctx : contexts) {
     if (ctx + steps + 2 > c.max_position_embeddings) continue;
     const double full = gpu_prefill_seconds(*m, random_ids(ctx + 1, V, 3));
     for (int32_t B : batches) {
-      const double per = gpu_decode_seconds(*m, ctx, B, steps, 11);
-      std::printf("%-10d %6d %10.3f %12.0f | %16.2f %7.1fx\n", ctx, B, 1e3 * per, double(B) / per, 1e3 * full,
-                  full / per);
+      BlockTimings bt;
+      const double per = gpu_decode_seconds(*m, ctx, B, steps, 11, &bt);
+      auto ms = [&](double x) { return 1e3 * x / steps; };
+      std::printf("%-10d %6d %10.3f %12.0f | %16.2f %7.1fx | %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f\n", ctx, B, 1e3 * per,
+                  double(B) / per, 1e3 * full, full / per, ms(bt.kda), ms(bt.mla), ms(bt.moe), ms(bt.dense_ffn),
+                  ms(bt.head), ms(bt.embed + bt.attnres_norm));
     }
   }
   if (cpu_tokens > 0) {

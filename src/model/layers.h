@@ -20,6 +20,12 @@ struct ForwardHooks {
   std::function<void(int64_t layer, const int32_t* idx, int64_t rows, int64_t k)> topk;
 };
 
+// Seconds spent per block kind (Model::timings, CudaModel::timings) while profiling is on.
+struct BlockTimings {
+  double embed = 0, attnres_norm = 0, kda = 0, mla = 0, dense_ffn = 0, moe = 0, head = 0;
+  double total() const { return embed + attnres_norm + kda + mla + dense_ffn + moe + head; }
+};
+
 // Numerical path switches. `reference` (env K3_REFERENCE=1) forces the specification paths:
 // the KDA recurrence instead of the chunked form, and expanded MLA instead of absorbed weights.
 struct PathOptions {

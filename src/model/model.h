@@ -30,10 +30,7 @@ class Model {
   PathOptions& options() { return opt_; }
 
   // Seconds spent per block kind since the last reset (only while options().profile is set).
-  struct Timings {
-    double embed = 0, attnres_norm = 0, kda = 0, mla = 0, dense_ffn = 0, moe = 0, head = 0;
-    double total() const { return embed + attnres_norm + kda + mla + dense_ffn + moe + head; }
-  };
+  using Timings = BlockTimings;
   const Timings& timings() const { return timings_; }
   void reset_timings() { timings_ = Timings{}; }
 

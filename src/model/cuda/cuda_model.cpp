@@ -1,6 +1,7 @@
 // The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass, the
 // CUDA twin of model/model.cpp (the same block order, AttnRes sources and row selection).
 #ifdef K3_HAVE_CUDA
+#include <chrono>
 #include <filesystem>
 
 #include "core/error.h"
@@ -97,6 +98,8 @@ struct CudaModel::Impl {
   gpu::DeviceArena arena;
   std::unique_ptr<moe::cuda::Dispatch> dispatch;
   int64_t dispatch_tokens = 0;
+  bool profile = false;
+  BlockTimings timings;
 
   template <class T>
   std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
@@ -109,6 +112,9 @@ CudaModel::~CudaModel() = default;
 const K3Config& CudaModel::config() const { return impl_->cfg; }
 GpuPrecision CudaModel::precision() const { return impl_->precision; }
 size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
+void CudaModel::set_profile(bool on) { impl_->profile = on; }
+const BlockTimings& CudaModel::timings() const { return impl_->timings; }
+void CudaModel::reset_timings() { impl_->timings = BlockTimings{}; }
 
 std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, GpuPrecision precision) {
   namespace fs = std::filesystem;
@@ -210,6 +216,15 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
     }
   }
   gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks};
+  // Profiling: tick(slot) waits for the GPU and charges the time since the previous tick to slot.
+  auto last = std::chrono::steady_clock::now();
+  auto tick = [&](double& slot) {
+    if (!profile) return;
+    cuda::synchronize();
+    const auto now = std::chrono::steady_clock::now();
+    slot += std::chrono::duration<double>(now - last).count();
+    last = now;
+  };
   auto emit = [&](const char* name, int64_t l, const float* dev) {
     if (!hooks || !hooks->tensor) return;
     std::vector<float> h(size_t(N * D));
@@ -224,6 +239,7 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
     elementwise::cuda::embedding_gather_f32(prefix, reinterpret_cast<const float*>(w.embed.data()), ids_dev, N, V, D);
   else
     gemm::cuda::embedding_gather(prefix, reinterpret_cast<const bf16*>(w.embed.data()), ids_dev, N, V, D);
+  tick(timings.embed);
 
   std::vector<float*> blocks;  // completed block sums, the embedding first
   T* xn = arena.take<T>(N * D);
@@ -252,16 +268,21 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
       prefix = arena.take<float>(N * D);
       prefix_empty = true;
     }
-    if (c.layer_kind[size_t(l)] == AttnKind::KDA) gpu::kda_attention_forward<T>(run, a, xn, N, segs, l, L.kda);
+    tick(timings.attnres_norm);
+    const bool is_kda = c.layer_kind[size_t(l)] == AttnKind::KDA;
+    if (is_kda) gpu::kda_attention_forward<T>(run, a, xn, N, segs, l, L.kda);
     else gpu::mla_attention_forward<T>(run, a, xn, N, segs, l, L.mla);
+    tick(is_kda ? timings.kda : timings.mla);
     emit("attn_out", l, a);
     if (prefix_empty) cuda::copy_on_device(prefix, a, size_t(N * D) * 4);
     else elementwise::cuda::add_inplace(prefix, a, N * D);
     prefix_empty = false;
 
     attnres_norm(prefix, L.mlp_res_query, L.post_attention_layernorm, xn, N);
+    tick(timings.attnres_norm);
     if (c.is_moe_layer(l)) gpu::moe_ffn_forward<T>(run, a, xn, N, l, L.moe);
     else gpu::dense_ffn_forward<T>(run, a, xn, N, L.dense);
+    tick(c.is_moe_layer(l) ? timings.moe : timings.dense_ffn);
     emit("ffn_out", l, a);
     elementwise::cuda::add_inplace(prefix, a, N * D);
   }
@@ -282,6 +303,7 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
   std::vector<float> logits(size_t(M * V));
   cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
   for (const gpu::SegmentDev& s : segs) s.cache->length += s.n;
+  tick(timings.head);
   return logits;
 }
 

@@ -80,6 +80,13 @@ class CudaModel {
                              const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                              const ForwardHooks* hooks = nullptr);
 
+  // Profiling: with it on, forward() waits for the GPU after every block and charges the wall time to
+  // the block's kind (the waits themselves cost a few microseconds each: use for a breakdown, not
+  // for throughput).
+  void set_profile(bool on);
+  const BlockTimings& timings() const;
+  void reset_timings();
+
   struct Impl;
 
  private:

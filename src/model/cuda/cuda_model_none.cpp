@@ -22,6 +22,9 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::string& c, const std::stri
 const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); }
 GpuPrecision CudaModel::precision() const { fail("CudaModel: no CUDA backend"); }
 size_t CudaModel::weight_bytes() const { return 0; }
+void CudaModel::set_profile(bool) { fail("CudaModel: no CUDA backend"); }
+const BlockTimings& CudaModel::timings() const { fail("CudaModel: no CUDA backend"); }
+void CudaModel::reset_timings() {}
 std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const { fail("CudaModel: no CUDA backend"); }
 std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t) const {
   fail("CudaModel: no CUDA backend");

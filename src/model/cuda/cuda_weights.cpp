@@ -14,11 +14,16 @@ namespace {
 
 constexpr int64_t kBlockElems = int64_t(1) << 22;  // host staging: 4M elements per upload
 
-// Writes W's rows, converted to the path's type, at dst (device) contiguously.
-void upload_rows(uint8_t* dst, const WeightRef& w, GpuPrecision p) {
-  const bool exact = p == GpuPrecision::F32;
-  const size_t esize = exact ? sizeof(double) : sizeof(bf16);
-  if (!exact && w.format == WeightRef::Format::BF16) {
+// The device element type of a matrix: bf16 (BF16 path), fp64 (the F32 path's GEMM operands) or
+// fp32 (the F32 path's embedding table, read by a gather, not a GEMM).
+enum class Store { BF16, F32, F64 };
+size_t store_size(Store t) { return t == Store::BF16 ? 2 : t == Store::F32 ? 4 : 8; }
+Store matrix_store(GpuPrecision p) { return p == GpuPrecision::F32 ? Store::F64 : Store::BF16; }
+
+// Writes W's rows, converted to `store`, at dst (device) contiguously.
+void upload_rows(uint8_t* dst, const WeightRef& w, Store store) {
+  const size_t esize = store_size(store);
+  if (store == Store::BF16 && w.format == WeightRef::Format::BF16) {
     cuda::copy_to_device(dst, w.data, size_t(w.rows * w.cols) * esize);
     return;
   }
@@ -30,21 +35,20 @@ void upload_rows(uint8_t* dst, const WeightRef& w, GpuPrecision p) {
     const int64_t n = std::min(block_rows, w.rows - r0), len = n * w.cols;
     f32.resize(size_t(len));
     w.rows_to_f32(f32.data(), r0, n);
-    uint8_t* at = dst + size_t(r0 * w.cols) * esize;
-    if (exact) {
+    const void* src = f32.data();
+    if (store == Store::F64) {
       f64.assign(f32.begin(), f32.end());
-      cuda::copy_to_device(at, f64.data(), size_t(len) * esize);
-    } else {
+      src = f64.data();
+    } else if (store == Store::BF16) {
       b16.resize(size_t(len));
       for (int64_t i = 0; i < len; ++i) b16[size_t(i)] = f32_to_bf16(f32[size_t(i)]);
-      cuda::copy_to_device(at, b16.data(), size_t(len) * esize);
+      src = b16.data();
     }
+    cuda::copy_to_device(dst + size_t(r0 * w.cols) * esize, src, size_t(len) * esize);
   }
 }
 
-size_t matrix_bytes(const WeightRef& w, GpuPrecision p) {
-  return size_t(w.rows * w.cols) * (p == GpuPrecision::F32 ? sizeof(double) : sizeof(bf16));
-}
+size_t matrix_bytes(const WeightRef& w, GpuPrecision p) { return size_t(w.rows * w.cols) * store_size(matrix_store(p)); }
 
 class Uploader {
  public:
@@ -57,7 +61,7 @@ class Uploader {
     m.rows = w.rows;
     m.cols = w.cols;
     m.buf = cuda::DeviceBuffer<uint8_t>(matrix_bytes(w, p_));
-    upload_rows(m.buf.data(), w, p_);
+    upload_rows(m.buf.data(), w, matrix_store(p_));
     bytes += m.buf.size();
     return m;
   }
@@ -91,7 +95,7 @@ class Uploader {
     } else {
       const size_t one = matrix_bytes(w0, p_);
       x.data = cuda::DeviceBuffer<uint8_t>(one * size_t(E));
-      for (int64_t e = 0; e < E; ++e) upload_rows(x.data.data() + one * size_t(e), pick(e), p_);
+      for (int64_t e = 0; e < E; ++e) upload_rows(x.data.data() + one * size_t(e), pick(e), matrix_store(p_));
       if (p_ == GpuPrecision::BF16) {
         const std::string why = moe::cuda::gemm_can_run(x.linear());
         K3_CHECK(why.empty(), "GPU upload: routed experts: ", why);
@@ -123,23 +127,9 @@ WeightsDev upload_weights(const K3Config& c, const ModelWeights& w, GpuPrecision
   WeightsDev d;
   {  // the embedding table: the gather reads bf16 (BF16 path) or fp32 rows
     const WeightRef& e = w.embed_tokens;
-    const bool exact = p == GpuPrecision::F32;
-    d.embed = cuda::DeviceBuffer<uint8_t>(size_t(e.rows * e.cols) * (exact ? 4 : 2));
-    const int64_t block_rows = std::max<int64_t>(1, kBlockElems / e.cols);
-    std::vector<float> f32;
-    std::vector<bf16> b16;
-    for (int64_t r0 = 0; r0 < e.rows; r0 += block_rows) {
-      const int64_t n = std::min(block_rows, e.rows - r0), len = n * e.cols;
-      f32.resize(size_t(len));
-      e.rows_to_f32(f32.data(), r0, n);
-      if (exact) {
-        cuda::copy_to_device(d.embed.data() + size_t(r0 * e.cols) * 4, f32.data(), size_t(len) * 4);
-      } else {
-        b16.resize(size_t(len));
-        for (int64_t i = 0; i < len; ++i) b16[size_t(i)] = f32_to_bf16(f32[size_t(i)]);
-        cuda::copy_to_device(d.embed.data() + size_t(r0 * e.cols) * 2, b16.data(), size_t(len) * 2);
-      }
-    }
+    const Store store = p == GpuPrecision::F32 ? Store::F32 : Store::BF16;
+    d.embed = cuda::DeviceBuffer<uint8_t>(size_t(e.rows * e.cols) * store_size(store));
+    upload_rows(d.embed.data(), e, store);
     up.bytes += d.embed.size();
   }
   d.lm_head = up.matrix(w.lm_head);

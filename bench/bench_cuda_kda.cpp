@@ -13,6 +13,7 @@
 //   GB/s      bytes that must move / time: q, k, v, o bf16 and g fp32 per token-head (1,536 B), plus the
 //             workspace written once and read once per value slice (13,824 B per chunk-head each way)
 //   slices    CTAs per head of the recurrence kernel (value-column slices)
+//   kw        warps per 16 value columns of the recurrence kernel (key split, kda_chunk_key_warps)
 //   prepare / recur. ms   each kernel alone (KdaParams::stage), median as above
 // Reference (ANCHORS.md, H200): fla chunk_kda fwd 1.76 / 2.60 / 1.69 / 4.15 / 4.43 ms; FlashKDA ~1.21 ms at
 // B1 T8192 H64. Exits 0 with a message when there is no GPU.
@@ -183,8 +184,8 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15},
                           {1, 65536, 16, 4.43}};
-  std::printf("%-22s %9s %9s %9s %7s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s", "GB/s", "slices",
-              "prepare ms", "recur. ms", "fla fwd ms");
+  std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s", "GB/s", "slices",
+              "kw", "prepare ms", "recur. ms", "fla fwd ms");
   for (const Shape& s : shapes) {
     const Inputs in = make_inputs(s.B, s.T, s.H, 42);
     Device d;
@@ -198,11 +199,12 @@ int main(int argc, char** argv) {
     const double chunk_heads = double(s.B) * double((s.T + 15) / 16) * double(s.H);
     const double flop = chunk_heads * 1974272.0;
     const int slices = kc::kda_chunk_value_slices(s.B, s.H, DType::BF16);
+    const int kw = kc::kda_chunk_key_warps(s.B, s.H, DType::BF16);
     const double bytes = double(s.B * s.T * s.H) * 1536.0 + chunk_heads * 13824.0 * (1 + slices);
     char name[64];
     std::snprintf(name, sizeof name, "(%lld, %lld, %lld)", (long long)s.B, (long long)s.T, (long long)s.H);
-    std::printf("%-22s %9.3f %9.1f %9.0f %7d %12.3f %12.3f %12.2f\n", name, ms, flop / (ms * 1e-3) / 1e12,
-                bytes / (ms * 1e-3) / 1e9, slices, ms_prep, ms_rec, s.fla_ms);
+    std::printf("%-22s %9.3f %9.1f %9.0f %7d %5d %12.3f %12.3f %12.2f\n", name, ms, flop / (ms * 1e-3) / 1e12,
+                bytes / (ms * 1e-3) / 1e9, slices, kw, ms_prep, ms_rec, s.fla_ms);
   }
 
   // Decode: one token through the fused recurrence (state 64 KB per head read and written).

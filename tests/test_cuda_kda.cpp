@@ -20,6 +20,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda.h"
@@ -351,33 +352,39 @@ TEST(CudaKdaChunk, GatesAtTheBoundStayFinite) {
   }
 }
 
-// The recurrence kernel of kda_chunk_forward picks its CTA width (NW warps of 16 value columns, D / (16 NW)
-// slices per head) from B * H and the SM count (kda_chunk_value_slices). The small shapes above all take
-// NW = 1; here, per head dim, one head count for every slice count the kernel can choose on this GPU.
+// The recurrence kernel of kda_chunk_forward picks its CTA shape (NW value groups of 16 columns, D / (16 NW)
+// slices per head, each group split over KW key warps) from B * H and the SM count (kda_chunk_value_slices,
+// kda_chunk_key_warps). Here, per head dim, one head count for every (slices, key warps) pair the kernel can
+// choose on this GPU, at a full + partial chunk (T = 21) and at T = 50 (a partial fourth chunk).
 TEST(CudaKdaChunk, EverySliceWidthMatchesCpu) {
   K3_REQUIRE_GPU();
   for (int D : kHeadDims) {
-    std::vector<int> seen;
+    std::vector<std::pair<int, int>> seen;
     for (int64_t H = 1; H <= 600; ++H) {
       const int slices = kc::kda_chunk_value_slices(1, H, DType::BF16, D);
+      const int kw = kc::kda_chunk_key_warps(1, H, DType::BF16, D);
       ASSERT_TRUE(slices >= 1 && slices <= D / 16 && (D / 16) % slices == 0) << slices;
-      if (std::find(seen.begin(), seen.end(), slices) != seen.end()) continue;
-      seen.push_back(slices);
-      const Case c = make_case(1, 21, H, 400 + uint32_t(H) + dseed(D), true, false, D);
-      const Result ref = cpu_ref(c);
-      const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
-      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-      std::printf("[chunk bf16, %s, %d slices of %d columns] rel L2: o %.3g, state %.3g\n", name(c).c_str(), slices,
-                  D / slices, eo, es);
-      EXPECT_LE(eo, kBf16Tol) << name(c) << " slices " << slices;
-      EXPECT_LE(es, kBf16Tol) << name(c) << " slices " << slices;
+      ASSERT_TRUE((kw == 1 || kw == 2 || kw == 4) && 16 * kw <= D) << kw;
+      if (std::find(seen.begin(), seen.end(), std::make_pair(slices, kw)) != seen.end()) continue;
+      seen.emplace_back(slices, kw);
+      for (int64_t T : {21, 50}) {
+        const Case c = make_case(1, T, H, 400 + uint32_t(H) + uint32_t(T) + dseed(D), true, false, D);
+        const Result ref = cpu_ref(c);
+        const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
+        const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+        std::printf("[chunk bf16, %s, %d slices of %d columns, %d key warps] rel L2: o %.3g, state %.3g\n",
+                    name(c).c_str(), slices, D / slices, kw, eo, es);
+        EXPECT_LE(eo, kBf16Tol) << name(c) << " slices " << slices << " key warps " << kw;
+        EXPECT_LE(es, kBf16Tol) << name(c) << " slices " << slices << " key warps " << kw;
+      }
     }
-    std::printf("[D=%d] %zu slice counts exercised\n", D, seen.size());
+    std::printf("[D=%d] %zu (slices, key warps) pairs exercised\n", D, seen.size());
   }
   // The parity path uses one CTA width per D.
   EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 128), 2);
   EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 64), 1);
   EXPECT_EQ(kc::kda_chunk_value_slices(1, 1, DType::F32, 32), 1);
+  for (int D : kHeadDims) EXPECT_EQ(kc::kda_chunk_key_warps(1, 1, DType::F32, D), 1);
 }
 
 // 65536 tokens (4096 chunks), two heads: finite, and the CPU's answer (its chunked form, for time).

@@ -28,14 +28,20 @@
 //        Aw = (I + L)^-1 Diag(beta)                                           (16x16 forward substitution)
 //        Mw = M Aw,   Kw = Aw Kd,   Qw = Qd - Mw Kd                           (MMA)
 //      and writes Qw, Kw, -Kr, -Aw, Mw, gamma to a workspace (kda_chunk_workspace_bytes).
-//   2. recurrence (state-parallel: one CTA per sequence, head and slice of the value columns; one warp
-//      owns 16 value columns of the state for the whole sequence, S^T held in fp32 registers). Per chunk:
+//   2. recurrence (state-parallel: one CTA per sequence, head and slice of the value columns; a group of
+//      1, 2 or 4 warps owns 16 value columns of the state for the whole sequence, S^T held in fp32
+//      registers, each warp D, D/2 or D/4 of the key columns). Per chunk:
 //        [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | -Aw^T]      (Y = -U^T,  U = Aw (V - Kd S))
 //        S^T      <- Diag(gamma) on the columns of S^T, then S^T += Y (-Kr)   (= S^T + U^T Kr)
 //      which is the CPU twin's  O = Qd S + M U,  S' = Diag(gamma) S + Kr^T U  with the 16x16 products
 //      folded in. The value columns of the state never interact, so the slices need no communication,
 //      and the accumulator layout of S^T IS the A-operand layout of the next product (no shared memory
-//      round trip for the state). The next chunks' tiles stream in with cp.async, 4 stages deep.
+//      round trip for the state). Splitting the keys over warps (KW > 1) makes [O^T | Y] a sum of KW
+//      partial products, reduced through shared memory (one barrier per chunk); each warp then updates
+//      its own key columns with the full Y. The split is chosen when CTAs are few (the busiest SM would
+//      hold fewer than 4 warps, e.g. B1 H16: one 16-column group per SM), so that the chunk step of a
+//      group is spread over the SM's four tensor-core sub-partitions instead of issued by one warp.
+//      The next chunks' tiles stream in with cp.async, 4 stages deep (2 on the fp32 path).
 // Every product, the diagonal 16x16 tiles included, is an mma.sync.m16n8k16 bf16 -> fp32; there is no
 // per-position path. Masks (strict lower for L, lower for M) are applied by SELECTION of the fp32
 // accumulator (i > j ? x : 0), never by multiplying by a 0/1 mask: the masked entries of Kd Ki^T carry
@@ -53,23 +59,36 @@
 // Where fp32 is kept. The state S, every MMA accumulator, Gamma and the exponentials, the forward
 // substitution, gamma, and the sum O + ... are fp32. The prepare kernel feeds its MMAs with split
 // operands (x = hi + lo, two bf16 numbers; hi*hi + hi*lo + lo*hi, relative error ~2^-16), so A, M, Aw,
-// Mw, Kw, Qw are fp32-accurate before they are rounded once to bf16 for the workspace. In the
-// recurrence the state is split too (S = S_hi + S_lo, both multiplied), so the state enters its
-// product at ~2^-17 relative accuracy, and so does Y in the state update; the only bf16 roundings of the
-// fast path are the inputs and the workspace tiles (Qw, Kw, Kr, Aw, Mw: 2^-9 relative each).
-// The fp32 path (q/k/v fp32) also splits the workspace tiles and v into hi/lo planes and multiplies
-// hi*hi + hi*lo + lo*hi everywhere: every product is then fp32-accurate to ~2^-16 (parity with the CPU).
+// Mw, Kw, Qw are fp32-accurate before they are rounded once to bf16 for the workspace.
+// In the recurrence of the bf16 path the state S stays fp32 (it accumulates in fp32 MMA accumulators and
+// is decayed in fp32), but its copy fed to the product [O^T | Y] is rounded once to bf16 per chunk, and
+// so is Y in the state update S^T += Y (-Kr): 2^-9 relative each, like fla's chunk_kda (bf16 state into
+// the output product, bf16 v_new into the update). Why that is enough: (a) the bf16 path already rounds
+// its inputs and every workspace tile (Qw, Kw, Kr, Aw, Mw) to bf16, 2^-9 relative each, so two more
+// roundings of the same size change the error's constant, not its order; (b) only the copy is rounded,
+// never the state itself, so the rounding does not compound from chunk to chunk; an error put into the
+// state by one chunk's Y is then multiplied by the decay (gamma <= 1) and the delta rule's projection
+// (I - beta k k^T), so it fades instead of growing with T. Measured against the fp64 CPU twin: o ~2.5e-3,
+// state ~2.2e-3 relative L2, the same at T = 65536 (it was 2.3e-3 / 1.5e-3 with the state split into
+// hi + lo as below); the bound is 1e-2. It halves the recurrence's MMAs.
+// The fp32 path (q/k/v fp32) keeps every product split: the state as S_hi + S_lo (~2^-17 relative), Y
+// likewise, and the workspace tiles and v as hi/lo planes, multiplying hi*hi + hi*lo + lo*hi everywhere:
+// every product is then fp32-accurate to ~2^-16 (parity with the CPU).
 //
-// Measured (H200, 2026-11-29, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels):
-//   (B, T, H)        ms      prepare  recurrence   fla chunk_kda fwd (ANCHORS.md)
-//   1, 8192, 64     1.379    0.665    0.723        1.76
-//   1, 8192, 96     2.129    0.990    1.148        2.60
-//   4, 4096, 32     1.180    0.669    0.521        1.69
-//   1, 32768, 32    4.387    1.322    3.079        4.15
-//   1, 65536, 16    8.833    1.325    7.498        4.43
-// The recurrence costs ~1.4-1.8 us per 16-token chunk whatever the shape (latency of one chunk step),
-// so few heads and long T are its weak case; the prepare kernel moves ~1.5 TB/s.
-// Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.3e-3, state ~1.5e-3 (also at T = 65536);
+// Measured (H200, 2026-11-29, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels;
+// slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them):
+//   (B, T, H)        ms      prepare  recurrence  slices x kw  before: ms = prepare + recur.  fla fwd (ANCHORS.md)
+//   1, 8192, 64     1.193    0.670    0.529        2 x 1      1.379 = 0.665 + 0.723         1.76
+//   1, 8192, 96     1.844    0.989    0.859        4 x 1      2.129 = 0.990 + 1.148         2.60
+//   4, 4096, 32     1.012    0.666    0.350        1 x 1      1.180 = 0.669 + 0.521         1.69
+//   1, 32768, 32    3.354    1.320    2.035        4 x 2      4.387 = 1.322 + 3.079         4.15
+//   1, 65536, 16    5.358    1.313    4.038        8 x 4      8.833 = 1.325 + 7.498         4.43
+// ("before": the state split hi + lo in the bf16 path and one warp per 16 value columns.)
+// The recurrence costs ~1.0 us per 16-token chunk step (B1 T8192 H64: 0.529 ms / 512 chunks; with one
+// value group per SM and four key warps, B1 T65536 H16, also ~1.0 us) whatever the shape: the step's
+// latency, not the MMA count, bounds it, so few heads and long T stay its weak case (B1 T65536 H16 is
+// still slower than fla there); the prepare kernel moves ~1.5 TB/s.
+// Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.5e-3, state ~2.2e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once
 #include <cstddef>
@@ -160,8 +179,12 @@ std::string kda_recurrent_can_run(const KdaParams& p);
 void kda_recurrent_forward(const KdaParams& p);
 
 // For the benchmark: the number of value-column slices (CTAs per head) the recurrence kernel of
-// kda_chunk_forward uses at this shape (1 .. D/16; each slice is a CTA of 16-column warps), chosen so that
+// kda_chunk_forward uses at this shape (1 .. D/16; each slice is a CTA of 16-column warp groups), chosen so that
 // the busiest SM holds the fewest warps.
 int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype, int64_t D = kHeadDim);
+// Likewise the key split: warps per 16 value columns (1, 2 or 4, at most D/16; 1 on the fp32 path), each
+// holding D / key_warps key columns of the state, chosen to fill the busiest SM up to 4 warps (one per
+// tensor-core sub-partition).
+int kda_chunk_key_warps(int64_t B, int64_t H, DType in_dtype, int64_t D = kHeadDim);
 
 }  // namespace k3::kda::cuda

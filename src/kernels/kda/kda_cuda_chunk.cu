@@ -306,19 +306,30 @@ __global__ void __launch_bounds__(prep_threads<D>()) kda_prepare_kernel(Args a) 
 }
 
 // =========================================================================================================
-// Kernel 2: the recurrence. One CTA of NW warps per (b, h, slice of NV = 16 NW value columns); warp w
-// owns S^T rows v0 = slice*NV + 16 w .. +15 (all D key columns) in D/2 fp32 registers per thread:
-//   S[nt][0..3] = S^T[v0 + r (+8)][8 nt + 2q (+1)]  (C layout of D/8 tiles 16x8).
+// Kernel 2: the recurrence. One CTA of NW x KW warps per (b, h, slice of NV = 16 NW value columns). The KW
+// warps of value group w (warps w KW .. w KW + KW-1, consecutive, so they land on different SM
+// sub-partitions) share S^T rows v0 = slice*NV + 16 w .. +15 and split the D key columns: warp (w, kk)
+// holds S^T[v0 .. v0+15][kk DK .. kk DK + DK-1], DK = D / KW, in DK/2 fp32 registers per thread:
+//   S[nt][0..3] = S^T[v0 + r (+8)][kk DK + 8 nt + 2q (+1)]  (C layout of DK/8 tiles 16x8).
+// Per chunk each warp forms its partial [O^T | Y] over its DK keys (the V term goes to key warp 0); with
+// KW > 1 the partials meet in shared memory (fp32, one barrier), every warp sums the KW partials of Y in
+// the same order (so all of them update with the same Y), and key warp j (j < 2) sums and stores the
+// O^T tile of tokens 8j .. 8j+7. The key split shortens the serial chain of MMAs per warp by KW and
+// spreads a value group over KW of the SM's four tensor-core sub-partitions: with few CTAs (B H slices
+// below the SM count) one warp per SM otherwise issues every MMA of the chunk alone.
 // Shared memory per stage (bf16 rows padded to D+8 / 24 / NV+8 elements: odd multiples of 16 bytes mod 128,
 // so ldmatrix reads 8 rows from 8 distinct bank groups): Qw, Kw, Krn [P][16][D+8]; Awn, Mw [P][16][24];
-// gamma [D] fp32; V [P][16][NV+8]. Then per warp an fp32 [16][20] tile to transpose O for the store.
+// gamma [D] fp32; V [P][16][NV+8]. Then (KW > 1) the partials, float4 [NW][KW][4 tiles][32 lanes].
+// Every read of a stage happens before the mid-chunk barrier (Krn goes to registers early), so that
+// barrier also frees the stage for the next load: two barriers per chunk.
 constexpr int kLdS = C + 8;
 
-template <int P, int NW, int D>
+template <int P, int NW, int KW, int D>
 struct Smem2 {
   static constexpr int kLdB = D + 8;
   static constexpr int NV = 16 * NW;
   static_assert(NV <= D && D % NV == 0, "the slices tile the value columns");
+  static_assert(KW >= 1 && D % (16 * KW) == 0, "the key warps tile the key columns in 16-wide k-steps");
   static constexpr int kLdV = NV + 8;
   static constexpr int kStages = P == 1 ? 4 : 2;
   static constexpr int kQ = 0;  // bytes within a stage
@@ -329,43 +340,37 @@ struct Smem2 {
   static constexpr int kG = kM + P * C * kLdS * 2;
   static constexpr int kV = kG + D * 4;
   static constexpr int kStage = kV + P * C * kLdV * 2;
-  static constexpr int kOut = kStages * kStage;  // per-warp [16][20] fp32
-  static constexpr int kBytes = kOut + NW * C * 20 * 4;
+  static constexpr int kRed = kStages * kStage;  // KW > 1: float4 partials [NW][KW][4][32]
+  static constexpr int kBytes = kRed + (KW > 1 ? NW * KW * 4 * 32 * 16 : 0);
   static_assert(kK % 16 == 0 && kA % 16 == 0 && kG % 16 == 0 && kV % 16 == 0 && kStage % 16 == 0, "alignment");
 };
 
-__device__ __forceinline__ void store_out(float* o, const float* src) {
-  *reinterpret_cast<float4*>(o) = *reinterpret_cast<const float4*>(src);
-  *reinterpret_cast<float4*>(o + 4) = *reinterpret_cast<const float4*>(src + 4);
-}
-__device__ __forceinline__ void store_out(bf16* o, const float* src) {
-  uint4 u;
-  u.x = ptx::pack_bf16x2(src[0], src[1]);
-  u.y = ptx::pack_bf16x2(src[2], src[3]);
-  u.z = ptx::pack_bf16x2(src[4], src[5]);
-  u.w = ptx::pack_bf16x2(src[6], src[7]);
-  *reinterpret_cast<uint4*>(o) = u;
-}
+__device__ __forceinline__ void store_o(float* o, float x) { *o = x; }
+__device__ __forceinline__ void store_o(bf16* o, float x) { *o = __float2bfloat16_rn(x); }
 
-template <int P, int NW, class TO, int D>
-__global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
+template <int P, int NW, int KW, class TO, int D>
+__global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a) {
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
   using W = Ws<P, D>;
-  using L = Smem2<P, NW, D>;
+  using L = Smem2<P, NW, KW, D>;
   constexpr int NV = L::NV, kSlices = D / NV, kStages = L::kStages;
   constexpr int kLdB = L::kLdB;
+  constexpr int kThreads = NW * KW * 32;
   constexpr int kRowSegs = D / 8;    // 16-byte pieces of a D-element bf16 row
   constexpr int kGamSegs = D / 4;    // 16-byte pieces of gamma[D] fp32
-  constexpr int kNT = D / 8;         // 16x8 state tiles per warp (key columns / 8)
-  constexpr int kKS = D / 16;        // 16-wide k-steps over the key columns
+  constexpr int DK = D / KW;         // key columns per warp
+  constexpr int kNT = DK / 8;        // 16x8 state tiles per warp (key columns / 8)
+  constexpr int kKS = DK / 16;       // 16-wide k-steps over the warp's key columns
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int slice = blockIdx.x % kSlices;
   const int64_t h = (blockIdx.x / kSlices) % a.H;
   const int64_t b = blockIdx.x / (kSlices * a.H);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
-  const int vs = slice * NV;     // the CTA's first value column
-  const int v0 = vs + warp * 16;  // the warp's first value column
+  const int vw = warp / KW, kw = warp % KW;  // value group, key warp within it
+  const int vs = slice * NV;       // the CTA's first value column
+  const int v0 = vs + vw * 16;     // the warp's first value column
+  const int k0 = kw * DK;          // the warp's first key column
   const int64_t NC = a.NC;
 
   // Issue the async copies of chunk n into stage s (always commits a group, possibly empty).
@@ -374,13 +379,13 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       unsigned char* st = smem + s * L::kStage;
       const unsigned char* src = a.ws + ((b * NC + n) * a.H + h) * W::kItem_B;
       // Qw, Kw, Krn: 3 P planes of 16 rows x 2D bytes (D/8 segments per row).
-      for (int i = tid; i < 3 * P * C * kRowSegs; i += NW * 32) {
+      for (int i = tid; i < 3 * P * C * kRowSegs; i += kThreads) {
         const int plane = i / (C * kRowSegs), row = (i / kRowSegs) % C, seg = i % kRowSegs;
         cp_async16(st + plane * C * kLdB * 2 + row * kLdB * 2 + seg * 16, src + plane * C * D * 2 + row * D * 2 + seg * 16,
                    16);
       }
       // Awn, Mw: 2 P planes of 16 rows x 32 bytes; gamma: 4D bytes.
-      for (int i = tid; i < 2 * P * C * 2 + kGamSegs; i += NW * 32) {
+      for (int i = tid; i < 2 * P * C * 2 + kGamSegs; i += kThreads) {
         if (i < 2 * P * C * 2) {
           const int plane = i / (C * 2), row = (i / 2) % C, seg = i % 2;
           cp_async16(st + L::kA + plane * C * kLdS * 2 + row * kLdS * 2 + seg * 16,
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       }
       // V columns vs .. vs+NV-1 of the 16 tokens: from the input (bf16 path) or the workspace planes.
       constexpr int kSegs = NV / 8;
-      for (int i = tid; i < P * C * kSegs; i += NW * 32) {
+      for (int i = tid; i < P * C * kSegs; i += kThreads) {
         const int plane = i / (C * kSegs), row = (i / kSegs) % C, seg = i % kSegs;
         unsigned char* dst = st + L::kV + plane * C * L::kLdV * 2 + row * L::kLdV * 2 + seg * 16;
         if constexpr (P == 1) {
@@ -411,13 +416,13 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) load_chunk(s, s);
 
-  // The state, transposed, into registers.
+  // The warp's block of the state, transposed, into registers.
   float S[kNT][4];
   {
     const float* sin = a.state_in ? a.state_in + (b * a.H + h) * D * D : nullptr;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const int c = nt * 8 + 2 * q;
+      const int c = k0 + nt * 8 + 2 * q;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int cc = c + (e & 1), vv = v0 + r + (e >> 1) * 8;
@@ -426,13 +431,13 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     }
   }
 
-  float* sOut = reinterpret_cast<float*>(smem + L::kOut) + warp * C * 20;
+  float4* red = reinterpret_cast<float4*>(smem + L::kRed) + vw * KW * 4 * 32;  // the value group's partials
   TO* out = static_cast<TO*>(a.o);
 
   for (int64_t n = 0; n < NC; ++n) {
     load_chunk(n + kStages - 1, static_cast<int>((n + kStages - 1) % kStages));
     cp_async_wait<kStages - 1>();
-    __syncthreads();
+    __syncthreads();  // stage n has landed; every warp is done with the previous chunk's partials
     const unsigned char* st = smem + (n % kStages) * L::kStage;
     const bf16* sQ = reinterpret_cast<const bf16*>(st + L::kQ);
     const bf16* sK = reinterpret_cast<const bf16*>(st + L::kK);
@@ -445,17 +450,28 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     // ldmatrix lane roles: matrix m = lane / 8, row rr = lane % 8.
     const int m = lane >> 3, rr = lane & 7;
 
-    // [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | Awn^T]; acc[0..1] = O^T (tokens 0-7, 8-15), acc[2..3] = Y.
-    float acc[4][4] = {}, accl[4][4] = {};
+    // [O^T | Y] = S^T [Qw^T | Kw^T] + V^T [Mw^T | Awn^T] over the warp's keys; acc[0..1] = O^T (tokens
+    // 0-7, 8-15), acc[2..3] = Y. The bf16 path multiplies the state rounded once to bf16 (kda_cuda.h,
+    // numerics); the parity path splits it, S = hi + lo, and also multiplies the lo planes of the tiles.
+    float acc[4][4] = {};
+    [[maybe_unused]] float accl[4][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
-      uint32_t sh[4], sl[4];
-      split_pack(S[2 * ks][0], S[2 * ks][1], sh[0], sl[0]);
-      split_pack(S[2 * ks][2], S[2 * ks][3], sh[1], sl[1]);
-      split_pack(S[2 * ks + 1][0], S[2 * ks + 1][1], sh[2], sl[2]);
-      split_pack(S[2 * ks + 1][2], S[2 * ks + 1][3], sh[3], sl[3]);
-      // B tiles: rows (tokens) (m>>1)*8 + rr, columns (channels) 16 ks + (m&1)*8.
-      const int boff = ((m >> 1) * 8 + rr) * kLdB + ks * 16 + (m & 1) * 8;
+      uint32_t sh[4];
+      [[maybe_unused]] uint32_t sl[4];
+      if constexpr (P == 1) {
+        sh[0] = ptx::pack_bf16x2(S[2 * ks][0], S[2 * ks][1]);
+        sh[1] = ptx::pack_bf16x2(S[2 * ks][2], S[2 * ks][3]);
+        sh[2] = ptx::pack_bf16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        sh[3] = ptx::pack_bf16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+      } else {
+        split_pack(S[2 * ks][0], S[2 * ks][1], sh[0], sl[0]);
+        split_pack(S[2 * ks][2], S[2 * ks][3], sh[1], sl[1]);
+        split_pack(S[2 * ks + 1][0], S[2 * ks + 1][1], sh[2], sl[2]);
+        split_pack(S[2 * ks + 1][2], S[2 * ks + 1][3], sh[3], sl[3]);
+      }
+      // B tiles: rows (tokens) (m>>1)*8 + rr, columns (channels) k0 + 16 ks + (m&1)*8.
+      const int boff = ((m >> 1) * 8 + rr) * kLdB + k0 + ks * 16 + (m & 1) * 8;
       uint32_t bq[4], bk[4];
       ldsm_x4(bq, sQ + boff);
       ldsm_x4(bk, sK + boff);
@@ -463,11 +479,11 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
       ptx::mma_bf16_16816(acc[1], sh, bq[2], bq[3]);
       ptx::mma_bf16_16816(acc[2], sh, bk[0], bk[1]);
       ptx::mma_bf16_16816(acc[3], sh, bk[2], bk[3]);
-      ptx::mma_bf16_16816(accl[0], sl, bq[0], bq[1]);
-      ptx::mma_bf16_16816(accl[1], sl, bq[2], bq[3]);
-      ptx::mma_bf16_16816(accl[2], sl, bk[0], bk[1]);
-      ptx::mma_bf16_16816(accl[3], sl, bk[2], bk[3]);
       if constexpr (P == 2) {
+        ptx::mma_bf16_16816(accl[0], sl, bq[0], bq[1]);
+        ptx::mma_bf16_16816(accl[1], sl, bq[2], bq[3]);
+        ptx::mma_bf16_16816(accl[2], sl, bk[0], bk[1]);
+        ptx::mma_bf16_16816(accl[3], sl, bk[2], bk[3]);
         ldsm_x4(bq, sQ + C * kLdB + boff);
         ldsm_x4(bk, sK + C * kLdB + boff);
         ptx::mma_bf16_16816(accl[0], sh, bq[0], bq[1]);
@@ -476,20 +492,25 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
         ptx::mma_bf16_16816(accl[3], sh, bk[2], bk[3]);
       }
     }
-    {
-      // V^T (A operand, transposed load of V[t][v]): rows t = rr + (m>>1)*8, columns v = 16 warp + (m&1)*8.
-      const int voff = (rr + (m >> 1) * 8) * L::kLdV + warp * 16 + (m & 1) * 8;
+    if (kw == 0) {
+      // V^T (A operand, transposed load of V[t][v]): rows t = rr + (m>>1)*8, columns v = 16 vw + (m&1)*8.
+      const int voff = (rr + (m >> 1) * 8) * L::kLdV + vw * 16 + (m & 1) * 8;
       // Mw, Awn (B operands, stored [i][j] = [n][k]): rows (m>>1)*8 + rr, columns (m&1)*8.
       const int soff = ((m >> 1) * 8 + rr) * kLdS + (m & 1) * 8;
       uint32_t av[4], bm[4], ba[4];
       ldsm_x4_t(av, sV + voff);
       ldsm_x4(bm, sM + soff);
       ldsm_x4(ba, sA + soff);
-      ptx::mma_bf16_16816(accl[0], av, bm[0], bm[1]);
-      ptx::mma_bf16_16816(accl[1], av, bm[2], bm[3]);
-      ptx::mma_bf16_16816(accl[2], av, ba[0], ba[1]);
-      ptx::mma_bf16_16816(accl[3], av, ba[2], ba[3]);
-      if constexpr (P == 2) {
+      if constexpr (P == 1) {
+        ptx::mma_bf16_16816(acc[0], av, bm[0], bm[1]);
+        ptx::mma_bf16_16816(acc[1], av, bm[2], bm[3]);
+        ptx::mma_bf16_16816(acc[2], av, ba[0], ba[1]);
+        ptx::mma_bf16_16816(acc[3], av, ba[2], ba[3]);
+      } else {
+        ptx::mma_bf16_16816(accl[0], av, bm[0], bm[1]);
+        ptx::mma_bf16_16816(accl[1], av, bm[2], bm[3]);
+        ptx::mma_bf16_16816(accl[2], av, ba[0], ba[1]);
+        ptx::mma_bf16_16816(accl[3], av, ba[2], ba[3]);
         uint32_t avl[4], bml[4], bal[4];
         ldsm_x4_t(avl, sV + C * L::kLdV + voff);
         ldsm_x4(bml, sM + C * kLdS + soff);
@@ -504,58 +525,98 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
         ptx::mma_bf16_16816(accl[3], av, bal[2], bal[3]);
       }
     }
+    if constexpr (P == 2) {
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] += accl[nt][e];
-
-    // Output: O^T -> the warp's [16 t][20] tile -> 16-byte stores of o[t][v0 .. v0+15], rows t < T only.
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int t = nt * 8 + 2 * q;
-      sOut[t * 20 + r] = acc[nt][0];
-      sOut[(t + 1) * 20 + r] = acc[nt][1];
-      sOut[t * 20 + r + 8] = acc[nt][2];
-      sOut[(t + 1) * 20 + r + 8] = acc[nt][3];
-    }
-    __syncwarp();
-    {
-      const int t = lane >> 1, half = lane & 1;
-      const int64_t tg = n * C + t;
-      if (tg < a.T) store_out(out + ((b * a.T + tg) * a.H + h) * D + v0 + half * 8, sOut + t * 20 + half * 8);
+        for (int e = 0; e < 4; ++e) acc[nt][e] += accl[nt][e];
     }
 
-    // State: S^T <- S^T Diag(gamma) + Y Krn. Y (C layout, tokens 0-7 | 8-15) is already the A operand.
-    uint32_t yh[4], yl[4];
-    split_pack(acc[2][0], acc[2][1], yh[0], yl[0]);
-    split_pack(acc[2][2], acc[2][3], yh[1], yl[1]);
-    split_pack(acc[3][0], acc[3][1], yh[2], yl[2]);
-    split_pack(acc[3][2], acc[3][3], yh[3], yl[3]);
+    // The rest of the stage this warp needs, read before the barrier below frees the stage: Krn (the B
+    // operand of the state update, stored [k][n] = [t][c]: transposed loads, rows t = rr + (m&1)*8,
+    // columns c = k0 + 8 (2np + (m>>1))) into registers, and gamma, applied now (the state's bf16 copy for
+    // this chunk's products is already taken): S^T <- S^T Diag(gamma).
+    uint32_t br[kKS][P][4];
+#pragma unroll
+    for (int np = 0; np < kKS; ++np) {
+      const int roff = (rr + (m & 1) * 8) * kLdB + k0 + (2 * np + (m >> 1)) * 8;
+      ldsm_x4_t(br[np][0], sR + roff);
+      if constexpr (P == 2) ldsm_x4_t(br[np][1], sR + C * kLdB + roff);
+    }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const float2 gm = *reinterpret_cast<const float2*>(sG + nt * 8 + 2 * q);
+      const float2 gm = *reinterpret_cast<const float2*>(sG + k0 + nt * 8 + 2 * q);
       S[nt][0] *= gm.x;
       S[nt][1] *= gm.y;
       S[nt][2] *= gm.x;
       S[nt][3] *= gm.y;
     }
+
+    // KW > 1: partials to shared memory (float4 per lane and tile: conflict-free), one barrier, then the sums.
+    if constexpr (KW > 1) {
 #pragma unroll
-    for (int np = 0; np < kKS; ++np) {
-      // Krn as B = Krn[t][c] (stored [k][n]): transposed load, rows t = rr + (m&1)*8, columns c = 8 (2np + (m>>1)).
-      const int roff = (rr + (m & 1) * 8) * kLdB + (2 * np + (m >> 1)) * 8;
-      uint32_t br[4];
-      ldsm_x4_t(br, sR + roff);
-      ptx::mma_bf16_16816(S[2 * np], yh, br[0], br[1]);
-      ptx::mma_bf16_16816(S[2 * np + 1], yh, br[2], br[3]);
-      ptx::mma_bf16_16816(S[2 * np], yl, br[0], br[1]);
-      ptx::mma_bf16_16816(S[2 * np + 1], yl, br[2], br[3]);
-      if constexpr (P == 2) {
-        ldsm_x4_t(br, sR + C * kLdB + roff);
-        ptx::mma_bf16_16816(S[2 * np], yh, br[0], br[1]);
-        ptx::mma_bf16_16816(S[2 * np + 1], yh, br[2], br[3]);
+      for (int j = 0; j < 4; ++j)
+        red[(kw * 4 + j) * 32 + lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    }
+    __syncthreads();  // partials visible; every read of stage n is done (the next load may refill it)
+    if constexpr (KW > 1) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j < 2 && j % KW != kw) continue;  // O^T tile j is summed (and stored) by key warp j % KW only
+        float4 s = red[j * 32 + lane];
+#pragma unroll
+        for (int w = 1; w < KW; ++w) {
+          const float4 x = red[(w * 4 + j) * 32 + lane];
+          s.x += x.x;
+          s.y += x.y;
+          s.z += x.z;
+          s.w += x.w;
+        }
+        acc[j][0] = s.x;
+        acc[j][1] = s.y;
+        acc[j][2] = s.z;
+        acc[j][3] = s.w;
       }
     }
-    __syncthreads();  // stage n % kStages is refilled by the next iteration's load_chunk
+
+    // Output: O^T tile j (tokens 8j + 2q, +1; value columns v0 + r, +8) straight from the C fragment to
+    // o[t][v], rows t < T only; per store instruction the warp writes 4 rows of 8 consecutive columns.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j % KW != kw) continue;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t tg = n * C + 8 * j + 2 * q + (e & 1);
+        if (tg < a.T) store_o(out + ((b * a.T + tg) * a.H + h) * D + v0 + r + (e >> 1) * 8, acc[j][e]);
+      }
+    }
+
+    // State: S^T += Y Krn over the warp's keys. Y (C layout, tokens 0-7 | 8-15) is already the A operand:
+    // rounded once to bf16 in the bf16 path, split hi + lo in the parity path.
+    uint32_t yh[4];
+    [[maybe_unused]] uint32_t yl[4];
+    if constexpr (P == 1) {
+      yh[0] = ptx::pack_bf16x2(acc[2][0], acc[2][1]);
+      yh[1] = ptx::pack_bf16x2(acc[2][2], acc[2][3]);
+      yh[2] = ptx::pack_bf16x2(acc[3][0], acc[3][1]);
+      yh[3] = ptx::pack_bf16x2(acc[3][2], acc[3][3]);
+    } else {
+      split_pack(acc[2][0], acc[2][1], yh[0], yl[0]);
+      split_pack(acc[2][2], acc[2][3], yh[1], yl[1]);
+      split_pack(acc[3][0], acc[3][1], yh[2], yl[2]);
+      split_pack(acc[3][2], acc[3][3], yh[3], yl[3]);
+    }
+#pragma unroll
+    for (int np = 0; np < kKS; ++np) {
+      ptx::mma_bf16_16816(S[2 * np], yh, br[np][0][0], br[np][0][1]);
+      ptx::mma_bf16_16816(S[2 * np + 1], yh, br[np][0][2], br[np][0][3]);
+      if constexpr (P == 2) {
+        ptx::mma_bf16_16816(S[2 * np], yl, br[np][0][0], br[np][0][1]);
+        ptx::mma_bf16_16816(S[2 * np + 1], yl, br[np][0][2], br[np][0][3]);
+        ptx::mma_bf16_16816(S[2 * np], yh, br[np][1][0], br[np][1][1]);
+        ptx::mma_bf16_16816(S[2 * np + 1], yh, br[np][1][2], br[np][1][3]);
+      }
+    }
   }
   cp_async_wait<0>();
 
@@ -563,7 +624,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_recurrence_kernel(Args a) {
     float* so = a.state_out + (b * a.H + h) * D * D;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const int c = nt * 8 + 2 * q;
+      const int c = k0 + nt * 8 + 2 * q;
 #pragma unroll
       for (int e = 0; e < 4; ++e) so[(c + (e & 1)) * D + v0 + r + (e >> 1) * 8] = S[nt][e];
     }
@@ -581,55 +642,91 @@ int sm_count() {
   return n;
 }
 
-// Warps per CTA of the recurrence: the NW in {8, 4, 2, 1} with 16 NW <= D whose busiest SM holds the fewest
-// warps (ceil(CTAs / SMs) * NW), the larger NW on a tie (fewer CTAs re-reading the same chunk tiles).
-int choose_nw(int64_t B, int64_t H, int sms, int D) {
+// The recurrence's CTA shape: NW value groups (16 columns each) of KW key warps.
+struct RecShape {
+  int nw, kw;
+};
+
+// Warps per SM the key split fills up to: 4, one per tensor-core sub-partition. Measured on the H200
+// (recurrence ms at KW = 1 / 2 / 4, D = 128): one value group per SM (B1 T65536 H16) 6.84 / 4.82 / 4.00,
+// two (B1 T32768 H32) 2.33 / 2.02 / 2.39, four (B1 T8192 H64) 0.52 / 0.62 / 0.86, eight (B4 T4096 H32)
+// 0.35 / 0.50 / -: the split pays while it puts a warp on an idle sub-partition, and past one warp per
+// sub-partition its partial sums and wider barrier cost more than the shorter chains save. (A deeper
+// cp.async pipeline, 8 stages instead of 4, measured no faster at these choices: the step is bound by its
+// latency inside the SM, not by the tiles' arrival.)
+constexpr int64_t kKeySplitWarpsPerSm = 4;
+
+// bf16 path. NW in {8, 4, 2, 1} with 16 NW <= D: the busiest SM holds the fewest value groups
+// (ceil(CTAs / SMs) * NW), the larger NW on a tie (fewer CTAs re-reading the same chunk tiles). Then KW in
+// {4, 2, 1} with 16 KW <= D: the largest that keeps the busiest SM within kKeySplitWarpsPerSm warps (a lone
+// value group per SM gets KW = 4, two get KW = 2, more get KW = 1).
+RecShape choose_shape(int64_t B, int64_t H, int sms, int D) {
   const int max_nw = D / 16;  // 8, 4 or 2
-  int best = max_nw;
+  int nw = max_nw;
   int64_t best_load = INT64_MAX;
-  for (int nw : {8, 4, 2, 1}) {
-    if (nw > max_nw) continue;
-    const int64_t ctas = B * H * (max_nw / nw);
-    const int64_t load = (ctas + sms - 1) / sms * nw;
+  for (int w : {8, 4, 2, 1}) {
+    if (w > max_nw) continue;
+    const int64_t ctas = B * H * (max_nw / w);
+    const int64_t load = (ctas + sms - 1) / sms * w;
     if (load < best_load) {
       best_load = load;
-      best = nw;
+      nw = w;
     }
   }
-  return best;
+  for (int kw : {4, 2}) {
+    if (16 * kw <= D && best_load * kw <= kKeySplitWarpsPerSm) return {nw, kw};
+  }
+  return {nw, 1};
 }
 
-// Warps per CTA of the parity path (fp32 inputs): 4, or D / 16 when that is fewer.
+// The parity path (fp32 inputs): 4 value warps, or D / 16 when that is fewer; no key split.
 constexpr int p2_nw(int D) { return D / 16 < 4 ? D / 16 : 4; }
 
-template <int P, int NW, class TO, int D>
+RecShape rec_shape(int64_t B, int64_t H, DType in_dtype, int D) {
+  if (in_dtype == DType::F32) return {p2_nw(D), 1};
+  return choose_shape(B, H, sm_count(), D);
+}
+
+template <int P, int NW, int KW, class TO, int D>
 void launch_recurrence(const Args& a) {
-  using L = Smem2<P, NW, D>;
+  using L = Smem2<P, NW, KW, D>;
   static bool attr_set = false;
   if (!attr_set) {
-    K3_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrence_kernel<P, NW, TO, D>,
+    K3_CUDA_CHECK(cudaFuncSetAttribute(kda_recurrence_kernel<P, NW, KW, TO, D>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
     attr_set = true;
   }
   const int64_t grid = a.B * a.H * (D / L::NV);
-  kda_recurrence_kernel<P, NW, TO, D><<<static_cast<unsigned>(grid), NW * 32, L::kBytes>>>(a);
+  kda_recurrence_kernel<P, NW, KW, TO, D><<<static_cast<unsigned>(grid), NW * KW * 32, L::kBytes>>>(a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
+// bf16 path, NW fixed: KW in {4, 2, 1}, only the pairs choose_shape can pick (16 KW <= D, NW KW within
+// kKeySplitWarpsPerSm).
+template <int NW, class TO, int D>
+void launch_recurrence_kw(const Args& a, int kw) {
+  if constexpr (D >= 64 && NW * 4 <= kKeySplitWarpsPerSm) {
+    if (kw >= 4) return launch_recurrence<1, NW, 4, TO, D>(a);
+  }
+  if constexpr (NW * 2 <= kKeySplitWarpsPerSm) {
+    if (kw >= 2) return launch_recurrence<1, NW, 2, TO, D>(a);
+  }
+  launch_recurrence<1, NW, 1, TO, D>(a);
+}
+
 template <int P, class TO, int D>
-void launch_recurrence_nw(const Args& a, int nw) {
+void launch_recurrence_shape(const Args& a, RecShape s) {
   if constexpr (P == 2) {
-    launch_recurrence<2, p2_nw(D), TO, D>(a);  // the parity path: one configuration per D
+    launch_recurrence<2, p2_nw(D), 1, TO, D>(a);  // the parity path: one configuration per D
   } else {
-    // nw <= D / 16 (choose_nw); a wider request than D allows takes the widest CTA there is.
     if constexpr (D >= 128) {
-      if (nw >= 8) return launch_recurrence<1, 8, TO, D>(a);
+      if (s.nw >= 8) return launch_recurrence_kw<8, TO, D>(a, s.kw);
     }
     if constexpr (D >= 64) {
-      if (nw >= 4) return launch_recurrence<1, 4, TO, D>(a);
+      if (s.nw >= 4) return launch_recurrence_kw<4, TO, D>(a, s.kw);
     }
-    if (nw >= 2) return launch_recurrence<1, 2, TO, D>(a);
-    launch_recurrence<1, 1, TO, D>(a);
+    if (s.nw >= 2) return launch_recurrence_kw<2, TO, D>(a, s.kw);
+    launch_recurrence_kw<1, TO, D>(a, s.kw);
   }
 }
 
@@ -646,17 +743,17 @@ void chunk_forward_d(const KdaParams& p, const Args& a) {
     K3_CUDA_LAUNCH_CHECK();
   }
   if (p.stage == KdaParams::Stage::kPrepareOnly) return;
-  const int nw = choose_nw(a.B, a.H, sm_count(), D);
+  const RecShape s = rec_shape(a.B, a.H, p.in_dtype, D);
   if (f32_in) {
     if (p.out_dtype == DType::F32)
-      launch_recurrence_nw<2, float, D>(a, nw);
+      launch_recurrence_shape<2, float, D>(a, s);
     else
-      launch_recurrence_nw<2, bf16, D>(a, nw);
+      launch_recurrence_shape<2, bf16, D>(a, s);
   } else {
     if (p.out_dtype == DType::F32)
-      launch_recurrence_nw<1, float, D>(a, nw);
+      launch_recurrence_shape<1, float, D>(a, s);
     else
-      launch_recurrence_nw<1, bf16, D>(a, nw);
+      launch_recurrence_shape<1, bf16, D>(a, s);
   }
 }
 
@@ -679,9 +776,12 @@ size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype
 
 int kda_chunk_value_slices(int64_t B, int64_t H, DType in_dtype, int64_t D) {
   K3_CHECK(is_head_dim(D), "kda_chunk_value_slices: head dim D must be 32, 64 or 128, got ", D);
-  const int d = static_cast<int>(D);
-  if (in_dtype == DType::F32) return d / (16 * p2_nw(d));
-  return d / (16 * choose_nw(B, H, sm_count(), d));
+  return static_cast<int>(D) / (16 * rec_shape(B, H, in_dtype, static_cast<int>(D)).nw);
+}
+
+int kda_chunk_key_warps(int64_t B, int64_t H, DType in_dtype, int64_t D) {
+  K3_CHECK(is_head_dim(D), "kda_chunk_key_warps: head dim D must be 32, 64 or 128, got ", D);
+  return rec_shape(B, H, in_dtype, static_cast<int>(D)).kw;
 }
 
 std::string kda_chunk_can_run(const KdaParams& p) {

@@ -129,6 +129,16 @@ Trace trace(M& m, const std::vector<int32_t>& ids) {
   return t;
 }
 
+// {1, 2, 3} -> "1,2,3" (sep ',') for --ids, or "1 2 3" as --print-ids prints them.
+std::string joined(const std::vector<int32_t>& ids, char sep) {
+  std::string s;
+  for (int32_t i : ids) {
+    if (!s.empty()) s += sep;
+    s += std::to_string(i);
+  }
+  return s;
+}
+
 int32_t argmax_row(const float* x, int64_t n) { return int32_t(std::max_element(x, x + n) - x); }
 
 // ---------------------------------------------------------------------------------------------
@@ -231,6 +241,30 @@ TEST(CpuTwin, BlockInputsAreBf16ValuesAndTheFirstBlockMovesByBf16Noise) {
   std::printf("CPU twin (bf16 activations) attn_out.0 vs float64 golden: rel L2 %.3e\n", err);
   EXPECT_GT(err, 1e-3);
   EXPECT_LT(err, 2e-2);
+}
+
+// The switch for CLI users: K3_BF16_ACTIVATIONS=1 k3 logits gives the twin's logits.
+TEST(CpuTwin, EnvironmentSwitchReachesTheCli) {
+  k3test::TempDir dir("cpu-twin-cli");
+  const std::string plain = (dir.path() / "plain.safetensors").string(), twin = (dir.path() / "twin.safetensors").string();
+  const std::string csv = joined(golden_row("ids_a"), ',');
+  const std::vector<std::string> args = {"logits", "--model", fixture("k3-tiny-a"), "--ids", csv, "--out"};
+  auto with = [&](const std::string& out) {
+    std::vector<std::string> a = args;
+    a.push_back(out);
+    return a;
+  };
+  auto r = k3test::run_k3(with(plain));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = k3test::run_shell("K3_BF16_ACTIVATIONS=1 " + k3test::k3_command(with(twin)));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<float> want = golden().read_f32("logits_ids_a");
+  const double e_plain = rel_l2(SafeTensors::open(plain).read_f32("logits"), want);
+  const double e_twin = rel_l2(SafeTensors::open(twin).read_f32("logits"), want);
+  const double e_lib = rel_l2(forward_fresh(tiny_twin(false), {golden_row("ids_a")}), want);
+  EXPECT_LE(e_plain, kFixtureBar);
+  EXPECT_GT(e_twin, 1e-3) << "the switch must round";
+  EXPECT_NEAR(e_twin, e_lib, 1e-6 + 1e-3 * e_lib) << "the CLI's twin must be the library's twin";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,8 +515,7 @@ TEST(CudaModelCli, LogitsAndGenerateOnTheGpu) {
   k3test::TempDir dir("cuda-cli");
   const std::string out = (dir.path() / "logits.safetensors").string();
   const std::vector<int32_t> ids = golden_row("ids_a");
-  std::string csv;
-  for (int32_t i : ids) csv += (csv.empty() ? "" : ",") + std::to_string(i);
+  const std::string csv = joined(ids, ',');
   const std::string model = fixture("k3-tiny-a");
   auto r = k3test::run_k3({"logits", "--model", model, "--ids", csv, "--out", out, "--device", "cuda", "--precision", "f32"});
   ASSERT_EQ(r.status, 0) << r.output;
@@ -493,9 +526,25 @@ TEST(CudaModelCli, LogitsAndGenerateOnTheGpu) {
                       "cuda", "--precision", "f32"},
                      "2>/dev/null");
   ASSERT_EQ(r.status, 0) << r.output;
-  std::string want;
-  for (int32_t i : golden_row("greedy_cached_ids_a")) want += (want.empty() ? "" : " ") + std::to_string(i);
+  const std::string want = joined(golden_row("greedy_cached_ids_a"), ' ');
   EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+}
+
+// Without a usable GPU (CI: nvcc but no device), --device cuda fails with a message that says why, and
+// nothing is written; a bad --precision is refused before anything loads.
+TEST(CudaModelCli, DeviceCudaWithoutGpuIsAClearError) {
+  std::string why;
+  if (cuda::available(&why)) GTEST_SKIP() << "a GPU is present: LogitsAndGenerateOnTheGpu covers --device cuda";
+  k3test::TempDir dir("cuda-cli-err");
+  const std::string out = (dir.path() / "logits.safetensors").string();
+  auto r = k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", out, "--device", "cuda"});
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out));
+  r = k3test::run_k3({"generate", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--device", "cuda", "--precision",
+                      "fp8"});
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--precision"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ struct PathOptions {
   // rounded to bf16 at the same point; everything else runs as usual. Its purpose is the test of that
   // path: bf16 roundings of a random model's activations move its block outputs by ~1e-2 (x̂ alone:
   // 4e-3 at the fixture's first KDA block), far more than the GPU kernels differ from one another.
+  // Env K3_BF16_ACTIVATIONS=1 turns it on for the CLI (what would the GPU's bf16 path give here?).
   bool bf16_activations = false;
   // Rounds x[0..n) to bf16 when bf16_activations is set.
   void bf16(float* x, int64_t n) const {

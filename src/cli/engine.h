@@ -14,7 +14,7 @@ namespace k3::cli {
 
 struct DeviceOptions {
   std::string device = "cpu";     // cpu | cuda
-  std::string precision = "bf16";  // cuda only: bf16 | f32
+  std::string precision;           // cuda only: bf16 (the default) | f32
 };
 void add_device_options(CLI::App* sub, DeviceOptions& o);
 

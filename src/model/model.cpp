@@ -69,6 +69,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     for (auto& b : blocks) srcs.push_back(b.data());
     srcs.push_back(partial);
     attnres_forward(out, srcs.data(), int(srcs.size()), N, D, query.data(), c.rms_norm_eps);
+    opt_.bf16(out, N * D);  // the GPU's fused AttnRes + norm reads h rounded to its output type
   };
 
   bool prefix_empty = false;

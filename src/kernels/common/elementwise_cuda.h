@@ -29,8 +29,8 @@ void copy_rows(void* dst, DType dst_type, int64_t ld_dst, const void* src, DType
 // dst[i, :] = src[index[i], :] for i < n (fp32 rows of `cols`). index is a device int32 array.
 void gather_rows(float* dst, const float* src, const int32_t* index, int64_t n, int64_t cols);
 
-// dst[index[i], :] += weight[i] * src[i, :] for i < n, applied in order of i (fp32; the caller keeps
-// the indices of one call distinct, so no two threads add into one row).
+// dst[index[i], :] += weight[i] * src[i, :] for i < n (fp32), all rows in parallel: the indices of
+// one call must be distinct (no two threads add into one row), so each row gets exactly one add.
 void scatter_add_rows(float* dst, const float* src, const int32_t* index, const float* weight, int64_t n, int64_t cols);
 
 // out[t, :] = table[ids[t], :] (fp32 table [V, D]); an id outside [0, V) yields a row of NaN (the

@@ -74,9 +74,9 @@ void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w
                       bool accumulate = false);
 
 // The exact path's GEMM (the CUDA twin of the CPU's default fp64 accumulation, kernels/gemm/linear.h):
-// W is held in fp64 on the device; x (fp32, or fp64 with the _f64 form) is widened to fp64, the
-// product runs in fp64 FMAs (cublasGemmEx, CUBLAS_COMPUTE_64F) and y is rounded once to fp32 (or kept
-// fp64). y[M, N] (ld_y) = x[M, K] (ld_x) · W[N, K]ᵀ (ld_w = K). Scratch is held by the context.
+// W is held in fp64 on the device; x (fp32) is widened to fp64, the product runs in fp64 FMAs
+// (cublasGemmEx, CUBLAS_COMPUTE_64F) and y is rounded once to fp32 (linear_exact) or kept in fp64
+// (linear_exact_f64). y[M, N] (ld_y) = x[M, K] (ld_x) · W[N, K]ᵀ (ld_w = K). Scratch is held by the context.
 void linear_exact(GemmContext& ctx, float* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
                   int64_t N, int64_t K);
 void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w,

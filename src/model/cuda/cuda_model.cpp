@@ -1,6 +1,7 @@
 // The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass, the
 // CUDA twin of model/model.cpp (the same block order, AttnRes sources and row selection).
 #ifdef K3_HAVE_CUDA
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 
@@ -19,13 +20,22 @@ using gpu::bf16;
 namespace gpu {
 
 void DeviceArena::reset() {
-  if (chunks_.size() > 1) {  // last forward outgrew the first chunk: one chunk of the high-water size
-    const size_t want = total_;
+  // A stack in one chunk of the high-water size holds every forward seen so far. (Freeing the old
+  // chunks synchronises with the device: the previous forward has finished with them.)
+  if (chunks_.size() > 1 || (!chunks_.empty() && chunks_[0].size() < peak_)) {
     chunks_.clear();
-    chunks_.emplace_back(want);
+    chunks_.emplace_back(peak_);
   }
   used_ = 0;
-  total_ = 0;
+  in_use_ = 0;
+}
+
+void DeviceArena::rewind(const Mark& m) {
+  K3_CHECK(m.in_use <= in_use_ && m.chunks <= chunks_.size(), "DeviceArena::rewind: a mark from the future");
+  // In the mark's chunk, everything past the mark is free again. If chunks were added since, all of
+  // the newest one was taken after the mark: continue at its start (the ones between idle until reset).
+  used_ = chunks_.size() == m.chunks ? m.used : 0;
+  in_use_ = m.in_use;
 }
 
 void* DeviceArena::take_bytes(size_t bytes) {
@@ -33,13 +43,13 @@ void* DeviceArena::take_bytes(size_t bytes) {
   bytes = (bytes + kAlign - 1) / kAlign * kAlign;
   if (bytes == 0) bytes = kAlign;
   if (chunks_.empty() || used_ + bytes > chunks_.back().size()) {
-    const size_t prev = chunks_.empty() ? 0 : chunks_.back().size();
-    chunks_.emplace_back(std::max(bytes, std::max(prev, size_t(64) << 20)));
+    chunks_.emplace_back(std::max(bytes, size_t(64) << 20));
     used_ = 0;
   }
   void* p = chunks_.back().data() + used_;
   used_ += bytes;
-  total_ += bytes;
+  in_use_ += bytes;
+  peak_ = std::max(peak_, in_use_);
   return p;
 }
 
@@ -90,6 +100,11 @@ std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_
 
 // ---- the model -----------------------------------------------------------------------------------------
 struct CudaModel::Impl {
+  uint64_t id = next_id();  // caches remember it (a pointer could be reused by a later model)
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> n{1};
+    return n++;
+  }
   K3Config cfg;
   GpuPrecision precision = GpuPrecision::BF16;
   gpu::WeightsDev w;
@@ -105,6 +120,11 @@ struct CudaModel::Impl {
   std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
                              const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                              const ForwardHooks* hooks);
+  void validate(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens) const;
+  template <class T>
+  std::vector<float> run_layers(const std::vector<CudaSequenceCache*>& caches,
+                                const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                const ForwardHooks* hooks);
 };
 
 CudaModel::CudaModel() : impl_(std::make_unique<Impl>()) {}
@@ -126,11 +146,14 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::string& dir, GpuPrecision 
 std::unique_ptr<CudaModel> CudaModel::load(const std::string& config_path, const std::string& weights_path,
                                            GpuPrecision precision) {
   std::string why;
-  if (!cuda::available(&why)) fail("--device cuda: ", why);
+  if (!cuda::available(&why)) fail("the GPU model cannot start: ", why);
   auto m = std::unique_ptr<CudaModel>(new CudaModel());
   Impl& I = *m->impl_;
   I.cfg = load_config(config_path);
   I.precision = precision;
+  const std::string problem = gpu_config_problem(I.cfg, precision);
+  if (!problem.empty())
+    fail(I.cfg.source, ": the GPU kernels (", gpu_precision_name(precision), ") cannot run this model: ", problem);
   {
     SafeTensors st = SafeTensors::open(weights_path);  // host mapping only for the upload
     const ModelWeights w = bind_weights(I.cfg, st);
@@ -163,7 +186,7 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
   std::vector<std::unique_ptr<CudaSequenceCache>> out;
   for (int64_t b = 0; b < B; ++b) {
     auto s = std::make_unique<CudaSequenceCache::Impl>();
-    s->owner = impl_.get();
+    s->owner = impl_->id;
     s->pool = pool;
     s->index = b;
     out.push_back(std::unique_ptr<CudaSequenceCache>(new CudaSequenceCache(std::move(s))));
@@ -178,32 +201,57 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& cac
   return impl_->forward<bf16>(caches, tokens, all_positions, hooks);
 }
 
+// Validation errors leave the caches untouched; a failure once the layers have started (out of device
+// memory, a kernel error) leaves earlier layers' KDA state and conv tails advanced, so the caches are
+// marked broken and refused from then on rather than silently giving wrong logits.
 template <class T>
 std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*>& caches,
                                             const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                             const ForwardHooks* hooks) {
+  validate(caches, tokens);
+  try {
+    return run_layers<T>(caches, tokens, all_positions, hooks);
+  } catch (...) {
+    for (CudaSequenceCache* c : caches) c->impl().broken = true;
+    throw;
+  }
+}
+
+void CudaModel::Impl::validate(const std::vector<CudaSequenceCache*>& caches,
+                               const std::vector<std::vector<int32_t>>& tokens) const {
   const K3Config& c = cfg;
-  const int64_t D = c.hidden_size, V = c.vocab_size;
-  constexpr DType act = gpu::dtype_of<T>();
+  const int64_t V = c.vocab_size;
   K3_CHECK(caches.size() == tokens.size(), "forward (cuda): ", caches.size(), " caches for ", tokens.size(),
            " sequences");
   K3_CHECK(!tokens.empty(), "forward (cuda): no sequences");
-  std::vector<gpu::SegmentDev> segs;
-  std::vector<int32_t> ids;
-  int64_t N = 0;
   for (size_t b = 0; b < tokens.size(); ++b) {
     K3_CHECK(caches[b] != nullptr, "forward (cuda): cache ", b, " is null");
-    CudaSequenceCache::Impl& ci = caches[b]->impl();
-    K3_CHECK(ci.owner == this, "forward (cuda): cache ", b, " was made by another model");
+    const CudaSequenceCache::Impl& ci = caches[b]->impl();
+    K3_CHECK(ci.owner == id, "forward (cuda): cache ", b, " was made by another model");
+    K3_CHECK(!ci.broken, "forward (cuda): cache ", b, " is in an undefined state after a failed forward; make a new one");
     K3_CHECK(!tokens[b].empty(), "forward (cuda): sequence ", b, " has no new tokens");
-    for (int32_t id : tokens[b])
-      K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
+    for (int32_t tok : tokens[b])
+      K3_CHECK(tok >= 0 && tok < V, "token id ", tok, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
     K3_CHECK(ci.length + int64_t(tokens[b].size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
              ci.length + int64_t(tokens[b].size()), " tokens, past max_position_embeddings = ",
              c.max_position_embeddings, " of ", c.source);
     for (size_t j = 0; j < b; ++j)
       K3_CHECK(caches[j] != caches[b], "forward (cuda): sequences ", j, " and ", b, " share one cache");
-    segs.push_back({N, int64_t(tokens[b].size()), &ci});
+  }
+}
+
+template <class T>
+std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCache*>& caches,
+                                               const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                               const ForwardHooks* hooks) {
+  const K3Config& c = cfg;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
+  constexpr DType act = gpu::dtype_of<T>();
+  std::vector<gpu::SegmentDev> segs;
+  std::vector<int32_t> ids;
+  int64_t N = 0;
+  for (size_t b = 0; b < tokens.size(); ++b) {
+    segs.push_back({N, int64_t(tokens[b].size()), &caches[b]->impl()});
     ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
     N += int64_t(tokens[b].size());
   }
@@ -269,6 +317,7 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
       prefix_empty = true;
     }
     tick(timings.attnres_norm);
+    const gpu::DeviceArena::Mark scratch = arena.mark();  // each block's scratch is handed back after it
     const bool is_kda = c.layer_kind[size_t(l)] == AttnKind::KDA;
     if (is_kda) gpu::kda_attention_forward<T>(run, a, xn, N, segs, l, L.kda);
     else gpu::mla_attention_forward<T>(run, a, xn, N, segs, l, L.mla);
@@ -277,6 +326,7 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
     if (prefix_empty) cuda::copy_on_device(prefix, a, size_t(N * D) * 4);
     else elementwise::cuda::add_inplace(prefix, a, N * D);
     prefix_empty = false;
+    arena.rewind(scratch);
 
     attnres_norm(prefix, L.mlp_res_query, L.post_attention_layernorm, xn, N);
     tick(timings.attnres_norm);
@@ -285,6 +335,7 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
     tick(c.is_moe_layer(l) ? timings.moe : timings.dense_ffn);
     emit("ffn_out", l, a);
     elementwise::cuda::add_inplace(prefix, a, N * D);
+    arena.rewind(scratch);
   }
 
   // Output: AttnRes over all blocks + final norm (fused), the selected rows, lm_head.

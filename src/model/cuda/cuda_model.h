@@ -12,8 +12,10 @@
 //         recurrence; MLA prefill the flash kernel, decode the absorbed split-K kernel.
 //   F32   the parity path (TF32 off everywhere): fp32 activations, and the CPU's own accumulation
 //         choices (kernels/gemm/linear.h, docs/NUMERICS.md): GEMMs accumulate in fp64 on fp64 copies of
-//         the weights, MLA attention keeps kvh, scores and sums in fp64, the KDA recurrence runs token
-//         by token in fp32. Checked against the float64 golden fixtures at the CPU's bars.
+//         the weights, MLA attention keeps kvh, scores and sums in fp64 (always in the expanded form,
+//         decode included, where the CPU switches to the absorbed form; both are fp64), the KDA
+//         recurrence runs token by token in fp32. Checked against the float64 golden fixtures at the
+//         CPU's bars.
 // Not thread-safe: one model, one caller, the default stream.
 #pragma once
 #include <cstdint>
@@ -30,6 +32,10 @@ enum class GpuPrecision { BF16, F32 };
 const char* gpu_precision_name(GpuPrecision p);
 // "bf16" or "f32"; anything else is a k3::Error naming `what` (e.g. the CLI flag).
 GpuPrecision parse_gpu_precision(const std::string& s, const char* what);
+
+// Empty when the GPU kernels can run a model of this config in this precision, else what they cannot
+// take (config fields named). CudaModel::load refuses such a config up front; usable without a GPU.
+std::string gpu_config_problem(const K3Config& c, GpuPrecision p);
 
 class CudaModel;
 

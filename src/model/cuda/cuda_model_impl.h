@@ -84,12 +84,19 @@ struct WeightsDev {
 // path cannot take (MXFP4 experts whose width is not a multiple of 32, say).
 WeightsDev upload_weights(const K3Config& c, const ModelWeights& w, GpuPrecision p);
 
-// Per-forward scratch: a bump allocator over device chunks. reset() at the start of each forward;
-// after a forward that outgrew the first chunk, reset() replaces the chunks by one of the high-water
-// size, so steady-state decoding never calls cudaMalloc.
+// Per-forward scratch: a stack allocator over device chunks. reset() at the start of each forward;
+// rewind(mark) after each block hands the block's scratch back, so the peak is the persistent buffers
+// plus the largest block, not the sum over layers. Reuse is safe without waiting because every kernel
+// runs on the one default stream, in order. When a forward outgrew the first chunk, reset() replaces
+// the chunks by one of the high-water size, so steady-state decoding never calls cudaMalloc.
 class DeviceArena {
  public:
+  struct Mark {
+    size_t chunks = 0, used = 0, in_use = 0;
+  };
   void reset();
+  Mark mark() const { return Mark{chunks_.size(), used_, in_use_}; }
+  void rewind(const Mark& m);
   void* take_bytes(size_t bytes);
   template <class T>
   T* take(int64_t n) {
@@ -98,8 +105,9 @@ class DeviceArena {
 
  private:
   std::vector<cuda::DeviceBuffer<uint8_t>> chunks_;
-  size_t used_ = 0;   // in the last chunk
-  size_t total_ = 0;  // over all chunks, this forward
+  size_t used_ = 0;    // in the last chunk
+  size_t in_use_ = 0;  // bytes taken and not rewound, this forward
+  size_t peak_ = 0;    // the most in use at once, ever
 };
 
 // The device state of a pool of B sequences (made together by CudaModel::new_caches). Each layer's
@@ -178,7 +186,8 @@ struct CudaSequenceCache::Impl {
   int64_t length = 0;
   std::shared_ptr<gpu::CachePool> pool;  // shared by the caches made together
   int64_t index = 0;                     // this sequence's place in the pool
-  const void* owner = nullptr;           // the CudaModel::Impl that made it
+  uint64_t owner = 0;                    // the id of the CudaModel that made it
+  bool broken = false;                   // a forward over it failed part way: its state is undefined
 };
 }  // namespace k3
 #endif  // K3_HAVE_CUDA

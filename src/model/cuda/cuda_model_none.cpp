@@ -16,7 +16,8 @@ CudaModel::CudaModel() = default;
 CudaModel::~CudaModel() = default;
 
 std::unique_ptr<CudaModel> CudaModel::load(const std::string&, GpuPrecision) {
-  fail("--device cuda: this k3 was built without the CUDA backend (nvcc not found at build time, or -DK3_CUDA=OFF)");
+  fail("the GPU model cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
+       "-DK3_CUDA=OFF)");
 }
 std::unique_ptr<CudaModel> CudaModel::load(const std::string& c, const std::string&, GpuPrecision p) { return load(c, p); }
 const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); }

@@ -12,10 +12,6 @@
 namespace k3 {
 namespace {
 
-GluParams glu_params(const K3Config& c) {
-  return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
-}
-
 // out[N, out_dim] = down( act(gate x, up x) ). With bf16 activations: the gate/up GEMM outputs are
 // rounded too unless `fused` (the GPU's routed experts apply SiTU to the fp32 accumulators).
 void glu_mlp(float* out, const float* x, int64_t N, const WeightRef& gate, const WeightRef& up, const WeightRef& down,
@@ -30,6 +26,10 @@ void glu_mlp(float* out, const float* x, int64_t N, const WeightRef& gate, const
 }
 
 }  // namespace
+
+GluParams glu_params(const K3Config& c) {
+  return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
+}
 
 void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
                        const PathOptions& opt) {

@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "io/config.h"
+#include "kernels/ffn/glu.h"
 #include "model/cache.h"
 #include "model/weights.h"
 
@@ -44,6 +45,10 @@ struct PathOptions {
     if (bf16_activations) round_to_bf16(x, n);
   }
   void bf16(std::vector<float>& x) const { bf16(x.data(), int64_t(x.size())); }
+  void bf16(std::vector<double>& x) const {  // fp64 intermediates the GPU holds in bf16 (MLA's kvh, q_lat, o_lat)
+    if (bf16_activations)
+      for (double& v : x) v = bf16_to_f32(f32_to_bf16(float(v)));
+  }
   static PathOptions from_env();
 };
 
@@ -51,6 +56,9 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
                            const KdaWeights& w, const K3Config& c, const PathOptions& opt);
 void mla_attention_forward(float* out, const float* x, int64_t N, const std::vector<Segment>& segs, int64_t layer,
                            const MlaWeights& w, const K3Config& c, const PathOptions& opt);
+// The config's gated activation (SiTU-GLU with its two caps, or SwiGLU), for the CPU and GPU FFNs.
+GluParams glu_params(const K3Config& c);
+
 void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
                        const PathOptions& opt);
 void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,

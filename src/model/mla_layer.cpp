@@ -50,8 +50,7 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
         for (int64_t j = 0; j < d.R; ++j) lat[size_t(t * d.R + j)] = lc.rows[size_t(t * ldc + j)];
       for (int64_t h = 0; h < H; ++h) {
         linear_forward_f64(kvh.data(), lat.data(), T, w.kv_b_proj.row_slice(h * dkv, dkv));  // [T, Dn+Dv]
-        if (opt.bf16_activations)
-          for (double& v : kvh) v = bf16_to_f32(f32_to_bf16(float(v)));
+        opt.bf16(kvh);
         mla::attention_head_expanded(os + h * d.Dv, H * d.Dv, qs + h * dq, H * dq, kvh.data(), lc.rows.data(), ldc,
                                      s.n, p0, d, scale);
       }
@@ -63,14 +62,12 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
           for (int64_t j = 0; j < d.Dn; ++j) qn[size_t(i * d.Dn + j)] = qs[i * H * dq + h * dq + j];
         linear_transposed_forward_f64(&qlat[size_t(h * nR)], qn.data(), s.n, w.kv_b_proj.row_slice(h * dkv, d.Dn));
       }
-      if (opt.bf16_activations)
-        for (double& v : qlat) v = bf16_to_f32(f32_to_bf16(float(v)));
+      opt.bf16(qlat);
 #pragma omp parallel for schedule(dynamic)
       for (int64_t h = 0; h < H; ++h)
         mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
                                    ldc, s.n, p0, d, scale);
-      if (opt.bf16_activations)  // the latent output is fp32 in the kernel, bf16 into the W_vb product
-        for (double& v : olat) v = bf16_to_f32(f32_to_bf16(float(v)));
+      opt.bf16(olat);  // the latent output is fp32 in the kernel, bf16 into the W_vb product
       for (int64_t h = 0; h < H; ++h) {  // v_h = W_vb_h · o_lat_h   [n, Dv]
         linear_forward_f64(vh.data(), &olat[size_t(h * nR)], s.n, w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv));
         for (int64_t i = 0; i < s.n; ++i)

@@ -7,6 +7,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/gemm/linear_cuda.h"
 
 #define K3_CUBLASLT_CHECK(call) K3_CUBLAS_CHECK(call)  // cublasLt returns cublasStatus_t too
@@ -250,11 +251,6 @@ __global__ void narrow_rows_kernel(float* __restrict__ dst, int64_t ld_dst, cons
   }
 }
 
-unsigned grid_for(int64_t work) {
-  const int64_t b = (work + 255) / 256;
-  return unsigned(b < 1 ? 1 : (b > 65536 ? 65536 : b));
-}
-
 // y64[M, N] (ld_y) = widen(x)[M, K] · W[N, K]ᵀ in fp64.
 void gemm_exact(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
                 int64_t N, int64_t K) {
@@ -264,7 +260,7 @@ void gemm_exact(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64
   GemmContext::Impl& c = ctx.impl();
   double* x64 = c.scratch(0, size_t(M * K));
   if (K > 0) {
-    widen_rows_kernel<<<grid_for(M * K), 256>>>(x64, x, ld_x, M, K);
+    widen_rows_kernel<<<rowwise::grid_for(M * K), 256>>>(x64, x, ld_x, M, K);
     K3_CUDA_LAUNCH_CHECK();
   }
   const double alpha = 1.0, beta = 0.0;
@@ -286,7 +282,7 @@ void linear_exact(GemmContext& ctx, float* y, int64_t ld_y, const float* x, int6
   if (M == 0 || N == 0) return;
   double* y64 = ctx.impl().scratch(1, size_t(M * N));
   gemm_exact(ctx, y64, N, x, ld_x, w, M, N, K);
-  narrow_rows_kernel<<<grid_for(M * N), 256>>>(y, ld_y, y64, M, N);
+  narrow_rows_kernel<<<rowwise::grid_for(M * N), 256>>>(y, ld_y, y64, M, N);
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -16,10 +16,6 @@ namespace k3::gpu {
 
 namespace {
 
-GluParams glu_params(const K3Config& c) {
-  return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
-}
-
 // out[N, down.rows] fp32 = down( act(gate x, up x) ).
 template <class T>
 void glu_mlp(Run& r, float* out, const T* x, int64_t N, const GluDev& w) {

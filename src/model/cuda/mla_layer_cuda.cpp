@@ -31,7 +31,7 @@ void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t e
 }
 
 // The BF16 path's batched per-head product of the absorbed form: y_h[n, N] = x_h[n, K] · op(W_h) for
-// every head h, where W_h sits at kv_b + w_row0(h)·R.
+// every head h; W_h is head h's slice of kv_b (its rows times R elements from the base, stride_w apart).
 void per_head_linear(Run& r, bf16* y, int64_t ld_y, int64_t stride_y, const bf16* x, int64_t ld_x, int64_t stride_x,
                      int64_t n, int64_t K, int64_t Nout, const bf16* w, int64_t ld_w, int64_t stride_w, bool w_in_out,
                      int64_t heads) {
@@ -51,7 +51,6 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   const K3Config& c = r.c;
   const mla::Dims d{c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank};
   const int64_t H = d.H, dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv, lrow = d.R + d.Dr, ldc = r.mla_ldc;
-  const bool exact = r.precision == GpuPrecision::F32;
   constexpr DType act = dtype_of<T>();
 
   T* q = r.arena.take<T>(N * H * dq);  // [N, H, Dn + Dr]
@@ -102,7 +101,6 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
         ep.n = g.n, ep.p0 = p0;
         mla::cuda::attention_expanded_exact(ep);
       }
-      (void)exact;
     } else if (g.n * 4 >= Tc) {  // BF16 expanded (prefill): keys and values of every cached position
       bf16* kvh = r.arena.take<bf16>(Tc * H * dkv);
       bf16* kk = r.arena.take<bf16>(Tc * H * dq);  // [Tc, H, Dn + Dr]

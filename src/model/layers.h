@@ -19,6 +19,11 @@ namespace k3 {
 struct ForwardHooks {
   std::function<void(const char* name, int64_t layer, const float* data, int64_t rows, int64_t cols)> tensor;
   std::function<void(int64_t layer, const int32_t* idx, int64_t rows, int64_t k)> topk;
+  // Called after `tensor` for each block output (attn_out, ffn_out [rows, hidden], on the host): the
+  // forward continues from `data` as the hook leaves it; return true when it was changed. A test feeds
+  // one engine's block outputs to another with it, so that each of that engine's blocks is judged on
+  // the same inputs as the reference's (model/cuda's BF16 path against its CPU twin).
+  std::function<bool(const char* name, int64_t layer, float* data, int64_t rows, int64_t cols)> replace;
 };
 
 // Seconds spent per block kind (Model::timings, CudaModel::timings) while profiling is on.

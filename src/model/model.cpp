@@ -52,6 +52,10 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
   auto emit = [&](const char* name, int64_t l, const float* p) {
     if (hooks && hooks->tensor) hooks->tensor(name, l, p, N, D);
   };
+  auto emit_output = [&](const char* name, int64_t l, float* p) {  // a block output: also `replace`
+    emit(name, l, p);
+    if (hooks && hooks->replace) hooks->replace(name, l, p, N, D);
+  };
 
   // Embedding (no scaling). prefix = the running partial sum of the current AttnRes block.
   std::vector<float> prefix(size_t(N * D));
@@ -89,7 +93,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     if (L.kind == AttnKind::KDA) kda_attention_forward(a.data(), xn.data(), N, segs, l, L.kda, c, opt_);
     else mla_attention_forward(a.data(), xn.data(), N, segs, l, L.mla, c, opt_);
     tick(L.kind == AttnKind::KDA ? timings_.kda : timings_.mla);
-    emit("attn_out", l, a.data());
+    emit_output("attn_out", l, a.data());
     if (prefix_empty) prefix = a;
     else
       for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
@@ -104,7 +108,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     if (L.is_moe) moe_ffn_forward(a.data(), xn.data(), N, l, L.moe, c, hooks, opt_);
     else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c, opt_);
     tick(L.is_moe ? timings_.moe : timings_.dense_ffn);
-    emit("ffn_out", l, a.data());
+    emit_output("ffn_out", l, a.data());
     for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
   }
 

@@ -16,23 +16,17 @@ using rowwise::bf16;
 #define K3_GRID_STRIDE(i, n) \
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
-// kernels/ffn/glu_cpu.cpp's sigmoidf_stable: exp of a non-positive number only.
-__device__ __forceinline__ float sigmoid_stable(float x) {
-  const float e = expf(-fabsf(x));
-  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
-
 __global__ void add_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
   K3_GRID_STRIDE(i, n) y[i] += x[i];
 }
 
 __global__ void sigmoid_kernel(float* __restrict__ x, int64_t n) {
-  K3_GRID_STRIDE(i, n) x[i] = sigmoid_stable(x[i]);
+  K3_GRID_STRIDE(i, n) x[i] = rowwise::sigmoid_stable(x[i]);
 }
 
 template <class T>
 __global__ void mul_sigmoid_kernel(T* __restrict__ x, const T* __restrict__ g, int64_t n) {
-  K3_GRID_STRIDE(i, n) x[i] = rowwise::from_f32<T>(rowwise::to_f32(x[i]) * sigmoid_stable(rowwise::to_f32(g[i])));
+  K3_GRID_STRIDE(i, n) x[i] = rowwise::from_f32<T>(rowwise::to_f32(x[i]) * rowwise::sigmoid_stable(rowwise::to_f32(g[i])));
 }
 
 template <class Tout, class Tin>

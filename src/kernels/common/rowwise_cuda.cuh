@@ -46,6 +46,14 @@ __device__ __forceinline__ float round_as(float v) {
   else return to_f32(f32_to_bf16_rne(v));
 }
 
+// The CPU twins' stable sigmoid (kernels/ffn/glu_cpu.cpp's sigmoidf_stable, the router's): exp of a
+// non-positive number only, so it never overflows; num (1 or e) / (1 + e). kernels/ffn/glu_cuda.cu
+// has a faster form with the same bits.
+__device__ __forceinline__ float sigmoid_stable(float x) {
+  const float e = expf(-fabsf(x));
+  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
 // Copy BYTES (a power of two, >= sizeof element) between suitably aligned addresses in chunks of
 // at most 16 bytes: one LDG/STG.128 per 16 bytes.
 template <int BYTES>

@@ -273,11 +273,13 @@ std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCac
     slot += std::chrono::duration<double>(now - last).count();
     last = now;
   };
-  auto emit = [&](const char* name, int64_t l, const float* dev) {
-    if (!hooks || !hooks->tensor) return;
+  // A block output to the hooks (a host copy); `replace` may hand back what the forward continues from.
+  auto emit = [&](const char* name, int64_t l, float* dev) {
+    if (!hooks || (!hooks->tensor && !hooks->replace)) return;
     std::vector<float> h(size_t(N * D));
     cuda::copy_to_host(h.data(), dev, h.size() * 4);
-    hooks->tensor(name, l, h.data(), N, D);
+    if (hooks->tensor) hooks->tensor(name, l, h.data(), N, D);
+    if (hooks->replace && hooks->replace(name, l, h.data(), N, D)) cuda::copy_to_device(dev, h.data(), h.size() * 4);
   };
 
   int32_t* ids_dev = arena.take<int32_t>(N);

@@ -29,8 +29,7 @@ std::string gpu_config_problem(const K3Config& c, GpuPrecision p) {
     any_moe = any_moe || c.is_moe_layer(l);
   }
   constexpr int64_t kRowMax = 16384;  // the row kernels (RMSNorm, AttnRes) hold a row in registers
-  need(c.hidden_size % 8 == 0 && c.hidden_size <= kRowMax,
-       "hidden_size " + std::to_string(c.hidden_size) + " (the row kernels take multiples of 8 up to 16384)");
+  need(c.hidden_size <= kRowMax, "hidden_size " + std::to_string(c.hidden_size) + " (the row kernels take up to 16384)");
   if (c.attn_res_block_size > 0) {
     const int64_t sources = (c.num_hidden_layers + c.attn_res_block_size - 1) / c.attn_res_block_size + 1;
     need(sources <= attnres::cuda::kMaxSources,

@@ -209,28 +209,30 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
                                CUBLAS_GEMM_DEFAULT));
 }
 
-void linear_bf16(GemmContext& ctx, float* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
-                 bool accumulate) {
+namespace {
+// The three typed entry points below: y = x Wᵀ (+ y), dense rows, W [N, K].
+void linear_dense(GemmContext& ctx, void* y, DType y_type, const void* x, const void* w, DType in_type, int64_t M,
+                  int64_t N, int64_t K, bool accumulate) {
   LinearParams p;
-  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::BF16;
+  p.y = y, p.y_type = y_type, p.x = x, p.w = w, p.in_type = in_type;
   p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
   linear_forward(ctx, p);
+}
+}  // namespace
+
+void linear_bf16(GemmContext& ctx, float* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
+                 bool accumulate) {
+  linear_dense(ctx, y, DType::F32, x, w, DType::BF16, M, N, K, accumulate);
 }
 
 void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
                  bool accumulate) {
-  LinearParams p;
-  p.y = y, p.y_type = DType::BF16, p.x = x, p.w = w, p.in_type = DType::BF16;
-  p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
-  linear_forward(ctx, p);
+  linear_dense(ctx, y, DType::BF16, x, w, DType::BF16, M, N, K, accumulate);
 }
 
 void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                       bool accumulate) {
-  LinearParams p;
-  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::F32;
-  p.M = M, p.N = N, p.K = K, p.accumulate = accumulate;
-  linear_forward(ctx, p);
+  linear_dense(ctx, y, DType::F32, x, w, DType::F32, M, N, K, accumulate);
 }
 
 namespace {

@@ -2,7 +2,7 @@
 // equal FLOPs, in the same run.
 //
 //   build/bench_cuda_moe [--config configs/kimi-k3.json] [--tokens 4096,16384] [--reps 5] [--experts N]
-//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0]
+//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0,64,16]
 //
 // Sizes come from the config: E experts, top-K, latent L (routed_expert_hidden_size), intermediate I.
 // Tokens are routed uniformly at random (K distinct experts per token), so each expert gets about
@@ -15,7 +15,10 @@
 // expert weights each pass must read and the time that takes at the measured copy bandwidth, since at
 // few rows per expert the grouped GEMM is bound by weight traffic, which one dense GEMM never is.
 // --variants times each case once per value of K3_MOE_VARIANT (kernel variants for comparison, see
-// moe_cuda.cu; 0 = the default). --experts 16 with top-16 sends every token to every expert: one big
+// moe_cuda.cu; 0 = the default). The default "0,64,16" times bf16 at TM 128 on the Hopper wgmma kernel
+// (0), the same kernel with its first, lagged producer (64) and the mma.sync kernel (16) side by side;
+// values with bits 16 or 64 are skipped where they change nothing (MXFP4 and TM 64 always run on the
+// mma.sync kernel). --experts 16 with top-16 sends every token to every expert: one big
 // group per expert, the kernel's compute-bound rate.
 // Exits 0 with a message when there is no GPU.
 #include <CLI/CLI.hpp>
@@ -129,7 +132,7 @@ std::vector<int32_t> uniform_routing(int64_t T, int64_t E, int64_t K, uint64_t s
 
 void row(const char* fmt, int64_t T, const char* op, double flops, float ms, float cublas_ms, double wbytes, double bw) {
   const double tf = flops / (ms * 1e-3) / 1e12, tc = flops / (cublas_ms * 1e-3) / 1e12;
-  std::printf("%-13s T=%-6lld %-8s %9.3f ms %7.1f TFLOP/s | cuBLAS %9.3f ms %7.1f TFLOP/s | ratio %5.1f%% | weights %6.2f GB, %7.3f ms at copy bw\n",
+  std::printf("%-20s T=%-6lld %-8s %9.3f ms %7.1f TFLOP/s | cuBLAS %9.3f ms %7.1f TFLOP/s | ratio %5.1f%% | weights %6.2f GB, %7.3f ms at copy bw\n",
               fmt, (long long)T, op, ms, tf, cublas_ms, tc, 100.0 * tf / tc, wbytes / 1e9,
               wbytes / (bw * 1e9) * 1e3);
 }
@@ -146,7 +149,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens_s, "comma-separated token counts");
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--experts", experts_override, "override num_experts (fewer experts: less memory)");
-  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0";
+  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0,64,16";
   app.add_option("--formats", formats_s, "weight formats to time: bf16, mxfp4 (comma-separated)");
   app.add_option("--tm", tm_s, "tile heights to time (comma-separated, 128 and/or 64)");
   app.add_option("--variants", variants_s, "values of K3_MOE_VARIANT to time (comma-separated)");
@@ -210,6 +213,7 @@ int main(int argc, char** argv) {
           const int auto_tm = d.tile_m();
           for (int32_t var : variants)
           for (int tm : tms) {
+            if ((var & (16 | 64)) && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
             setenv("K3_MOE_VARIANT", std::to_string(var).c_str(), 1);
             d.build(idx.data(), T, tm);
             const double fgu = 2.0 * double(S) * double(2 * I) * double(L), fdn = 2.0 * double(S) * double(L) * double(I);
@@ -223,7 +227,9 @@ int main(int argc, char** argv) {
                 reps);
             const std::vector<float>& cb_ms = cublas_ms[ti];
             char tag[40];
-            if (var != 0)
+            if (var == 16)
+              std::snprintf(tag, sizeof tag, "%s mma.sync TM%d%s", name, tm, tm == auto_tm ? "*" : "");
+            else if (var != 0)
               std::snprintf(tag, sizeof tag, "%s v%d TM%d%s", name, int(var), tm, tm == auto_tm ? "*" : "");
             else
               std::snprintf(tag, sizeof tag, "%s TM%d%s", name, tm, tm == auto_tm ? "*" : "");

@@ -23,6 +23,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -551,8 +552,12 @@ TEST(CudaMoeExperts, Mxfp4EqualsItsBf16Dequantisation) {
       upload(dm, hx, true);
       upload(db, hx, false);
       const int tm = wide_scales ? 64 : 128;
+      // MXFP4 runs on the mma.sync kernel; bf16 at TM 128 would take the wgmma kernel, so variant 16
+      // keeps the bf16 run on the mma.sync kernel too (the claim is about one kernel's decoding).
+      setenv("K3_MOE_VARIANT", "16", 1);
       const GpuOut gm = gpu_experts(dm, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
       const GpuOut gb = gpu_experts(db, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+      unsetenv("K3_MOE_VARIANT");
       // Sorted row order depends on atomics, so compare u (token order) bitwise, and h as multisets of rows
       // would need the slot maps: u depends on every h row, which suffices.
       ASSERT_EQ(gm.u.size(), gb.u.size());
@@ -572,8 +577,11 @@ TEST(CudaMoeExperts, Mxfp4EqualsItsBf16Dequantisation) {
   }
 }
 
-// The kernel variants behind K3_MOE_VARIANT (tile raster, weight-tile height) only reorder the same
-// per-element work: u must be bitwise the default's.
+// The kernel variants behind K3_MOE_VARIANT (tile raster, weight-tile height, skipping, grid size)
+// only reorder the same per-element work: u must be bitwise the default's. Two families, each
+// compared within itself: base 0 (bf16 at TM 128 on the wgmma kernel, which ignores bits 2 and 4; 32
+// runs it on 3 persistent CTAs, 64 with its lagged producer) and base 16 (bf16 on the mma.sync
+// kernel). MXFP4 always runs on the mma.sync kernel.
 TEST(CudaMoeExperts, KernelVariantsAreBitwiseEqual) {
   K3_REQUIRE_GPU();
   const k3::GluParams gp{true, 4.0f, 25.0f};
@@ -588,17 +596,88 @@ TEST(CudaMoeExperts, KernelVariantsAreBitwiseEqual) {
         const std::vector<float> wt = random_weights(c.T * c.K, r);
         DevExperts dx;
         upload(dx, hx, mx);
-        setenv("K3_MOE_VARIANT", "0", 1);
-        const GpuOut g0 = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
-        for (const char* v : {"1", "2", "4", "7", "8", "15"}) {
-          setenv("K3_MOE_VARIANT", v, 1);
-          const GpuOut gv = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
-          ASSERT_EQ(gv.u.size(), g0.u.size());
-          EXPECT_EQ(std::memcmp(gv.u.data(), g0.u.data(), g0.u.size() * 4), 0)
-              << c.name << (mx ? " MXFP4" : " BF16") << " TM=" << tm << " variant " << v;
+        const std::vector<std::pair<const char*, std::vector<const char*>>> families = {
+            {"0", {"1", "2", "4", "7", "8", "15", "32", "41", "64", "96", "105"}},
+            {"16", {"17", "18", "20", "23", "24", "31"}}};
+        for (const auto& [base, variants] : families) {
+          setenv("K3_MOE_VARIANT", base, 1);
+          const GpuOut g0 = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+          for (const char* v : variants) {
+            setenv("K3_MOE_VARIANT", v, 1);
+            const GpuOut gv = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+            ASSERT_EQ(gv.u.size(), g0.u.size());
+            EXPECT_EQ(std::memcmp(gv.u.data(), g0.u.data(), g0.u.size() * 4), 0)
+                << c.name << (mx ? " MXFP4" : " BF16") << " TM=" << tm << " variant " << v << " vs " << base;
+          }
         }
         unsetenv("K3_MOE_VARIANT");
       }
+}
+
+// Top-1 routing with exactly counts[e] tokens on expert e, tokens shuffled (so gathered rows are not
+// in order).
+std::vector<int32_t> idx_with_counts(const std::vector<int32_t>& counts, std::mt19937_64& r) {
+  std::vector<int32_t> idx;
+  for (size_t e = 0; e < counts.size(); ++e) idx.insert(idx.end(), static_cast<size_t>(counts[e]), int32_t(e));
+  std::shuffle(idx.begin(), idx.end(), r);
+  return idx;
+}
+
+// The Hopper wgmma kernel (bf16 weights, 128-row tiles) where its 128 × 256 × 64 tiles do not divide
+// the problem: N not a multiple of 256 (gate/up: of 128), K not a multiple of 64 (and K = 8, below
+// one k block), experts with 0, 1, 64, 65, 128, 129 and several tiles of rows (a tile's second 64
+// rows empty: that consumer warpgroup idles), on the full grid and on 3 persistent CTAs (many work
+// items per CTA, the stage ring running on across tiles), with both producers (variant 64: the lagged
+// one). Against the CPU twin, and against the
+// mma.sync kernel (K3_MOE_VARIANT=16) to the same tolerance (both run the same k16 steps in the same
+// order and agreed bit for bit on the H200, but nothing documents that wgmma and mma.sync round alike).
+TEST(CudaMoeExperts, WgmmaKernelAwkwardShapes) {
+  K3_REQUIRE_GPU();
+  const k3::GluParams gp{true, 4.0f, 25.0f};
+  struct WC {
+    const char* name;
+    int64_t T, E, K, L, I;
+    std::vector<int32_t> counts;  // empty: skewed_idx
+  };
+  const WC cases[] = {
+      {"odd-wide", 260, 6, 3, 1000, 264, {}},  // gate/up N 264, K 1000; down N 1000, K 264
+      {"tiny-k", 70, 5, 2, 8, 24, {}},         // gate/up K 8; down N 8, K 24
+      {"big-expert", 700, 4, 2, 136, 72, {}},  // expert 0: 700 rows, 6 tiles, the last of 60 rows
+      {"counts", 0, 9, 1, 200, 136, {0, 1, 64, 65, 128, 129, 300, 7, 2}},
+  };
+  uint64_t seed = 900;
+  for (const WC& c0 : cases) {
+    WC c = c0;
+    std::mt19937_64 r(seed++);
+    std::vector<int32_t> idx;
+    if (c.counts.empty()) {
+      idx = skewed_idx(c.T, c.E, c.K, r);
+    } else {
+      idx = idx_with_counts(c.counts, r);
+      c.T = int64_t(idx.size());
+    }
+    const HostExperts hx = make_experts(false, c.E, c.L, c.I, r);
+    const std::vector<bf16> z = random_bf16(static_cast<size_t>(c.T * c.L), 1.0f, r);
+    const std::vector<float> wt = random_weights(c.T * c.K, r);
+    DevExperts dx;
+    upload(dx, hx, false);
+    const std::vector<float> ref = cpu_experts(hx, widen(z), idx, wt, c.T, c.K, gp);
+    setenv("K3_MOE_VARIANT", "16", 1);
+    const GpuOut g_mma = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128);
+    for (const char* v : {"0", "32", "64", "96"}) {
+      setenv("K3_MOE_VARIANT", v, 1);
+      const GpuOut g = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128);
+      const std::string what = std::string(c.name) + " wgmma variant " + v + " T=" + std::to_string(c.T) +
+                               " L=" + std::to_string(c.L) + " I=" + std::to_string(c.I);
+      const double err = rel_l2(g.u, ref, what);
+      const double err_mma = rel_l2(g.u, g_mma.u, what + " vs mma.sync");
+      std::printf("[wgmma] %-48s rel L2 %.3e vs CPU, %.3e vs mma.sync (tol %.0e)\n", what.c_str(), err, err_mma,
+                  kRelL2);
+      EXPECT_LE(err, kRelL2) << what;
+      EXPECT_LE(err_mma, kRelL2) << what;
+    }
+    unsetenv("K3_MOE_VARIANT");
+  }
 }
 
 // Router -> dispatch -> experts on the GPU against the CPU router + experts (K3's routing rule).

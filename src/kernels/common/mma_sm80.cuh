@@ -1,7 +1,7 @@
 // The warp-level PTX the tensor-core kernels share (KDA chunk, MLA attention, MoE grouped GEMM):
 // bf16 mma.sync m16n8k16 with fp32 accumulators, ldmatrix, cp.async with zero-fill, bf16 packing.
 // For .cu files only. These are the sm_80 instructions (they run on sm_90a too); the wgmma/TMA
-// forms Hopper adds are not used yet (docs/CUDA.md).
+// forms Hopper adds are in sm90_ptx.cuh.
 #pragma once
 #include <cuda_bf16.h>
 

@@ -1,6 +1,9 @@
 // LatentMoE routed experts on the GPU: see moe_cuda.h for the API and the numerics.
 //
-// Grouped GEMM design (one kernel, templated on <TM, BNT, Glu, Mxfp4>):
+// bf16 weights on 128-row tile lists run on the Hopper wgmma kernel of moe_gemm_sm90.cu (see there and
+// docs/CUDA.md); everything else on the mma.sync kernel here.
+//
+// mma.sync grouped GEMM design (one kernel, templated on <TM, BNT, Glu, Mxfp4>):
 //   - one CTA = 256 threads (8 warps as 2 (M) × 4 (N)) computes a TM × BNT tile of one expert (TM rows,
 //     BNT weight rows = output columns; BNT/2 columns of h for Glu); each warp (TM/2) × (BNT/4) with
 //     mma.sync.m16n8k16 bf16 -> fp32, fragments from ldmatrix.x4. Shapes used: 128 × 256 (warp 64 × 64,
@@ -36,6 +39,7 @@
 #include "core/cuda_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/moe/moe_cuda.h"
+#include "kernels/moe/moe_gemm_sm90.cuh"
 
 namespace k3::moe::cuda {
 namespace {
@@ -48,11 +52,6 @@ constexpr int kRouterMaxExperts = 8192;
 
 // ---------------------------------------------------------------------------------------------------
 // small device helpers
-
-__device__ __forceinline__ float sigmoid_stable(float x) {
-  const float e = expf(-fabsf(x));  // never exp of a large positive number (as the CPU twin)
-  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
 
 // Shared PTX wrappers: kernels/common/mma_sm80.cuh. When !valid nothing is read and the 16 bytes
 // are zero-filled.
@@ -135,7 +134,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_kernel(int32_t* __restr
   const int64_t t = blockIdx.x;
   const float* lg = logits + t * E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const float v = sigmoid_stable(lg[e]);
+    const float v = rowwise::sigmoid_stable(lg[e]);
     s[e] = v;
     sel[e] = v + (bias ? bias[e] : 0.0f);
     taken[e] = 0;
@@ -532,12 +531,8 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
           if (c >= N) continue;
           float v[2];
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const float g = acc[mi][2 * p][2 * h + q], u = acc[mi][2 * p + 1][2 * h + q];
-            const float sg = sigmoid_stable(g);
-            v[q] = a.situ ? (a.beta_gate * tanhf(g / a.beta_gate) * sg) * (a.beta_up * tanhf(u / a.beta_up))
-                          : g * sg * u;
-          }
+          for (int q = 0; q < 2; ++q)
+            v[q] = moe_glu(acc[mi][2 * p][2 * h + q], acc[mi][2 * p + 1][2 * h + q], a.situ, a.beta_gate, a.beta_up);
           *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(v[0], v[1]);
         }
       } else {
@@ -558,9 +553,12 @@ size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
   return a + size_t(kStages) * bn * BK / 2 + size_t(bn) * BK * 2 + size_t(bn) * (K / 32);
 }
 
-// K3_MOE_VARIANT (benchmarking aid, bits): 1 = row-major 2-D raster; 2 = bf16 TM 128 with 128-row
+// K3_MOE_VARIANT (benchmarking and test aid, bits): 1 = row-major raster; 2 = bf16 TM 128 with 128-row
 // weight tiles (bf16 and MXFP4); 4 = bf16 TM 64 with 256-row weight tiles; 8 = MMAs on every row block
-// of a tile.
+// of a tile; 16 = bf16 on the mma.sync kernel even at TM 128 (where the wgmma kernel is the default);
+// 32 = the wgmma kernel on a persistent grid of 3 CTAs (tests: many work items per CTA); 64 = the wgmma
+// kernel with its first, lagged producer (comparison). The wgmma kernel honours 1, 8, 32 and 64 and
+// ignores 2 and 4.
 int gemm_variant() {
   const char* v = std::getenv("K3_MOE_VARIANT");
   return v ? std::atoi(v) : 0;
@@ -588,8 +586,40 @@ void launch_gemm_tm(GemmArgs a, const Dispatch& d, bool raster_expert) {
   K3_CUDA_LAUNCH_CHECK();
 }
 
+// bf16 weights on a 128-row tile list run on the Hopper wgmma kernel (moe_gemm_sm90.cu) unless
+// K3_MOE_VARIANT has bit 16; TM 64 lists and MXFP4 weights run on the mma.sync kernel below.
+bool use_sm90(bool mx, const Dispatch& d) { return !mx && d.tile_m() == sm90::kTileRows && (gemm_variant() & 16) == 0; }
+
+void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
+  const int v = gemm_variant();
+  sm90::GroupedGemmArgs s;
+  s.x = a.x;
+  s.x_rows = a.x_rows;
+  s.w0 = a.w0;
+  s.w1 = a.w1;
+  s.w_stride = a.w_stride;
+  s.E = int(d.num_experts());
+  s.N = a.N;
+  s.K = a.K;
+  s.offsets = a.offsets;
+  s.tiles = a.tiles;
+  s.num_tiles = a.num_tiles;
+  s.max_tiles = d.max_tiles();
+  s.y = a.y;
+  s.glu = glu;
+  s.situ = a.situ;
+  s.beta_gate = a.beta_gate;
+  s.beta_up = a.beta_up;
+  s.raster = (v & 1) == 0;
+  s.skip_rows = (v & 8) == 0;
+  s.max_ctas = (v & 32) ? 3 : 0;
+  s.lagged_producer = (v & 64) != 0;
+  sm90::grouped_gemm(s);
+}
+
 template <bool Glu, bool Mx>
 void launch_gemm(const GemmArgs& a, const Dispatch& d) {
+  if (use_sm90(Mx, d)) return launch_sm90(a, d, Glu);
   const int v = gemm_variant();
   const bool raster = (v & 1) == 0;
   if constexpr (Mx) {

@@ -16,12 +16,15 @@
 //   combine(u, y, w, d)                                 u [T,L] fp32 = Σ_k w[t,k] y[slot(t,k)]
 // `experts_forward` runs the last four in order.
 //
-// Numerics: bf16 operands on tensor cores (mma.sync m16n8k16), fp32 accumulation; SiTU in fp32 on the
+// Numerics: bf16 operands on tensor cores, fp32 accumulation (bf16 weights on 128-row tiles: Hopper
+// wgmma, moe_gemm_sm90.cu; MXFP4 weights and 64-row tiles: mma.sync m16n8k16); SiTU in fp32 on the
 // fp32 accumulators, rounded once to bf16 for h; expert outputs y rounded to bf16 (as HF's experts
 // return the activation dtype), the weighted sum in fp32 in a fixed k order (deterministic: slots
 // are placed by atomics, but no value depends on where a row lands). MXFP4 weights are decoded
 // exactly (e2m1 × 2^(s−127) in fp32, then to bf16, exact for scales 2..252) in shared memory inside
-// the GEMM, so an MXFP4 expert gives bit-for-bit the result of its bf16 dequantisation.
+// the GEMM, so an MXFP4 expert gives bit-for-bit the result of its bf16 dequantisation on the same
+// (mma.sync) kernel (both kernels run the same k16 steps in the same order and agreed bit for bit on
+// the H200, but nothing promises that wgmma and mma.sync round alike).
 // The router is fp32 with the CPU twin's stable sigmoid, its tie rule (lower expert index wins) and
 // its fp64 renormalisation sum.
 #pragma once
@@ -39,7 +42,8 @@ using bf16 = uint16_t;
 // The tile of the grouped GEMMs: TM rows of one expert × 256 weight rows (gate/up: 128 columns of h
 // from 128 gate + 128 up weight rows) at TM = 128, × 128 weight rows at TM = 64; BK = 64 per pipeline
 // stage. TM is 128 or 64, chosen per build() from the average rows per expert (rows of a tile past the
-// expert's count are zero-filled and not stored; their MMAs are skipped per 16-row block).
+// expert's count are zero-filled and not stored; their MMAs are skipped per 16-row block on the
+// mma.sync kernel, per 64-row half on the wgmma kernel).
 inline constexpr int kTileM = 128;
 
 // ---- router -------------------------------------------------------------------------------------

@@ -1,0 +1,409 @@
+// The grouped expert GEMM on Hopper (sm_90a): warpgroup MMA from shared memory, weights by TMA, token
+// rows gathered by cp.async, an mbarrier ring between one producer and two consumer warpgroups, and
+// persistent CTAs over Dispatch's device-side tile list. See moe_gemm_sm90.cuh for the contract and
+// docs/CUDA.md ("LatentMoE") for the design in prose.
+//
+// Tile: 128 routed rows (one expert) × 256 weight rows × 64 of K per pipeline stage.
+//   - Warpgroup 2 produces. One thread loads the 256 × 64 weight tile as two 128-row TMA boxes of a
+//     3-D tensor map [E][N][K] (rows past N and k past K arrive as zeros; 128-byte swizzle, as wgmma's
+//     descriptors read it). All 128 threads gather the 128 × 64 A tile (token rows x_rows[r]) with
+//     16-byte cp.async into the same swizzled layout, zero-filling rows past the expert's count and k
+//     past K. sm_90's TMA has no row gather, hence cp.async for A.
+//   - Warpgroups 0 and 1 consume: each owns 64 of the 128 rows and runs wgmma m64n256k16 (fp32
+//     accumulators: 128 registers a thread) over the stage, keeping one stage's MMAs in flight while it
+//     waits for the next. A warpgroup whose 64 rows are all past the expert's count (an expert's last
+//     tile) only keeps the barriers' counts: that tile costs about half.
+//   - Ring of kStages stages: full[s] completes when the weight bytes have landed (TMA transaction
+//     count) and the producer threads that filled s arrived; empty[s] when the 8 consumer warps are
+//     done with s. cp.async writes through the generic proxy and wgmma reads through the async proxy,
+//     so a producer thread arrives for a stage only after its copies of it completed
+//     (cp.async.wait_group) and it ran fence.proxy.async. Two producers (template SlotWarps):
+//       * slot warps (default): warp w of the producer warpgroup owns ring slot w (kStages = 4 warps)
+//         and fills every stage that lands there; it waits for its own copies right after issuing
+//         them, which blocks only that warp, so up to four stages are in flight. Lane 0 also asks L2
+//         for the slot's next weight tile (a prefetch: DRAM latency off the ring).
+//       * lagged (K3_MOE_VARIANT bit 64, the first version, kept for comparison): all 128 threads fill
+//         every stage and publish stage s at the top of iteration s + kLag, before waiting for that
+//         stage to be empty (kLag <= kStages - 2 keeps the wait off the consumers' critical path), so
+//         only about two stages are in flight. Measured 48.6% of cuBLAS with this one.
+//   - Glu: the first 128 weight rows of a tile are gate rows n0..n0+127 and the last 128 the up rows
+//     with the same indices, so accumulator n8 block j (gate) and j + 16 (up) of one thread hold the
+//     same h columns: SiTU-GLU runs in registers, h is rounded to bf16 once and never exists in fp32.
+//   - Persistent: one CTA per SM walks the work list (tile slot, column tile) with stride gridDim.x.
+//     The order is the mma.sync kernel's raster: expert by expert, column tile by column tile, the
+//     expert's row tiles innermost, so the CTAs that read one weight tile run side by side (one DRAM
+//     read) and the expert's gathered rows stay in L2. The ring runs on across work items, so the
+//     producer loads the next tile while the consumers run the epilogue.
+// Every output element is a fixed sequence of wgmma k16 steps from k = 0 up, whatever the raster, grid
+// or skipping (test KernelVariantsAreBitwiseEqual). The mma.sync kernel runs the same k16 steps in the
+// same order; the two agreed bit for bit in the tests on the H200, which nothing documents.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <algorithm>
+
+#include "core/cuda_check.cuh"
+#include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/sm90_ptx.cuh"
+#include "kernels/moe/moe_gemm_sm90.cuh"
+
+namespace k3::moe::cuda::sm90 {
+namespace {
+
+using bf16 = uint16_t;
+
+constexpr int BM = kTileRows, BN = 256, BK = 64, kStages = 4, kLag = 2;
+constexpr int kBoxRows = 128;                 // one TMA box: 128 weight rows × 64 k
+constexpr int kATileBytes = BM * BK * 2;      // 16 KB
+constexpr int kBTileBytes = BN * BK * 2;      // 32 KB
+constexpr int kBoxBytes = kBoxRows * BK * 2;  // 16 KB
+constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; producer warpgroup 2
+// Registers: 168 a thread at launch (64K / 384); the producer needs few, the consumers 128
+// accumulators plus addressing and the epilogue. 2·128·232 + 128·40 = 64,512 <= 65,536.
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+constexpr size_t kSmemBytes =
+    size_t(kStages) * (kATileBytes + kBTileBytes + BM * 4) + 2 * kStages * 8 + 1024;  // +1024: alignment
+static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
+static_assert(kStages == 4, "slot warps: one producer warp per ring slot");
+
+// A stage wait that cannot hang: a barrier still incomplete after kWaitTrapNs means a broken
+// pipeline (a bug, or a tensor map the copy engine rejected), and a trap turns it into a launch
+// error instead of a hung process.
+constexpr uint64_t kWaitTrapNs = 10ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
+  if (ptx::mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = global_ns();
+  for (uint32_t n = 1; !ptx::mbar_try_wait(bar, parity); ++n)
+    if ((n & 1023u) == 0 && global_ns() - t0 > kWaitTrapNs) __trap();
+}
+static_assert((kStages & (kStages - 1)) == 0, "stage index by mask");
+
+struct Params {
+  const bf16* x;
+  const int32_t* x_rows;
+  const int32_t* offsets;
+  const int32_t* tiles;
+  const int32_t* num_tiles;
+  bf16* y;
+  int N, K, col_tiles;
+  float beta_gate, beta_up;
+  bool situ, raster, skip_rows;
+};
+
+struct Work {
+  int e, row_base, rows, n0;  // expert, first sorted row, valid rows (<= BM), first output column
+};
+
+// Work item w (< num_tiles · col_tiles) -> tile and column tile (see the raster note above).
+template <bool Glu>
+__device__ __forceinline__ Work work_item(const Params& p, int w) {
+  const int C = p.col_tiles;
+  int tile, ct;
+  if (p.raster) {
+    const int q = w / C;  // a tile slot of w's expert
+    const int eq = p.tiles[2 * q];
+    const int t0 = q - p.tiles[2 * q + 1] / BM;  // the expert's first tile slot
+    const int R = (p.offsets[eq + 1] - p.offsets[eq] + BM - 1) / BM;
+    const int local = w - t0 * C;
+    ct = local / R;
+    tile = t0 + local % R;
+  } else {
+    tile = w / C;
+    ct = w % C;
+  }
+  Work t;
+  t.e = p.tiles[2 * tile];
+  const int m0 = p.tiles[2 * tile + 1], o0 = p.offsets[t.e];
+  t.row_base = o0 + m0;
+  t.rows = min(BM, p.offsets[t.e + 1] - o0 - m0);
+  t.n0 = ct * (Glu ? BN / 2 : BN);
+  return t;
+}
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-row tile with the 128-byte swizzle (the
+// tile 1024-byte aligned): TMA's SWIZZLE_128B and the wgmma descriptor's layout 1.
+__device__ __forceinline__ uint32_t swz128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+template <bool Glu, bool SlotWarps>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map0, const __grid_constant__ CUtensorMap map1,
+                             const Params p) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sA = base;                               // kStages × 128 rows × 128 B
+  const uint32_t sB = sA + kStages * kATileBytes;         // kStages × 256 rows × 128 B
+  const uint32_t srow_addr = sB + kStages * kBTileBytes;  // kStages × 128 int32: gathered source rows (SlotWarps)
+  const uint32_t full = srow_addr + kStages * BM * 4;     // kStages mbarriers, 8 B each
+  const uint32_t empty = full + kStages * 8;
+  int* srows = reinterpret_cast<int*>(smem_raw + (srow_addr - ptx::smem_u32(smem_raw)));
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      // Producer arrivals: the slot's warp (SlotWarps) or all 128 producer threads, plus one expect_tx.
+      ptx::mbar_init(full + 8 * s, (SlotWarps ? 32 : 128) + 1);
+      ptx::mbar_init(empty + 8 * s, 8);  // the 8 consumer warps
+    }
+    ptx::fence_mbar_init();
+  }
+  __syncthreads();
+
+  const int total = *p.num_tiles * p.col_tiles;
+  const int KT = (p.K + BK - 1) / BK;
+
+  if (tid >= 256) {
+    if constexpr (SlotWarps) {
+      // ---- producer warpgroup: warp pw owns ring slot pw ----
+      ptx::setmaxnreg_dec<kProducerRegs>();
+      const int pw = (tid - 256) >> 5, lane = tid & 31;
+      const int chunk = lane & 7, r_first = lane >> 3;  // this lane: rows r_first + 4 i, 16-byte chunk `chunk`
+      int* srow = srows + pw * BM;                      // the work item's source rows, -1 past the count
+      const uint32_t full_s = full + 8 * pw, empty_s = empty + 8 * pw;
+      const uint32_t a_s = sA + pw * kATileBytes, b_s = sB + pw * kBTileBytes;
+      if (lane == 0) {
+        ptx::prefetch_tensormap(&map0);
+        ptx::prefetch_tensormap(&map1);
+      }
+      // it: the ring position of the work item's first stage (it runs on across work items).
+      for (int w = blockIdx.x, it = 0; w < total; w += gridDim.x, it += KT) {
+        int kb = (pw - it) & (kStages - 1);  // this warp's first k block of the item
+        if (kb >= KT) continue;
+        const Work t = work_item<Glu>(p, w);
+        __syncwarp();  // every lane is done reading the previous item's rows
+#pragma unroll
+        for (int q = 0; q < BM / 32; ++q) {
+          const int r = lane + 32 * q;
+          srow[r] = r < t.rows ? (p.x_rows ? p.x_rows[t.row_base + r] : t.row_base + r) : -1;
+        }
+        __syncwarp();
+        const int n1 = Glu ? t.n0 : t.n0 + kBoxRows;  // the second box: up rows (Glu) or the next 128 rows
+        for (; kb < KT; kb += kStages) {
+          const int st = it + kb;
+          wait_or_trap(empty_s, ((st / kStages) & 1) ^ 1);
+          const int k0 = kb * BK;
+          if (lane == 0) {
+            ptx::mbar_arrive_expect_tx(full_s, kBTileBytes);
+            ptx::tma_load_3d(b_s, &map0, full_s, k0, t.n0, t.e);
+            ptx::tma_load_3d(b_s + kBoxBytes, &map1, full_s, k0, n1, t.e);
+            if (kb + kStages < KT) {  // this slot's next weight tile into L2 (its DRAM latency off the ring)
+              ptx::tma_prefetch_l2_3d(&map0, k0 + kStages * BK, t.n0, t.e);
+              ptx::tma_prefetch_l2_3d(&map1, k0 + kStages * BK, n1, t.e);
+            }
+          }
+          const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll 8
+          for (int i = 0; i < BM / 4; ++i) {
+            const int r = r_first + 4 * i, src = srow[r];
+            const bool ok = k_ok && src >= 0;
+            const bf16* g = p.x + (ok ? int64_t(src) * p.K + k0 + chunk * 8 : 0);
+            ptx::cp_async16(a_s + swz128(r, chunk), g, ok ? 16 : 0);
+          }
+          // Publish: the copies are done (generic proxy) and fenced for wgmma's async-proxy reads.
+          ptx::cp_async_commit();
+          ptx::cp_async_wait<0>();
+          ptx::fence_proxy_async_shared();
+          ptx::mbar_arrive(full_s);
+        }
+      }
+    } else {
+      // ---- producer warpgroup ----
+      ptx::setmaxnreg_dec<kProducerRegs>();
+      const int pt = tid - 256;
+      const int chunk = pt & 7, r_first = pt >> 3;  // this thread: rows r_first + 16 i, 16-byte chunk `chunk`
+      if (pt == 0) {
+        ptx::prefetch_tensormap(&map0);
+        ptx::prefetch_tensormap(&map1);
+      }
+      int it = 0;  // stages issued so far (the ring position runs on across work items)
+      for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const Work t = work_item<Glu>(p, w);
+        int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = r_first + 16 * i;
+          src[i] = r < t.rows ? (p.x_rows ? p.x_rows[t.row_base + r] : t.row_base + r) : -1;
+        }
+        for (int kb = 0; kb < KT; ++kb, ++it) {
+          if (it >= kLag) {  // stage it - kLag: this thread's copies are done; publish them to the async proxy
+            ptx::cp_async_wait<kLag - 1>();
+            ptx::fence_proxy_async_shared();
+            ptx::mbar_arrive(full + 8 * ((it - kLag) & (kStages - 1)));
+          }
+          const int s = it & (kStages - 1);
+          wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+          const int k0 = kb * BK;
+          if (pt == 0) {
+            ptx::mbar_arrive_expect_tx(full + 8 * s, kBTileBytes);
+            const uint32_t b_s = sB + s * kBTileBytes;
+            ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
+            ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
+          }
+          const uint32_t a_s = sA + s * kATileBytes;
+          const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const bool ok = k_ok && src[i] >= 0;
+            const bf16* g = p.x + (ok ? int64_t(src[i]) * p.K + k0 + chunk * 8 : 0);
+            ptx::cp_async16(a_s + swz128(r_first + 16 * i, chunk), g, ok ? 16 : 0);
+          }
+          ptx::cp_async_commit();
+        }
+      }
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async_shared();
+      for (int j = max(0, it - kLag); j < it; ++j) ptx::mbar_arrive(full + 8 * (j & (kStages - 1)));
+    }
+  } else {
+    // ---- consumer warpgroups ----
+    ptx::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const uint32_t a_off = uint32_t(wg) * 64 * 128;  // this warpgroup's 64 rows of the A tile
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    int it = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+      const Work t = work_item<Glu>(p, w);
+      const bool active = !p.skip_rows || t.rows > wg * 64;
+      for (int kb = 0; kb < KT; ++kb, ++it) {
+        const int s = it & (kStages - 1);
+        wait_or_trap(full + 8 * s, (it / kStages) & 1);
+        if (active) {
+          ptx::wgmma_fence();
+          const uint64_t da = ptx::desc_k_sw128(sA + s * kATileBytes + a_off);
+          const uint64_t db = ptx::desc_k_sw128(sB + s * kBTileBytes);
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)  // k16 slice kk starts 32 B further: +2 in the descriptor
+            ptx::wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk, (kb | kk) != 0);
+          ptx::wgmma_commit();
+        }
+        ptx::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+        if (kb > 0 && lane == 0) ptx::mbar_arrive(empty + 8 * ((it - 1) & (kStages - 1)));
+      }
+      ptx::wgmma_wait<0>();
+      ptx::fence_regs(acc);
+      if (lane == 0) ptx::mbar_arrive(empty + 8 * ((it - 1) & (kStages - 1)));
+      if (!active) continue;
+
+      // Epilogue straight from the accumulators: thread holds rows r0, r0 + 8 and, per n8 block j,
+      // columns 8j + cq, +1. Rows past the expert's count and columns past N are not stored.
+      const int rq = lane >> 2, cq = (lane & 3) * 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wg * 64 + warp * 16 + rq + 8 * h;
+        if (r >= t.rows) continue;
+        bf16* yrow = p.y + int64_t(t.row_base + r) * p.N;
+        if constexpr (Glu) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int c = t.n0 + 8 * j + cq;
+            if (c >= p.N) continue;
+            const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.situ, p.beta_gate, p.beta_up);
+            const float v1 =
+                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.situ, p.beta_gate, p.beta_up);
+            *reinterpret_cast<uint32_t*>(yrow + c) = ptx::pack_bf16x2(v0, v1);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int c = t.n0 + 8 * j + cq;
+            if (c >= p.N) continue;
+            *reinterpret_cast<uint32_t*>(yrow + c) = ptx::pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link dependency on libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    K3_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    K3_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr, "moe::cuda: cuTensorMapEncodeTiled not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The stacked experts' weights as a 3-D tensor [E][N][K] bf16 with 128 × 64 boxes, 128-byte swizzle;
+// out-of-range rows and k read as zeros.
+CUtensorMap weight_map(const void* w, int E, int N, int K, int64_t expert_stride) {
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {cuuint64_t(K), cuuint64_t(N), cuuint64_t(E)};
+  const cuuint64_t strides[2] = {cuuint64_t(K) * 2, cuuint64_t(expert_stride)};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {BK, kBoxRows, 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(w), dims, strides, box,
+                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  K3_CHECK(r == CUDA_SUCCESS, "moe::cuda: cuTensorMapEncodeTiled failed (", int(r), ") for [", E, ", ", N, ", ", K,
+           "] stride ", expert_stride);
+  return m;
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    K3_CUDA_CHECK(cudaGetDevice(&dev));
+    K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+template <bool Glu, bool SlotWarps>
+void launch(const GroupedGemmArgs& a, const Params& p) {
+  const CUtensorMap m0 = weight_map(a.w0, a.E, a.N, a.K, a.w_stride);
+  const CUtensorMap m1 = Glu ? weight_map(a.w1, a.E, a.N, a.K, a.w_stride) : m0;
+  const int64_t work = a.max_tiles * p.col_tiles;
+  K3_CHECK(work < (int64_t(1) << 31), "moe::cuda: ", a.max_tiles, " row tiles × ", p.col_tiles,
+           " column tiles overflow the work index");
+  int64_t grid = std::min<int64_t>(work, sm_count());
+  if (a.max_ctas > 0) grid = std::min<int64_t>(grid, a.max_ctas);
+  if (grid <= 0) return;
+  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<Glu, SlotWarps>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  grouped_gemm_sm90_kernel<Glu, SlotWarps><<<unsigned(grid), kThreads, kSmemBytes>>>(m0, m1, p);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void grouped_gemm(const GroupedGemmArgs& a) {
+  K3_CHECK(a.K % 8 == 0 && a.K > 0 && a.N > 0 && a.w_stride % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(a.w0) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w1) % 16 == 0,
+           "moe::cuda::sm90::grouped_gemm: needs K % 8 == 0 and 16-byte aligned weights");
+  Params p{};
+  p.x = a.x;
+  p.x_rows = a.x_rows;
+  p.offsets = a.offsets;
+  p.tiles = a.tiles;
+  p.num_tiles = a.num_tiles;
+  p.y = a.y;
+  p.N = a.N;
+  p.K = a.K;
+  p.col_tiles = (a.N + (a.glu ? BN / 2 : BN) - 1) / (a.glu ? BN / 2 : BN);
+  p.beta_gate = a.beta_gate;
+  p.beta_up = a.beta_up;
+  p.situ = a.situ;
+  p.raster = a.raster;
+  p.skip_rows = a.skip_rows;
+  if (a.lagged_producer) {
+    if (a.glu) launch<true, false>(a, p);
+    else launch<false, false>(a, p);
+  } else {
+    if (a.glu) launch<true, true>(a, p);
+    else launch<false, true>(a, p);
+  }
+}
+
+}  // namespace k3::moe::cuda::sm90

@@ -1,0 +1,49 @@
+// Internal to kernels/moe (.cu files only): the Hopper grouped expert GEMM of moe_gemm_sm90.cu, which
+// moe_cuda.cu launches for bf16 weights on 128-row tile lists, and the SiTU-GLU epilogue both GEMM
+// kernels share (one definition, so the two kernels differ only in their summation order).
+#pragma once
+#include <cstdint>
+
+#include "kernels/common/rowwise_cuda.cuh"
+
+namespace k3::moe::cuda {
+
+// SiTU-GLU of one gate/up accumulator pair, in fp32 (the CPU twin's formula, kernels/ffn/glu.h):
+// situ: (βg·tanh(g/βg)·σ(g)) · (βu·tanh(u/βu)); else SwiGLU g·σ(g)·u. σ never takes exp of a large
+// positive number (rowwise::sigmoid_stable).
+__device__ __forceinline__ float moe_glu(float g, float u, bool situ, float beta_gate, float beta_up) {
+  const float sg = rowwise::sigmoid_stable(g);
+  return situ ? (beta_gate * tanhf(g / beta_gate) * sg) * (beta_up * tanhf(u / beta_up)) : g * sg * u;
+}
+
+namespace sm90 {
+
+// The row tiles this kernel takes: Dispatch::build(tile_m = 128)'s tile list.
+inline constexpr int kTileRows = 128;
+
+// y [S, N] bf16 (sorted rows) = X_e W_eᵀ per expert, or with glu = SiTU-GLU(X_e W0_eᵀ, X_e W1_eᵀ) with
+// N = the rows of each of W0, W1. Row r of the sorted order reads x + (x_rows ? x_rows[r] : r) · K.
+struct GroupedGemmArgs {
+  const uint16_t* x = nullptr;
+  const int32_t* x_rows = nullptr;
+  const void* w0 = nullptr;  // bf16 [E][N][K], expert e at w0 + e·w_stride bytes (gate for glu)
+  const void* w1 = nullptr;  // up weights (glu only), same shape and stride
+  int64_t w_stride = 0;
+  int E = 0, N = 0, K = 0;
+  const int32_t* offsets = nullptr;    // Dispatch: [E+1]
+  const int32_t* tiles = nullptr;      // Dispatch: (expert, first row) per 128-row tile
+  const int32_t* num_tiles = nullptr;  // on the device
+  int64_t max_tiles = 0;               // host bound on *num_tiles
+  uint16_t* y = nullptr;
+  bool glu = false, situ = false;
+  float beta_gate = 1.0f, beta_up = 1.0f;
+  bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
+  bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles
+  int max_ctas = 0;       // > 0: cap on the persistent grid (tests: many tiles per CTA)
+  bool lagged_producer = false;  // the first producer (one warpgroup, stages published kLag late), for comparison
+};
+
+void grouped_gemm(const GroupedGemmArgs& a);
+
+}  // namespace sm90
+}  // namespace k3::moe::cuda

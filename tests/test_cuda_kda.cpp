@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -240,6 +241,23 @@ TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
   }
 }
 
+// K3_KDA_VARIANT=1 (the prepare kernel without its register cap, for the benchmark) is the same code
+// under another register budget: the same bits, bf16 and fp32 inputs, every head dim.
+TEST(CudaKdaChunk, PrepareVariantIsBitwiseEqual) {
+  K3_REQUIRE_GPU();
+  for (int D : kHeadDims)
+    for (bool bf16 : {true, false}) {
+      const Case c = make_case(2, 77, 3, 300 + dseed(D), bf16, false, D);
+      const DType in = bf16 ? DType::BF16 : DType::F32;
+      const Result a = gpu_run(c, true, in, DType::F32);
+      setenv("K3_KDA_VARIANT", "1", 1);
+      const Result b = gpu_run(c, true, in, DType::F32);
+      unsetenv("K3_KDA_VARIANT");
+      EXPECT_EQ(a.o, b.o) << name(c) << (bf16 ? " bf16" : " fp32");
+      EXPECT_EQ(a.state, b.state) << name(c) << (bf16 ? " bf16" : " fp32");
+    }
+}
+
 TEST(CudaKdaChunk, Fp32MatchesCpuRecurrenceTightly) {
   K3_REQUIRE_GPU();
   const int64_t shapes[][3] = {{1, 1, 1}, {2, 17, 3}, {3, 100, 2}, {1, 257, 4}};
@@ -367,7 +385,7 @@ TEST(CudaKdaChunk, EverySliceWidthMatchesCpu) {
       ASSERT_TRUE((kw == 1 || kw == 2 || kw == 4) && 16 * kw <= D) << kw;
       if (std::find(seen.begin(), seen.end(), std::make_pair(slices, kw)) != seen.end()) continue;
       seen.emplace_back(slices, kw);
-      for (int64_t T : {21, 50}) {
+      for (int64_t T : {21, 50, 150}) {
         const Case c = make_case(1, T, H, 400 + uint32_t(H) + uint32_t(T) + dseed(D), true, false, D);
         const Result ref = cpu_ref(c);
         const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
@@ -524,6 +542,25 @@ TEST(CudaKdaChunk, PrepareWorkspaceMatchesAlgebra) {
                     "gamma %.2g\n",
                     D, (long long)n, (long long)h, e1, e2, e3, e4, e5, e6);
       }
+  }
+}
+
+// Every tail length class of the 16-token chunks (1..15 past a multiple, exact multiples, one past, and
+// lengths past a 64-token boundary), two sequences with their own initial states, at every head dim: the
+// chunked bf16 path against the CPU recurrence.
+TEST(CudaKdaChunk, Bf16EveryTailLength) {
+  K3_REQUIRE_GPU();
+  const int64_t lengths[] = {2, 7, 31, 33, 48, 63, 64, 65, 80, 127, 128, 129, 191, 192, 250};
+  for (int D : kHeadDims) {
+    for (const int64_t T : lengths) {
+      const Case c = make_case(2, T, 2, 500 + uint32_t(T) + dseed(D), true, false, D);
+      const Result ref = cpu_ref(c);
+      const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
+      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+      std::printf("[chunk bf16 tails, %s] rel L2: o %.3g, state %.3g\n", name(c).c_str(), eo, es);
+      EXPECT_LE(eo, kBf16Tol) << name(c);
+      EXPECT_LE(es, kBf16Tol) << name(c);
+    }
   }
 }
 

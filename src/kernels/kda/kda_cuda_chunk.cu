@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/cuda.h"
@@ -149,8 +150,16 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
   ptx::mma_bf16_16816(d, ah, bl[0], bl[1]);
 }
 
-template <class TI, int P, int D>
-__global__ void __launch_bounds__(prep_threads<D>()) kda_prepare_kernel(Args a) {
+// Resident CTAs of the prepare kernel asked of the compiler (a register cap). The kernel is latency-
+// bound: each CTA runs five phases separated by barriers, two to four of its warps idle in phases
+// 2-4, so the SM hides that latency only with other CTAs. At D = 128 it held 80 registers (6 CTAs of
+// 128 threads per SM); 72 registers (one 4-byte spill) fit 7, which the 30.6 KB of shared memory
+// also allows. K3_KDA_VARIANT bit 1 drops the cap (for comparison in bench_cuda_kda).
+template <int D>
+constexpr int prep_min_blocks() { return D == 128 ? 7 : 1; }
+
+template <class TI, int P, int D, int MinBlocks>
+__global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kernel(Args a) {
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
   using W = Ws<P, D>;
   constexpr int kLdF = D + 8;
@@ -730,16 +739,27 @@ void launch_recurrence_shape(const Args& a, RecShape s) {
   }
 }
 
+// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap.
+int kernel_variant() {
+  const char* e = std::getenv("K3_KDA_VARIANT");
+  return e ? std::atoi(e) : 0;
+}
+
 template <int D>
 void chunk_forward_d(const KdaParams& p, const Args& a) {
   const unsigned items = static_cast<unsigned>(a.B * a.NC * a.H);
   const bool f32_in = p.in_dtype == DType::F32;
   constexpr int NT = prep_threads<D>();
   if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
-    if (f32_in)
-      kda_prepare_kernel<float, 2, D><<<items, NT>>>(a);
-    else
-      kda_prepare_kernel<bf16, 1, D><<<items, NT>>>(a);
+    constexpr int MB = prep_min_blocks<D>();
+    const bool uncapped = (kernel_variant() & 1) != 0;
+    if (f32_in) {
+      if (uncapped) kda_prepare_kernel<float, 2, D, 1><<<items, NT>>>(a);
+      else kda_prepare_kernel<float, 2, D, MB><<<items, NT>>>(a);
+    } else {
+      if (uncapped) kda_prepare_kernel<bf16, 1, D, 1><<<items, NT>>>(a);
+      else kda_prepare_kernel<bf16, 1, D, MB><<<items, NT>>>(a);
+    }
     K3_CUDA_LAUNCH_CHECK();
   }
   if (p.stage == KdaParams::Stage::kPrepareOnly) return;

@@ -15,8 +15,9 @@
 //   slices    CTAs per head of the recurrence kernel (value-column slices)
 //   kw        warps per 16 value columns of the recurrence kernel (key split, kda_chunk_key_warps)
 //   prepare / recur. ms   each kernel alone (KdaParams::stage), median as above
-//   ms, var. 1 / prep, var. 1   the whole forward and the prepare kernel with K3_KDA_VARIANT=1 (the
-//             prepare kernel without its register cap, kda_cuda_chunk.cu), in the same run
+//   ms, var. N / prep, var. N   the whole forward and the prepare kernel with K3_KDA_VARIANT=N, in the
+//             same run: 1 = the prepare kernel without its register cap, 2 = capped for 7 CTAs per SM
+//             instead of 8 (kda_cuda_chunk.cu)
 // Reference (ANCHORS.md, H200): fla chunk_kda fwd 1.76 / 2.60 / 1.69 / 4.15 / 4.43 ms; FlashKDA ~1.21 ms at
 // B1 T8192 H64. Exits 0 with a message when there is no GPU.
 #include <algorithm>
@@ -186,8 +187,9 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15},
                           {1, 65536, 16, 4.43}};
-  std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s", "GB/s",
-              "slices", "kw", "prepare ms", "recur. ms", "ms, var. 1", "prep, var. 1", "fla fwd ms");
+  std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s %12s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s",
+              "GB/s", "slices", "kw", "prepare ms", "recur. ms", "ms, var. 1", "prep, var. 1", "ms, var. 2",
+              "prep, var. 2", "fla fwd ms");
   for (const Shape& s : shapes) {
     const Inputs in = make_inputs(s.B, s.T, s.H, 42);
     Device d;
@@ -198,9 +200,12 @@ int main(int argc, char** argv) {
     pr.stage = kc::KdaParams::Stage::kRecurrenceOnly;
     const float ms_prep = median_ms([&] { kc::kda_chunk_forward(pp); }, 2, reps);
     const float ms_rec = median_ms([&] { kc::kda_chunk_forward(pr); }, 2, reps);
-    setenv("K3_KDA_VARIANT", "1", 1);  // the prepare kernel without its register cap, same run
-    const float ms_v1 = median_ms([&] { kc::kda_chunk_forward(d.p); }, 2, reps);
-    const float ms_prep_v1 = median_ms([&] { kc::kda_chunk_forward(pp); }, 2, reps);
+    float ms_v[2], ms_prep_v[2];  // K3_KDA_VARIANT 1 and 2 (the prepare kernel's register cap), same run
+    for (int i = 0; i < 2; ++i) {
+      setenv("K3_KDA_VARIANT", i == 0 ? "1" : "2", 1);
+      ms_v[i] = median_ms([&] { kc::kda_chunk_forward(d.p); }, 2, reps);
+      ms_prep_v[i] = median_ms([&] { kc::kda_chunk_forward(pp); }, 2, reps);
+    }
     unsetenv("K3_KDA_VARIANT");
     const double chunk_heads = double(s.B) * double((s.T + 15) / 16) * double(s.H);
     const double flop = chunk_heads * 1974272.0;
@@ -209,9 +214,9 @@ int main(int argc, char** argv) {
     const double bytes = double(s.B * s.T * s.H) * 1536.0 + chunk_heads * 13824.0 * (1 + slices);
     char name[64];
     std::snprintf(name, sizeof name, "(%lld, %lld, %lld)", (long long)s.B, (long long)s.T, (long long)s.H);
-    std::printf("%-22s %9.3f %9.1f %9.0f %7d %5d %12.3f %12.3f %12.3f %12.3f %12.2f\n", name, ms,
-                flop / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9, slices, kw, ms_prep, ms_rec, ms_v1, ms_prep_v1,
-                s.fla_ms);
+    std::printf("%-22s %9.3f %9.1f %9.0f %7d %5d %12.3f %12.3f %12.3f %12.3f %12.3f %12.3f %12.2f\n", name, ms,
+                flop / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9, slices, kw, ms_prep, ms_rec, ms_v[0],
+                ms_prep_v[0], ms_v[1], ms_prep_v[1], s.fla_ms);
   }
 
   // Decode: one token through the fused recurrence (state 64 KB per head read and written).

@@ -2,7 +2,7 @@
 // equal FLOPs, in the same run.
 //
 //   build/bench_cuda_moe [--config configs/kimi-k3.json] [--tokens 4096,16384] [--reps 5] [--experts N]
-//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0,64,16]
+//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0,16]
 //
 // Sizes come from the config: E experts, top-K, latent L (routed_expert_hidden_size), intermediate I.
 // Tokens are routed uniformly at random (K distinct experts per token), so each expert gets about
@@ -15,10 +15,9 @@
 // expert weights each pass must read and the time that takes at the measured copy bandwidth, since at
 // few rows per expert the grouped GEMM is bound by weight traffic, which one dense GEMM never is.
 // --variants times each case once per value of K3_MOE_VARIANT (kernel variants for comparison, see
-// moe_cuda.cu; 0 = the default). The default "0,64,16" times bf16 at TM 128 on the Hopper wgmma kernel
-// (0), the same kernel with its first, lagged producer (64) and the mma.sync kernel (16) side by side;
-// values with bits 16 or 64 are skipped where they change nothing (MXFP4 and TM 64 always run on the
-// mma.sync kernel). --experts 16 with top-16 sends every token to every expert: one big
+// moe_cuda.cu; 0 = the default). The default "0,16" times bf16 at TM 128 on the Hopper wgmma kernel
+// (0) and on the mma.sync kernel (16) side by side; values with bit 16 are skipped where they change
+// nothing (MXFP4 and TM 64 always run on the mma.sync kernel). --experts 16 with top-16 sends every token to every expert: one big
 // group per expert, the kernel's compute-bound rate.
 // Exits 0 with a message when there is no GPU.
 #include <CLI/CLI.hpp>
@@ -149,7 +148,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens_s, "comma-separated token counts");
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--experts", experts_override, "override num_experts (fewer experts: less memory)");
-  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0,64,16";
+  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0,16";
   app.add_option("--formats", formats_s, "weight formats to time: bf16, mxfp4 (comma-separated)");
   app.add_option("--tm", tm_s, "tile heights to time (comma-separated, 128 and/or 64)");
   app.add_option("--variants", variants_s, "values of K3_MOE_VARIANT to time (comma-separated)");
@@ -213,7 +212,7 @@ int main(int argc, char** argv) {
           const int auto_tm = d.tile_m();
           for (int32_t var : variants)
           for (int tm : tms) {
-            if ((var & (16 | 64)) && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
+            if ((var & 16) && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
             setenv("K3_MOE_VARIANT", std::to_string(var).c_str(), 1);
             d.build(idx.data(), T, tm);
             const double fgu = 2.0 * double(S) * double(2 * I) * double(L), fdn = 2.0 * double(S) * double(L) * double(I);

@@ -33,11 +33,13 @@ def median_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def bench_fla(reps):
+KDA_SHAPES = [(1, 8192, 64), (1, 8192, 96), (4, 4096, 32), (1, 32768, 32), (1, 65536, 16)]
+
+
+def bench_fla(reps, shapes):
     sys.path.insert(0, os.environ.get("FLA_SRC", "third_party_ref/fla_src"))
     from fla.ops.kda import chunk_kda
 
-    shapes = [(1, 8192, 64), (1, 8192, 96), (4, 4096, 32), (1, 32768, 32), (1, 65536, 16)]
     D = 128
     for B, T, H in shapes:
         torch.manual_seed(0)
@@ -78,9 +80,17 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", choices=["fla", "sdpa"], default=None)
+    ap.add_argument("--kda-shapes", default=None,
+                    help="fla shapes as BxTxH,... (default: every shape of ANCHORS.md; Triton's first call per "
+                         "shape compiles and tunes for a minute or more)")
     a = ap.parse_args()
+    shapes = KDA_SHAPES
+    if a.kda_shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in a.kda_shapes.split(",")]
+        if any(len(sh) != 3 for sh in shapes):
+            ap.error("--kda-shapes: each shape is BxTxH, e.g. 1x8192x64")
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if a.only in (None, "fla"):
-        bench_fla(a.reps)
+        bench_fla(a.reps, shapes)
     if a.only in (None, "sdpa"):
         bench_sdpa(a.reps)

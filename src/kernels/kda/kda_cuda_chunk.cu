@@ -153,10 +153,11 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
 // Resident CTAs of the prepare kernel asked of the compiler (a register cap). The kernel is latency-
 // bound: each CTA runs five phases separated by barriers, two to four of its warps idle in phases
 // 2-4, so the SM hides that latency only with other CTAs. At D = 128 it held 80 registers (6 CTAs of
-// 128 threads per SM); 72 registers (one 4-byte spill) fit 7, which the 30.6 KB of shared memory
-// also allows. K3_KDA_VARIANT bit 1 drops the cap (for comparison in bench_cuda_kda).
+// 128 threads per SM); capped at 72 registers (7 CTAs) the prepare kernel took 0.616 ms instead of
+// 0.748 ms at B1 T8192 H64 (H200, same run). 64 registers (a 12-byte spill) and 26.2 KB of shared
+// memory fit 8. K3_KDA_VARIANT bit 1 drops the cap, bit 2 asks for 7 (comparison in bench_cuda_kda).
 template <int D>
-constexpr int prep_min_blocks() { return D == 128 ? 7 : 1; }
+constexpr int prep_min_blocks() { return D == 128 ? 8 : 1; }
 
 template <class TI, int P, int D, int MinBlocks>
 __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kernel(Args a) {
@@ -168,8 +169,16 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
   static_assert(kTilesPerWarp * (NT / 32) * 8 == D, "phase 5 covers every channel once");
   __shared__ __align__(16) float sQd[C][kLdF];
   __shared__ __align__(16) float sKd[C][kLdF];
-  __shared__ __align__(16) float sKi[C][kLdF];
-  __shared__ float sL[C][17], sM[C][17], sAw[C][17], sMw[C][17];
+  // Ki is read only in phase 2; the four 16x16 tiles L, M, Aw, Mw are written from the end of phase 2
+  // on (after a barrier), so they share its space: 4.25 KB less per CTA, which with the register cap
+  // (prep_min_blocks) lets 8 CTAs share an SM at D = 128.
+  constexpr int kKiFloats = C * kLdF > 4 * C * 17 ? C * kLdF : 4 * C * 17;
+  __shared__ __align__(16) float sKiU[kKiFloats];
+  float(*sKi)[kLdF] = reinterpret_cast<float(*)[kLdF]>(sKiU);
+  float(*sL)[17] = reinterpret_cast<float(*)[17]>(sKiU);
+  float(*sM)[17] = sL + C;
+  float(*sAw)[17] = sL + 2 * C;
+  float(*sMw)[17] = sL + 3 * C;
   __shared__ float sBeta[C];
 
   const int64_t item = blockIdx.x;
@@ -219,9 +228,10 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
   __syncthreads();
 
   // Phase 2: warp 0: A = Kd Ki^T -> L = Diag(beta) StrictLower(A); warp 1: M = Lower(Qd Ki^T). Masks by select.
+  // L and M overwrite Ki's space, so both warps finish reading Ki (the barrier) before either stores.
+  float acc[2][4] = {};
   if (warp < 2) {
     const float* X = warp == 0 ? &sKd[0][0] : &sQd[0][0];
-    float acc[2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t ah[4], al[4];
@@ -233,6 +243,9 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
         mma_split(acc[nt], ah, al, bh, bl);
       }
     }
+  }
+  __syncthreads();
+  if (warp < 2) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -739,7 +752,8 @@ void launch_recurrence_shape(const Args& a, RecShape s) {
   }
 }
 
-// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap.
+// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap; 2 = capped
+// for 7 CTAs per SM instead of 8.
 int kernel_variant() {
   const char* e = std::getenv("K3_KDA_VARIANT");
   return e ? std::atoi(e) : 0;
@@ -752,12 +766,14 @@ void chunk_forward_d(const KdaParams& p, const Args& a) {
   constexpr int NT = prep_threads<D>();
   if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
     constexpr int MB = prep_min_blocks<D>();
-    const bool uncapped = (kernel_variant() & 1) != 0;
+    const int v = kernel_variant();
     if (f32_in) {
-      if (uncapped) kda_prepare_kernel<float, 2, D, 1><<<items, NT>>>(a);
+      if (v & 1) kda_prepare_kernel<float, 2, D, 1><<<items, NT>>>(a);
+      else if ((v & 2) && MB > 7) kda_prepare_kernel<float, 2, D, 7><<<items, NT>>>(a);
       else kda_prepare_kernel<float, 2, D, MB><<<items, NT>>>(a);
     } else {
-      if (uncapped) kda_prepare_kernel<bf16, 1, D, 1><<<items, NT>>>(a);
+      if (v & 1) kda_prepare_kernel<bf16, 1, D, 1><<<items, NT>>>(a);
+      else if ((v & 2) && MB > 7) kda_prepare_kernel<bf16, 1, D, 7><<<items, NT>>>(a);
       else kda_prepare_kernel<bf16, 1, D, MB><<<items, NT>>>(a);
     }
     K3_CUDA_LAUNCH_CHECK();

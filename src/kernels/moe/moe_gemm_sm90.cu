@@ -4,7 +4,7 @@
 // docs/CUDA.md ("LatentMoE") for the design in prose.
 //
 // Tile: 128 routed rows (one expert) × 256 weight rows × 64 of K per pipeline stage.
-//   - Warpgroup 2 produces. One thread loads the 256 × 64 weight tile as two 128-row TMA boxes of a
+//   - Warpgroup 2 produces. Its thread 0 loads the 256 × 64 weight tile as two 128-row TMA boxes of a
 //     3-D tensor map [E][N][K] (rows past N and k past K arrive as zeros; 128-byte swizzle, as wgmma's
 //     descriptors read it). All 128 threads gather the 128 × 64 A tile (token rows x_rows[r]) with
 //     16-byte cp.async into the same swizzled layout, zero-filling rows past the expert's count and k
@@ -14,18 +14,19 @@
 //     waits for the next. A warpgroup whose 64 rows are all past the expert's count (an expert's last
 //     tile) only keeps the barriers' counts: that tile costs about half.
 //   - Ring of kStages stages: full[s] completes when the weight bytes have landed (TMA transaction
-//     count) and the producer threads that filled s arrived; empty[s] when the 8 consumer warps are
-//     done with s. cp.async writes through the generic proxy and wgmma reads through the async proxy,
-//     so a producer thread arrives for a stage only after its copies of it completed
-//     (cp.async.wait_group) and it ran fence.proxy.async. Two producers (template SlotWarps):
-//       * slot warps (default): warp w of the producer warpgroup owns ring slot w (kStages = 4 warps)
-//         and fills every stage that lands there; it waits for its own copies right after issuing
-//         them, which blocks only that warp, so up to four stages are in flight. Lane 0 also asks L2
-//         for the slot's next weight tile (a prefetch: DRAM latency off the ring).
-//       * lagged (K3_MOE_VARIANT bit 64, the first version, kept for comparison): all 128 threads fill
-//         every stage and publish stage s at the top of iteration s + kLag, before waiting for that
-//         stage to be empty (kLag <= kStages - 2 keeps the wait off the consumers' critical path), so
-//         only about two stages are in flight. Measured 48.6% of cuBLAS with this one.
+//     count) and all 128 producer threads arrived; empty[s] when the 8 consumer warps are done with s.
+//     cp.async writes through the generic proxy and wgmma reads through the async proxy, so a producer
+//     thread arrives for stage s only after its copies of s completed (cp.async.wait_group) and it ran
+//     fence.proxy.async. It does so at the top of iteration s + kLag, before waiting for that stage
+//     to be empty: the consumers waiting for s have released s - 2 (they keep one stage of MMAs in
+//     flight), and iteration s + kLag - 1 waited for s + kLag - 1 - kStages, so kLag <= kStages - 1
+//     is deadlock-free and kLag <= kStages - 2 keeps that wait off the consumers' critical path.
+//     Stage s's copies are issued when s - kStages is released, about three stages before use.
+//     Measured against a producer with one warp per ring slot (each waiting for its own copies right
+//     after issuing them, up to four stages in flight, plus an L2 prefetch of the slot's next weight
+//     tile): that one reached 39.1% of cuBLAS, this one 51.9% in the same run (H200, 16,384 tokens);
+//     one warp gathering a whole 128-row A tile alone issues 32 copies a lane, which is slower than
+//     the wait it saves.
 //   - Glu: the first 128 weight rows of a tile are gate rows n0..n0+127 and the last 128 the up rows
 //     with the same indices, so accumulator n8 block j (gate) and j + 16 (up) of one thread hold the
 //     same h columns: SiTU-GLU runs in registers, h is rounded to bf16 once and never exists in fp32.
@@ -62,10 +63,8 @@ constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; produ
 // Registers: 168 a thread at launch (64K / 384); the producer needs few, the consumers 128
 // accumulators plus addressing and the epilogue. 2·128·232 + 128·40 = 64,512 <= 65,536.
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-constexpr size_t kSmemBytes =
-    size_t(kStages) * (kATileBytes + kBTileBytes + BM * 4) + 2 * kStages * 8 + 1024;  // +1024: alignment
+constexpr size_t kSmemBytes = size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;  // +1024: alignment
 static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
-static_assert(kStages == 4, "slot warps: one producer warp per ring slot");
 
 // A stage wait that cannot hang: a barrier still incomplete after kWaitTrapNs means a broken
 // pipeline (a bug, or a tensor map the copy engine rejected), and a trap turns it into a launch
@@ -130,25 +129,22 @@ __device__ __forceinline__ Work work_item(const Params& p, int w) {
 // tile 1024-byte aligned): TMA's SWIZZLE_128B and the wgmma descriptor's layout 1.
 __device__ __forceinline__ uint32_t swz128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-template <bool Glu, bool SlotWarps>
+template <bool Glu>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map0, const __grid_constant__ CUtensorMap map1,
                              const Params p) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sA = base;                               // kStages × 128 rows × 128 B
-  const uint32_t sB = sA + kStages * kATileBytes;         // kStages × 256 rows × 128 B
-  const uint32_t srow_addr = sB + kStages * kBTileBytes;  // kStages × 128 int32: gathered source rows (SlotWarps)
-  const uint32_t full = srow_addr + kStages * BM * 4;     // kStages mbarriers, 8 B each
+  const uint32_t sA = base;                             // kStages × 128 rows × 128 B
+  const uint32_t sB = sA + kStages * kATileBytes;       // kStages × 256 rows × 128 B
+  const uint32_t full = sB + kStages * kBTileBytes;     // kStages mbarriers, 8 B each
   const uint32_t empty = full + kStages * 8;
-  int* srows = reinterpret_cast<int*>(smem_raw + (srow_addr - ptx::smem_u32(smem_raw)));
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // Producer arrivals: the slot's warp (SlotWarps) or all 128 producer threads, plus one expect_tx.
-      ptx::mbar_init(full + 8 * s, (SlotWarps ? 32 : 128) + 1);
-      ptx::mbar_init(empty + 8 * s, 8);  // the 8 consumer warps
+      ptx::mbar_init(full + 8 * s, 128 + 1);  // 128 producer threads + thread 0's expect_tx arrival
+      ptx::mbar_init(empty + 8 * s, 8);       // the 8 consumer warps
     }
     ptx::fence_mbar_init();
   }
@@ -158,107 +154,52 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int KT = (p.K + BK - 1) / BK;
 
   if (tid >= 256) {
-    if constexpr (SlotWarps) {
-      // ---- producer warpgroup: warp pw owns ring slot pw ----
-      ptx::setmaxnreg_dec<kProducerRegs>();
-      const int pw = (tid - 256) >> 5, lane = tid & 31;
-      const int chunk = lane & 7, r_first = lane >> 3;  // this lane: rows r_first + 4 i, 16-byte chunk `chunk`
-      int* srow = srows + pw * BM;                      // the work item's source rows, -1 past the count
-      const uint32_t full_s = full + 8 * pw, empty_s = empty + 8 * pw;
-      const uint32_t a_s = sA + pw * kATileBytes, b_s = sB + pw * kBTileBytes;
-      if (lane == 0) {
-        ptx::prefetch_tensormap(&map0);
-        ptx::prefetch_tensormap(&map1);
-      }
-      // it: the ring position of the work item's first stage (it runs on across work items).
-      for (int w = blockIdx.x, it = 0; w < total; w += gridDim.x, it += KT) {
-        int kb = (pw - it) & (kStages - 1);  // this warp's first k block of the item
-        if (kb >= KT) continue;
-        const Work t = work_item<Glu>(p, w);
-        __syncwarp();  // every lane is done reading the previous item's rows
+    // ---- producer warpgroup ----
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - 256;
+    const int chunk = pt & 7, r_first = pt >> 3;  // this thread: rows r_first + 16 i, 16-byte chunk `chunk`
+    if (pt == 0) {
+      ptx::prefetch_tensormap(&map0);
+      ptx::prefetch_tensormap(&map1);
+    }
+    int it = 0;  // stages issued so far (the ring position runs on across work items)
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+      const Work t = work_item<Glu>(p, w);
+      int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
 #pragma unroll
-        for (int q = 0; q < BM / 32; ++q) {
-          const int r = lane + 32 * q;
-          srow[r] = r < t.rows ? (p.x_rows ? p.x_rows[t.row_base + r] : t.row_base + r) : -1;
-        }
-        __syncwarp();
-        const int n1 = Glu ? t.n0 : t.n0 + kBoxRows;  // the second box: up rows (Glu) or the next 128 rows
-        for (; kb < KT; kb += kStages) {
-          const int st = it + kb;
-          wait_or_trap(empty_s, ((st / kStages) & 1) ^ 1);
-          const int k0 = kb * BK;
-          if (lane == 0) {
-            ptx::mbar_arrive_expect_tx(full_s, kBTileBytes);
-            ptx::tma_load_3d(b_s, &map0, full_s, k0, t.n0, t.e);
-            ptx::tma_load_3d(b_s + kBoxBytes, &map1, full_s, k0, n1, t.e);
-            if (kb + kStages < KT) {  // this slot's next weight tile into L2 (its DRAM latency off the ring)
-              ptx::tma_prefetch_l2_3d(&map0, k0 + kStages * BK, t.n0, t.e);
-              ptx::tma_prefetch_l2_3d(&map1, k0 + kStages * BK, n1, t.e);
-            }
-          }
-          const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
-#pragma unroll 8
-          for (int i = 0; i < BM / 4; ++i) {
-            const int r = r_first + 4 * i, src = srow[r];
-            const bool ok = k_ok && src >= 0;
-            const bf16* g = p.x + (ok ? int64_t(src) * p.K + k0 + chunk * 8 : 0);
-            ptx::cp_async16(a_s + swz128(r, chunk), g, ok ? 16 : 0);
-          }
-          // Publish: the copies are done (generic proxy) and fenced for wgmma's async-proxy reads.
-          ptx::cp_async_commit();
-          ptx::cp_async_wait<0>();
+      for (int i = 0; i < 8; ++i) {
+        const int r = r_first + 16 * i;
+        src[i] = r < t.rows ? (p.x_rows ? p.x_rows[t.row_base + r] : t.row_base + r) : -1;
+      }
+      for (int kb = 0; kb < KT; ++kb, ++it) {
+        if (it >= kLag) {  // stage it - kLag: this thread's copies are done; publish them to the async proxy
+          ptx::cp_async_wait<kLag - 1>();
           ptx::fence_proxy_async_shared();
-          ptx::mbar_arrive(full_s);
+          ptx::mbar_arrive(full + 8 * ((it - kLag) & (kStages - 1)));
         }
-      }
-    } else {
-      // ---- producer warpgroup ----
-      ptx::setmaxnreg_dec<kProducerRegs>();
-      const int pt = tid - 256;
-      const int chunk = pt & 7, r_first = pt >> 3;  // this thread: rows r_first + 16 i, 16-byte chunk `chunk`
-      if (pt == 0) {
-        ptx::prefetch_tensormap(&map0);
-        ptx::prefetch_tensormap(&map1);
-      }
-      int it = 0;  // stages issued so far (the ring position runs on across work items)
-      for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const Work t = work_item<Glu>(p, w);
-        int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
+        const int s = it & (kStages - 1);
+        wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        const int k0 = kb * BK;
+        if (pt == 0) {
+          ptx::mbar_arrive_expect_tx(full + 8 * s, kBTileBytes);
+          const uint32_t b_s = sB + s * kBTileBytes;
+          ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
+          ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
+        }
+        const uint32_t a_s = sA + s * kATileBytes;
+        const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const int r = r_first + 16 * i;
-          src[i] = r < t.rows ? (p.x_rows ? p.x_rows[t.row_base + r] : t.row_base + r) : -1;
+          const bool ok = k_ok && src[i] >= 0;
+          const bf16* g = p.x + (ok ? int64_t(src[i]) * p.K + k0 + chunk * 8 : 0);
+          ptx::cp_async16(a_s + swz128(r_first + 16 * i, chunk), g, ok ? 16 : 0);
         }
-        for (int kb = 0; kb < KT; ++kb, ++it) {
-          if (it >= kLag) {  // stage it - kLag: this thread's copies are done; publish them to the async proxy
-            ptx::cp_async_wait<kLag - 1>();
-            ptx::fence_proxy_async_shared();
-            ptx::mbar_arrive(full + 8 * ((it - kLag) & (kStages - 1)));
-          }
-          const int s = it & (kStages - 1);
-          wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
-          const int k0 = kb * BK;
-          if (pt == 0) {
-            ptx::mbar_arrive_expect_tx(full + 8 * s, kBTileBytes);
-            const uint32_t b_s = sB + s * kBTileBytes;
-            ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
-            ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
-          }
-          const uint32_t a_s = sA + s * kATileBytes;
-          const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const bool ok = k_ok && src[i] >= 0;
-            const bf16* g = p.x + (ok ? int64_t(src[i]) * p.K + k0 + chunk * 8 : 0);
-            ptx::cp_async16(a_s + swz128(r_first + 16 * i, chunk), g, ok ? 16 : 0);
-          }
-          ptx::cp_async_commit();
-        }
+        ptx::cp_async_commit();
       }
-      ptx::cp_async_wait<0>();
-      ptx::fence_proxy_async_shared();
-      for (int j = max(0, it - kLag); j < it; ++j) ptx::mbar_arrive(full + 8 * (j & (kStages - 1)));
     }
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async_shared();
+    for (int j = max(0, it - kLag); j < it; ++j) ptx::mbar_arrive(full + 8 * (j & (kStages - 1)));
   } else {
     // ---- consumer warpgroups ----
     ptx::setmaxnreg_inc<kConsumerRegs>();
@@ -360,7 +301,7 @@ int sm_count() {
   return n;
 }
 
-template <bool Glu, bool SlotWarps>
+template <bool Glu>
 void launch(const GroupedGemmArgs& a, const Params& p) {
   const CUtensorMap m0 = weight_map(a.w0, a.E, a.N, a.K, a.w_stride);
   const CUtensorMap m1 = Glu ? weight_map(a.w1, a.E, a.N, a.K, a.w_stride) : m0;
@@ -370,9 +311,9 @@ void launch(const GroupedGemmArgs& a, const Params& p) {
   int64_t grid = std::min<int64_t>(work, sm_count());
   if (a.max_ctas > 0) grid = std::min<int64_t>(grid, a.max_ctas);
   if (grid <= 0) return;
-  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<Glu, SlotWarps>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-  grouped_gemm_sm90_kernel<Glu, SlotWarps><<<unsigned(grid), kThreads, kSmemBytes>>>(m0, m1, p);
+  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<Glu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(kSmemBytes)));
+  grouped_gemm_sm90_kernel<Glu><<<unsigned(grid), kThreads, kSmemBytes>>>(m0, m1, p);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -397,13 +338,8 @@ void grouped_gemm(const GroupedGemmArgs& a) {
   p.situ = a.situ;
   p.raster = a.raster;
   p.skip_rows = a.skip_rows;
-  if (a.lagged_producer) {
-    if (a.glu) launch<true, false>(a, p);
-    else launch<false, false>(a, p);
-  } else {
-    if (a.glu) launch<true, true>(a, p);
-    else launch<false, true>(a, p);
-  }
+  if (a.glu) launch<true>(a, p);
+  else launch<false>(a, p);
 }
 
 }  // namespace k3::moe::cuda::sm90

@@ -40,7 +40,6 @@ struct GroupedGemmArgs {
   bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
   bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles
   int max_ctas = 0;       // > 0: cap on the persistent grid (tests: many tiles per CTA)
-  bool lagged_producer = false;  // the first producer (one warpgroup, stages published kLag late), for comparison
 };
 
 void grouped_gemm(const GroupedGemmArgs& a);

@@ -315,15 +315,9 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
   constexpr int MXC = BNT / 128;             // packed 16-byte chunks (32-element groups) per thread
   int tile, ct;
   if (a.raster_expert) {
-    const int C = a.col_tiles, b = int(blockIdx.x);
-    const int q = b / C;
-    if (q >= *a.num_tiles) return;
-    const int eq = a.tiles[2 * q];
-    const int t0 = q - a.tiles[2 * q + 1] / TM;  // the expert's first tile slot
-    const int R = (a.offsets[eq + 1] - a.offsets[eq] + TM - 1) / TM;
-    const int local = b - t0 * C;
-    ct = local / R;
-    tile = t0 + local % R;
+    const int b = int(blockIdx.x);
+    if (b / a.col_tiles >= *a.num_tiles) return;
+    tile = raster_tile(b, a.col_tiles, TM, a.tiles, a.offsets, &ct);
   } else {
     tile = int(blockIdx.y);
     ct = int(blockIdx.x);

@@ -105,13 +105,7 @@ __device__ __forceinline__ Work work_item(const Params& p, int w) {
   const int C = p.col_tiles;
   int tile, ct;
   if (p.raster) {
-    const int q = w / C;  // a tile slot of w's expert
-    const int eq = p.tiles[2 * q];
-    const int t0 = q - p.tiles[2 * q + 1] / BM;  // the expert's first tile slot
-    const int R = (p.offsets[eq + 1] - p.offsets[eq] + BM - 1) / BM;
-    const int local = w - t0 * C;
-    ct = local / R;
-    tile = t0 + local % R;
+    tile = raster_tile(w, C, BM, p.tiles, p.offsets, &ct);
   } else {
     tile = w / C;
     ct = w % C;

@@ -16,6 +16,20 @@ __device__ __forceinline__ float moe_glu(float g, float u, bool situ, float beta
   return situ ? (beta_gate * tanhf(g / beta_gate) * sg) * (beta_up * tanhf(u / beta_up)) : g * sg * u;
 }
 
+// The raster order both GEMM kernels walk (moe_cuda.cu explains it): work index w of tile slot
+// q = w / col_tiles, whose expert's R row tiles start at slot t0, runs that expert's column tiles in
+// order with its row tiles innermost. Returns the tile slot and sets *ct, the column tile.
+__device__ __forceinline__ int raster_tile(int w, int col_tiles, int tile_rows, const int32_t* tiles,
+                                           const int32_t* offsets, int* ct) {
+  const int q = w / col_tiles;
+  const int e = tiles[2 * q];
+  const int t0 = q - tiles[2 * q + 1] / tile_rows;  // the expert's first tile slot
+  const int R = (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
+  const int local = w - t0 * col_tiles;
+  *ct = local / R;
+  return t0 + local % R;
+}
+
 namespace sm90 {
 
 // The row tiles this kernel takes: Dispatch::build(tile_m = 128)'s tile list.

@@ -31,6 +31,15 @@ GluParams glu_params(const K3Config& c) {
   return GluParams{c.hidden_act == Activation::SiTU, c.situ_beta, c.situ_linear_beta};
 }
 
+moe::RouterParams router_params(const K3Config& c) {
+  return moe::RouterParams{c.num_experts,
+                           c.num_experts_per_token,
+                           c.use_grouped_topk ? c.num_expert_group : 1,
+                           c.use_grouped_topk ? c.topk_group : 1,
+                           c.moe_renormalize,
+                           c.routed_scaling_factor};
+}
+
 void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
                        const PathOptions& opt) {
   glu_mlp(out, x, N, w.gate_proj, w.up_proj, w.down_proj, glu_params(c), opt);
@@ -45,9 +54,7 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
   linear_forward(logits.data(), x, N, w.router);  // [N, E]
   std::vector<int32_t> idx(size_t(N * K));
   std::vector<float> wt(size_t(N * K));
-  moe::RouterParams rp{E, K, c.use_grouped_topk ? c.num_expert_group : 1, c.use_grouped_topk ? c.topk_group : 1,
-                       c.moe_renormalize, c.routed_scaling_factor};
-  moe::router_forward(idx.data(), wt.data(), nullptr, logits.data(), w.router_bias.data(), N, rp);
+  moe::router_forward(idx.data(), wt.data(), nullptr, logits.data(), w.router_bias.data(), N, router_params(c));
   if (hooks && hooks->topk) hooks->topk(layer, idx.data(), N, K);
 
   std::vector<float> z(size_t(N * lat));

@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "io/config.h"
 #include "kernels/ffn/glu.h"
+#include "kernels/moe/router.h"
 #include "model/cache.h"
 #include "model/weights.h"
 
@@ -63,6 +64,13 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
                            const MlaWeights& w, const K3Config& c, const PathOptions& opt);
 // The config's gated activation (SiTU-GLU with its two caps, or SwiGLU), for the CPU and GPU FFNs.
 GluParams glu_params(const K3Config& c);
+// The config's router (experts, top-k, groups, renormalisation, scaling), for the CPU and GPU MoE.
+moe::RouterParams router_params(const K3Config& c);
+
+// The checks of one sequence's new tokens that every forward makes (the CPU and GPU models): at least
+// one, every id inside the vocabulary, and the sequence (cached_length tokens so far) not growing past
+// max_position_embeddings. k3::Error naming sequence b otherwise.
+void check_new_tokens(const K3Config& c, size_t b, const std::vector<int32_t>& tokens, int64_t cached_length);
 
 void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
                        const PathOptions& opt);

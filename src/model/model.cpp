@@ -24,6 +24,16 @@ std::unique_ptr<Model> Model::load(const std::string& config_path, const std::st
   return m;
 }
 
+void check_new_tokens(const K3Config& c, size_t b, const std::vector<int32_t>& tokens, int64_t cached_length) {
+  const int64_t V = c.vocab_size;
+  K3_CHECK(!tokens.empty(), "forward: sequence ", b, " has no new tokens");
+  for (int32_t id : tokens)
+    K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
+  K3_CHECK(cached_length + int64_t(tokens.size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
+           cached_length + int64_t(tokens.size()), " tokens, past max_position_embeddings = ",
+           c.max_position_embeddings, " of ", c.source);
+}
+
 std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
                                   bool all_positions, const ForwardHooks* hooks) {
   const K3Config& c = cfg_;
@@ -32,12 +42,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
   std::vector<Segment> segs;
   int64_t N = 0;
   for (size_t b = 0; b < tokens.size(); ++b) {
-    K3_CHECK(!tokens[b].empty(), "forward: sequence ", b, " has no new tokens");
-    for (int32_t id : tokens[b])
-      K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
-    K3_CHECK(caches[b]->length + int64_t(tokens[b].size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
-             caches[b]->length + int64_t(tokens[b].size()), " tokens, past max_position_embeddings = ",
-             c.max_position_embeddings, " of ", c.source);
+    check_new_tokens(c, b, tokens[b], caches[b]->length);
     segs.push_back({N, int64_t(tokens[b].size()), caches[b]});
     N += int64_t(tokens[b].size());
   }

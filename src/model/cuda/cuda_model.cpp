@@ -220,7 +220,6 @@ std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*
 void CudaModel::Impl::validate(const std::vector<CudaSequenceCache*>& caches,
                                const std::vector<std::vector<int32_t>>& tokens) const {
   const K3Config& c = cfg;
-  const int64_t V = c.vocab_size;
   K3_CHECK(caches.size() == tokens.size(), "forward (cuda): ", caches.size(), " caches for ", tokens.size(),
            " sequences");
   K3_CHECK(!tokens.empty(), "forward (cuda): no sequences");
@@ -229,12 +228,7 @@ void CudaModel::Impl::validate(const std::vector<CudaSequenceCache*>& caches,
     const CudaSequenceCache::Impl& ci = caches[b]->impl();
     K3_CHECK(ci.owner == id, "forward (cuda): cache ", b, " was made by another model");
     K3_CHECK(!ci.broken, "forward (cuda): cache ", b, " is in an undefined state after a failed forward; make a new one");
-    K3_CHECK(!tokens[b].empty(), "forward (cuda): sequence ", b, " has no new tokens");
-    for (int32_t tok : tokens[b])
-      K3_CHECK(tok >= 0 && tok < V, "token id ", tok, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
-    K3_CHECK(ci.length + int64_t(tokens[b].size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
-             ci.length + int64_t(tokens[b].size()), " tokens, past max_position_embeddings = ",
-             c.max_position_embeddings, " of ", c.source);
+    check_new_tokens(c, b, tokens[b], ci.length);
     for (size_t j = 0; j < b; ++j)
       K3_CHECK(caches[j] != caches[b], "forward (cuda): sequences ", j, " and ", b, " share one cache");
   }

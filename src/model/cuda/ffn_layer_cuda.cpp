@@ -97,9 +97,7 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
   linear_f32_out<T>(r, logits, x, N, w.router);
   int32_t* idx = r.arena.take<int32_t>(N * K);
   float* wt = r.arena.take<float>(N * K);
-  const moe::RouterParams rp{E, K, c.use_grouped_topk ? c.num_expert_group : 1, c.use_grouped_topk ? c.topk_group : 1,
-                             c.moe_renormalize, c.routed_scaling_factor};
-  moe::cuda::router_forward(idx, wt, logits, w.router_bias.data(), N, rp);
+  moe::cuda::router_forward(idx, wt, logits, w.router_bias.data(), N, router_params(c));
   if (r.hooks && r.hooks->topk) {
     std::vector<int32_t> h(size_t(N * K));
     cuda::copy_to_host(h.data(), idx, h.size() * 4);

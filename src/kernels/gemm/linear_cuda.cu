@@ -253,9 +253,11 @@ __global__ void narrow_rows_kernel(float* __restrict__ dst, int64_t ld_dst, cons
   }
 }
 
+}  // namespace
+
 // y64[M, N] (ld_y) = widen(x)[M, K] · W[N, K]ᵀ in fp64.
-void gemm_exact(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
-                int64_t N, int64_t K) {
+void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w,
+                      int64_t M, int64_t N, int64_t K) {
   K3_CHECK(M >= 0 && N >= 0 && K >= 0 && M <= INT_MAX && N <= INT_MAX && K <= INT_MAX && ld_x >= K && ld_y >= N,
            "linear_exact (cuda): bad shape M=", M, " N=", N, " K=", K, " ld_x=", ld_x, " ld_y=", ld_y);
   if (M == 0 || N == 0) return;
@@ -271,19 +273,12 @@ void gemm_exact(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64
                                CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT));
 }
 
-}  // namespace
-
-void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w,
-                      int64_t M, int64_t N, int64_t K) {
-  gemm_exact(ctx, y, ld_y, x, ld_x, w, M, N, K);
-}
-
 void linear_exact(GemmContext& ctx, float* y, int64_t ld_y, const float* x, int64_t ld_x, const double* w, int64_t M,
                   int64_t N, int64_t K) {
   K3_CHECK(ld_y >= N, "linear_exact (cuda): ld_y ", ld_y, " < N ", N);
   if (M == 0 || N == 0) return;
   double* y64 = ctx.impl().scratch(1, size_t(M * N));
-  gemm_exact(ctx, y64, N, x, ld_x, w, M, N, K);
+  linear_exact_f64(ctx, y64, N, x, ld_x, w, M, N, K);
   narrow_rows_kernel<<<rowwise::grid_for(M * N), 256>>>(y, ld_y, y64, M, N);
   K3_CUDA_LAUNCH_CHECK();
 }

@@ -657,13 +657,6 @@ __global__ void combine_kernel(float* __restrict__ u, const bf16* __restrict__ y
   }
 }
 
-__global__ void f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(src[i]);
-    dst[i] = *reinterpret_cast<const uint16_t*>(&b);
-  }
-}
-
 __device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -886,12 +879,6 @@ void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* wei
   expert_gate_up(h, z, d, w1, w3, glu);
   expert_down(y, h, d, w2);
   combine(u, y, weight, d, w2.rows);
-}
-
-void f32_to_bf16(bf16* dst, const float* src, int64_t n) {
-  if (n <= 0) return;
-  f32_to_bf16_kernel<<<grid_for(n, 256), 256>>>(dst, src, n);
-  K3_CUDA_LAUNCH_CHECK();
 }
 
 void fill_random_bf16(bf16* dst, int64_t n, float scale, uint64_t seed) {

@@ -130,8 +130,6 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,
                      const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu);
 
-// fp32 -> bf16 (round to nearest even), n elements, for activations entering the experts.
-void f32_to_bf16(bf16* dst, const float* src, int64_t n);
 
 // Benchmark/test data made on the device (a counter hash, reproducible from seed): bf16 uniform in
 // [-scale, scale]; bytes uniform in [lo, hi] (MXFP4 packed nibbles with lo = 0, hi = 255; E8M0 scales).
@@ -175,7 +173,6 @@ inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, con
                             const ExpertLinear&, const ExpertLinear&, const GluParams&) {
   fail("moe::cuda::experts_forward: this build has no CUDA backend");
 }
-inline void f32_to_bf16(bf16*, const float*, int64_t) { fail("moe::cuda::f32_to_bf16: this build has no CUDA backend"); }
 inline void fill_random_bf16(bf16*, int64_t, float, uint64_t) { fail("moe::cuda::fill_random_bf16: no CUDA backend"); }
 inline void fill_random_u8(uint8_t*, int64_t, int, int, uint64_t) { fail("moe::cuda::fill_random_u8: no CUDA backend"); }
 }  // namespace k3::moe::cuda

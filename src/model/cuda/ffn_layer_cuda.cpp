@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/ffn/glu_cuda.h"
+#include "kernels/gemm/convert_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
 
@@ -121,7 +122,7 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     linear_f32_out<T>(r, out, u, N, w.latent_up);
   } else {
     bf16* u16 = r.arena.take<bf16>(N * lat);
-    elementwise::cuda::copy_rows(u16, DType::BF16, N * lat, u, DType::F32, N * lat, 1, N * lat);
+    gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
     linear_f32_out<T>(r, out, u16, N, w.latent_up);
   }
   if (!w.shared.empty()) {

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "kernels/common/elementwise_cuda.h"
+#include "kernels/gemm/convert_cuda.h"
 #include "kernels/mla/mla_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
@@ -135,8 +136,7 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
       dp.workspace = dp.workspace_bytes ? r.arena.take_bytes(dp.workspace_bytes) : nullptr;
       mla::cuda::decode(dp);
       bf16* o_lat16 = r.arena.take<bf16>(rows_n * H * d.R);
-      elementwise::cuda::copy_rows(o_lat16, act, rows_n * H * d.R, o_lat, DType::F32, rows_n * H * d.R, 1,
-                                   rows_n * H * d.R);
+      gemm::cuda::convert_f32_to_bf16(o_lat16, o_lat, rows_n * H * d.R);
       per_head_linear(r, o + g.row0 * H * d.Dv, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, rows_n, d.R, d.Dv,
                       kvb + d.Dn * d.R, d.R, dkv * d.R, false, H);
     }

@@ -76,18 +76,18 @@
 // every product is then fp32-accurate to ~2^-16 (parity with the CPU).
 //
 // Measured (H200, 2026-11-29, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels;
-// slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them):
-//   (B, T, H)        ms      prepare  recurrence  slices x kw  before: ms = prepare + recur.  fla fwd (ANCHORS.md)
-//   1, 8192, 64     1.193    0.670    0.529        2 x 1      1.379 = 0.665 + 0.723         1.76
-//   1, 8192, 96     1.844    0.989    0.859        4 x 1      2.129 = 0.990 + 1.148         2.60
-//   4, 4096, 32     1.012    0.666    0.350        1 x 1      1.180 = 0.669 + 0.521         1.69
-//   1, 32768, 32    3.354    1.320    2.035        4 x 2      4.387 = 1.322 + 3.079         4.15
-//   1, 65536, 16    5.358    1.313    4.038        8 x 4      8.833 = 1.325 + 7.498         4.43
-// ("before": the state split hi + lo in the bf16 path and one warp per 16 value columns.)
-// The recurrence costs ~1.0 us per 16-token chunk step (B1 T8192 H64: 0.529 ms / 512 chunks; with one
-// value group per SM and four key warps, B1 T65536 H16, also ~1.0 us) whatever the shape: the step's
-// latency, not the MMA count, bounds it, so few heads and long T stay its weak case (B1 T65536 H16 is
-// still slower than fla there); the prepare kernel moves ~1.5 TB/s.
+// slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them;
+// docs/BENCHMARKS.md, run B):
+//   (B, T, H)        ms      prepare  recurrence  slices x kw  fla chunk_kda fwd
+//   1, 8192, 64     1.115    0.594    0.527        2 x 1      1.77 (same run)
+//   1, 8192, 96     1.747    0.887    0.866        4 x 1      2.66 (run A)
+//   4, 4096, 32     0.945    0.600    0.355        1 x 1      1.69 (ANCHORS.md)
+//   1, 32768, 32    3.179    1.172    2.032        4 x 2      4.15 (ANCHORS.md)
+//   1, 65536, 16    5.157    1.168    4.032        8 x 4      4.43 (ANCHORS.md)
+// The recurrence costs ~1.0 us per 16-token chunk step whatever the shape, so few heads and long T stay
+// its weak case (B1 T65536 H16 is slower than fla). That cost is not the step's fixed latency: a
+// 64-token step measured about four 16-token steps (docs/CUDA.md, "What did not work"); it follows the
+// workspace each CTA streams into shared memory per token.
 // Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.5e-3, state ~2.2e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once

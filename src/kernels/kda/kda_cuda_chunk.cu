@@ -153,9 +153,9 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
 // Resident CTAs of the prepare kernel asked of the compiler (a register cap). The kernel is latency-
 // bound: each CTA runs five phases separated by barriers, two to four of its warps idle in phases
 // 2-4, so the SM hides that latency only with other CTAs. At D = 128 it held 80 registers (6 CTAs of
-// 128 threads per SM); capped at 72 registers (7 CTAs) the prepare kernel took 0.616 ms instead of
-// 0.748 ms at B1 T8192 H64 (H200, same run). 64 registers (a 12-byte spill) and 26.2 KB of shared
-// memory fit 8. K3_KDA_VARIANT bit 1 drops the cap, bit 2 asks for 7 (comparison in bench_cuda_kda).
+// 128 threads per SM). At B1 T8192 H64 (H200, same run): 0.749 ms uncapped, 0.619 ms at 72 registers
+// (7 CTAs), 0.594 ms at 64 registers (a 12-20-byte spill) with 26.2 KB of shared memory (8 CTAs).
+// K3_KDA_VARIANT bit 1 drops the cap, bit 2 asks for 7 (comparison in bench_cuda_kda).
 template <int D>
 constexpr int prep_min_blocks() { return D == 128 ? 8 : 1; }
 
@@ -674,8 +674,7 @@ struct RecShape {
 // two (B1 T32768 H32) 2.33 / 2.02 / 2.39, four (B1 T8192 H64) 0.52 / 0.62 / 0.86, eight (B4 T4096 H32)
 // 0.35 / 0.50 / -: the split pays while it puts a warp on an idle sub-partition, and past one warp per
 // sub-partition its partial sums and wider barrier cost more than the shorter chains save. (A deeper
-// cp.async pipeline, 8 stages instead of 4, measured no faster at these choices: the step is bound by its
-// latency inside the SM, not by the tiles' arrival.)
+// cp.async pipeline, 8 stages instead of 4, measured no faster at these choices.)
 constexpr int64_t kKeySplitWarpsPerSm = 4;
 
 // bf16 path. NW in {8, 4, 2, 1} with 16 NW <= D: the busiest SM holds the fewest value groups

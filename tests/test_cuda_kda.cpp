@@ -221,6 +221,14 @@ std::string name(const Case& c) {
          " D=" + std::to_string(c.D);
 }
 
+// got against ref, o and the state, both within tol; prints "[label] rel L2: o .., state ..".
+void expect_close(const Result& got, const Result& ref, double tol, const std::string& label) {
+  const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
+  std::printf("[%s] rel L2: o %.3g, state %.3g\n", label.c_str(), eo, es);
+  EXPECT_LE(eo, tol) << label;
+  EXPECT_LE(es, tol) << label;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
   K3_REQUIRE_GPU();
@@ -230,12 +238,8 @@ TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
       const Case c = make_case(s[0], s[1], s[2], 100 + uint32_t(s[1]) + dseed(D), true, false, D);
       const Result ref = cpu_ref(c);
       for (DType out : {DType::BF16, DType::F32}) {
-        const Result got = gpu_run(c, true, DType::BF16, out);
-        const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-        std::printf("[chunk bf16 -> %s, %s] rel L2: o %.3g, state %.3g\n", k3::dtype_name(out), name(c).c_str(), eo,
-                    es);
-        EXPECT_LE(eo, kBf16Tol) << name(c);
-        EXPECT_LE(es, kBf16Tol) << name(c);
+        expect_close(gpu_run(c, true, DType::BF16, out), ref, kBf16Tol,
+                     std::string("chunk bf16 -> ") + k3::dtype_name(out) + ", " + name(c));
       }
     }
   }
@@ -268,11 +272,7 @@ TEST(CudaKdaChunk, Fp32MatchesCpuRecurrenceTightly) {
     for (const auto& s : shapes) {
       const Case c = make_case(s[0], s[1], s[2], 200 + uint32_t(s[1]) + dseed(D), false, false, D);
       const Result ref = cpu_ref(c);
-      const Result got = gpu_run(c, true, DType::F32, DType::F32);
-      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-      std::printf("[chunk fp32, %s] rel L2: o %.3g, state %.3g\n", name(c).c_str(), eo, es);
-      EXPECT_LE(eo, kChunkF32Tol) << name(c);
-      EXPECT_LE(es, kChunkF32Tol) << name(c);
+      expect_close(gpu_run(c, true, DType::F32, DType::F32), ref, kChunkF32Tol, "chunk fp32, " + name(c));
       // bf16 output of the fp32 path: one rounding of o.
       const Result gb = gpu_run(c, true, DType::F32, DType::BF16);
       EXPECT_LE(rel(gb.o, ref.o), kBf16Tol) << name(c);
@@ -390,13 +390,9 @@ TEST(CudaKdaChunk, EverySliceWidthMatchesCpu) {
       seen.emplace_back(slices, kw);
       for (int64_t T : {21, 50, 150}) {
         const Case c = make_case(1, T, H, 400 + uint32_t(H) + uint32_t(T) + dseed(D), true, false, D);
-        const Result ref = cpu_ref(c);
-        const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
-        const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-        std::printf("[chunk bf16, %s, %d slices of %d columns, %d key warps] rel L2: o %.3g, state %.3g\n",
-                    name(c).c_str(), slices, D / slices, kw, eo, es);
-        EXPECT_LE(eo, kBf16Tol) << name(c) << " slices " << slices << " key warps " << kw;
-        EXPECT_LE(es, kBf16Tol) << name(c) << " slices " << slices << " key warps " << kw;
+        expect_close(gpu_run(c, true, DType::BF16, DType::BF16), cpu_ref(c), kBf16Tol,
+                     "chunk bf16, " + name(c) + ", " + std::to_string(slices) + " slices of " +
+                         std::to_string(D / slices) + " columns, " + std::to_string(kw) + " key warps");
       }
     }
     std::printf("[D=%d] %zu (slices, key warps) pairs exercised\n", D, seen.size());
@@ -416,11 +412,7 @@ TEST(CudaKdaChunk, LongSequenceFiniteAndCorrect) {
     const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
     EXPECT_TRUE(all_finite(got.o)) << "D=" << D;
     EXPECT_TRUE(all_finite(got.state)) << "D=" << D;
-    const Result ref = cpu_ref(c, /*chunked=*/true);
-    const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-    std::printf("[chunk bf16, T=65536 H=2 D=%d] rel L2: o %.3g, state %.3g\n", D, eo, es);
-    EXPECT_LE(eo, kBf16Tol) << "D=" << D;
-    EXPECT_LE(es, kBf16Tol) << "D=" << D;
+    expect_close(got, cpu_ref(c, /*chunked=*/true), kBf16Tol, "chunk bf16, T=65536 H=2 D=" + std::to_string(D));
   }
 }
 
@@ -557,12 +549,7 @@ TEST(CudaKdaChunk, Bf16EveryTailLength) {
   for (int D : kHeadDims) {
     for (const int64_t T : lengths) {
       const Case c = make_case(2, T, 2, 500 + uint32_t(T) + dseed(D), true, false, D);
-      const Result ref = cpu_ref(c);
-      const Result got = gpu_run(c, true, DType::BF16, DType::BF16);
-      const double eo = rel(got.o, ref.o), es = rel(got.state, ref.state);
-      std::printf("[chunk bf16 tails, %s] rel L2: o %.3g, state %.3g\n", name(c).c_str(), eo, es);
-      EXPECT_LE(eo, kBf16Tol) << name(c);
-      EXPECT_LE(es, kBf16Tol) << name(c);
+      expect_close(gpu_run(c, true, DType::BF16, DType::BF16), cpu_ref(c), kBf16Tol, "chunk bf16 tails, " + name(c));
     }
   }
 }

@@ -1,7 +1,7 @@
 // KDA chunked forward on the GPU (kernels/kda/kda_cuda.h): time at the ANCHORS.md shapes, and a check
 // against the CPU twin at one small shape.
 //
-//   build/bench_cuda_kda [--reps 30] [--warmup 5]
+//   build/bench_cuda_kda [--reps 30] [--warmup 5] [--shapes BxTxH,...]
 //
 // Each time is the median of --reps runs (after --warmup), measured with CUDA events around one
 // kda_chunk_forward call (prepare + recurrence kernels), bf16 q/k/v/o, fp32 g/beta/state. Inputs are
@@ -18,6 +18,7 @@
 //   ms, var. N / prep, var. N   the whole forward and the prepare kernel with K3_KDA_VARIANT=N, in the
 //             same run: 1 = the prepare kernel without its register cap, 2 = capped for 7 CTAs per SM
 //             instead of 8 (kda_cuda_chunk.cu)
+// --shapes BxTxH,... times only those shapes (e.g. one shape under a profiler).
 // Reference (ANCHORS.md, H200): fla chunk_kda fwd 1.76 / 2.60 / 1.69 / 4.15 / 4.43 ms; FlashKDA ~1.21 ms at
 // B1 T8192 H64. Exits 0 with a message when there is no GPU.
 #include <algorithm>
@@ -143,12 +144,35 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 
 int main(int argc, char** argv) {
   int reps = 30, warmup = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--reps")) reps = std::max(1, std::atoi(argv[i + 1]));
-    else if (!std::strcmp(argv[i], "--warmup")) warmup = std::max(0, std::atoi(argv[i + 1]));
+  std::string only;  // --shapes BxTxH,...: only these (default: the ANCHORS.md shapes)
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 < argc && !std::strcmp(argv[i], "--reps")) reps = std::max(1, std::atoi(argv[i + 1]));
+    else if (i + 1 < argc && !std::strcmp(argv[i], "--warmup")) warmup = std::max(0, std::atoi(argv[i + 1]));
+    else if (i + 1 < argc && !std::strcmp(argv[i], "--shapes")) only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: bench_cuda_kda [--reps N] [--warmup N]\n");
+      std::fprintf(stderr, "usage: bench_cuda_kda [--reps N] [--warmup N] [--shapes BxTxH,...]\n");
       return 2;
+    }
+  }
+  struct Shape {
+    int64_t B, T, H;
+    double fla_ms;
+  };
+  std::vector<Shape> shapes = {{1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15},
+                               {1, 65536, 16, 4.43}};
+  if (!only.empty()) {
+    shapes.clear();
+    for (size_t pos = 0; pos < only.size();) {
+      size_t end = only.find(',', pos);
+      if (end == std::string::npos) end = only.size();
+      long long B = 0, T = 0, H = 0;
+      if (std::sscanf(only.substr(pos, end - pos).c_str(), "%lldx%lldx%lld", &B, &T, &H) != 3 || B < 1 || T < 1 ||
+          H < 1) {
+        std::fprintf(stderr, "bench_cuda_kda: --shapes wants BxTxH,... (positive), got '%s'\n", only.c_str());
+        return 2;
+      }
+      shapes.push_back({B, T, H, NAN});
+      pos = end + 1;
     }
   }
   std::string why;
@@ -181,12 +205,6 @@ int main(int argc, char** argv) {
     std::printf("check vs CPU recurrence (B2 T300 H2): rel L2 of o = %.3g (bf16 bound 1e-2)\n\n", rel_l2(o, ref));
   }
 
-  struct Shape {
-    int64_t B, T, H;
-    double fla_ms;
-  };
-  const Shape shapes[] = {{1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15},
-                          {1, 65536, 16, 4.43}};
   std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s %12s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s",
               "GB/s", "slices", "kw", "prepare ms", "recur. ms", "ms, var. 1", "prep, var. 1", "ms, var. 2",
               "prep, var. 2", "fla fwd ms");

@@ -245,6 +245,33 @@ TEST(CudaKdaChunk, Bf16MatchesCpuRecurrence) {
   }
 }
 
+// The swizzle of the workspace tiles (kda_cuda.h), on the CPU: a permutation of each row that keeps
+// 8-element pieces whole, and the 8 rows ldmatrix reads at one piece (rows 8i .. 8i+7) land in 8 distinct
+// 16-byte bank groups (byte address / 16 mod 8) once the tile sits in shared memory unpadded.
+TEST(CudaKdaChunk, WorkspaceSwizzleIsAConflictFreePermutation) {
+  for (const int width : {16, 32, 64, 128}) {
+    for (int row = 0; row < 16; ++row) {
+      std::vector<int> hit(size_t(width), 0);
+      for (int col = 0; col < width; ++col) {
+        const int idx = kc::kda_ws_tile_index(row, col, width);
+        ASSERT_GE(idx, row * width);
+        ASSERT_LT(idx, (row + 1) * width) << "width " << width << " row " << row << " col " << col;
+        ++hit[size_t(idx - row * width)];
+        EXPECT_EQ(idx % 8, col % 8) << "pieces stay whole";
+      }
+      for (int x : hit) ASSERT_EQ(x, 1) << "width " << width << " row " << row;
+    }
+    for (int r0 : {0, 8})
+      for (int col = 0; col < width; col += 8) {
+        std::vector<int> groups;
+        for (int rr = 0; rr < 8; ++rr) groups.push_back(kc::kda_ws_tile_index(r0 + rr, col, width) * 2 / 16 % 8);
+        std::sort(groups.begin(), groups.end());
+        EXPECT_EQ(std::unique(groups.begin(), groups.end()), groups.end())
+            << "width " << width << " rows " << r0 << "+ col " << col;
+      }
+  }
+}
+
 // K3_KDA_VARIANT=1 and 2 (the prepare kernel without its register cap, or with a looser one, for the
 // benchmark) are the same code under another register budget: the same bits, bf16 and fp32 inputs,
 // every head dim.
@@ -419,7 +446,7 @@ TEST(CudaKdaChunk, LongSequenceFiniteAndCorrect) {
 // The prepare kernel's workspace (layout in kda_cuda.h) against the same algebra in fp64 on the CPU: this
 // localises a failure of the chunked form to one of its two kernels. One sequence of 21 tokens (a full and a
 // partial chunk), two heads, at every head dim. Item layout (bf16 inputs, kda_cuda.h): Qw @0, Kw @32D,
-// -Kr @64D, -Aw @96D, Mw @96D+512, gamma @96D+1024, 100D+1024 bytes.
+// -Kr @64D, -Aw @96D, Mw @96D+512, gamma @96D+1024, 100D+1024 bytes; the tiles swizzled by kda_ws_tile_index.
 TEST(CudaKdaChunk, PrepareWorkspaceMatchesAlgebra) {
   K3_REQUIRE_GPU();
   constexpr int C = 16;
@@ -514,10 +541,12 @@ TEST(CudaKdaChunk, PrepareWorkspaceMatchesAlgebra) {
             Kw[i * D + d] = kw;
             Qw[i * D + d] = Qd[i * D + d] - mk;
           }
+        // Tiles of `width` columns, read back through the swizzle (kda_ws_tile_index).
         auto cmp = [&](const char* what, size_t off, const std::vector<double>& ref, double sign) {
+          const int width = int(ref.size() / C);
           Vec got(ref.size()), r(ref.size());
           for (size_t i = 0; i < ref.size(); ++i) {
-            got[i] = bf(item, off, i);
+            got[i] = bf(item, off, size_t(kc::kda_ws_tile_index(int(i) / width, int(i) % width, width)));
             r[i] = float(sign * ref[i]);
           }
           const double e = rel(got, r);

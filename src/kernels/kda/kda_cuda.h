@@ -163,7 +163,21 @@ struct KdaParams {
 // fp32 inputs, 260 D + 2048 bytes (D = 128: 35,328; 64: 18,688; 32: 10,368): each bf16 tile as a hi and a
 // lo plane back to back (Qw hi, Qw lo, Kw hi, ...), gamma, then v's hi and lo planes [16][D].
 // B1 T8192 H64 D128 bf16: 453 MB. Throws k3::Error for a D other than 32, 64, 128.
+// Each bf16 tile (and plane) is stored SWIZZLED, in the exact byte order the recurrence kernel wants in
+// shared memory, so that one bulk copy moves a whole item there: element (row, col) of a 16-row tile of
+// `width` columns is at kda_ws_tile_index(row, col, width), which permutes the 16-byte pieces of a row.
 size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype, int64_t D = kHeadDim);
+
+// The swizzle of the workspace tiles (width 16 for Aw/Mw, D for the others). Without padding, the rows
+// of a tile are 2*width bytes apart, and the 8 rows one ldmatrix reads at the same column would fall in
+// the same shared-memory bank group (width >= 64) or in two to four (width 16, 32): piece p of row r is
+// therefore stored at piece p XOR x(r), x(r) = r mod 8 (width >= 64), (r / 2) mod 4 (32), (r / 4) mod 2
+// (16), which puts those 8 pieces in 8 distinct 16-byte bank groups. Pieces stay whole, so the pairs of
+// elements the kernels write together stay together.
+constexpr int kda_ws_tile_index(int row, int col, int width) {
+  const int x = width >= 64 ? (row & 7) : width == 32 ? ((row >> 1) & 3) : ((row >> 2) & 1);
+  return row * width + ((((col >> 3) ^ x)) << 3) + (col & 7);
+}
 
 // Empty when kda_chunk_forward can take p, else the reason (shape, head dim, dtype, workspace, or no GPU).
 std::string kda_chunk_can_run(const KdaParams& p);

@@ -38,13 +38,7 @@ __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uin
   lo = *reinterpret_cast<uint32_t*>(&l);
 }
 
-// Shared PTX wrappers (kernels/common/mma_sm80.cuh), with generic shared-memory pointers.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) { ptx::ldmatrix_x4(r, ptx::smem_u32(p)); }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) { ptx::ldmatrix_x4_trans(r, ptx::smem_u32(p)); }
-// 16-byte async copy; src_bytes = 0 fills the destination with zeros (rows past the end of a sequence).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  ptx::cp_async16(ptx::smem_u32(dst), src, src_bytes);
-}
+// Shared PTX wrappers (kernels/common/mma_sm80.cuh) take 32-bit shared-window addresses.
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 
@@ -142,6 +136,22 @@ struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
   }
 };
 
+// e^x for the decay factors of phase 1, |x| <= 80. The bf16 path takes the hardware exponential,
+// ex2.approx(x log2 e) (__expf): rounding x log2 e (|x log2 e| <= 116) errs by <= 2^-24 * 128 in the exponent,
+// 5.3e-6 relative in the result, plus ex2's own 2 ulp; every factor is then rounded to bf16 in the products
+// (2^-9), so this is invisible there, and it is 3 instructions instead of about 10 for the accurate expf.
+// Phase 1 is most of the prepare kernel's instructions (48 exponentials a thread), and the kernel is
+// issue-bound. The fp32 parity path (~2^-16 per product) keeps expf. The normal range holds either way:
+// e^-80 = 1.8e-35 is above the flush-to-zero threshold 1.2e-38.
+template <int P>
+__device__ __forceinline__ float exp_decay(float x) {
+  if constexpr (P == 1) {
+    return __expf(x);
+  } else {
+    return expf(x);
+  }
+}
+
 // d += a * b with split operands: hi*hi + lo*hi + hi*lo.
 __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
                                           const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
@@ -197,29 +207,31 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
     const int c = tid;
     const TI* qp = static_cast<const TI*>(a.q);
     const TI* kp = static_cast<const TI*>(a.k);
+    // Element (token t0 + i, channel c) is at base + i * H D.
+    const int64_t base = ((b * a.T + t0) * a.H + h) * D + c;
+    const int64_t tstride = a.H * D;
     float gam[C];
     float G = 0.0f;
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      const int64_t off = ((b * a.T + t0 + i) * a.H + h) * D + c;
-      G += i < nv ? a.g[off] : 0.0f;
+      G += i < nv ? a.g[base + i * tstride] : 0.0f;
       gam[i] = G;
     }
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      const int64_t off = ((b * a.T + t0 + i) * a.H + h) * D + c;
+      const int64_t off = base + i * tstride;
       const float qv = i < nv ? to_f(qp[off]) : 0.0f;
       const float kv = i < nv ? to_f(kp[off]) : 0.0f;
-      const float e = expf(gam[i]);      // in [e^-80, 1]
-      const float ei = expf(-gam[i]);    // in [1, e^80]
-      const float er = expf(G - gam[i]);  // in [e^-80, 1]
+      const float e = exp_decay<P>(gam[i]);      // in [e^-80, 1]
+      const float ei = exp_decay<P>(-gam[i]);    // in [1, e^80]
+      const float er = exp_decay<P>(G - gam[i]);  // in [e^-80, 1]
       sQd[i][c] = a.scale * qv * e;
       sKd[i][c] = kv * e;
       sKi[i][c] = kv * ei;
-      put<P>(ws + W::kKR, C * D, i * D + c, -kv * er);
+      put<P>(ws + W::kKR, C * D, kda_ws_tile_index(i, c, D), -kv * er);
       if constexpr (P == 2) {
         const float vv = i < nv ? to_f(static_cast<const TI*>(a.v)[off]) : 0.0f;
-        put<P>(reinterpret_cast<bf16*>(wsb + W::kV_B), C * D, i * D + c, vv);
+        put<P>(reinterpret_cast<bf16*>(wsb + W::kV_B), C * D, kda_ws_tile_index(i, c, D), vv);
       }
     }
     reinterpret_cast<float*>(wsb + W::kGM_B)[c] = expf(G);
@@ -293,14 +305,14 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
       sMw[r][j + 1] = acc[1];
       sMw[r + 8][j] = acc[2];
       sMw[r + 8][j + 1] = acc[3];
-      put2<P>(ws + W::kMW, C * C, r * C + j, acc[0], acc[1]);
-      put2<P>(ws + W::kMW, C * C, (r + 8) * C + j, acc[2], acc[3]);
+      put2<P>(ws + W::kMW, C * C, kda_ws_tile_index(r, j, C), acc[0], acc[1]);
+      put2<P>(ws + W::kMW, C * C, kda_ws_tile_index(r + 8, j, C), acc[2], acc[3]);
     }
   } else if (warp == 1) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int idx = e * 32 + lane;
-      put<P>(ws + W::kAW, C * C, idx, -sAw[idx / C][idx % C]);
+      put<P>(ws + W::kAW, C * C, kda_ws_tile_index(idx / C, idx % C, C), -sAw[idx / C][idx % C]);
     }
   }
   __syncthreads();
@@ -319,10 +331,10 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
       mma_split(kw, awh, awl, bh, bl);
       mma_split(mk, mwh, mwl, bh, bl);
       const int c = n0 + 2 * q;
-      put2<P>(ws + W::kKW, C * D, r * D + c, kw[0], kw[1]);
-      put2<P>(ws + W::kKW, C * D, (r + 8) * D + c, kw[2], kw[3]);
-      put2<P>(ws + W::kQW, C * D, r * D + c, sQd[r][c] - mk[0], sQd[r][c + 1] - mk[1]);
-      put2<P>(ws + W::kQW, C * D, (r + 8) * D + c, sQd[r + 8][c] - mk[2], sQd[r + 8][c + 1] - mk[3]);
+      put2<P>(ws + W::kKW, C * D, kda_ws_tile_index(r, c, D), kw[0], kw[1]);
+      put2<P>(ws + W::kKW, C * D, kda_ws_tile_index(r + 8, c, D), kw[2], kw[3]);
+      put2<P>(ws + W::kQW, C * D, kda_ws_tile_index(r, c, D), sQd[r][c] - mk[0], sQd[r][c + 1] - mk[1]);
+      put2<P>(ws + W::kQW, C * D, kda_ws_tile_index(r + 8, c, D), sQd[r + 8][c] - mk[2], sQd[r + 8][c + 1] - mk[3]);
     }
   }
 }
@@ -339,32 +351,33 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
 // O^T tile of tokens 8j .. 8j+7. The key split shortens the serial chain of MMAs per warp by KW and
 // spreads a value group over KW of the SM's four tensor-core sub-partitions: with few CTAs (B H slices
 // below the SM count) one warp per SM otherwise issues every MMA of the chunk alone.
-// Shared memory per stage (bf16 rows padded to D+8 / 24 / NV+8 elements: odd multiples of 16 bytes mod 128,
-// so ldmatrix reads 8 rows from 8 distinct bank groups): Qw, Kw, Krn [P][16][D+8]; Awn, Mw [P][16][24];
-// gamma [D] fp32; V [P][16][NV+8]. Then (KW > 1) the partials, float4 [NW][KW][4 tiles][32 lanes].
-// Every read of a stage happens before the mid-chunk barrier (Krn goes to registers early), so that
-// barrier also frees the stage for the next load: two barriers per chunk.
-constexpr int kLdS = C + 8;
-
+//
+// Loading a chunk. The workspace item is stored in the byte order shared memory wants (kda_ws_tile_index's
+// swizzle instead of padded rows), so a stage's copy is one contiguous run of 16-byte cp.async pieces with
+// compile-time offsets, and the bf16 path's V tile (NV columns of 16 token rows of the input) follows.
+// Shared memory is addressed through 32-bit shared-window offsets computed once (a generic pointer per
+// ldmatrix/cp.async costs a conversion each). Both cut the instructions of a chunk step, and at few CTAs
+// the step's time follows its instruction count: at B1 T65536 H16 (one CTA of 4 warps per SM, one warp
+// per scheduler) the recurrence went from 4.03 to 2.47 ms with the copy loop simplified this way (H200,
+// 2026-11-30; docs/CUDA.md, "What did not work", has the bulk-copy and deeper-pipeline variants measured
+// against it).
+// Shared memory per stage: the item (Ws layout, swizzled tiles), then (bf16 path) V [16][NV+8] bf16, its
+// rows padded to an odd multiple of 16 bytes mod 128 so that ldmatrix reads 8 rows from 8 distinct bank
+// groups. Then (KW > 1) the partials, float4 [NW][KW][4 tiles][32 lanes]. Every read of a stage happens
+// before the mid-chunk barrier (Krn goes to registers early), so that barrier also frees the stage for
+// the next load: two barriers per chunk.
 template <int P, int NW, int KW, int D>
 struct Smem2 {
-  static constexpr int kLdB = D + 8;
   static constexpr int NV = 16 * NW;
   static_assert(NV <= D && D % NV == 0, "the slices tile the value columns");
   static_assert(KW >= 1 && D % (16 * KW) == 0, "the key warps tile the key columns in 16-wide k-steps");
   static constexpr int kLdV = NV + 8;
   static constexpr int kStages = P == 1 ? 4 : 2;
-  static constexpr int kQ = 0;  // bytes within a stage
-  static constexpr int kK = kQ + P * C * kLdB * 2;
-  static constexpr int kR = kK + P * C * kLdB * 2;
-  static constexpr int kA = kR + P * C * kLdB * 2;
-  static constexpr int kM = kA + P * C * kLdS * 2;
-  static constexpr int kG = kM + P * C * kLdS * 2;
-  static constexpr int kV = kG + D * 4;
-  static constexpr int kStage = kV + P * C * kLdV * 2;
-  static constexpr int kRed = kStages * kStage;  // KW > 1: float4 partials [NW][KW][4][32]
+  static constexpr int kV = Ws<P, D>::kItem_B;  // bytes within a stage: the item at 0, then V (P == 1)
+  static constexpr int kStage = kV + (P == 1 ? C * kLdV * 2 : 0);
+  static constexpr int kRed = kStages * kStage;
   static constexpr int kBytes = kRed + (KW > 1 ? NW * KW * 4 * 32 * 16 : 0);
-  static_assert(kK % 16 == 0 && kA % 16 == 0 && kG % 16 == 0 && kV % 16 == 0 && kStage % 16 == 0, "alignment");
+  static_assert(kV % 16 == 0 && kStage % 16 == 0 && kRed % 16 == 0, "alignment");
 };
 
 __device__ __forceinline__ void store_o(float* o, float x) { *o = x; }
@@ -376,14 +389,12 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
   using W = Ws<P, D>;
   using L = Smem2<P, NW, KW, D>;
   constexpr int NV = L::NV, kSlices = D / NV, kStages = L::kStages;
-  constexpr int kLdB = L::kLdB;
   constexpr int kThreads = NW * KW * 32;
-  constexpr int kRowSegs = D / 8;    // 16-byte pieces of a D-element bf16 row
-  constexpr int kGamSegs = D / 4;    // 16-byte pieces of gamma[D] fp32
   constexpr int DK = D / KW;         // key columns per warp
   constexpr int kNT = DK / 8;        // 16x8 state tiles per warp (key columns / 8)
   constexpr int kKS = DK / 16;       // 16-wide k-steps over the warp's key columns
   extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t smem_u = ptx::smem_u32(smem);
 
   const int slice = blockIdx.x % kSlices;
   const int64_t h = (blockIdx.x / kSlices) % a.H;
@@ -395,40 +406,36 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
   const int k0 = kw * DK;          // the warp's first key column
   const int64_t NC = a.NC;
 
-  // Issue the async copies of chunk n into stage s (always commits a group, possibly empty).
+  // The head's first workspace item and (bf16 path) first V row (token 0, column vs).
+  const unsigned char* ws_head = a.ws + (b * NC * a.H + h) * W::kItem_B;
+  const int64_t item_stride = a.H * W::kItem_B;  // bytes from chunk n's item to chunk n+1's
+  [[maybe_unused]] const bf16* v_head = nullptr;
+  if constexpr (P == 1) v_head = static_cast<const bf16*>(a.v) + (b * a.T * a.H + h) * D + vs;
+  const int64_t tok_stride = a.H * D;  // elements between consecutive tokens of v and o
+
+  // Issue the async copies of chunk n into stage s (always commits a group, possibly empty); V rows past
+  // the end of the sequence are zero-filled.
   auto load_chunk = [&](int64_t n, int s) {
     if (n < NC) {
-      unsigned char* st = smem + s * L::kStage;
-      const unsigned char* src = a.ws + ((b * NC + n) * a.H + h) * W::kItem_B;
-      // Qw, Kw, Krn: 3 P planes of 16 rows x 2D bytes (D/8 segments per row).
-      for (int i = tid; i < 3 * P * C * kRowSegs; i += kThreads) {
-        const int plane = i / (C * kRowSegs), row = (i / kRowSegs) % C, seg = i % kRowSegs;
-        cp_async16(st + plane * C * kLdB * 2 + row * kLdB * 2 + seg * 16, src + plane * C * D * 2 + row * D * 2 + seg * 16,
-                   16);
+      const uint32_t st = smem_u + s * L::kStage;
+      const unsigned char* src = ws_head + n * item_stride;
+      constexpr int kPieces = W::kItem_B / 16;
+#pragma unroll
+      for (int k = 0; k < (kPieces + kThreads - 1) / kThreads; ++k) {
+        const int i = tid + k * kThreads;
+        if (kPieces % kThreads == 0 || i < kPieces) ptx::cp_async16(st + i * 16, src + i * 16, 16);
       }
-      // Awn, Mw: 2 P planes of 16 rows x 32 bytes; gamma: 4D bytes.
-      for (int i = tid; i < 2 * P * C * 2 + kGamSegs; i += kThreads) {
-        if (i < 2 * P * C * 2) {
-          const int plane = i / (C * 2), row = (i / 2) % C, seg = i % 2;
-          cp_async16(st + L::kA + plane * C * kLdS * 2 + row * kLdS * 2 + seg * 16,
-                     src + W::kAW * 2 + plane * C * C * 2 + row * C * 2 + seg * 16, 16);
-        } else {
-          const int seg = i - 2 * P * C * 2;
-          cp_async16(st + L::kG + seg * 16, src + W::kGM_B + seg * 16, 16);
-        }
-      }
-      // V columns vs .. vs+NV-1 of the 16 tokens: from the input (bf16 path) or the workspace planes.
-      constexpr int kSegs = NV / 8;
-      for (int i = tid; i < P * C * kSegs; i += kThreads) {
-        const int plane = i / (C * kSegs), row = (i / kSegs) % C, seg = i % kSegs;
-        unsigned char* dst = st + L::kV + plane * C * L::kLdV * 2 + row * L::kLdV * 2 + seg * 16;
-        if constexpr (P == 1) {
-          const int64_t t = n * C + row;
-          const bool ok = t < a.T;
-          const bf16* vsrc = static_cast<const bf16*>(a.v) + ((b * a.T + (ok ? t : 0)) * a.H + h) * D + vs + seg * 8;
-          cp_async16(dst, vsrc, ok ? 16 : 0);
-        } else {
-          cp_async16(dst, src + W::kV_B + plane * C * D * 2 + row * D * 2 + vs * 2 + seg * 16, 16);
+      if constexpr (P == 1) {
+        constexpr int kSegs = NV / 8;
+        const bf16* vsrc = v_head + n * C * tok_stride;
+#pragma unroll
+        for (int k = 0; k < (C * kSegs + kThreads - 1) / kThreads; ++k) {
+          const int i = tid + k * kThreads;
+          const int row = i / kSegs, seg = i % kSegs;
+          const bool ok = n * C + row < a.T;
+          if ((C * kSegs) % kThreads == 0 || i < C * kSegs)
+            ptx::cp_async16(st + L::kV + row * L::kLdV * 2 + seg * 16, vsrc + (ok ? row * tok_stride : 0) + seg * 8,
+                            ok ? 16 : 0);
         }
       }
     }
@@ -453,21 +460,23 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
     }
   }
 
-  float4* red = reinterpret_cast<float4*>(smem + L::kRed) + vw * KW * 4 * 32;  // the value group's partials
-  TO* out = static_cast<TO*>(a.o);
+  // The thread's output elements of token 0 (tile j = 0, element e: token 2q + (e&1), column v0 + r + 8 (e>>1)).
+  TO* const out_head = static_cast<TO*>(a.o) + (b * a.T * a.H + h) * D + v0 + r;
 
+  float4* red = reinterpret_cast<float4*>(smem + L::kRed) + vw * KW * 4 * 32;  // the value group's partials
+
+  // Stage s holds chunk n (s = n mod kStages); the load issued with chunk n goes to stage sl = (n + kStages
+  // - 1) mod kStages, the one chunk n-1 used.
+  int s = 0, sl = kStages - 1;
   for (int64_t n = 0; n < NC; ++n) {
-    load_chunk(n + kStages - 1, static_cast<int>((n + kStages - 1) % kStages));
+    load_chunk(n + kStages - 1, sl);
     cp_async_wait<kStages - 1>();
     __syncthreads();  // stage n has landed; every warp is done with the previous chunk's partials
-    const unsigned char* st = smem + (n % kStages) * L::kStage;
-    const bf16* sQ = reinterpret_cast<const bf16*>(st + L::kQ);
-    const bf16* sK = reinterpret_cast<const bf16*>(st + L::kK);
-    const bf16* sR = reinterpret_cast<const bf16*>(st + L::kR);
-    const bf16* sA = reinterpret_cast<const bf16*>(st + L::kA);
-    const bf16* sM = reinterpret_cast<const bf16*>(st + L::kM);
-    const float* sG = reinterpret_cast<const float*>(st + L::kG);
-    const bf16* sV = reinterpret_cast<const bf16*>(st + L::kV);
+    // Shared-window byte addresses of the stage's tiles (bf16 elements are 2 bytes).
+    const uint32_t st = smem_u + s * L::kStage;
+    const uint32_t sQ = st + W::kQW * 2, sK = st + W::kKW * 2, sR = st + W::kKR * 2, sA = st + W::kAW * 2,
+                   sM = st + W::kMW * 2, sV = st + (P == 1 ? L::kV : W::kV_B);
+    const float* sG = reinterpret_cast<const float*>(smem + s * L::kStage + W::kGM_B);
 
     // ldmatrix lane roles: matrix m = lane / 8, row rr = lane % 8.
     const int m = lane >> 3, rr = lane & 7;
@@ -493,10 +502,10 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
         split_pack(S[2 * ks + 1][2], S[2 * ks + 1][3], sh[3], sl[3]);
       }
       // B tiles: rows (tokens) (m>>1)*8 + rr, columns (channels) k0 + 16 ks + (m&1)*8.
-      const int boff = ((m >> 1) * 8 + rr) * kLdB + k0 + ks * 16 + (m & 1) * 8;
+      const int boff = kda_ws_tile_index((m >> 1) * 8 + rr, k0 + ks * 16 + (m & 1) * 8, D);
       uint32_t bq[4], bk[4];
-      ldsm_x4(bq, sQ + boff);
-      ldsm_x4(bk, sK + boff);
+      ptx::ldmatrix_x4(bq, sQ + boff * 2);
+      ptx::ldmatrix_x4(bk, sK + boff * 2);
       ptx::mma_bf16_16816(acc[0], sh, bq[0], bq[1]);
       ptx::mma_bf16_16816(acc[1], sh, bq[2], bq[3]);
       ptx::mma_bf16_16816(acc[2], sh, bk[0], bk[1]);
@@ -506,8 +515,8 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
         ptx::mma_bf16_16816(accl[1], sl, bq[2], bq[3]);
         ptx::mma_bf16_16816(accl[2], sl, bk[0], bk[1]);
         ptx::mma_bf16_16816(accl[3], sl, bk[2], bk[3]);
-        ldsm_x4(bq, sQ + C * kLdB + boff);
-        ldsm_x4(bk, sK + C * kLdB + boff);
+        ptx::ldmatrix_x4(bq, sQ + (C * D + boff) * 2);
+        ptx::ldmatrix_x4(bk, sK + (C * D + boff) * 2);
         ptx::mma_bf16_16816(accl[0], sh, bq[0], bq[1]);
         ptx::mma_bf16_16816(accl[1], sh, bq[2], bq[3]);
         ptx::mma_bf16_16816(accl[2], sh, bk[0], bk[1]);
@@ -515,14 +524,16 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
       }
     }
     if (kw == 0) {
-      // V^T (A operand, transposed load of V[t][v]): rows t = rr + (m>>1)*8, columns v = 16 vw + (m&1)*8.
-      const int voff = (rr + (m >> 1) * 8) * L::kLdV + vw * 16 + (m & 1) * 8;
+      // V^T (A operand, transposed load of V[t][v]): rows t = rr + (m>>1)*8, columns v = 16 vw + (m&1)*8 of
+      // the slice (the bf16 path's padded V tile holds only the slice; the parity path's item holds all D).
+      const int voff = P == 1 ? (rr + (m >> 1) * 8) * L::kLdV + vw * 16 + (m & 1) * 8
+                              : kda_ws_tile_index(rr + (m >> 1) * 8, v0 + (m & 1) * 8, D);
       // Mw, Awn (B operands, stored [i][j] = [n][k]): rows (m>>1)*8 + rr, columns (m&1)*8.
-      const int soff = ((m >> 1) * 8 + rr) * kLdS + (m & 1) * 8;
+      const int soff = kda_ws_tile_index((m >> 1) * 8 + rr, (m & 1) * 8, C);
       uint32_t av[4], bm[4], ba[4];
-      ldsm_x4_t(av, sV + voff);
-      ldsm_x4(bm, sM + soff);
-      ldsm_x4(ba, sA + soff);
+      ptx::ldmatrix_x4_trans(av, sV + voff * 2);
+      ptx::ldmatrix_x4(bm, sM + soff * 2);
+      ptx::ldmatrix_x4(ba, sA + soff * 2);
       if constexpr (P == 1) {
         ptx::mma_bf16_16816(acc[0], av, bm[0], bm[1]);
         ptx::mma_bf16_16816(acc[1], av, bm[2], bm[3]);
@@ -534,9 +545,9 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
         ptx::mma_bf16_16816(accl[2], av, ba[0], ba[1]);
         ptx::mma_bf16_16816(accl[3], av, ba[2], ba[3]);
         uint32_t avl[4], bml[4], bal[4];
-        ldsm_x4_t(avl, sV + C * L::kLdV + voff);
-        ldsm_x4(bml, sM + C * kLdS + soff);
-        ldsm_x4(bal, sA + C * kLdS + soff);
+        ptx::ldmatrix_x4_trans(avl, sV + (C * D + voff) * 2);
+        ptx::ldmatrix_x4(bml, sM + (C * C + soff) * 2);
+        ptx::ldmatrix_x4(bal, sA + (C * C + soff) * 2);
         ptx::mma_bf16_16816(accl[0], avl, bm[0], bm[1]);
         ptx::mma_bf16_16816(accl[1], avl, bm[2], bm[3]);
         ptx::mma_bf16_16816(accl[2], avl, ba[0], ba[1]);
@@ -561,9 +572,9 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
     uint32_t br[kKS][P][4];
 #pragma unroll
     for (int np = 0; np < kKS; ++np) {
-      const int roff = (rr + (m & 1) * 8) * kLdB + k0 + (2 * np + (m >> 1)) * 8;
-      ldsm_x4_t(br[np][0], sR + roff);
-      if constexpr (P == 2) ldsm_x4_t(br[np][1], sR + C * kLdB + roff);
+      const int roff = kda_ws_tile_index(rr + (m & 1) * 8, k0 + (2 * np + (m >> 1)) * 8, D);
+      ptx::ldmatrix_x4_trans(br[np][0], sR + roff * 2);
+      if constexpr (P == 2) ptx::ldmatrix_x4_trans(br[np][1], sR + (C * D + roff) * 2);
     }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
@@ -585,31 +596,33 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (j < 2 && j % KW != kw) continue;  // O^T tile j is summed (and stored) by key warp j % KW only
-        float4 s = red[j * 32 + lane];
+        float4 s4 = red[j * 32 + lane];
 #pragma unroll
         for (int w = 1; w < KW; ++w) {
           const float4 x = red[(w * 4 + j) * 32 + lane];
-          s.x += x.x;
-          s.y += x.y;
-          s.z += x.z;
-          s.w += x.w;
+          s4.x += x.x;
+          s4.y += x.y;
+          s4.z += x.z;
+          s4.w += x.w;
         }
-        acc[j][0] = s.x;
-        acc[j][1] = s.y;
-        acc[j][2] = s.z;
-        acc[j][3] = s.w;
+        acc[j][0] = s4.x;
+        acc[j][1] = s4.y;
+        acc[j][2] = s4.z;
+        acc[j][3] = s4.w;
       }
     }
 
     // Output: O^T tile j (tokens 8j + 2q, +1; value columns v0 + r, +8) straight from the C fragment to
     // o[t][v], rows t < T only; per store instruction the warp writes 4 rows of 8 consecutive columns.
+    TO* const out_chunk = out_head + n * C * tok_stride;
+    const int64_t rows_left = a.T - n * C;  // tokens of this chunk that exist (>= 16 but in the last chunk)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (j % KW != kw) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t tg = n * C + 8 * j + 2 * q + (e & 1);
-        if (tg < a.T) store_o(out + ((b * a.T + tg) * a.H + h) * D + v0 + r + (e >> 1) * 8, acc[j][e]);
+        const int t = 8 * j + 2 * q + (e & 1);
+        if (rows_left >= C || t < rows_left) store_o(out_chunk + t * tok_stride + (e >> 1) * 8, acc[j][e]);
       }
     }
 
@@ -639,6 +652,8 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
         ptx::mma_bf16_16816(S[2 * np + 1], yh, br[np][1][2], br[np][1][3]);
       }
     }
+    sl = s;
+    s = s + 1 == kStages ? 0 : s + 1;
   }
   cp_async_wait<0>();
 
@@ -662,6 +677,13 @@ int sm_count() {
     return v;
   }();
   return n;
+}
+
+// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap; 2 = capped
+// for 7 CTAs per SM instead of 8.
+int kernel_variant() {
+  const char* e = std::getenv("K3_KDA_VARIANT");
+  return e ? std::atoi(e) : 0;
 }
 
 // The recurrence's CTA shape: NW value groups (16 columns each) of KW key warps.
@@ -751,12 +773,6 @@ void launch_recurrence_shape(const Args& a, RecShape s) {
   }
 }
 
-// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap; 2 = capped
-// for 7 CTAs per SM instead of 8.
-int kernel_variant() {
-  const char* e = std::getenv("K3_KDA_VARIANT");
-  return e ? std::atoi(e) : 0;
-}
 
 template <int D>
 void chunk_forward_d(const KdaParams& p, const Args& a) {

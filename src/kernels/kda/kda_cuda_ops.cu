@@ -10,6 +10,7 @@
 #include "core/cuda.h"
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/kda/kda_cuda.h"
 
 namespace k3::kda::cuda {
@@ -82,20 +83,24 @@ void conv_launch(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const flo
 }
 
 // ---- per-row norms: one warp per (row, head) --------------------------------------------------------------
+// Sum of squares of a row of D values, lane-strided, reduced over the warp (every lane gets the same bits).
+template <class T>
+__device__ __forceinline__ float row_sum_squares(const T* p, int64_t D, int lane) {
+  float ss = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) {
+    const float v = ld(p, d);
+    ss = fmaf(v, v, ss);
+  }
+  return rowwise::warp_sum(ss);
+}
+
 template <class T>
 __global__ void l2norm_kernel(T* x, int64_t rows, int64_t D, float eps) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   T* p = x + row * D;
-  float ss = 0.0f;
-  for (int64_t d = lane; d < D; d += 32) {
-    const float v = ld(p, d);
-    ss = fmaf(v, v, ss);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float inv = 1.0f / sqrtf(ss + eps);
+  const float inv = 1.0f / sqrtf(row_sum_squares(p, D, lane) + eps);
   for (int64_t d = lane; d < D; d += 32) st(p, d, ld(p, d) * inv);
 }
 
@@ -108,14 +113,7 @@ __global__ void gated_rmsnorm_kernel(T* y, const T* o, const T* gate, const floa
   const T* x = o + row * D;
   const T* gr = gate + row * D;
   T* yr = y + row * D;
-  float ss = 0.0f;
-  for (int64_t d = lane; d < D; d += 32) {
-    const float v = ld(x, d);
-    ss = fmaf(v, v, ss);
-  }
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
-  const float inv = 1.0f / sqrtf(ss / float(D) + eps);
+  const float inv = 1.0f / sqrtf(row_sum_squares(x, D, lane) / float(D) + eps);
   __syncwarp();  // y may alias o: every lane has read its part of the row before any lane writes
   for (int64_t d = lane; d < D; d += 32) st(yr, d, ld(x, d) * inv * w[d] * sigmoidf_(ld(gr, d)));
 }

@@ -75,19 +75,22 @@
 // likewise, and the workspace tiles and v as hi/lo planes, multiplying hi*hi + hi*lo + lo*hi everywhere:
 // every product is then fp32-accurate to ~2^-16 (parity with the CPU).
 //
-// Measured (H200, 2026-11-29, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels;
+// Measured (H200, 2026-11-30, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels;
 // slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them;
-// docs/BENCHMARKS.md, run B):
+// docs/BENCHMARKS.md, "GPU, runs of 2026-11-30"; fla measured in the same run where marked):
 //   (B, T, H)        ms      prepare  recurrence  slices x kw  fla chunk_kda fwd
-//   1, 8192, 64     1.115    0.594    0.527        2 x 1      1.77 (same run)
-//   1, 8192, 96     1.747    0.887    0.866        4 x 1      2.66 (run A)
-//   4, 4096, 32     0.945    0.600    0.355        1 x 1      1.69 (ANCHORS.md)
-//   1, 32768, 32    3.179    1.172    2.032        4 x 2      4.15 (ANCHORS.md)
-//   1, 65536, 16    5.157    1.168    4.032        8 x 4      4.43 (ANCHORS.md)
-// The recurrence costs ~1.0 us per 16-token chunk step whatever the shape, so few heads and long T stay
-// its weak case (B1 T65536 H16 is slower than fla). That cost is not the step's fixed latency: a
-// 64-token step measured about four 16-token steps (docs/CUDA.md, "What did not work"); it follows the
-// workspace each CTA streams into shared memory per token.
+//   1, 8192, 64     0.891    0.579    0.321        2 x 1      1.947 (same run: 2.18x)
+//   1, 8192, 96     1.338    0.849    0.498        4 x 1      2.60 (ANCHORS.md)
+//   4, 4096, 32     0.834    0.576    0.265        1 x 1      1.69 (ANCHORS.md)
+//   1, 32768, 32    2.238    1.128    1.119        4 x 2      4.15 (ANCHORS.md)
+//   1, 65536, 16    3.421    1.130    2.299        8 x 4      4.542 (same run: 1.33x)
+// The recurrence costs ~0.56 us per 16-token chunk step at B1 H16 (one CTA of 4 warps per SM, one warp per
+// scheduler). Its time follows the step's instruction count (Nsight Compute: ~270 warp instructions a
+// step, ~4 cycles each, the stalls fixed-latency and shared-memory waits), not the bytes it moves: the
+// step went from ~1.0 to ~0.56 us by copying the pre-swizzled workspace item as one flat run and
+// addressing shared memory with 32-bit offsets (kda_cuda_chunk.cu), while a 64-token step (4x the work,
+// a quarter of the steps) measured no faster and bulk copies (fewer instructions, longer waits) slower
+// (docs/CUDA.md, "What did not work").
 // Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.5e-3, state ~2.2e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once

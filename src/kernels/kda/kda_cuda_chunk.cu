@@ -136,22 +136,6 @@ struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
   }
 };
 
-// e^x for the decay factors of phase 1, |x| <= 80. The bf16 path takes the hardware exponential,
-// ex2.approx(x log2 e) (__expf): rounding x log2 e (|x log2 e| <= 116) errs by <= 2^-24 * 128 in the exponent,
-// 5.3e-6 relative in the result, plus ex2's own 2 ulp; every factor is then rounded to bf16 in the products
-// (2^-9), so this is invisible there, and it is 3 instructions instead of about 10 for the accurate expf.
-// Phase 1 is most of the prepare kernel's instructions (48 exponentials a thread), and the kernel is
-// issue-bound. The fp32 parity path (~2^-16 per product) keeps expf. The normal range holds either way:
-// e^-80 = 1.8e-35 is above the flush-to-zero threshold 1.2e-38.
-template <int P>
-__device__ __forceinline__ float exp_decay(float x) {
-  if constexpr (P == 1) {
-    return __expf(x);
-  } else {
-    return expf(x);
-  }
-}
-
 // d += a * b with split operands: hi*hi + lo*hi + hi*lo.
 __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
                                           const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
@@ -222,9 +206,9 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
       const int64_t off = base + i * tstride;
       const float qv = i < nv ? to_f(qp[off]) : 0.0f;
       const float kv = i < nv ? to_f(kp[off]) : 0.0f;
-      const float e = exp_decay<P>(gam[i]);      // in [e^-80, 1]
-      const float ei = exp_decay<P>(-gam[i]);    // in [1, e^80]
-      const float er = exp_decay<P>(G - gam[i]);  // in [e^-80, 1]
+      const float e = expf(gam[i]);      // in [e^-80, 1]
+      const float ei = expf(-gam[i]);    // in [1, e^80]
+      const float er = expf(G - gam[i]);  // in [e^-80, 1]
       sQd[i][c] = a.scale * qv * e;
       sKd[i][c] = kv * e;
       sKi[i][c] = kv * ei;
@@ -358,9 +342,9 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
 // Shared memory is addressed through 32-bit shared-window offsets computed once (a generic pointer per
 // ldmatrix/cp.async costs a conversion each). Both cut the instructions of a chunk step, and at few CTAs
 // the step's time follows its instruction count: at B1 T65536 H16 (one CTA of 4 warps per SM, one warp
-// per scheduler) the recurrence went from 4.03 to 2.47 ms with the copy loop simplified this way (H200,
-// 2026-11-30; docs/CUDA.md, "What did not work", has the bulk-copy and deeper-pipeline variants measured
-// against it).
+// per scheduler) the recurrence went from 4.03 ms (padded rows, a per-piece index computation) to 2.47 ms
+// with the flat copy, and to 2.30 ms with the 32-bit addresses (H200, 2026-11-30; docs/CUDA.md, "What did
+// not work", has the bulk-copy and deeper-pipeline variants measured against it).
 // Shared memory per stage: the item (Ws layout, swizzled tiles), then (bf16 path) V [16][NV+8] bf16, its
 // rows padded to an odd multiple of 16 bytes mod 128 so that ldmatrix reads 8 rows from 8 distinct bank
 // groups. Then (KW > 1) the partials, float4 [NW][KW][4 tiles][32 lanes]. Every read of a stage happens

@@ -79,11 +79,11 @@
 // slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them;
 // docs/BENCHMARKS.md, "GPU, runs of 2026-11-30"; fla measured in the same run where marked):
 //   (B, T, H)        ms      prepare  recurrence  slices x kw  fla chunk_kda fwd
-//   1, 8192, 64     0.891    0.579    0.321        2 x 1      1.947 (same run: 2.18x)
-//   1, 8192, 96     1.338    0.849    0.498        4 x 1      2.60 (ANCHORS.md)
-//   4, 4096, 32     0.834    0.576    0.265        1 x 1      1.69 (ANCHORS.md)
-//   1, 32768, 32    2.238    1.128    1.119        4 x 2      4.15 (ANCHORS.md)
-//   1, 65536, 16    3.421    1.130    2.299        8 x 4      4.542 (same run: 1.33x)
+//   1, 8192, 64     0.884    0.570    0.318        2 x 1      1.772 (same run: 2.00x)
+//   1, 8192, 96     1.342    0.849    0.500        4 x 1      2.60 (ANCHORS.md)
+//   4, 4096, 32     0.830    0.569    0.264        1 x 1      1.69 (ANCHORS.md)
+//   1, 32768, 32    2.242    1.130    1.121        4 x 2      4.15 (ANCHORS.md)
+//   1, 65536, 16    3.428    1.130    2.286        8 x 4      4.281 (same run: 1.25x)
 // The recurrence costs ~0.56 us per 16-token chunk step at B1 H16 (one CTA of 4 warps per SM, one warp per
 // scheduler). Its time follows the step's instruction count (Nsight Compute: ~270 warp instructions a
 // step, ~4 cycles each, the stalls fixed-latency and shared-memory waits), not the bytes it moves: the

@@ -33,12 +33,9 @@ profile() {  # name kernel-regex skip command...
     "$LOGDIR/$name.txt" | head -12
 }
 if [ "$WHAT" = kda ] || [ "$WHAT" = kda+moe ] || [ "$WHAT" = all ]; then
-  # The recurrence at B1 T65536 H16 (launch 0 is bench_cuda_kda's CPU check), default and with bulk
-  # copies (K3_KDA_VARIANT=4); the prepare kernel at B1 T8192 H64 with "all" only.
+  # The recurrence at B1 T65536 H16 (launch 0 is bench_cuda_kda's CPU check); the prepare kernel at
+  # B1 T8192 H64 with "all" only.
   profile kda_rec kda_recurrence 1 build-gpu/bench_cuda_kda --shapes 1x65536x16 --reps 1 --warmup 0
-  export K3_KDA_VARIANT=4
-  profile kda_rec_bulk kda_recurrence 1 build-gpu/bench_cuda_kda --shapes 1x65536x16 --reps 1 --warmup 0
-  unset K3_KDA_VARIANT
   [ "$WHAT" = all ] && profile kda_prep kda_prepare 1 build-gpu/bench_cuda_kda --shapes 1x8192x64 --reps 1 --warmup 0
 fi
 if [ "$WHAT" = moe ] || [ "$WHAT" = kda+moe ] || [ "$WHAT" = all ]; then

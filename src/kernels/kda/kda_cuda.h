@@ -85,12 +85,12 @@
 //   1, 32768, 32    2.242    1.130    1.121        4 x 2      4.15 (ANCHORS.md)
 //   1, 65536, 16    3.428    1.130    2.286        8 x 4      4.281 (same run: 1.25x)
 // The recurrence costs ~0.56 us per 16-token chunk step at B1 H16 (one CTA of 4 warps per SM, one warp per
-// scheduler). Its time follows the step's instruction count (Nsight Compute: ~270 warp instructions a
-// step, ~4 cycles each, the stalls fixed-latency and shared-memory waits), not the bytes it moves: the
-// step went from ~1.0 to ~0.56 us by copying the pre-swizzled workspace item as one flat run and
-// addressing shared memory with 32-bit offsets (kda_cuda_chunk.cu), while a 64-token step (4x the work,
-// a quarter of the steps) measured no faster and bulk copies (fewer instructions, longer waits) slower
-// (docs/CUDA.md, "What did not work").
+// scheduler). Its time follows the step's instruction count (Nsight Compute, profiled with the flat copy
+// before the 32-bit offsets: ~270 warp instructions a step, ~4 cycles each, the stalls fixed-latency and
+// shared-memory waits), not the bytes it moves: the step went from ~1.0 to ~0.56 us by copying the
+// pre-swizzled workspace item as one flat run and addressing shared memory with 32-bit offsets
+// (kda_cuda_chunk.cu), while a 64-token step (4x the work, a quarter of the steps) and bulk copies (fewer
+// instructions, longer waits) were both slower (docs/CUDA.md, "What did not work").
 // Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.5e-3, state ~2.2e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once

@@ -131,6 +131,11 @@ void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* wei
                      const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu);
 
 
+// y[i] = the grouped GEMMs' gate/up epilogue (moe_glu: SiTU-GLU or SwiGLU in fp32 with the hardware's
+// tanh, exp and reciprocal, or with accurate = true tanhf, expf and IEEE divisions) of g[i], u[i]; device
+// pointers (tests: its error against exact arithmetic).
+void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu, bool accurate = false);
+
 // Benchmark/test data made on the device (a counter hash, reproducible from seed): bf16 uniform in
 // [-scale, scale]; bytes uniform in [lo, hi] (MXFP4 packed nibbles with lo = 0, hi = 255; E8M0 scales).
 void fill_random_bf16(bf16* dst, int64_t n, float scale, uint64_t seed);
@@ -172,6 +177,9 @@ inline void combine(float*, const bf16*, const float*, const Dispatch&, int64_t)
 inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, const Dispatch&, const ExpertLinear&,
                             const ExpertLinear&, const ExpertLinear&, const GluParams&) {
   fail("moe::cuda::experts_forward: this build has no CUDA backend");
+}
+inline void glu_eval(float*, const float*, const float*, int64_t, const GluParams&, bool = false) {
+  fail("moe::cuda::glu_eval: this build has no CUDA backend");
 }
 inline void fill_random_bf16(bf16*, int64_t, float, uint64_t) { fail("moe::cuda::fill_random_bf16: no CUDA backend"); }
 inline void fill_random_u8(uint8_t*, int64_t, int, int, uint64_t) { fail("moe::cuda::fill_random_u8: no CUDA backend"); }

@@ -61,8 +61,9 @@ constexpr int kBTileBytes = BN * BK * 2;      // 32 KB
 constexpr int kBoxBytes = kBoxRows * BK * 2;  // 16 KB
 constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; producer warpgroup 2
 // Registers: 168 a thread at launch (64K / 384); the producer needs few, the consumers 128
-// accumulators plus addressing and the epilogue. 2·128·232 + 128·40 = 64,512 <= 65,536.
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+// accumulators plus addressing and the epilogue. 2·128·224 + 128·64 = 65,536 (at 56, the producer's L2
+// prefetch of K3_MOE_VARIANT 64 spilled).
+constexpr int kProducerRegs = 64, kConsumerRegs = 224;
 constexpr size_t kSmemBytes = size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;  // +1024: alignment
 static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
 
@@ -92,7 +93,8 @@ struct Params {
   bf16* y;
   int N, K, col_tiles;
   float beta_gate, beta_up;
-  bool situ, raster, skip_rows;
+  bool situ, accurate_glu, raster, skip_rows;
+  int l2_prefetch;
 };
 
 struct Work {
@@ -159,6 +161,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;  // stages issued so far (the ring position runs on across work items)
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       const Work t = work_item<Glu>(p, w);
+      // l2_prefetch: thread 0 prefetches the weight boxes of stage kb + l2_prefetch, which may belong to
+      // this CTA's next work item (its first stages then wait on L2, not DRAM, too).
+      int next_e = 0, next_n0 = 0;
+      const bool has_next = p.l2_prefetch > 0 && pt == 0 && w + int(gridDim.x) < total;
+      if (has_next) {
+        const Work nt = work_item<Glu>(p, w + int(gridDim.x));
+        next_e = nt.e;
+        next_n0 = nt.n0;
+      }
       int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -179,6 +190,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b_s = sB + s * kBTileBytes;
           ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
           ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
+          if (p.l2_prefetch > 0) {
+            const int kp = kb + p.l2_prefetch;
+            const bool here = kp < KT;
+            if (here || (has_next && kp - KT < KT)) {
+              const int fe = here ? t.e : next_e, fn0 = here ? t.n0 : next_n0;
+              const int kf = (here ? kp : kp - KT) * BK;
+              ptx::tma_prefetch_l2_3d(&map0, kf, fn0, fe);
+              ptx::tma_prefetch_l2_3d(&map1, kf, Glu ? fn0 : fn0 + kBoxRows, fe);
+            }
+          }
         }
         const uint32_t a_s = sA + s * kATileBytes;
         const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
@@ -239,9 +260,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int j = 0; j < 16; ++j) {
             const int c = t.n0 + 8 * j + cq;
             if (c >= p.N) continue;
-            const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.situ, p.beta_gate, p.beta_up);
+            const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.situ, p.accurate_glu, p.beta_gate, p.beta_up);
             const float v1 =
-                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.situ, p.beta_gate, p.beta_up);
+                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.situ, p.accurate_glu, p.beta_gate, p.beta_up);
             *reinterpret_cast<uint32_t*>(yrow + c) = ptx::pack_bf16x2(v0, v1);
           }
         } else {
@@ -330,8 +351,10 @@ void grouped_gemm(const GroupedGemmArgs& a) {
   p.beta_gate = a.beta_gate;
   p.beta_up = a.beta_up;
   p.situ = a.situ;
+  p.accurate_glu = a.accurate_glu;
   p.raster = a.raster;
   p.skip_rows = a.skip_rows;
+  p.l2_prefetch = a.l2_prefetch;
   if (a.glu) launch<true>(a, p);
   else launch<false>(a, p);
 }

@@ -4,16 +4,38 @@
 #pragma once
 #include <cstdint>
 
-#include "kernels/common/rowwise_cuda.cuh"
-
 namespace k3::moe::cuda {
 
-// SiTU-GLU of one gate/up accumulator pair, in fp32 (the CPU twin's formula, kernels/ffn/glu.h):
-// situ: (βg·tanh(g/βg)·σ(g)) · (βu·tanh(u/βu)); else SwiGLU g·σ(g)·u. σ never takes exp of a large
-// positive number (rowwise::sigmoid_stable).
-__device__ __forceinline__ float moe_glu(float g, float u, bool situ, float beta_gate, float beta_up) {
-  const float sg = rowwise::sigmoid_stable(g);
-  return situ ? (beta_gate * tanhf(g / beta_gate) * sg) * (beta_up * tanhf(u / beta_up)) : g * sg * u;
+// SiTU-GLU of one gate/up accumulator pair, in fp32, in the GEMM epilogue (the CPU twin's formula,
+// kernels/ffn/glu.h): situ: (βg·tanh(g/βg)·σ(g)) · (βu·tanh(u/βu)); else SwiGLU g·σ(g)·u.
+// With the accurate tanhf, expf and IEEE divisions this formula cost ~75 instructions an element; the
+// gate/up epilogue runs 64 of them a thread after every 128 × 128 output tile while the tensor cores
+// wait, so it ran at 59% of cuBLAS where the down GEMM (a plain bf16 store) ran at 82% (H200, 64 experts
+// of 4,096 rows). The hardware approximations take ~15:
+//   - tanh: tanh.approx.f32 (one SFU op; PTX ISA: maximum relative error 2^-11 over the whole range,
+//     so also near 0, where a 1 - 2/(1 + e^2x) form would lose all its digits);
+//   - σ(g) = 1 / (1 + 2^(-g·log2 e)) with ex2.approx and a fast reciprocal: e^-g overflows to +inf
+//     for g < -88 and the reciprocal of +inf is 0, the right limit; nothing needs the two-sided
+//     stable form;
+//   - g/β as g · (1/β), the reciprocal rounded once.
+// Every element is rounded to bf16 next (relative error up to 2^-9), so the approximations' error,
+// a few 2^-11 at worst, is below the output's own rounding; test FastGluIsWithinBf16Rounding measures
+// it against double precision over g, u in ±60.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// accurate: tanhf, expf and IEEE divisions instead (K3_MOE_VARIANT 256; the reference for both).
+__device__ __forceinline__ float moe_glu(float g, float u, bool situ, bool accurate, float beta_gate, float beta_up) {
+  if (accurate) {
+    const float sg = g >= 0.0f ? 1.0f / (1.0f + expf(-g)) : expf(g) / (1.0f + expf(g));
+    return situ ? (beta_gate * tanhf(g / beta_gate) * sg) * (beta_up * tanhf(u / beta_up)) : g * sg * u;
+  }
+  const float sg = __fdividef(1.0f, 1.0f + __expf(-g));
+  if (!situ) return g * sg * u;
+  const float gate = beta_gate * tanh_approx(g * __frcp_rn(beta_gate)) * sg;
+  return gate * (beta_up * tanh_approx(u * __frcp_rn(beta_up)));
 }
 
 // The raster order both GEMM kernels walk (moe_cuda.cu explains it): work index w of tile slot
@@ -50,10 +72,12 @@ struct GroupedGemmArgs {
   int64_t max_tiles = 0;               // host bound on *num_tiles
   uint16_t* y = nullptr;
   bool glu = false, situ = false;
+  bool accurate_glu = false;  // the epilogue with tanhf/expf/IEEE division (moe_glu)
   float beta_gate = 1.0f, beta_up = 1.0f;
   bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
   bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles
   int max_ctas = 0;       // > 0: cap on the persistent grid (tests: many tiles per CTA)
+  int l2_prefetch = 0;    // > 0: prefetch each weight box into L2 this many stages before it is loaded
 };
 
 void grouped_gemm(const GroupedGemmArgs& a);

@@ -61,9 +61,10 @@ constexpr int kBTileBytes = BN * BK * 2;      // 32 KB
 constexpr int kBoxBytes = kBoxRows * BK * 2;  // 16 KB
 constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; producer warpgroup 2
 // Registers: 168 a thread at launch (64K / 384); the producer needs few, the consumers 128
-// accumulators plus addressing and the epilogue. 2·128·224 + 128·64 = 65,536 (at 56, the producer's L2
-// prefetch of K3_MOE_VARIANT 64 spilled).
-constexpr int kProducerRegs = 64, kConsumerRegs = 224;
+// accumulators plus addressing and the epilogue. setmaxnreg moves registers within the CTA's launch
+// allocation (168 · 384 = 64,512): 2·128·224 + 128·56 = 64,512 exactly. A larger total never fits, and
+// setmaxnreg.inc then waits forever (a producer at 64 hung the kernel on the H200).
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 constexpr size_t kSmemBytes = size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;  // +1024: alignment
 static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
 
@@ -161,15 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;  // stages issued so far (the ring position runs on across work items)
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       const Work t = work_item<Glu>(p, w);
-      // l2_prefetch: thread 0 prefetches the weight boxes of stage kb + l2_prefetch, which may belong to
-      // this CTA's next work item (its first stages then wait on L2, not DRAM, too).
-      int next_e = 0, next_n0 = 0;
-      const bool has_next = p.l2_prefetch > 0 && pt == 0 && w + int(gridDim.x) < total;
-      if (has_next) {
-        const Work nt = work_item<Glu>(p, w + int(gridDim.x));
-        next_e = nt.e;
-        next_n0 = nt.n0;
-      }
       int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -190,15 +182,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b_s = sB + s * kBTileBytes;
           ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
           ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
-          if (p.l2_prefetch > 0) {
-            const int kp = kb + p.l2_prefetch;
-            const bool here = kp < KT;
-            if (here || (has_next && kp - KT < KT)) {
-              const int fe = here ? t.e : next_e, fn0 = here ? t.n0 : next_n0;
-              const int kf = (here ? kp : kp - KT) * BK;
-              ptx::tma_prefetch_l2_3d(&map0, kf, fn0, fe);
-              ptx::tma_prefetch_l2_3d(&map1, kf, Glu ? fn0 : fn0 + kBoxRows, fe);
-            }
+          // l2_prefetch: the weight boxes of stage kb + l2_prefetch of this work item start for L2 now.
+          if (p.l2_prefetch > 0 && kb + p.l2_prefetch < KT) {
+            const int kf = (kb + p.l2_prefetch) * BK;
+            ptx::tma_prefetch_l2_3d(&map0, kf, t.n0, t.e);
+            ptx::tma_prefetch_l2_3d(&map1, kf, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
           }
         }
         const uint32_t a_s = sA + s * kATileBytes;

@@ -552,10 +552,10 @@ size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
 // K3_MOE_VARIANT (benchmarking and test aid, bits): 1 = row-major raster; 2 = bf16 TM 128 with 128-row
 // weight tiles (bf16 and MXFP4); 4 = bf16 TM 64 with 256-row weight tiles; 8 = MMAs on every row block
 // of a tile; 16 = bf16 on the mma.sync kernel even at TM 128 (where the wgmma kernel is the default);
-// 32 = the wgmma kernel on a persistent grid of 3 CTAs (tests: many work items per CTA); 64 and 128 =
-// the wgmma kernel prefetches each weight box into L2 8 (64) or 16 (128; both: 8) stages ahead; 256 = the
+// 32 = the wgmma kernel on a persistent grid of 3 CTAs (tests: many work items per CTA); 64 = the wgmma
+// kernel's static schedule (CTA c takes items c, c + grid, ...) instead of the dynamic one; 256 = the
 // gate/up epilogue with tanhf, expf and IEEE divisions (moe_glu), both kernels. The wgmma kernel honours
-// 1, 8, 32, 64, 128 and 256 and ignores 2 and 4.
+// 1, 8, 32, 64 and 256 and ignores 2 and 4.
 int gemm_variant() {
   const char* v = std::getenv("K3_MOE_VARIANT");
   return v ? std::atoi(v) : 0;
@@ -611,7 +611,7 @@ void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
   s.raster = (v & 1) == 0;
   s.skip_rows = (v & 8) == 0;
   s.max_ctas = (v & 32) ? 3 : 0;
-  s.l2_prefetch = (v & 64) ? 8 : (v & 128) ? 16 : 0;
+  s.dynamic = (v & 64) == 0;
   sm90::grouped_gemm(s);
 }
 

@@ -65,7 +65,9 @@ constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; produ
 // allocation (168 · 384 = 64,512): 2·128·224 + 128·56 = 64,512 exactly. A larger total never fits, and
 // setmaxnreg.inc then waits forever (a producer at 64 hung the kernel on the H200).
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-constexpr size_t kSmemBytes = size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;  // +1024: alignment
+constexpr int kItemSlots = 8;  // the dynamic schedule's ring of work items (see the kernel)
+constexpr size_t kSmemBytes =
+    size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + kItemSlots * 4 + 1024;  // +1024: alignment
 static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
 
 // A stage wait that cannot hang: a barrier still incomplete after kWaitTrapNs means a broken
@@ -95,7 +97,7 @@ struct Params {
   int N, K, col_tiles;
   float beta_gate, beta_up;
   bool situ, accurate_glu, raster, skip_rows;
-  int l2_prefetch;
+  int* counter;  // the dynamic schedule's next work item (zero at launch), or nullptr: static
 };
 
 struct Work {
@@ -136,6 +138,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sB = sA + kStages * kATileBytes;       // kStages × 256 rows × 128 B
   const uint32_t full = sB + kStages * kBTileBytes;     // kStages mbarriers, 8 B each
   const uint32_t empty = full + kStages * 8;
+  // Dynamic schedule: work item j of this CTA in slot j % kItemSlots (written by producer thread 0).
+  volatile int* items = reinterpret_cast<volatile int*>(smem_raw + (empty + kStages * 8 - ptx::smem_u32(smem_raw)));
+  const bool dynamic = p.counter != nullptr;
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -160,7 +165,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::prefetch_tensormap(&map1);
     }
     int it = 0;  // stages issued so far (the ring position runs on across work items)
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    for (int j = 0;; ++j) {
+      int w = int(blockIdx.x) + j * int(gridDim.x);
+      if (dynamic) {  // thread 0 takes the next item; the warpgroup reads it after a named barrier
+        if (pt == 0) items[j % kItemSlots] = atomicAdd(p.counter, 1);
+        ptx::named_barrier_sync(1, 128);
+        w = items[j % kItemSlots];
+      }
+      if (w >= total) break;
       const Work t = work_item<Glu>(p, w);
       int src[8];  // source row in x of each of this thread's 8 rows, -1 past the expert's count
 #pragma unroll
@@ -182,12 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t b_s = sB + s * kBTileBytes;
           ptx::tma_load_3d(b_s, &map0, full + 8 * s, k0, t.n0, t.e);
           ptx::tma_load_3d(b_s + kBoxBytes, &map1, full + 8 * s, k0, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
-          // l2_prefetch: the weight boxes of stage kb + l2_prefetch of this work item start for L2 now.
-          if (p.l2_prefetch > 0 && kb + p.l2_prefetch < KT) {
-            const int kf = (kb + p.l2_prefetch) * BK;
-            ptx::tma_prefetch_l2_3d(&map0, kf, t.n0, t.e);
-            ptx::tma_prefetch_l2_3d(&map1, kf, Glu ? t.n0 : t.n0 + kBoxRows, t.e);
-          }
         }
         const uint32_t a_s = sA + s * kATileBytes;
         const bool k_ok = k0 + chunk * 8 < p.K;  // K % 8 == 0: a chunk is all in or all out
@@ -203,6 +209,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_shared();
     for (int j = max(0, it - kLag); j < it; ++j) ptx::mbar_arrive(full + 8 * (j & (kStages - 1)));
+    if (dynamic) {
+      // The end, for the consumers: stage `it` completes with no bytes (all 129 arrivals, once the stage is
+      // empty, so its previous phase has completed) and its item slot holds a w past the total.
+      const int s = it & (kStages - 1);
+      wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+      ptx::mbar_arrive(full + 8 * s);
+      if (pt == 0) ptx::mbar_arrive(full + 8 * s);
+    }
   } else {
     // ---- consumer warpgroups ----
     ptx::setmaxnreg_inc<kConsumerRegs>();
@@ -212,7 +226,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int it = 0;
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    for (int j = 0;; ++j) {
+      int w = int(blockIdx.x) + j * int(gridDim.x);
+      if (dynamic) {  // the item's slot is written before its first stage completes (release/acquire)
+        wait_or_trap(full + 8 * (it & (kStages - 1)), (it / kStages) & 1);
+        w = items[j % kItemSlots];
+      }
+      if (w >= total) break;
       const Work t = work_item<Glu>(p, w);
       const bool active = !p.skip_rows || t.rows > wg * 64;
       for (int kb = 0; kb < KT; ++kb, ++it) {
@@ -304,8 +324,20 @@ int sm_count() {
   return n;
 }
 
+// The dynamic schedule's counter on the current device (one int, allocated once per device, zeroed on the
+// default stream before each launch).
+int* schedule_counter() {
+  constexpr int kMaxDevices = 64;
+  static int* counters[kMaxDevices] = {};
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  K3_CHECK(dev >= 0 && dev < kMaxDevices, "moe::cuda: device ", dev, " past ", kMaxDevices);
+  if (counters[dev] == nullptr) K3_CUDA_CHECK(cudaMalloc(&counters[dev], sizeof(int)));
+  return counters[dev];
+}
+
 template <bool Glu>
-void launch(const GroupedGemmArgs& a, const Params& p) {
+void launch(const GroupedGemmArgs& a, Params p) {
   const CUtensorMap m0 = weight_map(a.w0, a.E, a.N, a.K, a.w_stride);
   const CUtensorMap m1 = Glu ? weight_map(a.w1, a.E, a.N, a.K, a.w_stride) : m0;
   const int64_t work = a.max_tiles * p.col_tiles;
@@ -314,6 +346,10 @@ void launch(const GroupedGemmArgs& a, const Params& p) {
   int64_t grid = std::min<int64_t>(work, sm_count());
   if (a.max_ctas > 0) grid = std::min<int64_t>(grid, a.max_ctas);
   if (grid <= 0) return;
+  if (a.dynamic) {
+    p.counter = schedule_counter();
+    K3_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), 0));
+  }
   K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<Glu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(kSmemBytes)));
   grouped_gemm_sm90_kernel<Glu><<<unsigned(grid), kThreads, kSmemBytes>>>(m0, m1, p);
@@ -342,7 +378,7 @@ void grouped_gemm(const GroupedGemmArgs& a) {
   p.accurate_glu = a.accurate_glu;
   p.raster = a.raster;
   p.skip_rows = a.skip_rows;
-  p.l2_prefetch = a.l2_prefetch;
+  p.counter = nullptr;
   if (a.glu) launch<true>(a, p);
   else launch<false>(a, p);
 }

@@ -77,7 +77,7 @@ struct GroupedGemmArgs {
   bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
   bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles
   int max_ctas = 0;       // > 0: cap on the persistent grid (tests: many tiles per CTA)
-  int l2_prefetch = 0;    // > 0: prefetch each weight box into L2 this many stages before it is loaded
+  bool dynamic = true;    // CTAs take work items from an atomic counter in raster order (else w, w + grid, ...)
 };
 
 void grouped_gemm(const GroupedGemmArgs& a);

@@ -25,7 +25,8 @@ profile() {  # name kernel-regex skip command...
   local name=$1 kernel=$2 skip=$3
   shift 3
   echo "== profile $name: $kernel (skip $skip): $*"
-  "$NCU" --kernel-name "regex:$kernel" --launch-skip "$skip" --launch-count 1 --set full --import-source yes \
+  "$NCU" --kernel-name-base "${KBASE:-function}" --kernel-name "regex:$kernel" --launch-skip "$skip" --launch-count 1 \
+    --set full --import-source yes \
     -f -o "$REPDIR/$name" "$@" >"$REPDIR/$name.run.log" 2>&1 || { tail -20 "$REPDIR/$name.run.log"; return; }
   "$NCU" --import "$REPDIR/$name.ncu-rep" --page details >"$LOGDIR/$name.txt" 2>&1
   "$NCU" --import "$REPDIR/$name.ncu-rep" --page source --csv --print-source sass >"$LOGDIR/$name.sass.csv" 2>&1
@@ -39,6 +40,9 @@ if [ "$WHAT" = kda ] || [ "$WHAT" = kda+moe ] || [ "$WHAT" = all ]; then
   [ "$WHAT" = all ] && profile kda_prep kda_prepare 1 build-gpu/bench_cuda_kda --shapes 1x8192x64 --reps 1 --warmup 0
 fi
 if [ "$WHAT" = moe ] || [ "$WHAT" = kda+moe ] || [ "$WHAT" = all ]; then
-  # The Hopper expert GEMM (gate_up), 16,384 tokens at K3's sizes.
-  profile moe_sm90 grouped_gemm_sm90 0 build-gpu/bench_cuda_moe --tokens 16384 --reps 1 --formats bf16 --tm 128 --variants 0
+  # The Hopper expert GEMM, 16,384 tokens at K3's sizes: gate/up (the Glu instance) and down (matched by
+  # mangled name: the template argument false is ILb0E).
+  B=(build-gpu/bench_cuda_moe --tokens 16384 --reps 1 --formats bf16 --tm 128 --variants 0)
+  KBASE=mangled profile moe_gate_up 'grouped_gemm_sm90_kernelILb1E' 0 "${B[@]}"
+  KBASE=mangled profile moe_down 'grouped_gemm_sm90_kernelILb0E' 0 "${B[@]}"
 fi

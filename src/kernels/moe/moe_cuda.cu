@@ -262,7 +262,7 @@ struct GemmArgs {
   bf16* y;  // [S, N] in sorted order
   float beta_gate, beta_up;
   bool situ;
-  bool accurate_glu;  // K3_MOE_VARIANT 256 (moe_glu)
+  GluConsts glu;  // situ, beta_gate, beta_up as the epilogue uses them (moe_glu)
   bool raster_expert;  // 1-D grid, expert-major, row tiles innermost (see grouped_gemm_kernel)
   int col_tiles;       // column tiles per row tile
   bool skip_rows;      // skip the MMAs of m16 row blocks past the tile's valid rows
@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
           float v[2];
 #pragma unroll
           for (int q = 0; q < 2; ++q)
-            v[q] = moe_glu(acc[mi][2 * p][2 * h + q], acc[mi][2 * p + 1][2 * h + q], a.situ, a.accurate_glu, a.beta_gate, a.beta_up);
+            v[q] = moe_glu(acc[mi][2 * p][2 * h + q], acc[mi][2 * p + 1][2 * h + q], a.glu);
           *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(v[0], v[1]);
         }
       } else {
@@ -553,9 +553,8 @@ size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
 // weight tiles (bf16 and MXFP4); 4 = bf16 TM 64 with 256-row weight tiles; 8 = MMAs on every row block
 // of a tile; 16 = bf16 on the mma.sync kernel even at TM 128 (where the wgmma kernel is the default);
 // 32 = the wgmma kernel on a persistent grid of 3 CTAs (tests: many work items per CTA); 64 = the wgmma
-// kernel's static schedule (CTA c takes items c, c + grid, ...) instead of the dynamic one; 256 = the
-// gate/up epilogue with tanhf, expf and IEEE divisions (moe_glu), both kernels. The wgmma kernel honours
-// 1, 8, 32, 64 and 256 and ignores 2 and 4.
+// kernel's static schedule (CTA c takes items c, c + grid, ...) instead of the dynamic one. The wgmma
+// kernel honours 1, 8, 32 and 64 and ignores 2 and 4.
 int gemm_variant() {
   const char* v = std::getenv("K3_MOE_VARIANT");
   return v ? std::atoi(v) : 0;
@@ -605,7 +604,6 @@ void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
   s.y = a.y;
   s.glu = glu;
   s.situ = a.situ;
-  s.accurate_glu = a.accurate_glu;
   s.beta_gate = a.beta_gate;
   s.beta_up = a.beta_up;
   s.raster = (v & 1) == 0;
@@ -862,9 +860,9 @@ void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinea
   a.num_tiles = d.num_tiles();
   a.y = h;
   a.situ = glu.situ;
-  a.accurate_glu = (gemm_variant() & 256) != 0;
   a.beta_gate = glu.beta_gate;
   a.beta_up = glu.beta_up;
+  a.glu = glu_consts(glu.situ, glu.beta_gate, glu.beta_up);
   if (w1.format == ExpertLinear::Format::MXFP4) launch_gemm<true, true>(a, d);
   else launch_gemm<true, false>(a, d);
 }
@@ -888,14 +886,14 @@ void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* wei
   combine(u, y, weight, d, w2.rows);
 }
 
-__global__ void glu_eval_kernel(float* y, const float* g, const float* u, int64_t n, GluParams glu, bool accurate) {
+__global__ void glu_eval_kernel(float* y, const float* g, const float* u, int64_t n, GluConsts c) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = moe_glu(g[i], u[i], glu.situ, accurate, glu.beta_gate, glu.beta_up);
+    y[i] = moe_glu(g[i], u[i], c);
 }
 
-void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu, bool accurate) {
+void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu) {
   if (n <= 0) return;
-  glu_eval_kernel<<<grid_for(n, 256), 256>>>(y, g, u, n, glu, accurate);
+  glu_eval_kernel<<<grid_for(n, 256), 256>>>(y, g, u, n, glu_consts(glu.situ, glu.beta_gate, glu.beta_up));
   K3_CUDA_LAUNCH_CHECK();
 }
 

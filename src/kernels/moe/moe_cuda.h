@@ -132,9 +132,8 @@ void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* wei
 
 
 // y[i] = the grouped GEMMs' gate/up epilogue (moe_glu: SiTU-GLU or SwiGLU in fp32 with the hardware's
-// tanh, exp and reciprocal, or with accurate = true tanhf, expf and IEEE divisions) of g[i], u[i]; device
-// pointers (tests: its error against exact arithmetic).
-void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu, bool accurate = false);
+// tanh, exp and reciprocal) of g[i], u[i]; device pointers (tests: its error against exact arithmetic).
+void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu);
 
 // Benchmark/test data made on the device (a counter hash, reproducible from seed): bf16 uniform in
 // [-scale, scale]; bytes uniform in [lo, hi] (MXFP4 packed nibbles with lo = 0, hi = 255; E8M0 scales).
@@ -178,7 +177,7 @@ inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, con
                             const ExpertLinear&, const ExpertLinear&, const GluParams&) {
   fail("moe::cuda::experts_forward: this build has no CUDA backend");
 }
-inline void glu_eval(float*, const float*, const float*, int64_t, const GluParams&, bool = false) {
+inline void glu_eval(float*, const float*, const float*, int64_t, const GluParams&) {
   fail("moe::cuda::glu_eval: this build has no CUDA backend");
 }
 inline void fill_random_bf16(bf16*, int64_t, float, uint64_t) { fail("moe::cuda::fill_random_bf16: no CUDA backend"); }

@@ -95,8 +95,8 @@ struct Params {
   const int32_t* num_tiles;
   bf16* y;
   int N, K, col_tiles;
-  float beta_gate, beta_up;
-  bool situ, accurate_glu, raster, skip_rows;
+  GluConsts glu;
+  bool raster, skip_rows;
   int* counter;  // the dynamic schedule's next work item (zero at launch), or nullptr: static
 };
 
@@ -268,9 +268,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int j = 0; j < 16; ++j) {
             const int c = t.n0 + 8 * j + cq;
             if (c >= p.N) continue;
-            const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.situ, p.accurate_glu, p.beta_gate, p.beta_up);
+            const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.glu);
             const float v1 =
-                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.situ, p.accurate_glu, p.beta_gate, p.beta_up);
+                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.glu);
             *reinterpret_cast<uint32_t*>(yrow + c) = ptx::pack_bf16x2(v0, v1);
           }
         } else {
@@ -372,10 +372,7 @@ void grouped_gemm(const GroupedGemmArgs& a) {
   p.N = a.N;
   p.K = a.K;
   p.col_tiles = (a.N + (a.glu ? BN / 2 : BN) - 1) / (a.glu ? BN / 2 : BN);
-  p.beta_gate = a.beta_gate;
-  p.beta_up = a.beta_up;
-  p.situ = a.situ;
-  p.accurate_glu = a.accurate_glu;
+  p.glu = glu_consts(a.situ, a.beta_gate, a.beta_up);
   p.raster = a.raster;
   p.skip_rows = a.skip_rows;
   p.counter = nullptr;

@@ -8,34 +8,33 @@ namespace k3::moe::cuda {
 
 // SiTU-GLU of one gate/up accumulator pair, in fp32, in the GEMM epilogue (the CPU twin's formula,
 // kernels/ffn/glu.h): situ: (βg·tanh(g/βg)·σ(g)) · (βu·tanh(u/βu)); else SwiGLU g·σ(g)·u.
-// With the accurate tanhf, expf and IEEE divisions this formula cost ~75 instructions an element; the
-// gate/up epilogue runs 64 of them a thread after every 128 × 128 output tile while the tensor cores
-// wait, so it ran at 59% of cuBLAS where the down GEMM (a plain bf16 store) ran at 82% (H200, 64 experts
-// of 4,096 rows). The hardware approximations take ~15:
-//   - tanh: tanh.approx.f32 (one SFU op; PTX ISA: maximum relative error 2^-11 over the whole range,
-//     so also near 0, where a 1 - 2/(1 + e^2x) form would lose all its digits);
-//   - σ(g) = 1 / (1 + 2^(-g·log2 e)) with ex2.approx and a fast reciprocal: e^-g overflows to +inf
-//     for g < -88 and the reciprocal of +inf is 0, the right limit; nothing needs the two-sided
-//     stable form;
-//   - g/β as g · (1/β), the reciprocal rounded once.
-// Every element is rounded to bf16 next (relative error up to 2^-9), so the approximations' error,
-// a few 2^-11 at worst, is below the output's own rounding; test FastGluIsWithinBf16Rounding measures
-// it against double precision over g, u in ±60.
+// The epilogue runs 64 of these a thread after every 128 × 128 output tile while the tensor cores wait.
+// With tanhf, expf and IEEE divisions (and the runtime choice between the two forms) it executed 48
+// instructions an element and took 30% of the consumers' time in Nsight Compute, against 15% for the
+// down GEMM's plain bf16 store (H200, 16,384 tokens at K3's sizes). So the hardware's approximations:
+//   - tanh: tanh.approx.f32, one SFU op;
+//   - σ(g) = 1 / (1 + e^-g) with ex2.approx and rcp.approx (__expf, __fdividef): e^-g overflows to +inf for
+//     g < -88 and 1/inf is 0, the right limit, so no two-sided form is needed;
+//   - g/β as g · (1/β), with 1/β and βg·βu computed once per kernel (GluConsts).
+// Every element is rounded to bf16 next (relative error up to 2^-9). Test FastGluIsWithinBf16Rounding
+// measures the whole formula against double precision over g, u in ±60: at most 1.9e-5 (2^-15.7)
+// relative, far below that rounding.
+struct GluConsts {
+  bool situ;
+  float inv_beta_gate, inv_beta_up, beta_prod;
+};
+__host__ __device__ inline GluConsts glu_consts(bool situ, float beta_gate, float beta_up) {
+  return GluConsts{situ, 1.0f / beta_gate, 1.0f / beta_up, beta_gate * beta_up};
+}
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// accurate: tanhf, expf and IEEE divisions instead (K3_MOE_VARIANT 256; the reference for both).
-__device__ __forceinline__ float moe_glu(float g, float u, bool situ, bool accurate, float beta_gate, float beta_up) {
-  if (accurate) {
-    const float sg = g >= 0.0f ? 1.0f / (1.0f + expf(-g)) : expf(g) / (1.0f + expf(g));
-    return situ ? (beta_gate * tanhf(g / beta_gate) * sg) * (beta_up * tanhf(u / beta_up)) : g * sg * u;
-  }
+__device__ __forceinline__ float moe_glu(float g, float u, const GluConsts& c) {
   const float sg = __fdividef(1.0f, 1.0f + __expf(-g));
-  if (!situ) return g * sg * u;
-  const float gate = beta_gate * tanh_approx(g * __frcp_rn(beta_gate)) * sg;
-  return gate * (beta_up * tanh_approx(u * __frcp_rn(beta_up)));
+  if (!c.situ) return g * sg * u;
+  return c.beta_prod * (tanh_approx(g * c.inv_beta_gate) * sg) * tanh_approx(u * c.inv_beta_up);
 }
 
 // The raster order both GEMM kernels walk (moe_cuda.cu explains it): work index w of tile slot
@@ -72,7 +71,6 @@ struct GroupedGemmArgs {
   int64_t max_tiles = 0;               // host bound on *num_tiles
   uint16_t* y = nullptr;
   bool glu = false, situ = false;
-  bool accurate_glu = false;  // the epilogue with tanhf/expf/IEEE division (moe_glu)
   float beta_gate = 1.0f, beta_up = 1.0f;
   bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
   bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles

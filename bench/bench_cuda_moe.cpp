@@ -16,7 +16,8 @@
 // few rows per expert the grouped GEMM is bound by weight traffic, which one dense GEMM never is.
 // --variants times each case once per value of K3_MOE_VARIANT (kernel variants for comparison, see
 // moe_cuda.cu; 0 = the default). The default "0,16" times bf16 at TM 128 on the Hopper wgmma kernel
-// (0) and on the mma.sync kernel (16) side by side; values with bit 16 are skipped where they change
+// (0) and on the mma.sync kernel (16) side by side (64: the wgmma kernel's static schedule, the
+// baseline of its dynamic one); values with bit 16 are skipped where they change
 // nothing (MXFP4 and TM 64 always run on the mma.sync kernel). --experts 16 with top-16 sends every token to every expert: one big
 // group per expert, the kernel's compute-bound rate.
 // Exits 0 with a message when there is no GPU.

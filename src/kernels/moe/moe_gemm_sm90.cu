@@ -1,6 +1,6 @@
 // The grouped expert GEMM on Hopper (sm_90a): warpgroup MMA from shared memory, weights by TMA, token
 // rows gathered by cp.async, an mbarrier ring between one producer and two consumer warpgroups, and
-// persistent CTAs over Dispatch's device-side tile list. See moe_gemm_sm90.cuh for the contract and
+// persistent CTAs taking work items from Dispatch's device-side tile list through an atomic counter. See moe_gemm_sm90.cuh for the contract and
 // docs/CUDA.md ("LatentMoE") for the design in prose.
 //
 // Tile: 128 routed rows (one expert) × 256 weight rows × 64 of K per pipeline stage.
@@ -24,16 +24,28 @@
 //     Stage s's copies are issued when s - kStages is released, about three stages before use.
 //     Measured against a producer with one warp per ring slot (each waiting for its own copies right
 //     after issuing them, up to four stages in flight, plus an L2 prefetch of the slot's next weight
-//     tile): that one reached 39.1% of cuBLAS, this one 51.9% in the same run (H200, 16,384 tokens);
-//     one warp gathering a whole 128-row A tile alone issues 32 copies a lane, which is slower than
-//     the wait it saves.
+//     tile): that one reached 39.1% of cuBLAS, this one 51.9% in the same run (H200, 16,384 tokens,
+//     static schedule); one warp gathering a whole 128-row A tile alone issues 32 copies a lane, which
+//     is slower than the wait it saves. Prefetching each weight box into L2 8 or 16 stages ahead
+//     (cp.async.bulk.prefetch.tensor) made the down GEMM slower still: 27.2 and 25.7 ms against 16.7.
 //   - Glu: the first 128 weight rows of a tile are gate rows n0..n0+127 and the last 128 the up rows
 //     with the same indices, so accumulator n8 block j (gate) and j + 16 (up) of one thread hold the
 //     same h columns: SiTU-GLU runs in registers, h is rounded to bf16 once and never exists in fp32.
-//   - Persistent: one CTA per SM walks the work list (tile slot, column tile) with stride gridDim.x.
-//     The order is the mma.sync kernel's raster: expert by expert, column tile by column tile, the
-//     expert's row tiles innermost, so the CTAs that read one weight tile run side by side (one DRAM
-//     read) and the expert's gathered rows stay in L2. The ring runs on across work items, so the
+//   - Persistent, dynamically scheduled: one CTA per SM takes work items (tile slot, column tile) from a
+//     global counter, zeroed before the launch. The order is the mma.sync kernel's raster: expert by
+//     expert, column tile by column tile, the expert's row tiles innermost, so the CTAs that read one
+//     weight tile start it together (one DRAM read, the others hit L2) and the expert's gathered rows
+//     stay in L2. Producer thread 0 takes the next item (atomicAdd), writes it to slot j % kItemSlots of
+//     a small ring in shared memory and passes it to its warpgroup through a named barrier; the
+//     consumers read the slot once the item's first stage is full (the barrier's release/acquire orders
+//     the write before the read). The producer runs at most kStages stages, so at most kStages items,
+//     ahead: kItemSlots = 8 slots are never overwritten early. At the end the producer completes one
+//     more stage with no bytes, whose slot holds an index past the total: the consumers' signal to
+//     stop. The static schedule (items c, c + grid, ...; K3_MOE_VARIANT 64) lets CTAs drift apart
+//     over hundreds of items, each with its own mix of full and half tiles, until the CTAs sharing a
+//     weight tile run it at different times and each reads it from DRAM: same run, H200, K3's sizes
+//     at 16,384 tokens, the down GEMM took 17.3 ms static and 11.9 ms dynamic, the gate/up 29.5 and
+//     23.3 (with the GLU epilogue of moe_gemm_sm90.cuh). The ring runs on across work items, so the
 //     producer loads the next tile while the consumers run the epilogue.
 // Every output element is a fixed sequence of wgmma k16 steps from k = 0 up, whatever the raster, grid
 // or skipping (test KernelVariantsAreBitwiseEqual). The mma.sync kernel runs the same k16 steps in the

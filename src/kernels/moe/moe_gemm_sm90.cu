@@ -337,7 +337,9 @@ int sm_count() {
 }
 
 // The dynamic schedule's counter on the current device (one int, allocated once per device, zeroed on the
-// default stream before each launch).
+// default stream before each launch). One counter serves every launch, so launches must not overlap: the
+// CUDA backend issues all its work on the default stream from one host thread. Two streams, or two host
+// threads interleaving memset and launch, would need one counter per launch.
 int* schedule_counter() {
   constexpr int kMaxDevices = 64;
   static int* counters[kMaxDevices] = {};

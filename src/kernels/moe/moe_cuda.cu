@@ -260,9 +260,7 @@ struct GemmArgs {
   const int32_t* tiles;
   const int32_t* num_tiles;
   bf16* y;  // [S, N] in sorted order
-  float beta_gate, beta_up;
-  bool situ;
-  GluConsts glu;  // situ, beta_gate, beta_up as the epilogue uses them (moe_glu)
+  GluConsts glu;  // the SiTU/SwiGLU epilogue's constants (Glu only; moe_glu)
   bool raster_expert;  // 1-D grid, expert-major, row tiles innermost (see grouped_gemm_kernel)
   int col_tiles;       // column tiles per row tile
   bool skip_rows;      // skip the MMAs of m16 row blocks past the tile's valid rows
@@ -603,9 +601,7 @@ void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
   s.max_tiles = d.max_tiles();
   s.y = a.y;
   s.glu = glu;
-  s.situ = a.situ;
-  s.beta_gate = a.beta_gate;
-  s.beta_up = a.beta_up;
+  s.act = a.glu;
   s.raster = (v & 1) == 0;
   s.skip_rows = (v & 8) == 0;
   s.max_ctas = (v & 32) ? 3 : 0;
@@ -859,10 +855,7 @@ void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinea
   a.tiles = d.tiles();
   a.num_tiles = d.num_tiles();
   a.y = h;
-  a.situ = glu.situ;
-  a.beta_gate = glu.beta_gate;
-  a.beta_up = glu.beta_up;
-  a.glu = glu_consts(glu.situ, glu.beta_gate, glu.beta_up);
+  a.glu = glu_consts(glu);
   if (w1.format == ExpertLinear::Format::MXFP4) launch_gemm<true, true>(a, d);
   else launch_gemm<true, false>(a, d);
 }
@@ -893,7 +886,7 @@ __global__ void glu_eval_kernel(float* y, const float* g, const float* u, int64_
 
 void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu) {
   if (n <= 0) return;
-  glu_eval_kernel<<<grid_for(n, 256), 256>>>(y, g, u, n, glu_consts(glu.situ, glu.beta_gate, glu.beta_up));
+  glu_eval_kernel<<<grid_for(n, 256), 256>>>(y, g, u, n, glu_consts(glu));
   K3_CUDA_LAUNCH_CHECK();
 }
 

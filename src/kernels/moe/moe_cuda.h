@@ -130,7 +130,6 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,
                      const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu);
 
-
 // y[i] = the grouped GEMMs' gate/up epilogue (moe_glu: SiTU-GLU or SwiGLU in fp32 with the hardware's
 // tanh, exp and reciprocal) of g[i], u[i]; device pointers (tests: its error against exact arithmetic).
 void glu_eval(float* y, const float* g, const float* u, int64_t n, const GluParams& glu);

@@ -281,8 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int c = t.n0 + 8 * j + cq;
             if (c >= p.N) continue;
             const float v0 = moe_glu(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], p.glu);
-            const float v1 =
-                moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.glu);
+            const float v1 = moe_glu(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], p.glu);
             *reinterpret_cast<uint32_t*>(yrow + c) = ptx::pack_bf16x2(v0, v1);
           }
         } else {
@@ -386,7 +385,7 @@ void grouped_gemm(const GroupedGemmArgs& a) {
   p.N = a.N;
   p.K = a.K;
   p.col_tiles = (a.N + (a.glu ? BN / 2 : BN) - 1) / (a.glu ? BN / 2 : BN);
-  p.glu = glu_consts(a.situ, a.beta_gate, a.beta_up);
+  p.glu = a.act;
   p.raster = a.raster;
   p.skip_rows = a.skip_rows;
   p.counter = nullptr;

@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/ffn/glu.h"
+
 namespace k3::moe::cuda {
 
 // SiTU-GLU of one gate/up accumulator pair, in fp32, in the GEMM epilogue (the CPU twin's formula,
@@ -29,8 +31,8 @@ struct GluConsts {
   bool situ;
   float inv_beta_gate, inv_beta_up, beta_prod;
 };
-__host__ __device__ inline GluConsts glu_consts(bool situ, float beta_gate, float beta_up) {
-  return GluConsts{situ, 1.0f / beta_gate, 1.0f / beta_up, beta_gate * beta_up};
+inline GluConsts glu_consts(const GluParams& p) {
+  return GluConsts{p.situ, 1.0f / p.beta_gate, 1.0f / p.beta_up, p.beta_gate * p.beta_up};
 }
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
@@ -76,8 +78,8 @@ struct GroupedGemmArgs {
   const int32_t* num_tiles = nullptr;  // on the device
   int64_t max_tiles = 0;               // host bound on *num_tiles
   uint16_t* y = nullptr;
-  bool glu = false, situ = false;
-  float beta_gate = 1.0f, beta_up = 1.0f;
+  bool glu = false;
+  GluConsts act{};        // the SiTU/SwiGLU epilogue's constants (glu only)
   bool raster = true;     // expert-major order with the row tiles of one weight tile side by side
   bool skip_rows = true;  // a consumer warpgroup whose 64 rows are all past the expert's count idles
   int max_ctas = 0;       // > 0: cap on the persistent grid (tests: many tiles per CTA)

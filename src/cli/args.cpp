@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 
 #include "core/error.h"
@@ -42,6 +43,48 @@ std::string join_ids(const std::vector<int32_t>& ids) {
     s += std::to_string(id);
   }
   return s;
+}
+
+namespace {
+
+// The check of one option's value; `kind` is CLI11's type name. May rewrite the text (leading zeros
+// of an integer) so that CLI11's own conversion, which uses base 0, reads it as decimal.
+std::string strict_number(std::string& text, const std::string& kind) {
+  const char* s = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  if (kind == "FLOAT") {
+    const double v = std::strtod(s, &end);
+    if (text.empty() || *end != '\0') return "expected a number, got '" + text + "'";
+    if (!std::isfinite(v))
+      return "expected a finite number, got '" + text + "'";
+    return "";
+  }
+  size_t i = 0;
+  const bool negative = !text.empty() && text[0] == '-';
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
+  if (i == text.size() || text.find_first_not_of("0123456789", i) != std::string::npos)
+    return "expected a whole decimal number, got '" + text + "'";
+  if (kind == "UINT" && negative && text.find_first_not_of('0', 1) != std::string::npos)
+    return "expected a non-negative whole number, got '" + text + "'";
+  if (kind == "UINT") (void)std::strtoull(s, &end, 10);
+  else (void)std::strtoll(s, &end, 10);
+  if (errno == ERANGE) return "'" + text + "' is out of range (at most 64 bits)";
+  const size_t first = text.find_first_not_of('0', i);
+  text = (negative ? "-" : "") + (first == std::string::npos ? std::string("0") : text.substr(first));
+  return "";
+}
+
+}  // namespace
+
+void add_strict_number_checks(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    std::string kind = opt->get_type_name();
+    kind = kind.substr(0, kind.find(':'));
+    if (kind != "FLOAT" && kind != "INT" && kind != "UINT") continue;
+    opt->check(CLI::Validator([kind](std::string& text) { return strict_number(text, kind); }, "", "strict number"));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) add_strict_number_checks(*sub);
 }
 
 double elapsed_seconds() {

@@ -1,5 +1,6 @@
 // Argument helpers shared by the k3 subcommands.
 #pragma once
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,5 +20,12 @@ std::string join_ids(const std::vector<int32_t>& ids);
 
 // Seconds since the first call (for progress lines).
 double elapsed_seconds();
+
+// Makes every numeric option of app and its subcommands (CLI11 type FLOAT, INT or UINT) parse
+// strictly: a float must be finite and within double's range ("nan", "inf", "1e400" are refused), an
+// integer must be decimal and fit in 64 bits (CLI11 alone saturates "99999999999999999999" to
+// INT64_MAX, wraps "-1" into an unsigned option and reads "010" as octal). Ranges are the library's
+// business (core/validate.h); this only guarantees that the number is the one the user typed.
+void add_strict_number_checks(CLI::App& app);
 
 }  // namespace k3::cli

@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/validate.h"
 #include "data/brown.h"
 #include "data/retrieval_tasks.h"
 #include "io/safetensors.h"
@@ -78,6 +79,7 @@ void register_corpus_retrieval(CLI::App& parent) {
     const data::RetrievalTaskGenerator gen(tok, data::read_filler_documents(o->filler, "--filler"));
     const int64_t lo = std::max(o->min_tokens, gen.min_tokens(task, o->keys));
     if (o->max_tokens < lo) fail("--max-tokens ", o->max_tokens, " is below the task's minimum of ", lo, " tokens");
+    require_integer("--max-tokens", o->max_tokens, lo, int64_t(1) << 22);  // 4M tokens: past K3's 1M context
     fs::create_directories(o->out);
     int64_t total = 0;
     for (int64_t i = 0; i < o->count; ++i) {

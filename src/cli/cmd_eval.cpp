@@ -168,6 +168,7 @@ void register_eval(CLI::App& app) {
       if (int64_t(shard.max_id()) >= cfg.vocab_size)
         fail("--heldout ", o->heldout, ": token id ", shard.max_id(), " is outside the model's vocabulary (", cfg.vocab_size,
              ", ", cfg.source, "): the shard was made with another tokenizer");
+      train::check_shard_for_model(shard, o->heldout, cfg);
       const int64_t total = std::min(o->heldout_tokens, shard.size());
       std::fprintf(stderr, "[%.2fs] held-out: %lld of %lld tokens of %s in windows of %lld\n", elapsed_seconds(),
                    (long long)total, (long long)shard.size(), o->heldout.c_str(), (long long)L);

@@ -1,5 +1,6 @@
 // k3 grad: the loss of rows of token ids and its gradient for every parameter (float64 training
 // forward and backward), written as a safetensors file.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -7,6 +8,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/finite.h"
 #include "io/config.h"
 #include "io/safetensors.h"
 #include "train/model_train.h"
@@ -37,6 +39,7 @@ void register_grad(CLI::App& app) {
       if (rows.back().size() < 2) fail("--ids: a row needs at least 2 tokens (one prediction), got ", rows.back().size());
       count += int64_t(rows.back().size()) - 1;
     }
+    check_output_path(o->out);
     std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), o->model.c_str());
     const K3Config c = load_config((std::filesystem::path(o->model) / "config.json").string());
     train::ParamStore P = train::ParamStore::from_model_dir(o->model);
@@ -48,6 +51,27 @@ void register_grad(CLI::App& app) {
     }
     loss /= double(count);
     const std::vector<std::string> names = train::trainable_names(P);
+    // The parameters are finite (ParamStore checks them at load), so a non-finite loss or gradient
+    // was made by the arithmetic: name the first block output that went non-finite, then the first
+    // gradient.
+    for (size_t b = 0; b < rows.size() && !std::isfinite(loss); ++b) {
+      std::string where;
+      train::TrainHooks h;
+      h.tensor = [&](const char* name, int64_t l, const double* d, int64_t r, int64_t cols) {
+        if (const int64_t i = first_nonfinite(d, r * cols); where.empty() && i >= 0)
+          where = "layer " + std::to_string(l) + "'s " + name + " (" + nonfinite_name(d[i]) + " at token " +
+                  std::to_string(i / cols) + ")";
+      };
+      train::sequence_loss(P, c, rows[b], /*backward=*/false, 1.0, nullptr, &h);
+      if (!where.empty())
+        fail("the loss is ", nonfinite_name(loss), ": row ", b, " first goes non-finite in ", where,
+             "; every weight of ", o->model, " is finite, so the values overflowed in the arithmetic");
+    }
+    if (!std::isfinite(loss)) fail("the loss is ", nonfinite_name(loss), " (every weight of ", o->model, " is finite)");
+    for (const std::string& n : names)
+      if (const int64_t i = first_nonfinite(P.g(n), P.numel(n)); i >= 0)
+        fail("the gradient of '", n, "' is ", nonfinite_name(P.g(n)[i]), " at flat index ", i,
+             " (the loss, ", loss, ", is finite)");
     std::vector<std::vector<float>> grads;
     grads.reserve(names.size());
     std::vector<TensorToWrite> out;

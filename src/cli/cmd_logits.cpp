@@ -34,8 +34,10 @@ void register_logits(CLI::App& app) {
       if (rows[b].size() != rows[0].size())
         fail("--ids: all rows must have the same length (row 0 has ", rows[0].size(), " ids, row ", b, " has ",
              rows[b].size(), ")");
+    check_output_path(o->out);
     Engine m = Engine::load(o->model, o->device);
     check_ids_in_vocab(rows, m.config().vocab_size, "--ids", m.config().source);
+    check_output_path(o->out);  // again, now that the model's files are known inputs
     const int64_t B = int64_t(rows.size()), T = int64_t(rows[0].size()), V = m.config().vocab_size;
     std::fprintf(stderr, "[%.2fs] forward on %s: %lld row(s) x %lld tokens\n", elapsed_seconds(),
                  m.description().c_str(), (long long)B, (long long)T);

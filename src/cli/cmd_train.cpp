@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "io/output_file.h"
 #include "tokenizer/tokenizer.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -25,6 +26,7 @@ void register_data(CLI::App& app) {
   sub->add_option("--out", o->out, "output shard file")->required();
   sub->add_option("files", o->files, "text files (one document each)")->required();
   sub->callback([o] {
+    check_output_path(o->out);
     const Tokenizer tok = Tokenizer::load_dir(o->tokenizer);
     const uint32_t eod = uint32_t(tok.special_id(K3Special::kEndOfMsg));
     const std::vector<uint32_t> ids = train::tokenize_documents(tok, o->files, eod);
@@ -88,8 +90,12 @@ void register_train(CLI::App& app) {
     if (!stages->empty()) o->stages = train::parse_stages(*stages);
     o->balance.method = train::parse_balance_method(*balance);
     const train::TrainResult r = train::train(*o);
-    std::printf("trained %lld steps; final loss %.4f; checkpoint %s\n", (long long)r.steps, r.last_loss,
-                r.last_checkpoint.c_str());
+    if (r.steps_run == 0)
+      std::printf("nothing to train: the run is already complete at step %lld (last loss %.4f); checkpoint %s\n",
+                  (long long)r.steps, r.last_loss, r.last_checkpoint.c_str());
+    else
+      std::printf("trained %lld steps (%lld in this run); final loss %.4f; checkpoint %s\n", (long long)r.steps,
+                  (long long)r.steps_run, r.last_loss, r.last_checkpoint.c_str());
     if (!o->eval_path.empty())
       std::printf("held-out loss %.4f nats/token; unigram entropy %.4f nats/token\n", r.eval.loss, r.eval.unigram_entropy);
   });

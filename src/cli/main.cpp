@@ -1,6 +1,7 @@
 // k3: the k3cpp command line. `k3 --help` lists the subcommands; each has its own --help.
 #include <cstdio>
 
+#include "cli/args.h"
 #include "cli/blas_cpu.h"
 #include "cli/commands.h"
 #include "core/error.h"
@@ -22,10 +23,15 @@ int main(int argc, char** argv) {
   k3::cli::register_train(app);
   k3::cli::register_corpus(app);
   k3::cli::register_eval(app);
+  k3::cli::add_strict_number_checks(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version are "errors" that exit 0: CLI11 prints them. A real parse error ends like
+    // every other error: one "error:" line and exit status 1.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
+    return 1;
   } catch (const k3::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

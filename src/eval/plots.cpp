@@ -11,7 +11,8 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "io/safetensors.h"
+#include "io/file.h"
+#include "io/output_file.h"
 
 namespace k3::eval {
 
@@ -88,8 +89,10 @@ struct Writer {
     r.name = name;
     for (const auto& [file, text] : data_files) write_file_atomic((fs::path(data_dir) / file).string(), text);
     r.script = (fs::path(data_dir) / (name + ".gp")).string();
-    write_file_atomic(r.script, std::string(kTerminal) + "set output '../" + name + ".png'\n" + script);
-    const fs::path png = fs::path(out_dir) / (name + ".png");
+    // gnuplot draws into plot-data/; the PNG then reaches OUTDIR through the one output writer.
+    const std::string drawn = name + ".png.drawn";
+    write_file_atomic(r.script, std::string(kTerminal) + "set output '" + drawn + "'\n" + script);
+    const fs::path png = fs::path(out_dir) / (name + ".png"), drawn_path = fs::path(data_dir) / drawn;
     if (gnuplot.empty()) {
       r.note = "gnuplot not found: data and script written, PNG skipped";
     } else {
@@ -97,13 +100,15 @@ struct Writer {
       // must not be relative to ours.
       const fs::path log = fs::absolute(fs::path(data_dir) / (name + ".log"));
       std::error_code ec;
-      fs::remove(png, ec);
+      fs::remove(drawn_path, ec);
       const std::string cmd = "cd " + quote(data_dir) + " && " + quote(gnuplot) + " " + quote(name + ".gp") + " > " +
                               quote(log.string()) + " 2>&1";
       const int st = std::system(cmd.c_str());
       std::ifstream lf(log);
       std::string complaint((std::istreambuf_iterator<char>(lf)), std::istreambuf_iterator<char>());
-      if (st == 0 && fs::exists(png) && fs::file_size(png) > 0) {
+      if (st == 0 && fs::exists(drawn_path) && fs::file_size(drawn_path) > 0) {
+        write_file_atomic(png.string(), read_file(drawn_path.string(), "plot"));
+        fs::remove(drawn_path, ec);
         r.drawn = true;
         r.png = png.string();
         fs::remove(log, ec);

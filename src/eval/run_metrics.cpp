@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/jsonl.h"
 
 namespace k3::eval {
 
@@ -40,24 +40,16 @@ int64_t RunMetrics::tokens_at(int64_t step) const {
 RunMetrics read_run_metrics(const std::string& run_or_file) {
   RunMetrics r;
   r.path = fs::is_directory(run_or_file) ? (fs::path(run_or_file) / "metrics.jsonl").string() : run_or_file;
-  std::ifstream in(r.path);
-  if (!in) fail(r.path, ": cannot open the run's metrics (expected RUN/metrics.jsonl written by `k3 train --out RUN`)");
+  std::error_code ec;
+  if (!fs::exists(r.path, ec))
+    fail(r.path, ": cannot open the run's metrics (expected RUN/metrics.jsonl written by `k3 train --out RUN`)");
   std::map<int64_t, StepRecord> steps;
   std::map<int64_t, EvalRecord> evals;
-  std::string line;
-  int64_t lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const std::exception& e) {
-      // A run in progress may be caught mid-write: tolerate a torn last line only.
-      if (in.peek() == EOF) break;
-      fail(r.path, ":", lineno, ": not JSON (", e.what(), ")");
-    }
-    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
+  // A run in progress may be caught mid-write: read_jsonl drops a torn last line.
+  for (const JsonlRecord& rec : read_jsonl(r.path, "run metrics").records) try {
+    const nlohmann::json& j = rec.value;
+    const int64_t lineno = rec.line;
+    if (!j.contains("step") || !j["step"].is_number_integer())
       fail(r.path, ":", lineno, ": a record needs an integer \"step\"");
     const int64_t step = j["step"].get<int64_t>();
     if (j.contains("eval_loss")) {
@@ -81,6 +73,8 @@ RunMetrics read_run_metrics(const std::string& run_or_file) {
       for (const auto& v : j["max_vio"]) s.max_vio.push_back(v.is_number() ? v.get<double>() : std::nan(""));
     }
     steps[step] = std::move(s);
+  } catch (const nlohmann::json::exception& e) {  // a field of the wrong type, from value()
+    fail(r.path, ":", rec.line, ": ", e.what());
   }
   for (auto& [k, s] : steps) r.steps.push_back(std::move(s));
   for (auto& [k, e] : evals) r.evals.push_back(e);

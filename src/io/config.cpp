@@ -4,6 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
+#include "core/validate.h"
 #include "io/file.h"
 
 using json = nlohmann::json;
@@ -41,6 +43,20 @@ struct Fields {
     return j[k].get<double>();
   }
   double number(const std::string& k, double def) const { return has(k) ? number(k) : def; }
+  // A float field within [lo, hi] ((lo, hi] when lo_open): a value such as 1e300 or -1e300, finite in
+  // the JSON, would overflow the float32 the model keeps it in and poison every logit downstream.
+  double number_in(const std::string& k, double def, double lo, double hi, bool lo_open, bool hi_open = false) const {
+    const double v = number(k, def);
+    require_number(where(k).c_str(), v, lo, hi, lo_open, hi_open);
+    return v;
+  }
+  // A token id field: absent (-1) or inside the vocabulary.
+  int64_t token_id(const std::string& k, int64_t def, int64_t vocab) const {
+    const int64_t v = integer(k, def);
+    if (v != -1 && (v < 0 || v >= vocab))
+      fail(where(k), " = ", v, " is outside the vocabulary [0, ", vocab, ") (vocab_size)");
+    return v;
+  }
   bool boolean(const std::string& k, bool def) const {
     if (!has(k)) return def;
     if (!j[k].is_boolean()) fail(where(k), " must be true or false, got ", j[k].dump());
@@ -86,12 +102,7 @@ void read_layer_kinds(K3Config& c, const Fields& la) {
 }  // namespace
 
 K3Config parse_config(const std::string& text, const std::string& src) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const std::exception& e) {
-    fail(src, ": not valid JSON: ", e.what());
-  }
+  const json root = parse_json(text, src);
   if (!root.is_object()) fail(src, ": expected a JSON object at the top level");
   const bool nested = root.contains("text_config");
   if (nested && !root["text_config"].is_object()) fail(src, ": field 'text_config' must be an object");
@@ -114,12 +125,9 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   if (c.hidden_act_name == "situ") c.hidden_act = Activation::SiTU;
   else if (c.hidden_act_name == "silu" || c.hidden_act_name == "swiglu") c.hidden_act = Activation::SiLU;
   else fail(f.where("hidden_act"), ": unsupported activation \"", c.hidden_act_name, "\" (supported: \"situ\", \"silu\")");
-  c.situ_beta = float(f.number("activation_situ_beta", 4.0));
-  c.situ_linear_beta = float(f.number("activation_situ_linear_beta", 25.0));
-  if (c.hidden_act == Activation::SiTU && !(c.situ_beta > 0 && c.situ_linear_beta > 0))
-    fail(f.where("activation_situ_beta"), ": SiTU caps must be positive, got ", c.situ_beta, " / ", c.situ_linear_beta);
-  c.rms_norm_eps = f.number("rms_norm_eps", 1e-5);
-  if (!(c.rms_norm_eps > 0)) fail(f.where("rms_norm_eps"), " must be positive");
+  c.situ_beta = float(f.number_in("activation_situ_beta", 4.0, 0, 1e4, /*lo_open=*/true));
+  c.situ_linear_beta = float(f.number_in("activation_situ_linear_beta", 25.0, 0, 1e4, /*lo_open=*/true));
+  c.rms_norm_eps = f.number_in("rms_norm_eps", 1e-5, 0, 1, /*lo_open=*/true);
 
   // MLA.
   c.q_lora_rank = f.integer("q_lora_rank", 0);
@@ -155,7 +163,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
     if (act != "sigmoid")
       fail(f.where("moe_router_activation_func"), ": unsupported router function \"", act, "\" (K3 uses \"sigmoid\")");
     c.moe_renormalize = f.boolean("moe_renormalize", true);
-    c.routed_scaling_factor = float(f.number("routed_scaling_factor", 1.0));
+    c.routed_scaling_factor = float(f.number_in("routed_scaling_factor", 1.0, 0, 1e4, /*lo_open=*/true));
     c.use_grouped_topk = f.boolean("use_grouped_topk", true);
     c.num_expert_group = f.integer("num_expert_group", 1);
     c.topk_group = f.integer("topk_group", 1);
@@ -169,13 +177,16 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   }
 
   c.attn_res_block_size = f.positive("attn_res_block_size");
-  c.max_position_embeddings = f.integer("max_position_embeddings", 1048576);
+  c.max_position_embeddings = f.has("max_position_embeddings") ? f.positive("max_position_embeddings", int64_t(1) << 40) : 1048576;
   c.num_nextn_predict_layers = f.integer("num_nextn_predict_layers", 0);
+  if (c.num_nextn_predict_layers < 0 || c.num_nextn_predict_layers > 64)
+    fail(f.where("num_nextn_predict_layers"), " must be in 0..64, got ", c.num_nextn_predict_layers);
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", top.boolean("tie_word_embeddings", false));
-  c.bos_token_id = f.integer("bos_token_id", top.integer("bos_token_id", -1));
-  c.eos_token_id = f.integer("eos_token_id", top.integer("eos_token_id", -1));
-  c.pad_token_id = f.integer("pad_token_id", top.integer("pad_token_id", -1));
-  c.initializer_range = float(f.number("initializer_range", 0.02));
+  // The ids may sit in text_config or at the top level of the release's nested layout.
+  for (auto [key, dst] : {std::pair{"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id},
+                          {"pad_token_id", &c.pad_token_id}})
+    *dst = f.has(key) ? f.token_id(key, -1, c.vocab_size) : top.token_id(key, -1, c.vocab_size);
+  c.initializer_range = float(f.number_in("initializer_range", 0.02, 0, 1e3, /*lo_open=*/false));
 
   // KDA.
   if (!f.has("linear_attn_config") || !tj["linear_attn_config"].is_object())
@@ -188,8 +199,7 @@ K3Config parse_config(const std::string& text, const std::string& src) {
     fail(la.where("short_conv_kernel_size"), " must be in 1..64, got ", c.short_conv_kernel_size);
   if (!la.has("gate_lower_bound"))
     fail(la.where("gate_lower_bound"), " is missing: K3's KDA uses the lower-bounded gate (-5); the unbounded Kimi Linear gate is not supported");
-  c.gate_lower_bound = float(la.number("gate_lower_bound"));
-  if (!(c.gate_lower_bound < 0)) fail(la.where("gate_lower_bound"), " must be negative, got ", c.gate_lower_bound);
+  c.gate_lower_bound = float(la.number_in("gate_lower_bound", 0, -1e4, 0, /*lo_open=*/false, /*hi_open=*/true));
   if (!la.boolean("use_full_rank_gate", true))
     fail(la.where("use_full_rank_gate"), " is false: only the full-rank (per-channel) gate of K3 is supported");
   read_layer_kinds(c, la);

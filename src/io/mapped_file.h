@@ -1,5 +1,7 @@
 // A read-only memory-mapped file (safetensors, token shards): pages are read on demand, so files
-// larger than RAM work. Errors name the file.
+// larger than RAM work. Errors name the file. The file must be a regular file (io/file.h); it is
+// registered as an input, and a truncation while mapped is reported by name instead of an
+// anonymous SIGBUS (io/input_registry.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -9,7 +11,8 @@ namespace k3 {
 
 class MappedFile {
  public:
-  explicit MappedFile(const std::string& path);
+  // what: the file's role in messages ("model weights", "token shard").
+  explicit MappedFile(const std::string& path, const std::string& what = "file");
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile();

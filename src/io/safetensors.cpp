@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
+#include "io/file.h"
+#include "io/output_file.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -52,13 +54,7 @@ SafeTensors SafeTensors::open(const std::string& path) {
   }
   fs::path index = fs::path(path) / "model.safetensors.index.json";
   if (fs::exists(index, ec)) {
-    std::ifstream in(index);
-    json j;
-    try {
-      j = json::parse(in);
-    } catch (const std::exception& e) {
-      fail(index.string(), ": not valid JSON: ", e.what());
-    }
+    const json j = parse_json(read_file(index.string(), "safetensors index"), index.string(), {kMaxJsonDepth, true});
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       fail(index.string(), ": expected an object with a \"weight_map\" object");
     std::map<std::string, std::vector<std::string>> by_file;
@@ -90,19 +86,16 @@ SafeTensors SafeTensors::open(const std::string& path) {
 }
 
 void SafeTensors::add_file(const std::string& file, const std::vector<std::string>* expected_names) {
-  auto mf = std::make_unique<MappedFile>(file);
+  auto mf = std::make_unique<MappedFile>(file, "safetensors file");
   const size_t size = mf->size();
   if (size < 8) fail(file, ": truncated: ", size, " bytes, a safetensors file starts with an 8-byte header length");
   uint64_t hlen;
   std::memcpy(&hlen, mf->data(), 8);
   if (hlen > kMaxHeaderBytes) fail(file, ": header length ", hlen, " exceeds the ", kMaxHeaderBytes, "-byte bound");
   if (8 + hlen > size) fail(file, ": truncated: header says ", hlen, " bytes but the file has ", size - 8, " after the length");
-  json h;
-  try {
-    h = json::parse(mf->data() + 8, mf->data() + 8 + hlen);
-  } catch (const std::exception& e) {
-    fail(file, ": header is not valid JSON: ", e.what());
-  }
+  // Unique keys: a tensor named twice would be read as the last entry here and the first elsewhere.
+  const json h = parse_json(std::string_view(reinterpret_cast<const char*>(mf->data()) + 8, size_t(hlen)), file + ": header",
+                            {kMaxJsonDepth, /*unique_keys=*/true});
   if (!h.is_object()) fail(file, ": header is not a JSON object");
   const size_t base = 8 + hlen;
   const size_t data_size = size - base;
@@ -111,8 +104,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
   MappedFile& m = *files_.back();
   file_name = &m.path();
 
-  struct Span { size_t b, e; const std::string* name; };
-  std::vector<Span> spans;
+  struct Span { size_t b, e; std::string name; };
+  std::vector<Span> spans;  // every tensor of the file, also those the index places elsewhere
   for (auto& [name, v] : h.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) fail(file, ": __metadata__ is not an object");
@@ -151,6 +144,7 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
     const uint64_t want = uint64_t(numel) * dtype_size(t.dtype);
     if (e - b != want)
       fail(where, ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
+    spans.push_back({size_t(b), size_t(e), name});
     if (expected_names && std::find(expected_names->begin(), expected_names->end(), name) == expected_names->end())
       continue;  // present in the shard, but the index places it elsewhere: the index wins
     if (tensors_.count(name)) fail(where, ": tensor name appears twice in the checkpoint");
@@ -164,19 +158,27 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
       t.data = copy->data();
       realigned_.push_back(std::move(copy));
     }
-    spans.push_back({size_t(b), size_t(e), &tensors_.emplace(name, std::move(t)).first->first});
+    tensors_.emplace(name, std::move(t));
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.b < y.b; });
-  // Compare each span with the non-empty span reaching furthest so far (not just its neighbour:
-  // an empty span between two overlapping ones would otherwise hide the overlap).
-  const Span* reach = nullptr;
+  // The tensors' bytes must tile the data section, as the safetensors format requires: no two
+  // overlapping, and no byte that belongs to no tensor (a gap or a tail that other readers reject,
+  // and where nothing checked would hide). Empty tensors occupy no bytes and may sit anywhere.
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.b < y.b || (x.b == y.b && x.e < y.e); });
+  size_t covered = 0;
+  const Span* last = nullptr;
   for (const Span& s : spans) {
-    if (s.e == s.b) continue;  // an empty tensor occupies no bytes
-    if (reach && s.b < reach->e)
-      fail(file, ": tensors '", *reach->name, "' and '", *s.name, "' overlap (bytes ", s.b, "..",
-           std::min(s.e, reach->e), " of the data section)");
-    if (!reach || s.e > reach->e) reach = &s;
+    if (s.e == s.b) continue;
+    if (s.b < covered)
+      fail(file, ": tensors '", last->name, "' and '", s.name, "' overlap (bytes ", s.b, "..", std::min(s.e, covered),
+           " of the data section)");
+    if (s.b > covered)
+      fail(file, ": bytes ", covered, "..", s.b, " of the data section belong to no tensor (before tensor '", s.name, "')");
+    covered = s.e;
+    last = &s;
   }
+  if (covered != data_size)
+    fail(file, ": the last ", data_size - covered, " bytes of the file (after byte ", base + covered,
+         ") belong to no tensor");
   if (expected_names)
     for (const std::string& n : *expected_names)
       if (!tensors_.count(n)) fail(file, ": the index places tensor '", n, "' in this shard but it is not there");
@@ -227,45 +229,6 @@ std::vector<int64_t> SafeTensors::read_i64(const std::string& name) const {
   return out;
 }
 
-static void write_all(int fd, const void* p, size_t n, const std::string& path) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail(path, ": write failed: ", std::strerror(errno));
-    }
-    c += w;
-    n -= size_t(w);
-  }
-}
-
-// Writes the chunks to a temp file beside `path`, fsyncs, renames. Removes the temp on failure.
-template <class Fn>
-static void write_atomic(const std::string& path, Fn&& emit) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(tmp, ": cannot create: ", std::strerror(errno));
-  try {
-    emit([&](const void* p, size_t n) { write_all(fd, p, n, tmp); });
-    if (::fsync(fd) != 0) fail(tmp, ": fsync failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    fail(path, ": rename from temp file failed: ", std::strerror(err));
-  }
-}
-
-void write_file_atomic(const std::string& path, const std::string& text) {
-  write_atomic(path, [&](auto&& put) { put(text.data(), text.size()); });
-}
-
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   json h = json::object();
@@ -287,11 +250,11 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   std::string hs = h.dump();
   while ((8 + hs.size()) % 8 != 0) hs.push_back(' ');  // keep the data section 8-byte aligned
   const uint64_t hlen = hs.size();
-  write_atomic(path, [&](auto&& put) {
-    put(&hlen, 8);
-    put(hs.data(), hs.size());
-    for (size_t i = 0; i < tensors.size(); ++i) put(tensors[i].data, sizes[i]);
-  });
+  OutputFile out(path);
+  out.write(&hlen, 8);
+  out.write(hs.data(), hs.size());
+  for (size_t i = 0; i < tensors.size(); ++i) out.write(tensors[i].data, sizes[i]);
+  out.commit();
 }
 
 }  // namespace k3

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "io/output_file.h"
 
 namespace k3 {
 
@@ -71,12 +72,10 @@ struct TensorToWrite {
   const void* data;
 };
 
-// Writes a .safetensors file atomically: to `path.tmp.<pid>`, fsync, then rename over `path`.
-// A killed writer leaves at worst a stray temp file, never a truncated `path`.
+// Writes a .safetensors file through an OutputFile (io/output_file.h: a regular file that is not an
+// input, written to a temporary and renamed). A killed writer leaves at worst a stray temporary,
+// never a truncated `path`.
 void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
-
-// Writes `text` to `path` atomically (temp file + fsync + rename).
-void write_file_atomic(const std::string& path, const std::string& text);
 
 }  // namespace k3

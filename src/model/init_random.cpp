@@ -9,7 +9,12 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json.h"
+#include "core/memory.h"
+#include "core/validate.h"
+#include "io/file.h"
 #include "io/safetensors.h"
+#include "model/param_count.h"
 #include "kernels/gemm/mxfp4.h"
 
 namespace k3 {
@@ -106,9 +111,24 @@ class Writer {
 void write_random_model(const std::string& config_path, const std::string& out_dir, const RandomInitOptions& opt) {
   namespace fs = std::filesystem;
   const K3Config c = load_config(config_path);
+  require_number("--router-bias-std", opt.router_bias_std, 0, 1e3);
   if (opt.mxfp4_experts && c.num_experts > 0 &&
       (c.routed_expert_hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0))
     fail(config_path, ": MXFP4 experts need routed_expert_hidden_size and moe_intermediate_size divisible by 32");
+  {
+    // The whole model is built in memory before it is written: refuse up front what cannot fit
+    // (configs/kimi-k3.json is 2.78T parameters) instead of allocating until the OOM killer comes.
+    double bytes = 0;
+    int64_t params = 0;
+    for (const ParamGroup& g : count_parameters(c)) {
+      params += g.total;
+      bytes += double(g.total) * (g.name == "routed experts" && opt.mxfp4_experts ? 17.0 / 32.0 : 2.0);
+    }
+    const uint64_t need = bytes >= 1.8e19 ? UINT64_MAX : uint64_t(bytes);
+    const std::string what = "k3 init: the model of " + config_path + " (" + format_count(params) + " parameters)";
+    require_memory(need, what);
+    require_disk_space(out_dir, need, what);
+  }
   Writer w(c, opt);
   const float s = c.initializer_range;
   const int64_t hid = c.hidden_size;
@@ -190,8 +210,7 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   fs::create_directories(out_dir, ec);
   if (ec) fail(out_dir, ": cannot create directory: ", ec.message());
   // config.json: the input, plus the quantisation block for MXFP4 experts.
-  std::ifstream in(config_path);
-  nlohmann::json j = nlohmann::json::parse(in);
+  nlohmann::json j = parse_json(read_file(config_path, "config"), config_path);
   nlohmann::json& tj = j.contains("text_config") ? j["text_config"] : j;
   if (opt.mxfp4_experts) {
     tj["quantization_config"] = {

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
+#include "model/nonfinite.h"
 
 namespace k3 {
 
@@ -69,6 +70,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     for (const auto& seq : tokens)
       for (int32_t id : seq) w_.embed_tokens.rows_to_f32(&prefix[size_t(r++ * D)], id, 1);
   }
+  check_block_finite(c, st_, "embedding", -1, prefix.data(), N, D);
   tick(timings_.embed);
   std::vector<std::vector<float>> blocks;  // completed block sums, the embedding first
   std::vector<float> h(size_t(N * D)), xn(size_t(N * D)), a(size_t(N * D));
@@ -99,6 +101,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     else mla_attention_forward(a.data(), xn.data(), N, segs, l, L.mla, c, opt_);
     tick(L.kind == AttnKind::KDA ? timings_.kda : timings_.mla);
     emit_output("attn_out", l, a.data());
+    check_block_finite(c, st_, "attn_out", l, a.data(), N, D);
     if (prefix_empty) prefix = a;
     else
       for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
@@ -114,6 +117,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
     else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c, opt_);
     tick(L.is_moe ? timings_.moe : timings_.dense_ffn);
     emit_output("ffn_out", l, a.data());
+    check_block_finite(c, st_, "ffn_out", l, a.data(), N, D);
     for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
   }
 
@@ -131,6 +135,7 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, con
   opt_.bf16(hn);
   std::vector<float> logits(size_t(M * V));
   linear_forward(logits.data(), hn.data(), M, w_.lm_head);
+  check_block_finite(c, st_, "logits", -1, logits.data(), M, V);
   for (const Segment& s : segs) s.cache->length += s.n;
   tick(timings_.head);
   return logits;

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "io/file.h"
 
 namespace k3 {
@@ -89,12 +90,7 @@ std::vector<ParamGroup> count_parameters(const K3Config& c) {
 
 std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, const std::string& src) {
   using json = nlohmann::json;
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const std::exception& e) {
-    fail(src, ": not valid JSON: ", e.what());
-  }
+  const json root = parse_json(text, src);
   if (!root.is_object() || !root.contains("vision_config") || root["vision_config"].is_null()) return {};
   const json& v = root["vision_config"];
   if (!v.is_object()) fail(src, ": field 'vision_config' must be an object");

@@ -2,16 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.h"
+#include "core/finite.h"
+#include "core/validate.h"
 
 namespace k3 {
 
 void SamplingParams::check() const {
   if (greedy) return;
-  if (!(temperature > 0.0f) || !std::isfinite(temperature)) fail("--temperature must be > 0, got ", temperature);
-  if (top_k < 0) fail("--top-k must be >= 0, got ", top_k);
-  if (!(top_p > 0.0f && top_p <= 1.0f)) fail("--top-p must be in (0, 1], got ", top_p);
+  require_number("--temperature", temperature, 0, std::numeric_limits<double>::infinity(), /*lo_open=*/true);
+  require_integer("--top-k", top_k, 0, std::numeric_limits<int64_t>::max());
+  require_number("--top-p", top_p, 0, 1, /*lo_open=*/true);
 }
 
 int32_t argmax(const float* logits, int64_t V) {
@@ -24,12 +27,13 @@ int32_t argmax(const float* logits, int64_t V) {
 Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { p_.check(); }
 
 int32_t Sampler::sample(const float* logits, int64_t V) {
-  for (int64_t v = 0; v < V; ++v)
-    if (std::isnan(logits[v])) fail("sampler: logit ", v, " is NaN");
+  if (const int64_t bad = first_nonfinite(logits, V); bad >= 0)
+    fail("sampler: logit ", bad, " is ", nonfinite_name(logits[bad]));
   if (p_.greedy) return argmax(logits, V);
+  // Candidates by logit, highest first; equal logits by id, so the order (and the draw) is
+  // deterministic. Temperature does not change the order, so it is applied after the sort.
   cand_.resize(size_t(V));
-  for (int64_t v = 0; v < V; ++v) cand_[size_t(v)] = {logits[v] / p_.temperature, int32_t(v)};
-  // Highest logit first; equal logits by id, so the order (and the draw) is deterministic.
+  for (int64_t v = 0; v < V; ++v) cand_[size_t(v)] = {logits[v], int32_t(v)};
   auto higher = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
   size_t keep = size_t(V);
   if (p_.top_k > 0 && p_.top_k < V) {
@@ -38,10 +42,16 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
   } else {
     std::sort(cand_.begin(), cand_.end(), higher);
   }
-  const double mx = cand_[0].first;
+  // p_i ∝ exp((l_i - l_max) / T): the difference first, then the division, in double. Dividing first
+  // overflows for a tiny T (1e-40: l/T = inf, and exp(inf - inf) = NaN picked the worst token);
+  // this way every exponent is <= 0, the best token's is exactly 0, and a tiny T tends to greedy.
+  const double mx = cand_[0].first, inv_t = 1.0 / double(p_.temperature);
   std::vector<double> prob(keep);
   double z = 0.0;
-  for (size_t i = 0; i < keep; ++i) z += (prob[i] = std::exp(double(cand_[i].first) - mx));
+  for (size_t i = 0; i < keep; ++i) {
+    const double e = (double(cand_[i].first) - mx) * inv_t;
+    z += (prob[i] = std::exp(e));
+  }
   if (p_.top_p < 1.0f) {  // smallest prefix whose probability mass reaches top_p
     double cum = 0.0;
     size_t n = 0;

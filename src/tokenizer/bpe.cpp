@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/file.h"
 
 namespace k3 {
 
@@ -98,11 +99,21 @@ BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
 
 BpeTokenizer BpeTokenizer::load(const std::string& path, const std::unordered_map<std::string, int32_t>& specials,
                                 const std::string& pattern) {
-  std::ifstream in(path);
-  if (!in) fail(path, ": cannot open rank file");
+  const std::string text = read_file(path, "rank file");
+  // Ranks are 0..N-1 for a file of N entries: counting the lines first bounds every allocation by the
+  // file's own size, so one line claiming rank 300000000 is an error, not 10 GB of empty slots.
+  int64_t entries = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    if (nl > pos) ++entries;
+    pos = nl + 1;
+  }
   BpeTokenizer t;
+  t.id_to_bytes_.resize(size_t(entries));
+  std::vector<char> seen(size_t(entries), 0);  // [rank] -> given by a line
+  std::istringstream in(text);
   std::string line, tok, bytes;
-  std::vector<char> seen;  // [rank] -> given by a line
   int64_t lineno = 0;
   while (std::getline(in, line)) {
     ++lineno;
@@ -111,10 +122,9 @@ BpeTokenizer BpeTokenizer::load(const std::string& path, const std::unordered_ma
     long long rank = -1;
     if (!(ls >> tok >> rank) || rank < 0 || rank > INT32_MAX || !b64decode(tok, bytes) || bytes.empty())
       fail(path, ":", lineno, ": expected '<base64 token> <rank>', got '", line.substr(0, 80), "'");
-    if (size_t(rank) >= t.id_to_bytes_.size()) {
-      t.id_to_bytes_.resize(size_t(rank) + 1);
-      seen.resize(size_t(rank) + 1, 0);
-    }
+    if (rank >= entries)
+      fail(path, ":", lineno, ": rank ", rank, " is out of range: a file of ", entries, " ranks holds ranks 0..",
+           entries - 1);
     if (seen[size_t(rank)]) fail(path, ":", lineno, ": rank ", rank, " given twice");
     seen[size_t(rank)] = 1;
     t.id_to_bytes_[size_t(rank)] = bytes;

@@ -17,7 +17,7 @@
 #include <unordered_set>
 
 #include "core/error.h"                 // defines: fail, K3_ASSERT
-#include "io/safetensors.h"             // defines: write_file_atomic
+#include "io/output_file.h"             // defines: write_file_atomic
 #include "tokenizer/pretokenizer.h"     // defines: PreTokenizer
 #include "tokenizer/special_tokens.h"   // defines: k3_tokenizer_config_json
 #include "tokenizer/tokenizer.h"        // defines: kimi_encode_parts

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace k3 {
 
@@ -78,7 +79,8 @@ void dump_string(const std::string& s, std::string& out) {
   out += '"';
 }
 
-void dump(const nlohmann::ordered_json& v, bool compact, std::string& out) {
+void dump(const nlohmann::ordered_json& v, bool compact, std::string& out, int depth) {
+  check_json_walk_depth(depth, "python_json_dumps");
   const char* item_sep = compact ? "," : ", ";
   const char* key_sep = compact ? ":" : ": ";
   switch (v.type()) {
@@ -94,7 +96,7 @@ void dump(const nlohmann::ordered_json& v, bool compact, std::string& out) {
       for (const auto& e : v) {
         if (!first) out += item_sep;
         first = false;
-        dump(e, compact, out);
+        dump(e, compact, out, depth + 1);
       }
       out += ']';
       break;
@@ -107,7 +109,7 @@ void dump(const nlohmann::ordered_json& v, bool compact, std::string& out) {
         first = false;
         dump_string(k, out);
         out += key_sep;
-        dump(e, compact, out);
+        dump(e, compact, out, depth + 1);
       }
       out += '}';
       break;
@@ -120,14 +122,17 @@ void dump(const nlohmann::ordered_json& v, bool compact, std::string& out) {
 
 std::string python_json_dumps(const nlohmann::ordered_json& value, bool compact) {
   std::string out;
-  dump(value, compact, out);
+  dump(value, compact, out, 0);
   return out;
 }
 
-nlohmann::ordered_json deep_sorted(const nlohmann::ordered_json& value) {
+namespace {
+
+nlohmann::ordered_json deep_sorted_at(const nlohmann::ordered_json& value, int depth) {
+  check_json_walk_depth(depth, "deep_sorted");
   if (value.is_array()) {
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
-    for (const auto& e : value) out.push_back(deep_sorted(e));
+    for (const auto& e : value) out.push_back(deep_sorted_at(e, depth + 1));
     return out;
   }
   if (!value.is_object()) return value;
@@ -135,8 +140,12 @@ nlohmann::ordered_json deep_sorted(const nlohmann::ordered_json& value) {
   for (const auto& [k, e] : value.items()) keys.push_back(k);
   std::sort(keys.begin(), keys.end());
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
-  for (const std::string& k : keys) out[k] = deep_sorted(value.at(k));
+  for (const std::string& k : keys) out[k] = deep_sorted_at(value.at(k), depth + 1);
   return out;
 }
+
+}  // namespace
+
+nlohmann::ordered_json deep_sorted(const nlohmann::ordered_json& value) { return deep_sorted_at(value, 0); }
 
 }  // namespace k3

@@ -12,7 +12,8 @@
 
 namespace k3 {
 
-// compact: separators (",", ":"); otherwise Python's default (", ", ": ").
+// compact: separators (",", ":"); otherwise Python's default (", ", ": "). Like every walk over a JSON
+// value, this one and deep_sorted throw k3::Error past kMaxJsonDepth levels (core/json.h).
 std::string python_json_dumps(const nlohmann::ordered_json& value, bool compact);
 
 // repr() of a Python float.

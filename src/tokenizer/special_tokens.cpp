@@ -1,10 +1,11 @@
 #include "tokenizer/special_tokens.h"
 
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
+#include "io/file.h"
 
 namespace k3 {
 
@@ -50,6 +51,8 @@ std::unordered_map<std::string, int32_t> table(int64_t num_ranks, const std::map
 
 }  // namespace
 
+const char* k3_special_name(K3Special s) { return k3_named().at(int32_t(s)); }
+
 std::unordered_map<std::string, int32_t> k3_special_tokens(int64_t num_ranks) {
   std::map<int64_t, std::string> named;
   for (const auto& [off, name] : k3_named()) named[num_ranks + off] = name;
@@ -57,14 +60,7 @@ std::unordered_map<std::string, int32_t> k3_special_tokens(int64_t num_ranks) {
 }
 
 std::unordered_map<std::string, int32_t> load_special_tokens(const std::string& path, int64_t num_ranks) {
-  std::ifstream in(path);
-  if (!in) fail(path, ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = parse_json(read_file(path, "tokenizer config"), path);
   if (!j.is_object()) fail(path, ": expected a JSON object");
   std::map<int64_t, std::string> named;
   if (j.contains("added_tokens_decoder")) {

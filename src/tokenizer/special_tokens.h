@@ -34,6 +34,9 @@ enum class K3Special : int32_t {
   kPad = 255,         // [PAD]
 };
 
+// The name the K3 table gives a special ("<|end_of_msg|>").
+const char* k3_special_name(K3Special s);
+
 // text -> id for all 256 specials after num_ranks, named by the K3 table.
 std::unordered_map<std::string, int32_t> k3_special_tokens(int64_t num_ranks);
 

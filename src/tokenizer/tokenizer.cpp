@@ -63,6 +63,20 @@ Tokenizer Tokenizer::load(const std::string& ranks_path, const std::string& toke
   t.bpe_ = BpeTokenizer::load(ranks_path, {}, pattern);
   const int64_t n = t.bpe_.num_ranks();
   t.bpe_.set_specials(tokenizer_config.empty() ? k3_special_tokens(n) : load_special_tokens(tokenizer_config, n));
+  // The XTML chat format renders its control tokens by name and parses them back by id (N + offset),
+  // and `k3 data` ends documents with N + 2: a tokenizer_config.json that names them elsewhere, or
+  // not at all, would make the chat template encode "<|end_of_msg|>" as plain text.
+  if (!tokenizer_config.empty())
+    for (K3Special s : {K3Special::kEndOfMsg, K3Special::kOpen, K3Special::kClose, K3Special::kSep}) {
+      const std::string name = k3_special_name(s);
+      const int64_t want = n + int64_t(s);
+      const auto it = t.bpe_.specials().find(name);
+      if (it == t.bpe_.specials().end() || it->second != want)
+        fail(tokenizer_config, ": added_tokens_decoder must name ", name, " at id ", want, " (K3's layout: ranks + ",
+             int64_t(s), "), ", it == t.bpe_.specials().end() ? "but it does not name it at all"
+                                                                 : "but names it at id " + std::to_string(it->second),
+             "; K3's chat format and end-of-document id need it");
+    }
   return t;
 }
 

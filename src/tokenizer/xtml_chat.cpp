@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "io/file.h"
 #include "tokenizer/python_json.h"
 #include "tokenizer/tokenizer.h"
@@ -167,13 +168,14 @@ ToolArguments normalize_arguments(const ojson* args, const std::string& field) {
   if (!args->is_string()) fail("chat request: ", field, " must be a JSON object or a string holding one, not ", args->type_name());
   const std::string s = args->get<std::string>();
   if (python_strip(s).empty()) return out;
-  ojson parsed;
-  try {
-    parsed = ojson::parse(s);
-  } catch (const nlohmann::json::exception&) {
+  if (const size_t at = json_depth_violation(s, kMaxJsonDepth); at != std::string::npos)
+    fail("chat request: ", field, " nests deeper than ", kMaxJsonDepth, " levels (at byte ", at, ")");
+  std::optional<ojson> maybe = try_parse_json<ojson>(s);
+  if (!maybe) {
     out.raw = s;
     return out;
   }
+  ojson& parsed = *maybe;
   if (!parsed.is_object()) fail("chat request: ", field, " must hold a JSON object, not ", parsed.type_name());
   out.object = std::move(parsed);
   return out;
@@ -455,13 +457,8 @@ std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<Cha
   return ids;
 }
 
-ojson load_chat_request(const std::string& path) {
-  const std::string text = read_file(path, "the chat request");
-  try {
-    return ojson::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
-}
+ojson parse_chat_request(std::string_view text, const std::string& where) { return parse_json<ojson>(text, where); }
+
+ojson load_chat_request(const std::string& path) { return parse_chat_request(read_file(path, "the chat request"), path); }
 
 }  // namespace k3

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace k3 {
@@ -46,6 +47,9 @@ std::string join_segments(const std::vector<ChatSegment>& segments);
 // Token ids: each segment encoded on its own (specials allowed only in special segments).
 std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<ChatSegment>& segments);
 
+// Parses a request body (JSON nested deeper than kMaxJsonDepth is refused, core/json.h); errors name
+// `where`, e.g. the file.
+nlohmann::ordered_json parse_chat_request(std::string_view text, const std::string& where);
 // Reads and parses a request file (errors name the file).
 nlohmann::ordered_json load_chat_request(const std::string& path);
 

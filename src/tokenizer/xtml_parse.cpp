@@ -1,5 +1,8 @@
 #include "tokenizer/xtml_parse.h"
 
+#include <optional>
+
+#include "core/json.h"
 #include "tokenizer/pretokenizer.h"
 #include "tokenizer/python_json.h"
 #include "tokenizer/tokenizer.h"
@@ -282,13 +285,10 @@ class Parser {
         } else if (arg.tag == "json") {
           std::string raw;
           text_until_close("json", raw);
-          try {
-            ojson parsed = ojson::parse(raw);
-            if (parsed.is_object()) c.arguments = std::move(parsed);
-            else c.raw_arguments = raw;
-          } catch (const nlohmann::json::exception&) {
-            c.raw_arguments = raw;
-          }
+          // Not JSON, not an object, or nested past kMaxJsonDepth: kept as text.
+          std::optional<ojson> parsed = try_parse_json<ojson>(raw);
+          if (parsed && parsed->is_object()) c.arguments = std::move(*parsed);
+          else c.raw_arguments = raw;
         } else {
           skip_element(arg.tag);
         }
@@ -309,12 +309,12 @@ class Parser {
   // A rendered argument back to its JSON value: strings are verbatim, other types are JSON text.
   ojson typed_value(const std::string& value, const std::string& type, bool closed) {
     if (type == "string" || type.empty()) return value;
-    try {
-      return ojson::parse(value);
-    } catch (const nlohmann::json::exception&) {
-      if (closed) out_.warnings.push_back("argument of type " + type + " is not valid JSON; kept as a string");
-      return value;
-    }
+    // One level less than the bound: the value sits inside the call's arguments object.
+    if (std::optional<ojson> v = try_parse_json<ojson>(value, kMaxJsonDepth - 1)) return std::move(*v);
+    if (closed)
+      out_.warnings.push_back("argument of type " + type + " is not valid JSON (or nests deeper than " +
+                              std::to_string(kMaxJsonDepth - 1) + " levels); kept as a string");
+    return value;
   }
 
   const std::vector<XtmlPiece>& p_;
@@ -333,16 +333,17 @@ XtmlAssistantMessage parse_assistant(const std::vector<XtmlPiece>& pieces, XtmlS
 namespace {
 
 // A copy whose strings (keys too) are valid UTF-8, for JSON output.
-ojson valid_utf8(const ojson& v) {
+ojson valid_utf8(const ojson& v, int depth = 0) {
+  check_json_walk_depth(depth, "tool-call arguments");
   if (v.is_string()) return to_valid_utf8(v.get_ref<const std::string&>());
   if (v.is_array()) {
     ojson out = ojson::array();
-    for (const auto& e : v) out.push_back(valid_utf8(e));
+    for (const auto& e : v) out.push_back(valid_utf8(e, depth + 1));
     return out;
   }
   if (v.is_object()) {
     ojson out = ojson::object();
-    for (const auto& [k, e] : v.items()) out[to_valid_utf8(k)] = valid_utf8(e);
+    for (const auto& [k, e] : v.items()) out[to_valid_utf8(k)] = valid_utf8(e, depth + 1);
     return out;
   }
   return v;

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "io/file.h"
 #include "io/safetensors.h"
 
@@ -35,7 +36,11 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
     if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
   const std::string name = step_name(step);
   const fs::path tmp = fs::path(out_dir) / (".tmp-" + name), final_dir = fs::path(out_dir) / name;
-  fs::create_directories(tmp);
+  // mkdir, not create_directories: nothing may already stand at the temporary's name (the loop above
+  // removed what a killed save left; the run directory's lock keeps other writers out).
+  std::error_code ec;
+  if (!fs::create_directory(tmp, ec) || ec)
+    fail(tmp.string(), ": cannot create the checkpoint's temporary directory (", ec ? ec.message() : "it exists", ")");
 
   write_file_atomic((tmp / "config.json").string(), config_json);
   // model.safetensors: F32 copies under the release names.
@@ -77,7 +82,7 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
 std::string latest_checkpoint(const std::string& out_dir) {
   const fs::path p = fs::path(out_dir) / "latest";
   if (!fs::exists(p)) return "";
-  std::string name = read_file(p.string(), "checkpoint pointer");
+  std::string name = read_file(p.string(), "checkpoint pointer", InputRole::kOwnState);
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
   const fs::path dir = fs::path(out_dir) / name;
   if (name.empty() || !fs::is_directory(dir)) fail(p.string(), ": names '", name, "', which is not a checkpoint directory");
@@ -91,34 +96,40 @@ void load_checkpoint(const std::string& step_dir, ParamStore& P, TrainState& sta
   uint64_t len = 0;
   std::memcpy(&len, bytes.data() + 8, 8);
   if (len > bytes.size() - 16) fail(path, ": truncated header");
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(bytes.substr(16, len));
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": corrupt header: ", e.what());
-  }
+  const nlohmann::json header = parse_json(std::string_view(bytes).substr(16, len), path + ": header");
   size_t off = 16 + len;
   auto take = [&](double* dst, size_t n, const std::string& what) {
-    if (bytes.size() - off < n * sizeof(double)) fail(path, ": truncated in ", what);
+    if ((bytes.size() - off) / sizeof(double) < n) fail(path, ": truncated in ", what);
     std::memcpy(dst, bytes.data() + off, n * sizeof(double));
     off += n * sizeof(double);
   };
-  const auto& params = header.at("params");
-  if (params.size() != P.names().size())
-    fail(path, ": holds ", params.size(), " parameters, the model has ", P.names().size());
-  for (const auto& e : params) {
-    const std::string n = e.at(0).get<std::string>();
-    const int64_t numel = e.at(1).get<int64_t>();
-    if (!P.has(n) || P.numel(n) != numel) fail(path, ": parameter '", n, "' (", numel, " values) does not match the model");
-    take(P.p_mut(n), size_t(numel), n);
-  }
-  state.meta = header.at("meta");
-  state.optimizer.resize(header.at("optimizer_size").get<size_t>());
-  take(state.optimizer.data(), state.optimizer.size(), "optimizer state");
-  state.balancers.clear();
-  for (const auto& b : header.at("balancers")) {
-    state.balancers.emplace_back(b.get<size_t>());
-    take(state.balancers.back().data(), state.balancers.back().size(), "balancer state");
+  // A count read from the header, bounded by the bytes left, before anything is allocated for it.
+  auto count = [&](const nlohmann::json& v, const std::string& what) {
+    const uint64_t n = v.get<uint64_t>();
+    if (n > (bytes.size() - off) / sizeof(double))
+      fail(path, ": the header gives ", what, " ", n, " values, more than the file holds (truncated or corrupt)");
+    return size_t(n);
+  };
+  try {
+    const auto& params = header.at("params");
+    if (params.size() != P.names().size())
+      fail(path, ": holds ", params.size(), " parameters, the model has ", P.names().size());
+    for (const auto& e : params) {
+      const std::string n = e.at(0).get<std::string>();
+      const int64_t numel = e.at(1).get<int64_t>();
+      if (!P.has(n) || P.numel(n) != numel) fail(path, ": parameter '", n, "' (", numel, " values) does not match the model");
+      take(P.p_mut(n), size_t(numel), n);
+    }
+    state.meta = header.at("meta");
+    state.optimizer.resize(count(header.at("optimizer_size"), "the optimizer state"));
+    take(state.optimizer.data(), state.optimizer.size(), "optimizer state");
+    state.balancers.clear();
+    for (const auto& b : header.at("balancers")) {
+      state.balancers.emplace_back(count(b, "a balancer state"));
+      take(state.balancers.back().data(), state.balancers.back().size(), "balancer state");
+    }
+  } catch (const nlohmann::json::exception& e) {  // a missing key or a value of the wrong type
+    fail(path, ": corrupt header (", e.what(), ")");
   }
   if (off != bytes.size()) fail(path, ": ", bytes.size() - off, " unexpected trailing bytes");
 }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "io/config.h"
 #include "io/file.h"
 #include "io/mapped_file.h"
 #include "io/safetensors.h"
@@ -44,7 +45,7 @@ TokenShard& TokenShard::operator=(TokenShard&&) noexcept = default;
 
 TokenShard TokenShard::open(const std::string& path) {
   TokenShard s;
-  s.file_ = std::make_unique<MappedFile>(path);
+  s.file_ = std::make_unique<MappedFile>(path, "token shard");
   const MappedFile& f = *s.file_;
   if (f.size() < kHeader || std::memcmp(f.data(), kMagic, 8) != 0)
     fail(path, ": not a k3 token shard (expected the 'K3TOKS01' header; build one with `k3 data`)");
@@ -60,6 +61,22 @@ TokenShard TokenShard::open(const std::string& path) {
 }
 
 uint32_t TokenShard::max_id() const { return *std::max_element(tokens_, tokens_ + size_); }
+
+void check_shard_for_model(const TokenShard& shard, const std::string& path, const K3Config& c) {
+  if (int64_t(shard.eod_id()) >= c.vocab_size)
+    fail(path, ": the end-of-document id ", shard.eod_id(), " is outside the model's vocabulary [0, ", c.vocab_size,
+         ") of ", c.source);
+  if (int64_t(shard.max_id()) >= c.vocab_size)
+    fail(path, ": token id ", shard.max_id(), " is outside the model's vocabulary [0, ", c.vocab_size, ") of ", c.source);
+  // A prediction needs a token that is not an end of document followed by any token (windows wrap).
+  const uint32_t* t = shard.tokens();
+  const int64_t n = shard.size();
+  bool any = false;
+  for (int64_t i = 0; i < n && !any; ++i) any = t[i] != shard.eod_id();
+  if (!any)
+    fail(path, ": nothing to predict: the shard holds only end-of-document ids (", n,
+         " tokens), so every document is empty (were the text files empty?)");
+}
 
 std::vector<std::vector<int32_t>> window_pieces(const TokenShard& shard, int64_t pos, int64_t len) {
   if (len < 2) fail("window_pieces: a window needs at least 2 tokens, got ", len);

@@ -17,6 +17,7 @@
 namespace k3 {
 class MappedFile;
 class Tokenizer;
+struct K3Config;
 }  // namespace k3
 
 namespace k3::train {
@@ -50,6 +51,11 @@ class TokenShard {
   int64_t size_ = 0;
   uint32_t eod_ = 0;
 };
+
+// Refuses a shard that a model of config c cannot use, naming path: an id (the end-of-document id
+// included) outside c's vocabulary, or no document of two tokens or more, so nothing to predict
+// (a shard of end-of-document ids alone would train at loss 0).
+void check_shard_for_model(const TokenShard& shard, const std::string& path, const K3Config& c);
 
 // The `len` tokens from `pos` (wrapping around the end of the shard), cut after every
 // end-of-document id into document pieces (pieces keep their end-of-document id, so the model

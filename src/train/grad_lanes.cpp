@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "train/ffn_block.h"
 
 namespace k3::train {
@@ -45,7 +46,11 @@ std::vector<int64_t> assign_lanes(const std::vector<std::vector<int32_t>>& piece
 }
 
 GradLanes::GradLanes(ParamStore& P, int64_t lanes) : P_(P) {
-  if (lanes < 1) fail("gradient lanes: need at least 1, got ", lanes);
+  if (lanes < 1) fail("--grad-lanes: need at least 1 gradient lane, got ", lanes);
+  // Each lane past the first holds a float64 gradient buffer the size of the model.
+  const double bytes = double(lanes - 1) * double(P.grads().size()) * double(sizeof(double));
+  require_memory(bytes >= 1.8e19 ? UINT64_MAX : uint64_t(bytes),
+                 "--grad-lanes " + std::to_string(lanes) + " (a float64 gradient buffer of the model per lane)");
   for (int64_t l = 1; l < lanes; ++l) extra_.push_back(ParamStore::gradient_lane(P));
 }
 

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/finite.h"
 #include "io/safetensors.h"
 
 namespace k3::train {
@@ -72,6 +73,9 @@ ParamStore ParamStore::from_model_dir(const std::string& dir) {
     }
     ps.add(name, t.shape);
     const std::vector<float> v = st.read_f32(name);
+    if (const int64_t bad = first_nonfinite(v.data(), int64_t(v.size())); bad >= 0)
+      fail(*t.file, ": tensor '", name, "' holds ", nonfinite_name(v[size_t(bad)]), " at flat index ", bad,
+           " (training needs finite weights)");
     double* dst = ps.p_mut(name);
     for (size_t i = 0; i < v.size(); ++i) dst[i] = double(v[i]);
   }

@@ -1,14 +1,22 @@
 #include "train/trainer.h"
 
-#include <chrono>
 #include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/finite.h"
+#include "core/json.h"
+#include "core/validate.h"
+#include "io/dir_lock.h"
+#include "io/jsonl.h"
+#include "io/output_file.h"
 #include "core/splitmix.h"
 #include "io/config.h"
 #include "io/file.h"
@@ -78,15 +86,73 @@ EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, i
   return r;
 }
 
+void check_train_options(const TrainOptions& o) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  constexpr int64_t imax = std::numeric_limits<int64_t>::max();
+  require_integer("--tokens", o.tokens, 1, imax);
+  require_integer("--tokens-per-step", o.tokens_per_step, 2, imax);
+  require_number("--lr", o.lr, 0, inf, /*lo_open=*/true);
+  require_number("--min-lr-ratio", o.min_lr_ratio, 0, 1);
+  require_number("--warmup", o.warmup_fraction, 0, 1, false, /*hi_open=*/true);
+  require_number("--weight-decay", o.weight_decay, 0, inf);
+  require_number("--clip", o.clip, 0, inf);
+  require_number("--router-lr-scale", o.router_lr_scale, 0, inf, /*lo_open=*/true);
+  require_number("--qb-ema", o.balance.ema_decay, 0, 1, false, /*hi_open=*/true);
+  require_integer("--qb-bins", o.balance.num_bins, 2, 1000000);
+  require_integer("--grad-lanes", o.grad_lanes, 0, imax);
+  require_integer("--save-every", o.save_every, 1, imax);
+  require_integer("--eval-tokens", o.eval_tokens, 2, imax);
+  require_integer("log_every", o.log_every, 0, imax);
+}
+
+// What a run was started with and a resume must repeat: the config, the data order and the whole
+// schedule. (The data shard, --save-every, --eval-* and --grad-lanes may change.)
+nlohmann::json run_recipe(const TrainOptions& o, const std::string& config_text, const std::vector<Stage>& stages) {
+  nlohmann::json st = nlohmann::json::array();
+  for (const Stage& s : stages) st.push_back(std::to_string(s.seq_len) + ":" + std::to_string(s.tokens));
+  return {{"--config", parse_json(config_text, o.config_path)},
+          {"--seed", o.seed},
+          {"--stages", st},
+          {"--tokens-per-step", o.tokens_per_step},
+          {"--lr", o.lr},
+          {"--min-lr-ratio", o.min_lr_ratio},
+          {"--warmup", o.warmup_fraction},
+          {"--weight-decay", o.weight_decay},
+          {"--clip", o.clip},
+          {"--router-lr-scale", o.router_lr_scale},
+          {"--balance", balance_method_name(o.balance.method)},
+          {"--qb-ema", o.balance.ema_decay},
+          {"--qb-bins", o.balance.num_bins},
+          {"--sequential", !o.shuffle}};
+}
+
+// Refuses a resume whose settings differ from the run's, listing every difference.
+void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now, const std::string& state_file) {
+  std::string diff;
+  for (const auto& [flag, was] : saved.items()) {
+    if (!now.contains(flag) || now[flag] == was) continue;
+    diff += diff.empty() ? "" : "; ";
+    if (flag == "--config") diff += "--config: the config differs from the run's (its copy is in that directory)";
+    else diff += flag + ": the run used " + was.dump() + ", this command gives " + now[flag].dump();
+  }
+  if (!diff.empty()) fail(state_file, ": --resume with settings that differ from the run's (repeat the run's own): ", diff);
+}
+
 }  // namespace
 
 TrainResult train(const TrainOptions& opt) {
+  check_train_options(opt);
+  // One process per run directory: the lock is held until train() returns (or the process dies).
+  const DirectoryLock run_lock(opt.out_dir, "run directory");
   const K3Config c = load_config(opt.config_path);
   const std::string config_text = read_file(opt.config_path, "config");
   const TokenShard shard = TokenShard::open(opt.data_path);
-  if (int64_t(shard.max_id()) >= c.vocab_size)
-    fail(opt.data_path, ": token id ", shard.max_id(), " is outside the model's vocabulary (", c.vocab_size, ", ", c.source, ")");
-  if (opt.tokens_per_step < 2) fail("--tokens-per-step must be at least 2");
+  check_shard_for_model(shard, opt.data_path, c);
+  TokenShard eval_shard;
+  if (!opt.eval_path.empty()) {
+    eval_shard = TokenShard::open(opt.eval_path);
+    check_shard_for_model(eval_shard, opt.eval_path, c);
+  }
 
   std::vector<Stage> stages = opt.stages;
   if (stages.empty()) stages.push_back({std::min<int64_t>(256, c.max_position_embeddings), opt.tokens});
@@ -103,7 +169,6 @@ TrainResult train(const TrainOptions& opt) {
   const int64_t warmup = std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
 
   // Parameters: fresh random init, or the latest checkpoint.
-  fs::create_directories(opt.out_dir);
   const std::string resume_dir = opt.resume ? latest_checkpoint(opt.out_dir) : "";
   if (opt.resume && resume_dir.empty()) fail(opt.out_dir, ": --resume, but there is no checkpoint (no 'latest')");
   ParamStore P;
@@ -135,52 +200,73 @@ TrainResult train(const TrainOptions& opt) {
 
   int64_t step = 0, data_pos = 0, lanes = opt.grad_lanes;
   const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
+  const nlohmann::json recipe = run_recipe(opt, config_text, stages);
+  TrainResult res;
   if (!resume_dir.empty()) {
     TrainState st;
     load_checkpoint(resume_dir, P, st);
-    step = st.meta.at("step").get<int64_t>();
-    data_pos = st.meta.at("data_pos").get<int64_t>();
-    const int64_t saved_lanes = st.meta.value("grad_lanes", int64_t(1));  // runs before lanes summed serially
-    if (lanes == 0) lanes = saved_lanes;
-    else if (lanes != saved_lanes)
-      std::fprintf(stderr, "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
-                   "different order, so losses will not repeat bit for bit\n", (long long)lanes, (long long)saved_lanes);
-    if (st.meta.value("shuffle", true) != opt.shuffle)
-      fail(resume_dir, ": the run was started ", opt.shuffle ? "with --sequential" : "with shuffled windows",
-           "; resume it the same way");
-    optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      if (bal[size_t(l)]) *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
-    // Metrics after the checkpoint belong to the run that was cut off: drop them.
-    std::ifstream in(metrics_path);
-    std::string line, kept;
-    while (std::getline(in, line))
-      if (!line.empty() && nlohmann::json::parse(line).value("step", int64_t(0)) <= step) kept += line + "\n";
+    const std::string state_file = (fs::path(resume_dir) / "train_state.bin").string();
+    try {
+      if (st.meta.contains("recipe")) check_resume_recipe(st.meta["recipe"], recipe, state_file);
+      else if (st.meta.value("shuffle", true) != opt.shuffle)  // a run saved before recipes were kept
+        fail(state_file, ": the run was started ", opt.shuffle ? "with --sequential" : "with shuffled windows",
+             "; resume it the same way");
+      step = st.meta.at("step").get<int64_t>();
+      data_pos = st.meta.at("data_pos").get<int64_t>();
+      const int64_t saved_lanes = st.meta.value("grad_lanes", int64_t(1));  // runs before lanes summed serially
+      if (lanes == 0) lanes = saved_lanes;
+      else if (lanes != saved_lanes)
+        std::fprintf(stderr, "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
+                     "different order, so losses will not repeat bit for bit\n", (long long)lanes, (long long)saved_lanes);
+      optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+        if (bal[size_t(l)]) *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
+    } catch (const nlohmann::json::exception& e) {
+      fail(state_file, ": corrupt training state (", e.what(), ")");
+    }
+    // Metrics after the checkpoint belong to the run that was cut off: drop them (and a line torn by
+    // the kill).
+    std::string kept;
+    if (fs::exists(metrics_path)) {
+      const JsonlFile m = read_jsonl(metrics_path, "run metrics", InputRole::kOwnState);
+      if (m.dropped_torn_last_line) std::fprintf(stderr, "note: %s: dropped a torn last line\n", metrics_path.c_str());
+      for (const JsonlRecord& r : m.records) {
+        const auto it = r.value.find("step");
+        if (it == r.value.end() || !it->is_number_integer())
+          fail(metrics_path, ":", r.line, ": a record needs an integer \"step\"");
+        if (it->get<int64_t>() > step) continue;
+        kept += r.text + "\n";
+        if (r.value.contains("loss") && r.value["loss"].is_number()) res.last_loss = r.value["loss"].get<double>();
+      }
+    }
     write_file_atomic(metrics_path, kept);
-    std::fprintf(stderr, "resumed from %s at step %lld (data position %lld)\n", resume_dir.c_str(), (long long)step,
-                 (long long)data_pos);
+    res.steps = step;
+    res.last_checkpoint = resume_dir;
+    if (step >= total_steps)
+      std::fprintf(stderr, "%s: the run is already complete (step %lld of %lld); nothing to train\n", opt.out_dir.c_str(),
+                   (long long)step, (long long)total_steps);
+    else
+      std::fprintf(stderr, "resumed from %s at step %lld (data position %lld)\n", resume_dir.c_str(), (long long)step,
+                   (long long)data_pos);
   } else {
     write_file_atomic(metrics_path, "");
   }
   if (lanes == 0) lanes = omp_get_max_threads();
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
   GradLanes grad_lanes(P, lanes);
-  std::ofstream metrics(metrics_path, std::ios::app);
-
-  TokenShard eval_shard;
-  if (!opt.eval_path.empty()) {
-    eval_shard = TokenShard::open(opt.eval_path);
-    if (int64_t(eval_shard.max_id()) >= c.vocab_size)
-      fail(opt.eval_path, ": token id ", eval_shard.max_id(), " is outside the model's vocabulary (", c.vocab_size, ")");
-  }
+  struct Appender {  // metrics.jsonl, one record per line
+    int fd;
+    ~Appender() { ::close(fd); }
+  } metrics{open_append(metrics_path)};
+  auto append_metrics = [&](const std::string& line) { append_all(metrics.fd, line + "\n", metrics_path); };
 
   // Routing uses each balancer's current bias (selection only; the checkpoint carries it too).
   const std::function<const double*(int64_t)> router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
 
   auto save = [&]() {
     TrainState st;
-    st.meta = {{"step", step}, {"data_pos", data_pos}, {"total_steps", total_steps}, {"shuffle", opt.shuffle},
-               {"grad_lanes", lanes}};
+    st.meta = {{"step", step},         {"data_pos", data_pos}, {"total_steps", total_steps},
+               {"shuffle", opt.shuffle}, {"grad_lanes", lanes},  {"recipe", recipe}};
     const OptimizerState os = optimizer.save_state();
     st.meta["optimizer"] = os.header;
     st.optimizer = os.data;
@@ -195,7 +281,6 @@ TrainResult train(const TrainOptions& opt) {
     return save_checkpoint(opt.out_dir, step, config_text, P, st);
   };
 
-  TrainResult res;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t first_step = step;
   while (step < total_steps) {
@@ -228,8 +313,20 @@ TrainResult train(const TrainOptions& opt) {
       fail("step ", step, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " (loss ", loss, ", gradient norm ",
            gnorm, "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps. The last checkpoint is in ",
            opt.out_dir);
-    if (finite) optimizer.step(P, lr);
+    if (finite) {
+      optimizer.step(P, lr);
+      // The update itself can overflow (a huge lr, a broken optimizer state): never save that.
+      for (const std::string& n : P.names())
+        if (const int64_t bad = first_nonfinite(P.p(n), P.numel(n)); bad >= 0)
+          fail("step ", step + 1, ": the optimizer update made parameter '", n, "' ", nonfinite_name(P.p(n)[bad]),
+               " (at flat index ", bad, ", lr ", lr, "); stopping before it is saved. The last checkpoint is in ",
+               opt.out_dir);
+    }
+    if (count == 0)
+      std::fprintf(stderr, "warning: step %lld: its windows hold no prediction (only end-of-document ids); "
+                   "nothing was learned\n", (long long)step + 1);
     ++step;
+    ++res.steps_run;
 
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double done_tokens = double((step - first_step) * windows * L);
@@ -238,8 +335,7 @@ TrainResult train(const TrainOptions& opt) {
                           {"tokens", step * windows * L}, {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
                           {"max_vio", maxvio},      {"skipped", !finite}};
     const std::string line = rec.dump();
-    metrics << line << "\n";
-    metrics.flush();
+    append_metrics(line);
     if (opt.log_every > 0 && (step % opt.log_every == 0 || step == total_steps)) {
       double mv = 0;
       for (double v : maxvio) mv = std::max(mv, v);
@@ -257,12 +353,14 @@ TrainResult train(const TrainOptions& opt) {
     TrainHooks eval_hooks;  // route with the current biases; nothing is accumulated
     eval_hooks.router_bias = router_bias;
     res.eval = evaluate(P, c, eval_shard, opt.eval_tokens, stages.back().seq_len, &eval_hooks);
+    if (!std::isfinite(res.eval.loss))
+      fail(opt.eval_path, ": the held-out loss after step ", step, " is ", nonfinite_name(res.eval.loss),
+           " although every parameter is finite");
     std::fprintf(stderr, "held-out: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
                  res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
-    metrics << nlohmann::json({{"eval_loss", res.eval.loss}, {"unigram_entropy", res.eval.unigram_entropy},
-                               {"eval_predictions", res.eval.predictions}, {"step", step}})
-                   .dump()
-            << "\n";
+    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss}, {"unigram_entropy", res.eval.unigram_entropy},
+                                   {"eval_predictions", res.eval.predictions}, {"step", step}})
+                       .dump());
   }
   return res;
 }

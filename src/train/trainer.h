@@ -62,7 +62,8 @@ struct EvalResult {
 };
 
 struct TrainResult {
-  int64_t steps = 0;
+  int64_t steps = 0;              // the run's step count at the end (resumed steps included)
+  int64_t steps_run = 0;          // steps taken by this call (0: a resumed run that was already complete)
   double last_loss = 0.0;
   EvalResult eval;                // when eval_path was given
   std::string last_checkpoint;

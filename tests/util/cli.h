@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -40,8 +41,11 @@ inline Outcome run_shell(const std::string& command, const std::string& redirect
 // process's OpenBLAS kernels (OPENBLAS_CORETYPE): on a CPU OpenBLAS does not recognise, k3 would
 // otherwise re-execute itself with faster kernels (src/cli/blas_cpu.h), which round differently, and
 // tests that compare numbers bit for bit across processes would see that, not a bug.
+// K3_TEST_BINARY=path runs another build instead (e.g. one from before a fix, to see a test fail there).
 inline std::string k3_command(const std::vector<std::string>& args) {
-  std::string cmd = "OPENBLAS_CORETYPE=" + shell_quote(openblas_get_corename()) + " " + shell_quote(K3_BINARY);
+  const char* other = std::getenv("K3_TEST_BINARY");
+  std::string cmd = "OPENBLAS_CORETYPE=" + shell_quote(openblas_get_corename()) + " " +
+                    shell_quote(other && *other ? other : K3_BINARY);
   for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
   return cmd;
 }

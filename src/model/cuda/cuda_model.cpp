@@ -6,6 +6,8 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/finite.h"
+#include "model/nonfinite.h"
 #include "kernels/attnres/attnres_cuda.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
@@ -113,6 +115,7 @@ struct CudaModel::Impl {
   gpu::DeviceArena arena;
   std::unique_ptr<moe::cuda::Dispatch> dispatch;
   int64_t dispatch_tokens = 0;
+  std::string weights_path;  // re-read only to explain non-finite logits (model/nonfinite.h)
   bool profile = false;
   BlockTimings timings;
 
@@ -151,6 +154,7 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::string& config_path, const
   Impl& I = *m->impl_;
   I.cfg = load_config(config_path);
   I.precision = precision;
+  I.weights_path = weights_path;
   const std::string problem = gpu_config_problem(I.cfg, precision);
   if (!problem.empty())
     fail(I.cfg.source, ": the GPU kernels (", gpu_precision_name(precision), ") cannot run this model: ", problem);
@@ -197,8 +201,41 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
 std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& caches,
                                       const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                       const ForwardHooks* hooks) {
-  if (impl_->precision == GpuPrecision::F32) return impl_->forward<float>(caches, tokens, all_positions, hooks);
-  return impl_->forward<bf16>(caches, tokens, all_positions, hooks);
+  bool fresh = true;
+  for (CudaSequenceCache* c : caches) fresh = fresh && c && c->length() == 0;
+  std::vector<float> logits = impl_->precision == GpuPrecision::F32
+                                  ? impl_->forward<float>(caches, tokens, all_positions, hooks)
+                                  : impl_->forward<bf16>(caches, tokens, all_positions, hooks);
+  // Only the logits are checked on the GPU (they come to the host anyway); the block where a
+  // non-finite value first appeared is found afterwards, on the failure path only.
+  const int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
+  if (bad < 0) return logits;
+  for (CudaSequenceCache* c : caches) c->impl().broken = true;
+  const K3Config& c = impl_->cfg;
+  const SafeTensors st = SafeTensors::open(impl_->weights_path);
+  if (fresh && !hooks) {
+    // The same forward again on new caches, with every block output copied to the host and checked.
+    struct First {
+      std::string block;
+      int64_t layer = -2, row = 0;
+      float value = 0;
+    } first;
+    ForwardHooks locate;
+    locate.tensor = [&](const char* name, int64_t l, const float* d, int64_t rows, int64_t cols) {
+      if (first.layer != -2) return;
+      if (const int64_t i = first_nonfinite(d, rows * cols); i >= 0) first = {name, l, i / cols, d[i]};
+    };
+    std::vector<std::unique_ptr<CudaSequenceCache>> again = new_caches(int64_t(caches.size()));
+    std::vector<CudaSequenceCache*> ptrs;
+    for (auto& a : again) ptrs.push_back(a.get());
+    try {
+      forward(ptrs, tokens, all_positions, &locate);
+    } catch (const Error&) {  // its own (non-finite logits) error: `first` says more
+    }
+    if (first.layer != -2) fail_nonfinite(c, st, first.block.c_str(), first.layer, first.row, first.value);
+  }
+  fail_nonfinite_logits(c, st, bad / c.vocab_size, logits[size_t(bad)],
+                        " of the GPU forward (" + std::string(gpu_precision_name(impl_->precision)) + ")");
 }
 
 // Validation errors leave the caches untouched; a failure once the layers have started (out of device

@@ -1,0 +1,24 @@
+// Memory a command may still allocate, and the up-front refusal of work that would not fit.
+//
+// Allocating first and failing later costs minutes of swapping, an OOM kill, or a bare
+// std::bad_alloc that names nothing. Anything whose size the input decides (a rank file's largest
+// rank, --grad-lanes, a config's parameter count, a file read whole) is estimated and checked
+// here before it is allocated.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace k3 {
+
+// Bytes this process can still allocate without swapping: /proc/meminfo's MemAvailable, lowered to
+// the room left under a cgroup memory limit when there is one. UINT64_MAX when neither can be read.
+uint64_t available_memory_bytes();
+
+// "1.5 GiB", "12.0 MiB", "512 B".
+std::string format_bytes(uint64_t bytes);
+
+// Throws k3::Error "<what> needs N of memory, but only M is available" when bytes exceed
+// available_memory_bytes().
+void require_memory(uint64_t bytes, const std::string& what);
+
+}  // namespace k3

@@ -1,0 +1,103 @@
+#include "model/nonfinite.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "core/finite.h"
+
+namespace k3 {
+
+namespace {
+
+// Whether a tensor belongs to `layer` (-1: to no layer). Release and flat names both hold
+// "layers.<l>." right after the root ("language_model.model." or "model.").
+bool in_layer(const std::string& name, int64_t layer) {
+  const size_t at = name.find("layers.");
+  if (layer < 0) return at == std::string::npos;
+  const std::string key = "layers." + std::to_string(layer) + ".";
+  return at != std::string::npos && name.compare(at, key.size(), key) == 0;
+}
+
+// Index of the first element whose exponent bits are all ones (NaN or ±Inf), or -1.
+template <class U>
+int64_t first_all_ones_exponent(const uint8_t* p, size_t n, U mask) {
+  for (size_t i = 0; i < n; ++i) {
+    U u;
+    std::memcpy(&u, p + i * sizeof(U), sizeof(U));
+    if ((u & mask) == mask) return int64_t(i);
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer) {
+  for (const std::string& name : st.names()) {
+    if (!in_layer(name, layer)) continue;
+    const TensorView& t = st.get(name);
+    int64_t bad = -1;
+    std::string what = "a non-finite value";
+    switch (t.dtype) {
+      case DType::F32: bad = first_all_ones_exponent<uint32_t>(t.data, t.nbytes / 4, 0x7f800000u); break;
+      case DType::BF16: bad = first_all_ones_exponent<uint16_t>(t.data, t.nbytes / 2, 0x7f80u); break;
+      case DType::F16: bad = first_all_ones_exponent<uint16_t>(t.data, t.nbytes / 2, 0x7c00u); break;
+      case DType::U8:
+        if (name.size() >= 12 && name.compare(name.size() - 12, 12, "weight_scale") == 0) {
+          const void* hit = std::memchr(t.data, 0xFF, t.nbytes);
+          if (hit) bad = static_cast<const uint8_t*>(hit) - t.data;
+          what = "the MXFP4 scale byte 0xFF (E8M0 NaN)";
+        }
+        break;
+      default: break;
+    }
+    if (bad >= 0) {
+      if (t.dtype == DType::F32) {
+        float v;
+        std::memcpy(&v, t.data + size_t(bad) * 4, 4);
+        what = nonfinite_name(v);
+      } else if (t.dtype == DType::BF16) {
+        uint16_t h;
+        std::memcpy(&h, t.data + size_t(bad) * 2, 2);
+        what = nonfinite_name(bf16_to_f32(h));
+      }
+      return *t.file + ": tensor '" + name + "' holds " + what + " at flat index " + std::to_string(bad);
+    }
+  }
+  return "";
+}
+
+void fail_nonfinite(const K3Config& c, const SafeTensors& st, const char* block, int64_t layer, int64_t row, float value) {
+  std::string where;
+  if (layer >= 0)
+    where = std::string("layer ") + std::to_string(layer) + "'s " + block + " (" +
+            (std::strcmp(block, "attn_out") == 0 ? (c.layer_kind[size_t(layer)] == AttnKind::KDA ? "KDA" : "MLA")
+                                                 : (c.is_moe_layer(layer) ? "LatentMoE" : "dense FFN")) +
+            ")";
+  else
+    where = std::string("the ") + block;
+  // The layer's own tensors, then the embedding (a forward that does not check it shows it first in
+  // layer 0).
+  std::string cause = find_nonfinite_weight(st, layer);
+  if (cause.empty() && layer >= 0) cause = find_nonfinite_weight(st, -1);
+  fail("non-finite value (", nonfinite_name(value), ") in the forward pass: first in ", where, ", token row ", row, "; ",
+       cause.empty() ? "every weight there is finite, so the values overflowed in its arithmetic (check the config's "
+                       "scales: " + c.source + ")"
+                     : "cause: " + cause);
+}
+
+void fail_nonfinite_logits(const K3Config& c, const SafeTensors& st, int64_t row, float value, const std::string& note) {
+  std::string cause;
+  for (int64_t l = -1; l < c.num_hidden_layers && cause.empty(); ++l) cause = find_nonfinite_weight(st, l);
+  fail("non-finite value (", nonfinite_name(value), ") in the logits, row ", row, note, "; ",
+       cause.empty() ? "every weight is finite, so the values overflowed in the arithmetic (check the config's scales: " +
+                           c.source + ")"
+                     : "cause: " + cause);
+}
+
+void check_block_finite(const K3Config& c, const SafeTensors& st, const char* block, int64_t layer, const float* x,
+                        int64_t rows, int64_t cols) {
+  const int64_t bad = first_nonfinite(x, rows * cols);
+  if (bad >= 0) fail_nonfinite(c, st, block, layer, bad / cols, x[bad]);
+}
+
+}  // namespace k3

@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -703,10 +705,47 @@ TEST(CudaModelConfig, ShapesTheKernelsCannotTakeAreNamed) {
 }
 
 TEST(CudaModelCli, PrecisionNeedsDeviceCuda) {
-  auto r = k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", "/dev/null",
+  const k3test::TempDir dir("precision");
+  auto r = k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", dir.file("o"),
                            "--precision", "f32"});
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("applies to --device cuda only"), std::string::npos) << r.output;
+}
+
+// Non-finite values (model/nonfinite.h): the GPU forward checks its logits and, on a fresh forward,
+// runs again with every block output checked on the host, so its error names the block, the layer
+// and the weight, as the CPU's does.
+TEST(CudaModel, NonFiniteWeightIsNamedWithItsBlockAndLayer) {
+  K3_REQUIRE_GPU();
+  const k3test::TempDir dir("gpu-nonfinite");
+  const std::filesystem::path m = dir.path() / "model";
+  std::filesystem::create_directories(m);
+  std::filesystem::copy_file(fixture("k3-tiny-a/config.json"), m / "config.json");
+  const std::string kvb = "language_model.model.layers.3.self_attn.kv_b_proj.weight";
+  {  // a NaN in layer 3's MLA kv_b_proj (bf16 0x7fc0)
+    std::ifstream in(fixture("k3-tiny-a/model.safetensors"), std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    uint64_t hlen = 0;
+    std::memcpy(&hlen, bytes.data(), 8);
+    const nlohmann::json h = nlohmann::json::parse(bytes.substr(8, hlen));
+    const size_t at = 8 + hlen + h[kvb]["data_offsets"][0].get<size_t>();
+    bytes[at] = char(0xc0), bytes[at + 1] = char(0x7f);
+    std::ofstream(m / "model.safetensors", std::ios::binary) << bytes;
+  }
+  for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
+    std::unique_ptr<CudaModel> gpu = CudaModel::load(m.string(), p);
+    std::unique_ptr<CudaSequenceCache> cache = gpu->new_cache();
+    std::string what;
+    try {
+      gpu->forward({cache.get()}, {{1, 2, 3}}, true);
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("layer 3's attn_out (MLA)"), std::string::npos) << gpu_precision_name(p) << ": " << what;
+    EXPECT_NE(what.find(kvb), std::string::npos) << what;
+    // The cache is refused from then on rather than continued from a broken state.
+    EXPECT_THROW(gpu->forward({cache.get()}, {{4}}, false), Error);
+  }
 }
 
 }  // namespace

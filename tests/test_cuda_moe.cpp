@@ -298,6 +298,29 @@ void run_experts_case(const Case& c, bool mx, int tile_m, uint64_t seed) {
 
 }  // namespace
 
+// NaN scores select last on both twins (kernels/moe/router_cpu.cpp): the GPU must return the CPU's
+// experts, all in range and distinct. (Before, a NaN row left the argmax with no expert, and the
+// index it wrote took the dispatch out of range: cudaErrorIllegalInstruction, fatal to the context.)
+TEST(CudaMoeRouter, NanScoresGiveTheCpusExperts) {
+  K3_REQUIRE_GPU();
+  const int64_t T = 3, E = 64, K = 6;
+  k3::moe::RouterParams p{E, K, 8, 3, true, 1.0f};
+  std::vector<float> logits(static_cast<size_t>(T * E));
+  for (int64_t i = 0; i < T * E; ++i) logits[size_t(i)] = float((i * 37) % 11) - 5.0f;
+  for (int64_t e = 0; e < E; ++e) logits[size_t(e)] = NAN;                  // token 0: all NaN
+  for (int64_t e = 0; e < E; e += 3) logits[size_t(E + e)] = NAN;           // token 1: some NaN
+  std::vector<int32_t> idx_c(static_cast<size_t>(T * K));
+  std::vector<float> w_c(idx_c.size());
+  k3::moe::router_forward(idx_c.data(), w_c.data(), nullptr, logits.data(), nullptr, T, p);
+  DeviceBuffer<float> dl(logits.data(), logits.size());
+  const std::vector<int32_t> ipoison(idx_c.size(), -1);
+  DeviceBuffer<int32_t> di(ipoison.data(), ipoison.size());
+  DeviceBuffer<float> dw(w_c.data(), w_c.size());
+  mc::router_forward(di.data(), dw.data(), dl.data(), nullptr, T, p);
+  k3::cuda::synchronize();
+  EXPECT_EQ(download(di, idx_c.size()), idx_c);
+}
+
 TEST(CudaMoeRouter, MatchesCpuAwayFromTies) {
   K3_REQUIRE_GPU();
   struct RC {

@@ -391,6 +391,12 @@ TEST(Hardening, D06_ATinyTemperatureSamplesLikeGreedy) {
     k3::Sampler sampler(p);
     EXPECT_EQ(sampler.sample(logits.data(), 4), 1);
   }
+  // -Inf masks a token; +Inf and NaN, or nothing but -Inf, are errors rather than a made-up draw.
+  k3::Sampler sampler(p);
+  const std::vector<float> masked = {-INFINITY, 0.5f, -INFINITY}, pos_inf = {0.0f, INFINITY}, none = {-INFINITY, -INFINITY};
+  EXPECT_EQ(sampler.sample(masked.data(), 3), 1);
+  EXPECT_THAT(error_of([&] { sampler.sample(pos_inf.data(), 2); }), HasSubstr("logit 1 is +Inf"));
+  EXPECT_THAT(error_of([&] { sampler.sample(none.data(), 2); }), HasSubstr("every logit is -Inf"));
 }
 
 // ---- D07: temporary files ------------------------------------------------------------------------
@@ -472,20 +478,26 @@ TEST(Hardening, D11_ResumeRefusesOtherSettingsAndReportsAFinishedRun) {
   TempDir d("d11");
   const std::string run = d.file("run");
   ASSERT_EQ(run_k3(train_args(run)).status, 0);
-  EXPECT_THAT(error_line(run_k3(with(train_args(run), {"--resume", "--seed", "4"}))),
-              AllOf(HasSubstr("train_state.bin"), HasSubstr("--seed: the run used 3, this command gives 4")));
-  const std::string e = error_line(run_k3(with(train_args(run), {"--tokens-per-step", "16", "--stages", "16:48", "--resume"})));
-  EXPECT_THAT(e, AllOf(HasSubstr("--tokens-per-step: the run used 32"), HasSubstr("--stages")));
+  // The run's identity: refused, every difference named.
+  EXPECT_THAT(error_line(run_k3(with(train_args(run), {"--resume", "--seed", "4", "--tokens-per-step", "16"}))),
+              AllOf(HasSubstr("train_state.bin"), HasSubstr("--seed: the run used 3, this command gives 4"),
+                    HasSubstr("--tokens-per-step: the run used 32, this command gives 16")));
   const fs::path cfg = d.path() / "config.json";
   json c = json::parse(k3test::read_bytes(fixture("k3-tiny-a/config.json")));
   c["text_config"]["rms_norm_eps"] = 1e-6;
   write_text(cfg, c.dump());
   EXPECT_THAT(error_line(run_k3(with(train_args(run, cfg.string()), {"--resume"}))),
               HasSubstr("--config: the config differs"));
-  // The same settings: nothing left to do, said plainly, with the checkpoint.
-  const Outcome r = run_k3(with(train_args(run), {"--resume"}));
+  // The plan: refused unless asked for, then taken with a note.
+  const std::vector<std::string> longer = with(train_args(run), {"--stages", "16:96", "--resume"});
+  EXPECT_THAT(error_line(run_k3(longer)), AllOf(HasSubstr("--stages: the run used [\"16:64\"]"), HasSubstr("--change-plan")));
+  Outcome r = run_k3(with(longer, {"--change-plan"}));
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_THAT(r.output, AllOf(HasSubstr("already complete"), HasSubstr("step-00000002")));
+  EXPECT_THAT(r.output, AllOf(HasSubstr("continuing on a new plan"), HasSubstr("trained 3 steps (1 in this run)")));
+  // The same settings again: nothing left to do, said plainly, with the checkpoint.
+  r = run_k3(longer);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, AllOf(HasSubstr("already complete"), HasSubstr("step-00000003")));
 }
 
 TEST(Hardening, D12_ATornMetricsLineIsDroppedAndACorruptStateIsNamed) {

@@ -911,6 +911,28 @@ TEST(Router, TiesResolveToLowerIndex) {
   }
 }
 
+TEST(Router, NanScoresSelectLastAndNeverBreakTheSelection) {
+  // NaN logits (a NaN input or router weight) must still give K distinct experts in range: the NaN
+  // ones after every number, in index order, with NaN weights so that the forward's checks see them.
+  k3::moe::RouterParams p;
+  p.num_experts = 8;
+  p.top_k = 4;
+  std::vector<float> logits = {0.1f, NAN, -1.0f, NAN, 2.0f, NAN, NAN, NAN};
+  int32_t idx[4];
+  float w[4];
+  k3::moe::router_forward(idx, w, nullptr, logits.data(), nullptr, 1, p);
+  EXPECT_EQ(std::vector<int>(idx, idx + 4), (std::vector<int>{4, 0, 2, 1}));
+  EXPECT_TRUE(std::isnan(w[0])) << "renormalised over a NaN score";
+  std::fill(logits.begin(), logits.end(), NAN);
+  p.num_groups = 4;
+  p.topk_groups = 2;
+  k3::moe::router_forward(idx, w, nullptr, logits.data(), nullptr, 1, p);
+  std::vector<int> got(idx, idx + 4);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(std::adjacent_find(got.begin(), got.end()), got.end()) << "distinct experts";
+  for (int e : got) EXPECT_TRUE(e >= 0 && e < 8) << e;
+}
+
 TEST(Router, GroupLimitedSelection) {
   // E = 16 in 4 groups of 4, topk_groups = 2, K = 4. Group 0 holds the single best expert (0) but its sum
   // of top-2 (0.9933 + 0.0067 = 1.0) loses to groups 1 (2 x 0.731) and 2 (2 x 0.622): expert 0 must not be

@@ -124,9 +124,11 @@ TEST(TrainLoop, InterruptedCheckpointWriteLeavesThePreviousOne) {
   k3::train::TrainState st;
   EXPECT_NO_THROW(k3::train::load_checkpoint(good, P, st));
   EXPECT_EQ(st.meta["step"], 6);
-  // Resuming with a longer plan continues from the good checkpoint and clears the leftover.
+  // Resuming with a longer plan (said with --change-plan) continues from the good checkpoint and
+  // clears the leftover.
   args[8] = "32:1024";
   args.push_back("--resume");
+  args.push_back("--change-plan");
   const k3test::Outcome r = run_k3(args);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_FALSE(fs::exists(fs::path(out) / ".tmp-step-00000007"));

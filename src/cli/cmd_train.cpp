@@ -79,7 +79,11 @@ void register_train(CLI::App& app) {
   sub->add_option("--eval-tokens", o->eval_tokens, "held-out tokens to evaluate")->capture_default_str();
   auto sequential = std::make_shared<bool>(false);
   sub->add_flag("--sequential", *sequential, "read windows in shard order (default: shuffled by --seed)");
-  sub->add_flag("--resume", o->resume, "continue from OUT/latest");
+  sub->add_flag("--resume", o->resume,
+                "continue from OUT/latest; the run's --config, --seed, --tokens-per-step and --sequential must be "
+                "repeated, and its plan (--stages, --lr, ... the other training flags) too unless --change-plan");
+  sub->add_flag("--change-plan", o->change_plan,
+                "with --resume: continue on the stages and schedule this command gives (e.g. to train longer)");
   sub->add_option("--grad-lanes", o->grad_lanes,
                   "sequences of a step run side by side on this many gradient buffers (one extra model-sized\n"
                   "float64 buffer each); 0 = the thread count, or the run's own count on --resume")

@@ -27,7 +27,7 @@ int open_input(const std::string& path, const std::string& what, InputRole role)
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
     fail(path, ": cannot open ", what, " (",
-         S_ISDIR(st.st_mode)    ? "it is a directory"
+         S_ISDIR(st.st_mode)    ? "it is a directory, not a regular file"
          : S_ISFIFO(st.st_mode) ? "it is a FIFO, not a regular file"
          : S_ISSOCK(st.st_mode) ? "it is a socket, not a regular file"
                                 : "it is a device, not a regular file",

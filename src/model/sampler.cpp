@@ -27,8 +27,10 @@ int32_t argmax(const float* logits, int64_t V) {
 Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { p_.check(); }
 
 int32_t Sampler::sample(const float* logits, int64_t V) {
-  if (const int64_t bad = first_nonfinite(logits, V); bad >= 0)
-    fail("sampler: logit ", bad, " is ", nonfinite_name(logits[bad]));
+  // -inf masks a token (it is never drawn); NaN and +inf have no probability to give.
+  for (int64_t b = first_nonfinite(logits, V); b >= 0 && b < V; ++b)
+    if (std::isnan(logits[b]) || logits[b] == std::numeric_limits<float>::infinity())
+      fail("sampler: logit ", b, " is ", nonfinite_name(logits[b]));
   if (p_.greedy) return argmax(logits, V);
   // Candidates by logit, highest first; equal logits by id, so the order (and the draw) is
   // deterministic. Temperature does not change the order, so it is applied after the sort.
@@ -46,6 +48,7 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
   // overflows for a tiny T (1e-40: l/T = inf, and exp(inf - inf) = NaN picked the worst token);
   // this way every exponent is <= 0, the best token's is exactly 0, and a tiny T tends to greedy.
   const double mx = cand_[0].first, inv_t = 1.0 / double(p_.temperature);
+  if (std::isinf(mx)) fail("sampler: every logit is -Inf");
   std::vector<double> prob(keep);
   double z = 0.0;
   for (size_t i = 0; i < keep; ++i) {

@@ -105,29 +105,33 @@ void check_train_options(const TrainOptions& o) {
   require_integer("log_every", o.log_every, 0, imax);
 }
 
-// What a run was started with and a resume must repeat: the config, the data order and the whole
-// schedule. (The data shard, --save-every, --eval-* and --grad-lanes may change.)
+// What a run was started with. A resume must repeat its identity (the config, the seed, the tokens
+// per step and the window order: what the model is and which data it sees); its plan (the stages and
+// the optimizer's schedule) may change only with --change-plan, e.g. to train longer. The data
+// shard, --save-every, --eval-* and --grad-lanes may always change.
 nlohmann::json run_recipe(const TrainOptions& o, const std::string& config_text, const std::vector<Stage>& stages) {
   nlohmann::json st = nlohmann::json::array();
   for (const Stage& s : stages) st.push_back(std::to_string(s.seq_len) + ":" + std::to_string(s.tokens));
-  return {{"--config", parse_json(config_text, o.config_path)},
-          {"--seed", o.seed},
-          {"--stages", st},
-          {"--tokens-per-step", o.tokens_per_step},
-          {"--lr", o.lr},
-          {"--min-lr-ratio", o.min_lr_ratio},
-          {"--warmup", o.warmup_fraction},
-          {"--weight-decay", o.weight_decay},
-          {"--clip", o.clip},
-          {"--router-lr-scale", o.router_lr_scale},
-          {"--balance", balance_method_name(o.balance.method)},
-          {"--qb-ema", o.balance.ema_decay},
-          {"--qb-bins", o.balance.num_bins},
-          {"--sequential", !o.shuffle}};
+  return {{"identity",
+           {{"--config", parse_json(config_text, o.config_path)},
+            {"--seed", o.seed},
+            {"--tokens-per-step", o.tokens_per_step},
+            {"--sequential", !o.shuffle}}},
+          {"plan",
+           {{"--stages", st},
+            {"--lr", o.lr},
+            {"--min-lr-ratio", o.min_lr_ratio},
+            {"--warmup", o.warmup_fraction},
+            {"--weight-decay", o.weight_decay},
+            {"--clip", o.clip},
+            {"--router-lr-scale", o.router_lr_scale},
+            {"--balance", balance_method_name(o.balance.method)},
+            {"--qb-ema", o.balance.ema_decay},
+            {"--qb-bins", o.balance.num_bins}}}};
 }
 
-// Refuses a resume whose settings differ from the run's, listing every difference.
-void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now, const std::string& state_file) {
+// The differences of one part of a recipe, as "--flag: the run used X, this command gives Y; ...".
+std::string recipe_diff(const nlohmann::json& saved, const nlohmann::json& now) {
   std::string diff;
   for (const auto& [flag, was] : saved.items()) {
     if (!now.contains(flag) || now[flag] == was) continue;
@@ -135,7 +139,21 @@ void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now,
     if (flag == "--config") diff += "--config: the config differs from the run's (its copy is in that directory)";
     else diff += flag + ": the run used " + was.dump() + ", this command gives " + now[flag].dump();
   }
-  if (!diff.empty()) fail(state_file, ": --resume with settings that differ from the run's (repeat the run's own): ", diff);
+  return diff;
+}
+
+// Refuses a resume whose identity differs from the run's, or whose plan does without --change-plan.
+void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now, bool change_plan,
+                         const std::string& state_file) {
+  const std::string identity = recipe_diff(saved.value("identity", nlohmann::json::object()), now["identity"]);
+  if (!identity.empty())
+    fail(state_file, ": --resume with settings that differ from the run's (repeat the run's own): ", identity);
+  const std::string plan = recipe_diff(saved.value("plan", nlohmann::json::object()), now["plan"]);
+  if (plan.empty()) return;
+  if (!change_plan)
+    fail(state_file, ": --resume with another plan than the run's (repeat the run's own, or pass --change-plan to "
+         "continue on the new one): ", plan);
+  std::fprintf(stderr, "note: --change-plan: continuing on a new plan: %s\n", plan.c_str());
 }
 
 }  // namespace
@@ -207,7 +225,7 @@ TrainResult train(const TrainOptions& opt) {
     load_checkpoint(resume_dir, P, st);
     const std::string state_file = (fs::path(resume_dir) / "train_state.bin").string();
     try {
-      if (st.meta.contains("recipe")) check_resume_recipe(st.meta["recipe"], recipe, state_file);
+      if (st.meta.contains("recipe")) check_resume_recipe(st.meta["recipe"], recipe, opt.change_plan, state_file);
       else if (st.meta.value("shuffle", true) != opt.shuffle)  // a run saved before recipes were kept
         fail(state_file, ": the run was started ", opt.shuffle ? "with --sequential" : "with shuffled windows",
              "; resume it the same way");

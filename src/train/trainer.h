@@ -39,6 +39,9 @@ struct TrainOptions {
   // resumed run draws the same windows), or sequential through the shard.
   bool shuffle = true;
   bool resume = false;
+  // On resume, the run's identity (config, seed, tokens per step, window order) must be repeated;
+  // its plan (stages, lr schedule, clipping, balancing) too, unless change_plan is set.
+  bool change_plan = false;
   // Gradient lanes (train/grad_lanes.h): sequences of a step run side by side on this many gradient
   // buffers. 0: the OpenMP thread count for a new run, the saved count for a resumed one (so that it
   // sums in the same order and resumes exactly).

@@ -46,6 +46,18 @@ inline std::string st_bytes(const std::string& header_text, const std::string& d
   return std::string(reinterpret_cast<const char*>(&n), 8) + h + data;
 }
 
+// Removes a tensor's entry and its bytes (later tensors move down), as a file written without it.
+inline bool erase_tensor(StFile& f, const std::string& name) {
+  if (!f.header.contains(name)) return false;
+  const uint64_t b = f.header[name]["data_offsets"][0], e = f.header[name]["data_offsets"][1];
+  f.header.erase(name);
+  f.data.erase(size_t(b), size_t(e - b));
+  for (auto& [k, v] : f.header.items())
+    if (k != "__metadata__" && v["data_offsets"][0].get<uint64_t>() >= e)
+      v["data_offsets"] = {v["data_offsets"][0].get<uint64_t>() - (e - b), v["data_offsets"][1].get<uint64_t>() - (e - b)};
+  return true;
+}
+
 inline void write_st(const std::filesystem::path& p, const StFile& f) { write_bytes(p, st_bytes(f.header.dump(), f.data)); }
 
 }  // namespace k3test

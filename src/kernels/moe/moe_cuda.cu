@@ -137,7 +137,11 @@ __global__ void __launch_bounds__(kRouterThreads) router_kernel(int32_t* __restr
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const float v = rowwise::sigmoid_stable(lg[e]);
     s[e] = v;
-    sel[e] = v + (bias ? bias[e] : 0.0f);
+    // NaN (a NaN input or weight) selects last, as -inf: every argmax below then names a real,
+    // untaken expert (a NaN compares false with everything, which left the argmax with no expert and
+    // the dispatch with an index out of range). The expert weights stay NaN, so the logits show it.
+    const float b = v + (bias ? bias[e] : 0.0f);
+    sel[e] = isnan(b) ? -INFINITY : b;
     taken[e] = 0;
   }
   __syncthreads();

@@ -24,7 +24,10 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t e = 0; e < E; ++e) {
         s[size_t(e)] = sigmoidf_stable(logits[n * E + e]);
-        sel[size_t(e)] = s[size_t(e)] + (bias ? bias[e] : 0.0f);
+        // A NaN selection score (NaN input or weight) is never selected before a number: without
+        // this, `better` is no ordering at all, and the GPU's argmax would return no expert.
+        const float v = s[size_t(e)] + (bias ? bias[e] : 0.0f);
+        sel[size_t(e)] = std::isnan(v) ? -INFINITY : v;
       }
       if (scores_out) std::copy(s.begin(), s.end(), scores_out + n * E);
       auto better = [&](int32_t a, int32_t b) { return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b); };

@@ -26,6 +26,7 @@
 #include "tokenizer/pretokenizer.h"   // defines: PreTokenizer, kK3Pattern
 #include "tokenizer/tokenizer.h"      // defines: Tokenizer, kimi_encode_parts
 #include "util/cli.h"
+#include "util/error_of.h"
 #include "util/temp_dir.h"            // defines: k3test::TempDir
 
 using namespace k3;
@@ -176,15 +177,7 @@ std::string read_file(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a k3::Error";
-  return "";
-}
+using k3test::error_of;
 
 BpeTrainResult train_counts(const Counts& c, int64_t n, int64_t min_count = 2, bool keep = false) {
   BpeTrainOptions o;

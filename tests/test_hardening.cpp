@@ -41,6 +41,7 @@
 #include "util/cli_error.h"
 #include "util/compare.h"
 #include "util/st_file.h"
+#include "util/error_of.h"
 #include "util/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -68,15 +69,7 @@ std::string memory_limit() {
 #endif
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const k3::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no k3::Error";
-  return "";
-}
+using k3test::error_of;
 
 void write_text(const fs::path& p, const std::string& s) { k3test::write_bytes(p, s); }
 

@@ -22,6 +22,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "util/error_of.h"
 #include "util/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -47,18 +48,7 @@ class TempDir : public k3test::TempDir {
 };
 
 // Runs f, which must throw k3::Error; returns its message.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const k3::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a non-k3::Error exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using k3test::error_of;
 
 std::string open_error(const std::string& path) {
   return error_of([&] { SafeTensors::open(path); });

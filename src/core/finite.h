@@ -13,48 +13,42 @@
 
 namespace k3 {
 
-// The index of the first NaN or ±Inf in x[0..n), or -1 when all are finite.
-inline int64_t first_nonfinite(const float* x, int64_t n) {
+namespace detail {
+
+// The first element of x[0..n) whose exponent bits (kExp of its bit pattern U) are all ones, or -1.
+// Blocks of 1024 take the largest exponent field first (a max reduction the compiler vectorises),
+// and only a block that holds a hit is searched element by element.
+template <class T, class U, U kExp>
+int64_t first_all_ones_exponent(const T* x, int64_t n) {
+  static_assert(sizeof(T) == sizeof(U));
   constexpr int64_t kBlock = 1024;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = b + kBlock < n ? b + kBlock : n;
-    uint32_t worst = 0;
+    U worst = 0;
     for (int64_t i = b; i < e; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &x[i], 4);
-      const uint32_t exp = u & 0x7f800000u;
+      U u;
+      std::memcpy(&u, &x[i], sizeof(U));
+      const U exp = u & kExp;
       worst = exp > worst ? exp : worst;
     }
-    if (worst == 0x7f800000u)
+    if (worst == kExp)
       for (int64_t i = b; i < e; ++i) {
-        uint32_t u;
-        std::memcpy(&u, &x[i], 4);
-        if ((u & 0x7f800000u) == 0x7f800000u) return i;
+        U u;
+        std::memcpy(&u, &x[i], sizeof(U));
+        if ((u & kExp) == kExp) return i;
       }
   }
   return -1;
 }
 
+}  // namespace detail
+
+// The index of the first NaN or ±Inf in x[0..n), or -1 when all are finite.
+inline int64_t first_nonfinite(const float* x, int64_t n) {
+  return detail::first_all_ones_exponent<float, uint32_t, 0x7f800000u>(x, n);
+}
 inline int64_t first_nonfinite(const double* x, int64_t n) {
-  constexpr uint64_t kExp = 0x7ff0000000000000ull;
-  constexpr int64_t kBlock = 1024;
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t e = b + kBlock < n ? b + kBlock : n;
-    uint64_t worst = 0;
-    for (int64_t i = b; i < e; ++i) {
-      uint64_t u;
-      std::memcpy(&u, &x[i], 8);
-      const uint64_t exp = u & kExp;
-      worst = exp > worst ? exp : worst;
-    }
-    if (worst == kExp)
-      for (int64_t i = b; i < e; ++i) {
-        uint64_t u;
-        std::memcpy(&u, &x[i], 8);
-        if ((u & kExp) == kExp) return i;
-      }
-  }
-  return -1;
+  return detail::first_all_ones_exponent<double, uint64_t, 0x7ff0000000000000ull>(x, n);
 }
 
 // "NaN", "+Inf" or "-Inf" (or the number itself when finite).

@@ -103,16 +103,7 @@ OutputFile::~OutputFile() {
 
 void OutputFile::write(const void* data, size_t n) {
   K3_ASSERT(fd_ >= 0 && !committed_);
-  const char* c = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd_, c, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail(path_, ": write failed (", std::strerror(errno), ")");
-    }
-    c += w;
-    n -= size_t(w);
-  }
+  append_all(fd_, std::string_view(static_cast<const char*>(data), n), path_);
 }
 
 void OutputFile::commit() {

@@ -52,7 +52,7 @@ void write_file_atomic(const std::string& path, std::string_view bytes);
 // Opens path for appending records (O_APPEND | O_NOFOLLOW, created when absent); it must be a regular
 // file when present. Returns the descriptor; the caller closes it.
 int open_append(const std::string& path);
-// Appends all of `bytes` to fd (opened by open_append), naming path on failure.
+// Writes all of `bytes` to fd (at the end, for one from open_append), naming path on failure.
 void append_all(int fd, std::string_view bytes, const std::string& path);
 
 }  // namespace k3

@@ -9,24 +9,16 @@ namespace k3 {
 
 namespace {
 
-// Whether a tensor belongs to `layer` (-1: to no layer). Release and flat names both hold
-// "layers.<l>." right after the root ("language_model.model." or "model.").
+// Whether a tensor of the text model belongs to `layer` (-1: to no layer). Release and flat names
+// both hold "model.layers.<l>." after their root ("language_model." or none); the vision tower's
+// tensors are not the text forward's and never match.
 bool in_layer(const std::string& name, int64_t layer) {
-  const size_t at = name.find("layers.");
+  const bool text = name.rfind("language_model.", 0) == 0 || name.rfind("model.", 0) == 0 || name.rfind("lm_head.", 0) == 0;
+  if (!text) return false;
+  const size_t at = name.find("model.layers.");
   if (layer < 0) return at == std::string::npos;
-  const std::string key = "layers." + std::to_string(layer) + ".";
+  const std::string key = "model.layers." + std::to_string(layer) + ".";
   return at != std::string::npos && name.compare(at, key.size(), key) == 0;
-}
-
-// Index of the first element whose exponent bits are all ones (NaN or ±Inf), or -1.
-template <class U>
-int64_t first_all_ones_exponent(const uint8_t* p, size_t n, U mask) {
-  for (size_t i = 0; i < n; ++i) {
-    U u;
-    std::memcpy(&u, p + i * sizeof(U), sizeof(U));
-    if ((u & mask) == mask) return int64_t(i);
-  }
-  return -1;
 }
 
 }  // namespace
@@ -38,9 +30,16 @@ std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer) {
     int64_t bad = -1;
     std::string what = "a non-finite value";
     switch (t.dtype) {
-      case DType::F32: bad = first_all_ones_exponent<uint32_t>(t.data, t.nbytes / 4, 0x7f800000u); break;
-      case DType::BF16: bad = first_all_ones_exponent<uint16_t>(t.data, t.nbytes / 2, 0x7f80u); break;
-      case DType::F16: bad = first_all_ones_exponent<uint16_t>(t.data, t.nbytes / 2, 0x7c00u); break;
+      // (TensorView data is aligned to its dtype: safetensors.h.)
+      case DType::F32: bad = first_nonfinite(reinterpret_cast<const float*>(t.data), int64_t(t.nbytes / 4)); break;
+      case DType::BF16:
+        bad = detail::first_all_ones_exponent<uint16_t, uint16_t, 0x7f80u>(reinterpret_cast<const uint16_t*>(t.data),
+                                                                            int64_t(t.nbytes / 2));
+        break;
+      case DType::F16:
+        bad = detail::first_all_ones_exponent<uint16_t, uint16_t, 0x7c00u>(reinterpret_cast<const uint16_t*>(t.data),
+                                                                            int64_t(t.nbytes / 2));
+        break;
       case DType::U8:
         if (name.size() >= 12 && name.compare(name.size() - 12, 12, "weight_scale") == 0) {
           const void* hit = std::memchr(t.data, 0xFF, t.nbytes);

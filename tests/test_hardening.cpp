@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -262,6 +263,15 @@ TEST(Hardening, D03_NanFlagsAreRefused) {
   EXPECT_THAT(error_of([&] { k3::train::train(o); }), HasSubstr("--min-lr-ratio must be a finite number in [0, 1]"));
 }
 
+TEST(Hardening, D03_AnUpdateThatOverflowsStopsBeforeItIsSaved) {
+  TempDir d("d03u");
+  const std::string run = d.file("run");
+  EXPECT_THAT(error_line(run_k3(with(train_args(run), {"--lr", "1.7e308"}))),
+              AllOf(HasSubstr("step 1: the optimizer update made parameter '"), HasSubstr("Inf"),
+                    HasSubstr("no checkpoint has been written yet")));
+  EXPECT_FALSE(fs::exists(fs::path(run) / "latest"));
+}
+
 TEST(Hardening, D03_NanWeightNamesTheTensorInLogitsGradAndEval) {
   TempDir d("d03w");
   const fs::path m = copy_model(d);
@@ -403,11 +413,21 @@ TEST(Hardening, D07_APlantedLinkAtTheOldTemporaryNameRedirectsNothing) {
   k3::write_file_atomic(out, "new");
   EXPECT_EQ(k3test::read_bytes(out), "new");
   EXPECT_EQ(k3test::read_bytes(victim), "precious");
-  // Two writers of one path at once get distinct temporaries (random names, O_EXCL).
+  // A link planted at the temporary's own name: the exclusive create refuses it and follows nothing.
+  const std::string planted = d.file(".out.json.tmp.0123456789abcdef");
+  fs::create_symlink(victim, planted);
+  errno = 0;
+  EXPECT_EQ(k3::create_new_file(planted), -1);
+  EXPECT_EQ(errno, EEXIST);
+  fs::create_symlink(d.file("nowhere"), d.file("dangling"));  // O_CREAT alone would create its target
+  EXPECT_EQ(k3::create_new_file(d.file("dangling")), -1);
+  EXPECT_FALSE(fs::exists(d.path() / "nowhere"));
+  EXPECT_EQ(k3test::read_bytes(victim), "precious");
+  // Temporary names are random: writers of one path at once never share one.
   k3::OutputFile a(out), b(out);
-  int temps = 0;
-  for (const auto& e : fs::directory_iterator(d.path())) temps += e.path().filename().string().rfind(".out.json.tmp.", 0) == 0;
-  EXPECT_EQ(temps, 2);
+  EXPECT_NE(a.temp_path(), b.temp_path());
+  EXPECT_EQ(fs::path(a.temp_path()).filename().string().rfind(".out.json.tmp.", 0), 0u) << a.temp_path();
+  EXPECT_TRUE(fs::is_regular_file(a.temp_path()));
 }
 
 // ---- D08: --save-every 0 -------------------------------------------------------------------------

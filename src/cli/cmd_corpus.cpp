@@ -77,6 +77,7 @@ void register_corpus_retrieval(CLI::App& parent) {
     const data::RetrievalTask task = data::parse_retrieval_task(o->task);
     const Tokenizer tok = Tokenizer::load_dir(o->tokenizer);
     const data::RetrievalTaskGenerator gen(tok, data::read_filler_documents(o->filler, "--filler"));
+    require_integer("--min-tokens", o->min_tokens, 0, int64_t(1) << 22);
     const int64_t lo = std::max(o->min_tokens, gen.min_tokens(task, o->keys));
     if (o->max_tokens < lo) fail("--max-tokens ", o->max_tokens, " is below the task's minimum of ", lo, " tokens");
     require_integer("--max-tokens", o->max_tokens, lo, int64_t(1) << 22);  // 4M tokens: past K3's 1M context

@@ -12,6 +12,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/validate.h"
 #include "eval/eval.h"
 #include "eval/plots.h"
 #include "eval/run_metrics.h"
@@ -92,9 +93,10 @@ void register_eval(CLI::App& app) {
   sub->add_option("--out", o->out, "output directory (eval.json, *.png, plot-data/)")->capture_default_str();
   sub->add_flag("--no-plots", o->no_plots, "write eval.json only");
   sub->callback([o] {
-    if (o->samples < 1) fail("--samples must be >= 1, got ", o->samples);
-    if (o->heldout_tokens < 2) fail("--heldout-tokens must be >= 2, got ", o->heldout_tokens);
-    if (o->keys < 1 || o->keys > 24) fail("--keys must be in 1..24, got ", o->keys);
+    require_integer("--samples", o->samples, 1, 1000000);
+    require_integer("--heldout-tokens", o->heldout_tokens, 2, int64_t(1) << 40);
+    require_integer("--keys", o->keys, 1, 24);
+    require_integer("--train-length", o->train_length, 0, int64_t(1) << 24);  // 0: not given
     if (o->heldout.empty() && o->filler.empty())
       fail("nothing to evaluate: give --heldout SHARD (loss, expert load) and/or --filler DIR (retrieval)");
     const std::vector<int64_t> given_lengths = o->lengths.empty() ? std::vector<int64_t>{} : parse_lengths(o->lengths);

@@ -1,6 +1,7 @@
 #include "io/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -25,7 +26,9 @@ struct Fields {
     if (!has(k)) fail(where(k), " is missing");
     const json& v = j[k];
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == double(int64_t(v.get<double>()))) return int64_t(v.get<double>());
+    // A float that is a whole number inside int64's range (the cast of anything else is undefined).
+    if (v.is_number_float() && std::fabs(v.get<double>()) < 9.2e18 && v.get<double>() == std::trunc(v.get<double>()))
+      return int64_t(v.get<double>());
     fail(where(k), " must be an integer, got ", v.dump());
   }
   int64_t integer(const std::string& k, int64_t def) const { return has(k) ? integer(k) : def; }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -35,6 +36,11 @@ DirectoryLock::DirectoryLock(const std::string& dir, const std::string& purpose)
     const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
     ::close(fd_);
     fd_ = -1;
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) {  // a filesystem without locks (some NFS)
+      std::fprintf(stderr, "warning: %s: this filesystem cannot lock the %s (%s); make sure no other k3 process "
+                   "uses it at the same time\n", path.c_str(), purpose.c_str(), std::strerror(err));
+      return;
+    }
     if (err != EWOULDBLOCK) fail(path, ": cannot lock the ", purpose, " (", std::strerror(err), ")");
     std::string pid = n > 0 ? std::string(buf, size_t(n)) : "";
     while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();

@@ -4,7 +4,8 @@
 //
 // The lock is flock(2) on DIR/.lock, a file that also holds the owner's pid for the message. The
 // kernel drops it when the owner exits, however it exits (kill -9 included), so a crashed run
-// never leaves a stale lock and its resume is not blocked.
+// never leaves a stale lock and its resume is not blocked. On a filesystem that cannot lock (some NFS
+// mounts) it warns and goes on unlocked.
 #pragma once
 #include <string>
 

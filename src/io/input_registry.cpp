@@ -25,9 +25,15 @@ std::vector<Entry>& entries() {
   return e;
 }
 
+// Whether `st` is the registered file. Device and inode alone would also match a new file that reuses
+// the inode of an input deleted since; so when the input's own path no longer leads to that inode, the
+// ctime taken at registration must match too (a chmod or a new hard link changes the ctime of a file
+// that is still there, which the first rule catches).
 bool same_file(const Entry& e, const struct stat& st) {
-  return e.dev == st.st_dev && e.ino == st.st_ino && e.ctime.tv_sec == st.st_ctim.tv_sec &&
-         e.ctime.tv_nsec == st.st_ctim.tv_nsec;
+  if (e.dev != st.st_dev || e.ino != st.st_ino) return false;
+  struct stat now;
+  if (::stat(e.info.path.c_str(), &now) == 0 && now.st_dev == e.dev && now.st_ino == e.ino) return true;
+  return e.ctime.tv_sec == st.st_ctim.tv_sec && e.ctime.tv_nsec == st.st_ctim.tv_nsec;
 }
 
 // Mapped ranges for the signal handler: a fixed table of lock-free slots (a handler may not lock).
@@ -39,6 +45,7 @@ struct MappingSlot {
 };
 constexpr size_t kMappingSlots = 4096;  // a sharded release checkpoint has a few hundred files
 MappingSlot g_mappings[kMappingSlots];
+struct sigaction g_previous;  // the SIGBUS action before ours
 
 void write_stderr(const char* s) {
   size_t n = std::strlen(s);
@@ -63,11 +70,11 @@ void on_sigbus(int sig, siginfo_t* info, void*) {
       _exit(1);
     }
   }
-  // Not one of our mappings: a genuine fault. Return to it with the default action.
-  struct sigaction dfl{};
-  dfl.sa_handler = SIG_DFL;
-  sigemptyset(&dfl.sa_mask);
-  sigaction(sig, &dfl, nullptr);
+  // Not one of our mappings: give the signal back to whoever handled it before us (the default
+  // action, or a sanitizer's report). A fault re-executes the faulting instruction on return; a
+  // SIGBUS sent by kill() or raise() (si_code <= 0) is raised again.
+  sigaction(sig, &g_previous, nullptr);
+  if (info->si_code <= 0) raise(sig);
 }
 
 void install_sigbus_handler() {
@@ -77,7 +84,7 @@ void install_sigbus_handler() {
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, nullptr);
+    sigaction(SIGBUS, &sa, &g_previous);
   });
 }
 

@@ -2,8 +2,8 @@
 // that the one output writer (io/output_file.h) can refuse to replace an input of the same command
 // (`k3 logits --out MODEL/model.safetensors`, `k3 data --out IN IN`), whatever path names it: a
 // file is identified by device and inode, not by its path, so links and relative paths do not hide
-// it. The ctime taken at registration tells a still-present input from a new file that reuses the
-// inode of a deleted one.
+// it. A new file that reuses the inode of an input deleted since is told apart by the input's path
+// and its ctime at registration.
 //
 // It also backs the SIGBUS handler of memory-mapped inputs: a file truncated while mapped makes the
 // next read of a lost page raise SIGBUS; the handler names the file instead of dying silently.

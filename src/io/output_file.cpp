@@ -70,6 +70,10 @@ void fsync_directory(const std::string& dir) {
 
 }  // namespace
 
+int create_new_file(const std::string& path) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+}
+
 void check_output_path(const std::string& path) {
   if (path.empty()) fail("the output path is empty");
   struct stat st;
@@ -87,7 +91,7 @@ OutputFile::OutputFile(const std::string& path) : path_(path) {
   const std::string base = fs::path(path).filename().string().substr(0, 200);
   for (int attempt = 0; attempt < 16 && fd_ < 0; ++attempt) {
     tmp_ = (fs::path(parent_of(path)) / ("." + base + ".tmp." + random_suffix())).string();
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    fd_ = create_new_file(tmp_);
     if (fd_ < 0 && errno != EEXIST) fail(path, ": cannot create the temporary file ", tmp_, " (", std::strerror(errno), ")");
   }
   if (fd_ < 0) fail(path, ": cannot create a temporary file beside it (16 names taken)");

@@ -33,6 +33,7 @@ class OutputFile {
   OutputFile& operator=(const OutputFile&) = delete;
 
   void write(const void* data, size_t n);
+  const std::string& temp_path() const { return tmp_; }  // `.NAME.tmp.<16 hex digits>` beside path
   // fsync, the final check of the target, rename over it, fsync of the directory.
   void commit();
 
@@ -41,6 +42,11 @@ class OutputFile {
   int fd_ = -1;
   bool committed_ = false;
 };
+
+// Creates path as a new, empty file for writing (O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode 0666
+// less the umask): whatever already stands at path, a file or a symbolic link to anywhere, makes it
+// fail with EEXIST and is left untouched. Returns the descriptor, or -1 with errno set.
+int create_new_file(const std::string& path);
 
 // Throws k3::Error naming `what` when the filesystem holding path (or its nearest existing parent)
 // has fewer than `bytes` free.

@@ -112,6 +112,10 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   namespace fs = std::filesystem;
   const K3Config c = load_config(config_path);
   require_number("--router-bias-std", opt.router_bias_std, 0, 1e3);
+  // Both outputs are checked before either is written (the config given may be OUT/config.json itself,
+  // an input the writer will not replace): a refusal leaves the directory as it was.
+  if (std::filesystem::is_directory(out_dir))
+    for (const char* f : {"model.safetensors", "config.json"}) check_output_path((std::filesystem::path(out_dir) / f).string());
   if (opt.mxfp4_experts && c.num_experts > 0 &&
       (c.routed_expert_hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0))
     fail(config_path, ": MXFP4 experts need routed_expert_hidden_size and moe_intermediate_size divisible by 32");

@@ -1,9 +1,12 @@
 // Byte-level BPE training; the algorithm and its reasons are in bpe_train.h.
 #include "tokenizer/bpe_train.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +20,7 @@
 #include <unordered_set>
 
 #include "core/error.h"                 // defines: fail, K3_ASSERT
+#include "io/input_registry.h"          // defines: register_input
 #include "io/output_file.h"             // defines: write_file_atomic
 #include "tokenizer/pretokenizer.h"     // defines: PreTokenizer
 #include "tokenizer/special_tokens.h"   // defines: k3_tokenizer_config_json
@@ -67,17 +71,26 @@ void check_corpus_file(const std::string& path) {
   if (!in) fail(path, ": cannot open corpus file for reading");
 }
 
-// Streams (so pipes such as <(zcat x.gz) work too).
+// Streams (so pipes such as <(zcat x.gz) work too). A regular file is registered as an input, so that
+// --out cannot replace a corpus file (io/input_registry.h).
 std::string read_corpus_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open corpus file for reading");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, ": cannot open corpus file for reading (", std::strerror(errno), ")");
+  register_input(fd, path, "corpus file");
   std::string text;
   std::vector<char> buf(static_cast<size_t>(1) << 20);
-  while (in) {
-    in.read(buf.data(), std::streamsize(buf.size()));
-    text.append(buf.data(), size_t(in.gcount()));
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      fail(path, ": read error in corpus file (", std::strerror(err), ")");
+    }
+    if (n == 0) break;
+    text.append(buf.data(), size_t(n));
   }
-  if (in.bad()) fail(path, ": read error in corpus file");
+  ::close(fd);
   return text;
 }
 

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/finite.h"
 #include "core/json.h"
+#include "core/memory.h"
 #include "core/validate.h"
 #include "io/dir_lock.h"
 #include "io/jsonl.h"
@@ -34,6 +35,8 @@ namespace k3::train {
 
 namespace fs = std::filesystem;
 
+constexpr int64_t kMaxStageTokens = int64_t(1) << 50;
+
 std::vector<Stage> parse_stages(const std::string& text) {
   std::vector<Stage> out;
   std::stringstream ss(text);
@@ -51,6 +54,7 @@ std::vector<Stage> parse_stages(const std::string& text) {
       fail("--stages: '", item, "' is not SEQ_LEN:TOKENS (e.g. 256:200000)");
     }
     if (s.seq_len < 2 || s.tokens < s.seq_len) fail("--stages: '", item, "' needs SEQ_LEN >= 2 and TOKENS >= SEQ_LEN");
+    if (s.tokens > kMaxStageTokens) fail("--stages: '", item, "' has more than 2^50 tokens");
     out.push_back(s);
   }
   if (out.empty()) fail("--stages: no stages given");
@@ -89,8 +93,10 @@ EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, i
 void check_train_options(const TrainOptions& o) {
   constexpr double inf = std::numeric_limits<double>::infinity();
   constexpr int64_t imax = std::numeric_limits<int64_t>::max();
-  require_integer("--tokens", o.tokens, 1, imax);
-  require_integer("--tokens-per-step", o.tokens_per_step, 2, imax);
+  // Bounds that keep the step arithmetic in range and a step's token buffer allocatable: 2^50
+  // tokens is ~100,000x the K3 report's pre-training budget.
+  require_integer("--tokens", o.tokens, 1, kMaxStageTokens);
+  require_integer("--tokens-per-step", o.tokens_per_step, 2, int64_t(1) << 30);
   require_number("--lr", o.lr, 0, inf, /*lo_open=*/true);
   require_number("--min-lr-ratio", o.min_lr_ratio, 0, 1);
   require_number("--warmup", o.warmup_fraction, 0, 1, false, /*hi_open=*/true);
@@ -269,7 +275,17 @@ TrainResult train(const TrainOptions& opt) {
   } else {
     write_file_atomic(metrics_path, "");
   }
-  if (lanes == 0) lanes = omp_get_max_threads();
+  if (lanes == 0) {
+    // One lane per thread, as many as fit: each lane past the first holds a model-sized float64
+    // gradient buffer (an explicit --grad-lanes is refused instead when it does not fit).
+    lanes = omp_get_max_threads();
+    const uint64_t per_lane = uint64_t(P.grads().size()) * sizeof(double), avail = available_memory_bytes();
+    const int64_t fit = per_lane == 0 ? lanes : int64_t(std::min<uint64_t>(avail / per_lane, uint64_t(lanes - 1))) + 1;
+    if (fit < lanes)
+      std::fprintf(stderr, "note: %lld gradient lanes (of %lld threads) fit in the %s of memory available\n",
+                   (long long)fit, (long long)lanes, format_bytes(avail).c_str());
+    lanes = std::max<int64_t>(1, fit);
+  }
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
   GradLanes grad_lanes(P, lanes);
   struct Appender {  // metrics.jsonl, one record per line
@@ -327,18 +343,25 @@ TrainResult train(const TrainOptions& opt) {
     for (auto& b : bal)
       if (b) maxvio.push_back(b->finish_step().max_vio);
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && finite_all(P.grads());
-    if (!finite && !opt.skip_nonfinite)
-      fail("step ", step, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " (loss ", loss, ", gradient norm ",
-           gnorm, "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps. The last checkpoint is in ",
-           opt.out_dir);
+    // Steps are numbered from 1, as in the progress lines and metrics.jsonl.
+    const std::string saved = res.last_checkpoint.empty() ? "no checkpoint has been written yet"
+                                                          : "the last checkpoint is " + res.last_checkpoint;
+    if (!finite && !opt.skip_nonfinite) {
+      std::string where;  // the first gradient tensor that is not finite
+      for (const std::string& n : P.names())
+        if (const int64_t bad = first_nonfinite(P.g(n), P.numel(n)); where.empty() && bad >= 0)
+          where = ", first in the gradient of '" + n + "' (" + nonfinite_name(P.g(n)[bad]) + ")";
+      fail("step ", step + 1, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " (loss ", loss,
+           ", gradient norm ", gnorm, where, "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps; ",
+           saved);
+    }
     if (finite) {
       optimizer.step(P, lr);
       // The update itself can overflow (a huge lr, a broken optimizer state): never save that.
       for (const std::string& n : P.names())
         if (const int64_t bad = first_nonfinite(P.p(n), P.numel(n)); bad >= 0)
           fail("step ", step + 1, ": the optimizer update made parameter '", n, "' ", nonfinite_name(P.p(n)[bad]),
-               " (at flat index ", bad, ", lr ", lr, "); stopping before it is saved. The last checkpoint is in ",
-               opt.out_dir);
+               " (at flat index ", bad, ", lr ", lr, "); stopping before it is saved; ", saved);
     }
     if (count == 0)
       std::fprintf(stderr, "warning: step %lld: its windows hold no prediction (only end-of-document ids); "

@@ -225,12 +225,13 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& cac
       if (first.layer != -2) return;
       if (const int64_t i = first_nonfinite(d, rows * cols); i >= 0) first = {name, l, i / cols, d[i]};
     };
-    std::vector<std::unique_ptr<CudaSequenceCache>> again = new_caches(int64_t(caches.size()));
-    std::vector<CudaSequenceCache*> ptrs;
-    for (auto& a : again) ptrs.push_back(a.get());
-    try {
-      forward(ptrs, tokens, all_positions, &locate);
-    } catch (const Error&) {  // its own (non-finite logits) error: `first` says more
+    try {  // Impl's forward: it does not check the logits, so this pass reads no weight
+      std::vector<std::unique_ptr<CudaSequenceCache>> again = new_caches(int64_t(caches.size()));
+      std::vector<CudaSequenceCache*> ptrs;
+      for (auto& a : again) ptrs.push_back(a.get());
+      if (impl_->precision == GpuPrecision::F32) impl_->forward<float>(ptrs, tokens, all_positions, &locate);
+      else impl_->forward<bf16>(ptrs, tokens, all_positions, &locate);
+    } catch (const Error&) {  // the pass is for the message; without it, the logits' message below
     }
     if (first.layer != -2) fail_nonfinite(c, st, first.block.c_str(), first.layer, first.row, first.value);
   }

@@ -27,8 +27,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
-#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -44,6 +42,7 @@
 #include "util/cli.h"
 #include "util/cuda_test.h"
 #include "util/fixture.h"
+#include "util/st_file.h"
 #include "util/temp_dir.h"
 
 using namespace k3;
@@ -721,17 +720,13 @@ TEST(CudaModel, NonFiniteWeightIsNamedWithItsBlockAndLayer) {
   const std::filesystem::path m = dir.path() / "model";
   std::filesystem::create_directories(m);
   std::filesystem::copy_file(fixture("k3-tiny-a/config.json"), m / "config.json");
+  std::filesystem::copy_file(fixture("k3-tiny-a/model.safetensors"), m / "model.safetensors");
+  std::filesystem::permissions(m / "model.safetensors", std::filesystem::perms::owner_write,
+                               std::filesystem::perm_options::add);
   const std::string kvb = "language_model.model.layers.3.self_attn.kv_b_proj.weight";
-  {  // a NaN in layer 3's MLA kv_b_proj (bf16 0x7fc0)
-    std::ifstream in(fixture("k3-tiny-a/model.safetensors"), std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(in)), {});
-    uint64_t hlen = 0;
-    std::memcpy(&hlen, bytes.data(), 8);
-    const nlohmann::json h = nlohmann::json::parse(bytes.substr(8, hlen));
-    const size_t at = 8 + hlen + h[kvb]["data_offsets"][0].get<size_t>();
-    bytes[at] = char(0xc0), bytes[at + 1] = char(0x7f);
-    std::ofstream(m / "model.safetensors", std::ios::binary) << bytes;
-  }
+  k3test::edit_tensor(m / "model.safetensors", kvb, [](char* p, size_t) {
+    p[0] = char(0xc0), p[1] = char(0x7f);  // bf16 NaN
+  });
   for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
     std::unique_ptr<CudaModel> gpu = CudaModel::load(m.string(), p);
     std::unique_ptr<CudaSequenceCache> cache = gpu->new_cache();

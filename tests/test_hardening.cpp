@@ -86,14 +86,7 @@ fs::path copy_model(const TempDir& d, const std::string& name = "model", bool mx
   return m;
 }
 
-// Applies `edit(bytes, nbytes)` to one tensor's data in place.
-void edit_tensor(const fs::path& file, const std::string& name, const std::function<void(char*, size_t)>& edit) {
-  k3test::StFile f = k3test::read_st(file);
-  ASSERT_TRUE(f.header.contains(name)) << name;
-  const uint64_t b = f.header[name]["data_offsets"][0], e = f.header[name]["data_offsets"][1];
-  edit(f.data.data() + b, size_t(e - b));
-  k3test::write_bytes(file, k3test::read_bytes(file).substr(0, 8 + f.header_len) + f.data);
-}
+using k3test::edit_tensor;
 
 void edit_config(const fs::path& dir, const std::function<void(json&)>& edit) {
   json c = json::parse(k3test::read_bytes(dir / "config.json"));

@@ -167,9 +167,6 @@ void register_eval(CLI::App& app) {
     if (!o->heldout.empty()) {
       if (!fs::exists(o->heldout)) fail("--heldout ", o->heldout, ": no such file (build one with `k3 data`)");
       const train::TokenShard shard = train::TokenShard::open(o->heldout);
-      if (int64_t(shard.max_id()) >= cfg.vocab_size)
-        fail("--heldout ", o->heldout, ": token id ", shard.max_id(), " is outside the model's vocabulary (", cfg.vocab_size,
-             ", ", cfg.source, "): the shard was made with another tokenizer");
       train::check_shard_for_model(shard, o->heldout, cfg);
       const int64_t total = std::min(o->heldout_tokens, shard.size());
       std::fprintf(stderr, "[%.2fs] held-out: %lld of %lld tokens of %s in windows of %lld\n", elapsed_seconds(),

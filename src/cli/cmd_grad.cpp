@@ -68,10 +68,8 @@ void register_grad(CLI::App& app) {
              "; every weight of ", o->model, " is finite, so the values overflowed in the arithmetic");
     }
     if (!std::isfinite(loss)) fail("the loss is ", nonfinite_name(loss), " (every weight of ", o->model, " is finite)");
-    for (const std::string& n : names)
-      if (const int64_t i = first_nonfinite(P.g(n), P.numel(n)); i >= 0)
-        fail("the gradient of '", n, "' is ", nonfinite_name(P.g(n)[i]), " at flat index ", i,
-             " (the loss, ", loss, ", is finite)");
+    if (const std::string bad = train::first_nonfinite_tensor(P, /*gradients=*/true); !bad.empty())
+      fail("the gradient of ", bad, " is not finite (the loss, ", loss, ", is)");
     std::vector<std::vector<float>> grads;
     grads.reserve(names.size());
     std::vector<TensorToWrite> out;

@@ -17,6 +17,9 @@ uint64_t available_memory_bytes();
 // "1.5 GiB", "12.0 MiB", "512 B".
 std::string format_bytes(uint64_t bytes);
 
+// A byte count computed in double (a product of sizes that may pass 2^64), saturated at UINT64_MAX.
+inline uint64_t saturated_bytes(double bytes) { return bytes >= 0x1p64 ? UINT64_MAX : uint64_t(bytes); }
+
 // Throws k3::Error "<what> needs N of memory, but only M is available" when bytes exceed
 // available_memory_bytes().
 void require_memory(uint64_t bytes, const std::string& what);

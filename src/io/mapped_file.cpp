@@ -15,10 +15,9 @@
 namespace k3 {
 
 MappedFile::MappedFile(const std::string& path, const std::string& what) : path_(path) {
-  fd_ = open_input(path, what);
+  struct stat st;
+  fd_ = open_input(path, what, InputRole::kInput, &st);
   try {  // the destructor does not run if the constructor throws: close fd_ here
-    struct stat st;
-    if (fstat(fd_, &st) != 0) fail(path, ": cannot stat: ", std::strerror(errno));
     size_ = size_t(st.st_size);
     if (size_ > 0) {
       void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);

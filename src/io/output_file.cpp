@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "io/file.h"
 #include "io/input_registry.h"
 
 namespace k3 {
@@ -20,16 +21,6 @@ namespace k3 {
 namespace {
 
 namespace fs = std::filesystem;
-
-const char* kind_of(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISLNK(m)) return "a symbolic link";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  return "not a regular file";
-}
 
 std::string parent_of(const std::string& path) {
   const fs::path p = fs::path(path).parent_path();
@@ -42,7 +33,7 @@ void check_existing_target(const std::string& path, const struct stat& st) {
     fail(path, ": is a symbolic link; an output is written to a new file renamed into place, which would replace "
                "the link rather than its target: give the target's own path");
   if (!S_ISREG(st.st_mode))
-    fail(path, ": is ", kind_of(st.st_mode), "; k3 writes outputs only as regular files");
+    fail(path, ": is ", file_kind(st.st_mode), "; k3 writes outputs only as regular files");
   if (std::optional<InputInfo> in = find_input(st))
     fail(path, ": is an input of this command (", in->what, in->path != path ? ", read as " + in->path : std::string(),
          "); writing the output there would destroy it: choose another path");
@@ -150,9 +141,14 @@ int open_append(const std::string& path) {
   if (fd < 0)
     fail(path, ": cannot open for appending (", errno == ELOOP ? "it is a symbolic link" : std::strerror(errno), ")");
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
     ::close(fd);
-    fail(path, ": cannot append to it: it is not a regular file");
+    fail(path, ": cannot stat (", std::strerror(err), ")");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path, ": cannot append to it: it is ", file_kind(st.st_mode), ", not a regular file");
   }
   const int flags = fcntl(fd, F_GETFL);
   if (flags >= 0) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);

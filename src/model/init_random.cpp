@@ -128,7 +128,7 @@ void write_random_model(const std::string& config_path, const std::string& out_d
       params += g.total;
       bytes += double(g.total) * (g.name == "routed experts" && opt.mxfp4_experts ? 17.0 / 32.0 : 2.0);
     }
-    const uint64_t need = bytes >= 1.8e19 ? UINT64_MAX : uint64_t(bytes);
+    const uint64_t need = saturated_bytes(bytes);
     const std::string what = "k3 init: the model of " + config_path + " (" + format_count(params) + " parameters)";
     require_memory(need, what);
     require_disk_space(out_dir, need, what);

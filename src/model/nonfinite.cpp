@@ -28,7 +28,7 @@ std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer) {
     if (!in_layer(name, layer)) continue;
     const TensorView& t = st.get(name);
     int64_t bad = -1;
-    std::string what = "a non-finite value";
+    std::string what;
     switch (t.dtype) {
       // (TensorView data is aligned to its dtype: safetensors.h.)
       case DType::F32: bad = first_nonfinite(reinterpret_cast<const float*>(t.data), int64_t(t.nbytes / 4)); break;
@@ -50,14 +50,10 @@ std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer) {
       default: break;
     }
     if (bad >= 0) {
-      if (t.dtype == DType::F32) {
+      if (t.dtype != DType::U8) {  // a float: NaN, +Inf or -Inf
         float v;
-        std::memcpy(&v, t.data + size_t(bad) * 4, 4);
+        widen_to_f32(&v, t.data + size_t(bad) * dtype_size(t.dtype), t.dtype, 1);
         what = nonfinite_name(v);
-      } else if (t.dtype == DType::BF16) {
-        uint16_t h;
-        std::memcpy(&h, t.data + size_t(bad) * 2, 2);
-        what = nonfinite_name(bf16_to_f32(h));
       }
       return *t.file + ": tensor '" + name + "' holds " + what + " at flat index " + std::to_string(bad);
     }

@@ -49,7 +49,7 @@ GradLanes::GradLanes(ParamStore& P, int64_t lanes) : P_(P) {
   if (lanes < 1) fail("--grad-lanes: need at least 1 gradient lane, got ", lanes);
   // Each lane past the first holds a float64 gradient buffer the size of the model.
   const double bytes = double(lanes - 1) * double(P.grads().size()) * double(sizeof(double));
-  require_memory(bytes >= 1.8e19 ? UINT64_MAX : uint64_t(bytes),
+  require_memory(saturated_bytes(bytes),
                  "--grad-lanes " + std::to_string(lanes) + " (a float64 gradient buffer of the model per lane)");
   for (int64_t l = 1; l < lanes; ++l) extra_.push_back(ParamStore::gradient_lane(P));
 }

@@ -82,4 +82,15 @@ ParamStore ParamStore::from_model_dir(const std::string& dir) {
   return ps;
 }
 
+std::string first_nonfinite_tensor(const ParamStore& P, bool gradients) {
+  const std::vector<double>& all = gradients ? P.grads() : P.values();
+  if (first_nonfinite(all.data(), int64_t(all.size())) < 0) return "";
+  for (const std::string& n : P.names()) {
+    const double* x = gradients ? P.g(n) : P.p(n);
+    if (const int64_t bad = first_nonfinite(x, P.numel(n)); bad >= 0)
+      return "'" + n + "' (" + nonfinite_name(x[bad]) + " at flat index " + std::to_string(bad) + ")";
+  }
+  return "";
+}
+
 }  // namespace k3::train

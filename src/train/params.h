@@ -57,4 +57,9 @@ class ParamStore {
   const std::vector<double>* shared_values_ = nullptr;  // a gradient lane's base values
 };
 
+// The first tensor of P (in name order) whose values, or with `gradients` whose gradients, hold a NaN
+// or an infinity, as "'NAME' (NaN at flat index I)"; "" when every one is finite. One scan of the flat
+// buffer; the tensors are walked only when it finds something.
+std::string first_nonfinite_tensor(const ParamStore& P, bool gradients);
+
 }  // namespace k3::train

@@ -67,12 +67,6 @@ std::string moe_bias_name(const std::string& root, int64_t l) {
   return root + "layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias";
 }
 
-bool finite_all(const std::vector<double>& v) {
-  for (double x : v)
-    if (!std::isfinite(x)) return false;
-  return true;
-}
-
 // Mean loss over the first `tokens` of the shard, windows of `len`, documents cut as in training;
 // and the entropy of those tokens' unigram distribution.
 EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, int64_t tokens, int64_t len,
@@ -342,26 +336,21 @@ TrainResult train(const TrainOptions& opt) {
     std::vector<double> maxvio;
     for (auto& b : bal)
       if (b) maxvio.push_back(b->finish_step().max_vio);
-    const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && finite_all(P.grads());
+    const std::string bad_gradient = first_nonfinite_tensor(P, /*gradients=*/true);
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && bad_gradient.empty();
     // Steps are numbered from 1, as in the progress lines and metrics.jsonl.
     const std::string saved = res.last_checkpoint.empty() ? "no checkpoint has been written yet"
                                                           : "the last checkpoint is " + res.last_checkpoint;
-    if (!finite && !opt.skip_nonfinite) {
-      std::string where;  // the first gradient tensor that is not finite
-      for (const std::string& n : P.names())
-        if (const int64_t bad = first_nonfinite(P.g(n), P.numel(n)); where.empty() && bad >= 0)
-          where = ", first in the gradient of '" + n + "' (" + nonfinite_name(P.g(n)[bad]) + ")";
+    if (!finite && !opt.skip_nonfinite)
       fail("step ", step + 1, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " (loss ", loss,
-           ", gradient norm ", gnorm, where, "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps; ",
-           saved);
-    }
+           ", gradient norm ", gnorm, bad_gradient.empty() ? "" : ", first in the gradient of " + bad_gradient,
+           "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps; ", saved);
     if (finite) {
       optimizer.step(P, lr);
       // The update itself can overflow (a huge lr, a broken optimizer state): never save that.
-      for (const std::string& n : P.names())
-        if (const int64_t bad = first_nonfinite(P.p(n), P.numel(n)); bad >= 0)
-          fail("step ", step + 1, ": the optimizer update made parameter '", n, "' ", nonfinite_name(P.p(n)[bad]),
-               " (at flat index ", bad, ", lr ", lr, "); stopping before it is saved; ", saved);
+      if (const std::string bad = first_nonfinite_tensor(P, /*gradients=*/false); !bad.empty())
+        fail("step ", step + 1, ": the optimizer update made parameter ", bad, " (lr ", lr,
+             "); stopping before it is saved; ", saved);
     }
     if (count == 0)
       std::fprintf(stderr, "warning: step %lld: its windows hold no prediction (only end-of-document ids); "

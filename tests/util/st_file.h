@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -56,6 +57,16 @@ inline bool erase_tensor(StFile& f, const std::string& name) {
     if (k != "__metadata__" && v["data_offsets"][0].get<uint64_t>() >= e)
       v["data_offsets"] = {v["data_offsets"][0].get<uint64_t>() - (e - b), v["data_offsets"][1].get<uint64_t>() - (e - b)};
   return true;
+}
+
+// Applies edit(bytes, nbytes) to one tensor's data in place, the header left as it is.
+inline void edit_tensor(const std::filesystem::path& file, const std::string& name,
+                        const std::function<void(char*, size_t)>& edit) {
+  StFile f = read_st(file);
+  if (!f.header.contains(name)) throw std::runtime_error(file.string() + ": no tensor " + name);
+  const uint64_t b = f.header[name]["data_offsets"][0], e = f.header[name]["data_offsets"][1];
+  edit(f.data.data() + b, size_t(e - b));
+  write_bytes(file, read_bytes(file).substr(0, 8 + f.header_len) + f.data);
 }
 
 inline void write_st(const std::filesystem::path& p, const StFile& f) { write_bytes(p, st_bytes(f.header.dump(), f.data)); }

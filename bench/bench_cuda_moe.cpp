@@ -36,7 +36,7 @@
 #include "cli/args.h"
 #include "core/cuda.h"
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "kernels/moe/moe_cuda.h"
 
 #ifdef K3_HAVE_CUDA

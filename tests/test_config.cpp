@@ -1,4 +1,4 @@
-// config.json parsing (io/config), parameter counting (model/param_count) and `k3 inspect`.
+// config.json parsing (model/config), parameter counting (model/param_count) and `k3 inspect`.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -12,7 +12,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "io/safetensors.h"
 #include "model/param_count.h"
 

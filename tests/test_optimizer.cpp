@@ -6,7 +6,7 @@
 #include <random>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "train/optimizer.h"
 
 using namespace k3::train;

@@ -11,7 +11,7 @@
 #include <random>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "train/ffn_block.h"
 #include "train/grad_lanes.h"
 #include "train/model_train.h"

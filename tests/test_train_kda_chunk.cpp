@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "train/kda_block.h"
 #include "train/kda_chunk.h"
 #include "train/params.h"

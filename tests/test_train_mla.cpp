@@ -13,7 +13,7 @@
 #include <random>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "model/model.h"
 #include "train/mla_block.h"
 #include "train/params.h"

@@ -9,7 +9,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/finite.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "io/safetensors.h"
 #include "train/model_train.h"
 #include "train/params.h"

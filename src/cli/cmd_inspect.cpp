@@ -9,7 +9,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "model/param_count.h"
 
 namespace k3::cli {

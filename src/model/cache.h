@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 
 namespace k3 {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/config.h"
+#include "model/config.h"
 
 namespace k3 {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "model/cache.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "io/safetensors.h"
 #include "model/cache.h"
 #include "model/layers.h"

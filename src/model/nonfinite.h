@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "io/safetensors.h"
 
 namespace k3 {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 
 namespace k3 {
 

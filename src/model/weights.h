@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "io/safetensors.h"
 #include "kernels/gemm/linear.h"
 

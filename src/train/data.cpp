@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "io/file.h"
 #include "io/mapped_file.h"
 #include "io/safetensors.h"

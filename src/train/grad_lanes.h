@@ -24,7 +24,7 @@
 #include <functional>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "train/model_train.h"
 #include "train/params.h"
 

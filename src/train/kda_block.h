@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "train/params.h"
 
 namespace k3::train {

@@ -36,7 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "train/params.h"
 
 namespace k3::train {

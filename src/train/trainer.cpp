@@ -19,7 +19,7 @@
 #include "io/jsonl.h"
 #include "io/output_file.h"
 #include "core/splitmix.h"
-#include "io/config.h"
+#include "model/config.h"
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "model/init_random.h"

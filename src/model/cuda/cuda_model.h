@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "model/config.h"
 #include "model/layers.h"
 
 namespace k3 {

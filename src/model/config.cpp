@@ -1,4 +1,4 @@
-#include "io/config.h"
+#include "model/config.h"
 
 #include <algorithm>
 #include <cmath>

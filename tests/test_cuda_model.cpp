@@ -276,7 +276,6 @@ TEST(CpuTwin, BlockInputsAreBf16ValuesAndTheFirstBlockMovesByBf16Noise) {
   EXPECT_LT(err, 2e-2);
 }
 
-// The switch for CLI users: K3_BF16_ACTIVATIONS=1 k3 logits gives the twin's logits.
 // ForwardHooks::replace, which the GPU block test below relies on, on the CPU model: fed its own block
 // outputs the twin gives its own logits bit for bit; fed the float64 golden block outputs, each of its
 // blocks departs from the golden one by a single block's bf16 noise (the first block's size), not by
@@ -337,7 +336,8 @@ TEST(CpuTwin, ReplaceHookFeedsBlockOutputsToTheForward) {
   EXPECT_LE(flipped_tokens * 8, int64_t(ids.size())) << "near-ties only";
 }
 
-TEST(CpuTwin, EnvironmentSwitchReachesTheCli) {
+// The switch for CLI users: `k3 logits --precision bf16` on the CPU gives the twin's logits.
+TEST(CpuTwin, PrecisionFlagReachesTheCli) {
   k3test::TempDir dir("cpu-twin-cli");
   const std::string plain = (dir.path() / "plain.safetensors").string(), twin = (dir.path() / "twin.safetensors").string();
   const std::string csv = joined(golden_row("ids_a"), ',');
@@ -349,12 +349,14 @@ TEST(CpuTwin, EnvironmentSwitchReachesTheCli) {
   };
   auto r = k3test::run_k3(with(plain));
   ASSERT_EQ(r.status, 0) << r.output;
-  r = k3test::run_shell("K3_BF16_ACTIVATIONS=1 " + k3test::k3_command(with(twin)));
+  std::vector<std::string> twin_args = with(twin);
+  twin_args.insert(twin_args.end(), {"--device", "cpu", "--precision", "bf16"});
+  r = k3test::run_k3(twin_args);
   ASSERT_EQ(r.status, 0) << r.output;
   const std::vector<float> want = golden().read_f32("logits_ids_a");
   const std::vector<float> cli_twin = SafeTensors::open(twin).read_f32("logits");
   EXPECT_LE(rel_l2(SafeTensors::open(plain).read_f32("logits"), want), kFixtureBar);
-  EXPECT_GT(rel_l2(cli_twin, want), 1e-3) << "the switch must round";
+  EXPECT_GT(rel_l2(cli_twin, want), 1e-3) << "the flag must round";
   // Same kernels and thread count as this process (k3_command pins OpenBLAS's): the same logits.
   EXPECT_LE(rel_l2(cli_twin, forward_fresh(tiny_twin(false), {golden_row("ids_a")})), 1e-6)
       << "the CLI's twin must be the library's twin";
@@ -703,12 +705,25 @@ TEST(CudaModelConfig, ShapesTheKernelsCannotTakeAreNamed) {
   EXPECT_NE(gpu_config_problem(c, GpuPrecision::BF16).find("hidden_size 16392"), std::string::npos);
 }
 
-TEST(CudaModelCli, PrecisionNeedsDeviceCuda) {
+// --precision on the CPU: f32 is the default (the same logits as without the flag); only f32 and
+// bf16 exist.
+TEST(CudaModelCli, PrecisionOnTheCpuIsF32OrBf16) {
   const k3test::TempDir dir("precision");
-  auto r = k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", dir.file("o"),
-                           "--precision", "f32"});
+  const std::vector<std::string> base = {"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out"};
+  auto with = [&](std::vector<std::string> extra, const std::string& out) {
+    std::vector<std::string> a = base;
+    a.push_back(dir.file(out));
+    a.insert(a.end(), extra.begin(), extra.end());
+    return k3test::run_k3(a);
+  };
+  auto r = with({}, "plain");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = with({"--precision", "f32"}, "f32");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(SafeTensors::open(dir.file("plain")).read_f32("logits"), SafeTensors::open(dir.file("f32")).read_f32("logits"));
+  r = with({"--precision", "fp8"}, "fp8");
   EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("applies to --device cuda only"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--precision"), std::string::npos) << r.output;
 }
 
 // Non-finite values (model/nonfinite.h): the GPU forward checks its logits and, on a fresh forward,

@@ -149,7 +149,7 @@ TEST(FixtureDecode, GreedyGenerateEqualsGoldenFullRecomputation) {
   ASSERT_EQ(want.size(), 24u);
   Sampler greedy(SamplingParams{});
   std::vector<int32_t> streamed;
-  GenerateResult r = generate(m, prompt, int64_t(want.size()), greedy, [&](int32_t t) { streamed.push_back(t); });
+  GenerateResult r = generate(*k3test::engine_of(m), prompt, int64_t(want.size()), greedy, [&](int32_t t) { streamed.push_back(t); });
   EXPECT_FALSE(r.stopped_on_eos);
   ASSERT_EQ(r.tokens.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) { EXPECT_EQ(r.tokens[i], want[i]) << "generated token " << i; }
@@ -893,7 +893,7 @@ TEST(Sampler, BadParamsThrowNamingTheFlag) {
 TEST(Generate, StopsOnEosAndIncludesIt) {
   const std::vector<int32_t> prompt = golden_row("ids_a");
   Sampler greedy(SamplingParams{});
-  const GenerateResult first = generate(tiny(), prompt, 10, greedy);
+  const GenerateResult first = generate(k3test::tiny_engine(), prompt, 10, greedy);
   ASSERT_EQ(first.tokens.size(), 10u);
   ASSERT_FALSE(first.stopped_on_eos);
   // The eos id of the variant: the token greedy decoding produces at step 3. It stops at the first
@@ -915,7 +915,7 @@ TEST(Generate, StopsOnEosAndIncludesIt) {
   ASSERT_EQ(m->config().eos_token_id, eos);
   std::vector<int32_t> streamed;
   Sampler greedy2(SamplingParams{});
-  const GenerateResult r = generate(*m, prompt, 10, greedy2, [&](int32_t t) { streamed.push_back(t); });
+  const GenerateResult r = generate(*k3test::engine_of(*m), prompt, 10, greedy2, [&](int32_t t) { streamed.push_back(t); });
   EXPECT_TRUE(r.stopped_on_eos);
   const std::vector<int32_t> want(first.tokens.begin(), first.tokens.begin() + int64_t(stop) + 1);
   EXPECT_EQ(r.tokens, want) << "generation must stop right after the eos id, which is included";
@@ -924,11 +924,11 @@ TEST(Generate, StopsOnEosAndIncludesIt) {
 
   // max_new_tokens bounds the run before eos, and 0 generates nothing.
   Sampler greedy3(SamplingParams{});
-  const GenerateResult shorter = generate(*m, prompt, int64_t(stop), greedy3);
+  const GenerateResult shorter = generate(*k3test::engine_of(*m), prompt, int64_t(stop), greedy3);
   EXPECT_FALSE(shorter.stopped_on_eos);
   EXPECT_EQ(shorter.tokens, std::vector<int32_t>(first.tokens.begin(), first.tokens.begin() + int64_t(stop)));
   Sampler greedy4(SamplingParams{});
-  EXPECT_TRUE(generate(*m, prompt, 0, greedy4).tokens.empty());
+  EXPECT_TRUE(generate(*k3test::engine_of(*m), prompt, 0, greedy4).tokens.empty());
   m.reset();
 }
 

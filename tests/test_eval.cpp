@@ -114,7 +114,7 @@ TEST(Eval, HeldoutLossEqualsDirectLogSoftmaxSum) {
   ASSERT_LT(cap, int64_t(toks.size()));
   eval::ExpertLoad load(m.config());
   int64_t calls = 0;
-  const eval::HeldoutResult r = eval::heldout_loss(m, shard, cap, window, &load, [&](int64_t, int64_t) { ++calls; });
+  const eval::HeldoutResult r = eval::heldout_loss(k3test::tiny_engine(), shard, cap, window, &load, [&](int64_t, int64_t) { ++calls; });
 
   // Independent: windows [p, p+window) of the first `cap` tokens, cut after each kEod, 1-token pieces dropped.
   double sum = 0;
@@ -203,13 +203,12 @@ TEST(Eval, ExactMatchIsVerbatim) {
 }
 
 TEST(Eval, BatchedGreedyEqualsGenerateOneByOne) {
-  Model& m = k3test::tiny();
   const std::vector<std::vector<int32_t>> prompts = {{203, 802, 2, 239, 451}, {17, 5}, {900, 901, 902, 3, 4, 5, 6, 7, 8, 9, 10}};
-  const auto batched = eval::greedy_continuations(m, prompts, 6);
+  const auto batched = eval::greedy_continuations(k3test::tiny_engine(), prompts, 6);
   ASSERT_EQ(batched.size(), prompts.size());
   for (size_t b = 0; b < prompts.size(); ++b) {
     Sampler s(SamplingParams{});
-    const GenerateResult g = generate(m, prompts[b], 6, s);
+    const GenerateResult g = generate(k3test::tiny_engine(), prompts[b], 6, s);
     // generate() stops on eos; compare the common prefix (and it must be all of g's tokens).
     ASSERT_LE(g.tokens.size(), batched[b].size());
     EXPECT_EQ(std::vector<int32_t>(batched[b].begin(), batched[b].begin() + int64_t(g.tokens.size())), g.tokens) << "prompt " << b;
@@ -217,14 +216,13 @@ TEST(Eval, BatchedGreedyEqualsGenerateOneByOne) {
 }
 
 TEST(Eval, RetrievalIsReproducibleAndConsistent) {
-  Model& m = k3test::tiny();
   k3test::TempDir dir("retrieval");
   write_byte_tokenizer(dir.path().string());
   const Tokenizer tok = Tokenizer::load_dir(dir.path().string());
   const data::RetrievalTaskGenerator gen(tok, {kFiller});
   const int64_t len = gen.min_tokens(data::RetrievalTask::Passkey) + 40;
-  const auto a = eval::retrieval_accuracy(m, tok, gen, data::RetrievalTask::Passkey, len, 3);
-  const auto b = eval::retrieval_accuracy(m, tok, gen, data::RetrievalTask::Passkey, len, 3);
+  const auto a = eval::retrieval_accuracy(k3test::tiny_engine(), tok, gen, data::RetrievalTask::Passkey, len, 3);
+  const auto b = eval::retrieval_accuracy(k3test::tiny_engine(), tok, gen, data::RetrievalTask::Passkey, len, 3);
   ASSERT_FALSE(a.skipped);
   EXPECT_EQ(a.task, "passkey");
   EXPECT_EQ(a.samples, 3);
@@ -253,7 +251,7 @@ TEST(Eval, RetrievalIsReproducibleAndConsistent) {
   // Samples differ from each other (different seeds).
   EXPECT_NE(a.details[0].answer, a.details[1].answer);
   // Too short for the fixed text: skipped with a note, not an error.
-  const auto s = eval::retrieval_accuracy(m, tok, gen, data::RetrievalTask::MultiKey, 20, 3);
+  const auto s = eval::retrieval_accuracy(k3test::tiny_engine(), tok, gen, data::RetrievalTask::MultiKey, 20, 3);
   EXPECT_TRUE(s.skipped);
   EXPECT_NE(s.note.find("minimum"), std::string::npos);
 }
@@ -325,7 +323,7 @@ TEST(EvalCli, WritesJsonAndPlots) {
   const nlohmann::json j = nlohmann::json::parse(read(dir.file("out/eval.json")));
   EXPECT_EQ(j["train_length"], 128);
   const train::TokenShard shard = train::TokenShard::open(dir.file("ho.bin"));
-  const eval::HeldoutResult h = eval::heldout_loss(m, shard, 200, 128);
+  const eval::HeldoutResult h = eval::heldout_loss(k3test::tiny_engine(), shard, 200, 128);
   EXPECT_NEAR(j["heldout"]["loss"].get<double>(), h.loss, 1e-6 * h.loss);  // not bit-exact: BLAS kernels may differ
   EXPECT_EQ(j["heldout"]["predictions"].get<int64_t>(), h.predictions);
   EXPECT_EQ(j["expert_load"]["layers"].size(), eval::ExpertLoad(m.config()).moe_layers().size());

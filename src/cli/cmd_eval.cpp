@@ -11,6 +11,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/engine.h"
 #include "core/error.h"
 #include "core/validate.h"
 #include "eval/eval.h"
@@ -59,6 +60,7 @@ void register_eval(CLI::App& app) {
     std::string model, tokenizer, heldout, filler, run, lengths, out = "k3-eval", tasks = "passkey,multikey";
     int64_t train_length = 0, samples = 20, heldout_tokens = 32768, keys = 4;
     bool no_plots = false;
+    DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* sub = app.add_subcommand(
@@ -91,6 +93,7 @@ void register_eval(CLI::App& app) {
   sub->add_option("--tasks", o->tasks, "retrieval tasks: passkey, multikey or both")->capture_default_str();
   sub->add_option("--keys", o->keys, "key/value pairs in a multikey prompt")->capture_default_str();
   sub->add_option("--out", o->out, "output directory (eval.json, *.png, plot-data/)")->capture_default_str();
+  add_device_options(sub, o->device);
   sub->add_flag("--no-plots", o->no_plots, "write eval.json only");
   sub->callback([o] {
     require_integer("--samples", o->samples, 1, 1000000);
@@ -131,8 +134,7 @@ void register_eval(CLI::App& app) {
                    run_note.empty() ? "" : ", ", run_note.c_str());
     }
 
-    std::fprintf(stderr, "[%.2fs] loading %s\n", elapsed_seconds(), model_dir.c_str());
-    auto m = Model::load(model_dir);
+    std::unique_ptr<Engine> m = load_engine(model_dir, o->device);
     const K3Config& cfg = m->config();
 
     // The training length L.

@@ -91,7 +91,8 @@ void register_generate(CLI::App& app) {
     std::vector<ChatSegment> segments;
     if (request) segments = render_chat(*request);  // bad requests fail before the model loads
 
-    Engine m = Engine::load(o->model, o->device);
+    std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
+    Engine& m = *engine;
     std::optional<Tokenizer> tok;
     std::vector<int32_t> prompt;
     if (text_mode) {
@@ -115,7 +116,7 @@ void register_generate(CLI::App& app) {
       std::fflush(stdout);
       printed = text.size();
     };
-    GenerateResult r = generate(m.session(), m.config(), prompt, o->max_new, sampler, on_token);
+    GenerateResult r = generate(m, prompt, o->max_new, sampler, on_token);
     if (printed) std::printf("\n");
 
     const std::string ids = join_ids(r.tokens);

@@ -35,7 +35,8 @@ void register_logits(CLI::App& app) {
         fail("--ids: all rows must have the same length (row 0 has ", rows[0].size(), " ids, row ", b, " has ",
              rows[b].size(), ")");
     check_output_path(o->out);
-    Engine m = Engine::load(o->model, o->device);
+    std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
+    Engine& m = *engine;
     check_ids_in_vocab(rows, m.config().vocab_size, "--ids", m.config().source);
     check_output_path(o->out);  // again, now that the model's files are known inputs
     const int64_t B = int64_t(rows.size()), T = int64_t(rows[0].size()), V = m.config().vocab_size;

@@ -91,7 +91,7 @@ std::vector<ExpertLoad::LayerStats> ExpertLoad::stats() const {
   return out;
 }
 
-HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
+HeldoutResult heldout_loss(Engine& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
                            ExpertLoad* load, const std::function<void(int64_t, int64_t)>& progress) {
   if (window < 2) fail("held-out evaluation: the window must be at least 2 tokens, got ", window);
   if (max_tokens < 2) fail("held-out evaluation: at least 2 tokens are needed, got ", max_tokens);
@@ -108,14 +108,7 @@ HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max
     const std::vector<std::vector<int32_t>> pieces = train::window_pieces(shard, pos, std::min(window, r.tokens - pos));
     ++r.windows;
     if (!pieces.empty()) {
-      std::vector<SequenceCache> caches;
-      caches.reserve(pieces.size());
-      std::vector<SequenceCache*> ptrs;
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        caches.push_back(m.new_cache());
-        ptrs.push_back(&caches.back());
-      }
-      const std::vector<float> logits = m.forward(ptrs, pieces, true, load ? &hooks : nullptr);
+      const std::vector<float> logits = m.forward_fresh(pieces, load ? &hooks : nullptr);
       int64_t row0 = 0;
       for (const auto& p : pieces) {
         const int64_t n = int64_t(p.size());
@@ -141,20 +134,17 @@ uint64_t retrieval_seed(data::RetrievalTask task, int64_t length, int64_t i) {
   return (uint64_t(task == data::RetrievalTask::Passkey ? 1 : 2) << 56) ^ (uint64_t(length) << 20) ^ uint64_t(i);
 }
 
-std::vector<std::vector<int32_t>> greedy_continuations(Model& m, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> greedy_continuations(Engine& m, const std::vector<std::vector<int32_t>>& prompts,
                                                        int64_t max_new) {
   const int64_t V = m.config().vocab_size;
   const size_t B = prompts.size();
   std::vector<std::vector<int32_t>> out(B);
   if (B == 0 || max_new <= 0) return out;
-  std::vector<SequenceCache> caches;
-  caches.reserve(B);
-  std::vector<SequenceCache*> ptrs;
-  for (size_t b = 0; b < B; ++b) {
+  for (size_t b = 0; b < B; ++b)
     if (prompts[b].empty()) fail("greedy decoding: prompt ", b, " is empty");
-    caches.push_back(m.new_cache());
-    ptrs.push_back(&caches.back());
-  }
+  const std::vector<std::unique_ptr<EngineSequence>> seqs = m.new_sequences(int64_t(B));
+  std::vector<EngineSequence*> ptrs;
+  for (const auto& q : seqs) ptrs.push_back(q.get());
   std::vector<float> logits = m.forward(ptrs, prompts, false);
   for (int64_t step = 0; step < max_new; ++step) {
     std::vector<std::vector<int32_t>> next(B);
@@ -168,7 +158,7 @@ std::vector<std::vector<int32_t>> greedy_continuations(Model& m, const std::vect
   return out;
 }
 
-RetrievalPoint retrieval_accuracy(Model& m, const Tokenizer& tok, const data::RetrievalTaskGenerator& gen,
+RetrievalPoint retrieval_accuracy(Engine& m, const Tokenizer& tok, const data::RetrievalTaskGenerator& gen,
                                   data::RetrievalTask task, int64_t length, int64_t samples, int keys) {
   const auto t0 = std::chrono::steady_clock::now();
   RetrievalPoint p;

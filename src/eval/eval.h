@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "data/retrieval_tasks.h"
-#include "model/model.h"
+#include "model/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "train/data.h"
 
@@ -71,7 +71,7 @@ struct HeldoutResult {
 // sequence with a fresh cache (the pieces of a window run as one batch). `load`, when given,
 // counts the routed experts of every token. `progress` is called after each window with
 // (tokens done, tokens total).
-HeldoutResult heldout_loss(Model& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
+HeldoutResult heldout_loss(Engine& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
                            ExpertLoad* load = nullptr,
                            const std::function<void(int64_t, int64_t)>& progress = {});
 
@@ -103,12 +103,12 @@ struct RetrievalPoint {
 uint64_t retrieval_seed(data::RetrievalTask task, int64_t length, int64_t i);
 
 // Greedy continuations of `max_new` tokens after each prompt, batched (every prompt its own cache).
-std::vector<std::vector<int32_t>> greedy_continuations(Model& m, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> greedy_continuations(Engine& m, const std::vector<std::vector<int32_t>>& prompts,
                                                        int64_t max_new);
 
 // `samples` prompts of at most `length` tokens; greedy-decodes as many tokens as the answer has
 // (encoded on its own) and compares the decoded text with the answer exactly.
-RetrievalPoint retrieval_accuracy(Model& m, const Tokenizer& tok, const data::RetrievalTaskGenerator& gen,
+RetrievalPoint retrieval_accuracy(Engine& m, const Tokenizer& tok, const data::RetrievalTaskGenerator& gen,
                                   data::RetrievalTask task, int64_t length, int64_t samples, int keys = 4);
 
 }  // namespace k3::eval

@@ -6,13 +6,6 @@
 
 namespace k3 {
 
-GenerateResult generate(Model& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
-                        const std::function<void(int32_t)>& on_token) {
-  SequenceCache cache = m.new_cache();
-  const AppendFn append = [&](const std::vector<int32_t>& t) { return m.forward({&cache}, {t}, false); };
-  return generate(append, m.config(), prompt, max_new_tokens, sampler, on_token);
-}
-
 GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token) {
   K3_CHECK(!prompt.empty(), "generate: the prompt is empty");

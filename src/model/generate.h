@@ -5,7 +5,7 @@
 #include <functional>
 #include <vector>
 
-#include "model/model.h"
+#include "model/config.h"
 #include "model/sampler.h"
 
 namespace k3 {
@@ -16,12 +16,9 @@ struct GenerateResult {
   double prefill_seconds = 0.0, decode_seconds = 0.0;
 };
 
-// on_token (optional) is called with each new id as soon as it is chosen.
-GenerateResult generate(Model& m, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
-                        const std::function<void(int32_t)>& on_token = {});
-
-// The same loop over any engine: append(tokens) appends tokens to the one sequence being generated
-// and returns the logits [V] of its last token (the CPU Model and the CudaModel both provide it).
+// append(tokens) appends tokens to the one sequence being generated and returns the logits [V] of its
+// last token (Engine::session gives one; model/engine.h has generate() on an Engine). on_token
+// (optional) is called with each new id as soon as it is chosen.
 using AppendFn = std::function<std::vector<float>(const std::vector<int32_t>& tokens)>;
 GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});

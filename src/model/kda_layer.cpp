@@ -14,8 +14,6 @@ PathOptions PathOptions::from_env() {
   PathOptions o;
   const char* r = std::getenv("K3_REFERENCE");
   o.reference = r && *r && std::strcmp(r, "0") != 0;
-  const char* b = std::getenv("K3_BF16_ACTIVATIONS");
-  o.bf16_activations = b && *b && std::strcmp(b, "0") != 0;
   return o;
 }
 

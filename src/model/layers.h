@@ -12,6 +12,7 @@
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "model/cache.h"
+#include "model/decoder.h"
 #include "model/weights.h"
 
 namespace k3 {
@@ -27,11 +28,6 @@ struct ForwardHooks {
   std::function<bool(const char* name, int64_t layer, float* data, int64_t rows, int64_t cols)> replace;
 };
 
-// Seconds spent per block kind (Model::timings, CudaModel::timings) while profiling is on.
-struct BlockTimings {
-  double embed = 0, attnres_norm = 0, kda = 0, mla = 0, dense_ffn = 0, moe = 0, head = 0;
-  double total() const { return embed + attnres_norm + kda + mla + dense_ffn + moe + head; }
-};
 
 // Numerical path switches. `reference` (env K3_REFERENCE=1) forces the specification paths:
 // the KDA recurrence instead of the chunked form, and expanded MLA instead of absorbed weights.
@@ -44,7 +40,7 @@ struct PathOptions {
   // rounded to bf16 at the same point; everything else runs as usual. Its purpose is the test of that
   // path: bf16 roundings of a random model's activations move its block outputs by ~1e-2 (x̂ alone:
   // 4e-3 at the fixture's first KDA block), far more than the GPU kernels differ from one another.
-  // Env K3_BF16_ACTIVATIONS=1 turns it on for the CLI (what would the GPU's bf16 path give here?).
+  // `--device cpu --precision bf16` turns it on in the CLI (what would the GPU's bf16 path give here?).
   bool bf16_activations = false;
   // Rounds x[0..n) to bf16 when bf16_activations is set.
   void bf16(float* x, int64_t n) const {

@@ -1,11 +1,12 @@
 #include "model/model.h"
 
-#include <chrono>
+#include <deque>
 #include <filesystem>
 
 #include "core/error.h"
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
+#include "model/decoder.h"
 #include "model/nonfinite.h"
 
 namespace k3 {
@@ -22,6 +23,10 @@ std::unique_ptr<Model> Model::load(const std::string& config_path, const std::st
   m->cfg_ = load_config(config_path);
   m->st_ = SafeTensors::open(weights_path);
   m->w_ = bind_weights(m->cfg_, m->st_);
+  for (const std::string& n : m->st_.names()) {
+    const TensorView& t = m->st_.get(n);
+    m->weight_bytes_ += size_t(t.numel()) * dtype_size(t.dtype);
+  }
   return m;
 }
 
@@ -35,109 +40,131 @@ void check_new_tokens(const K3Config& c, size_t b, const std::vector<int32_t>& t
            c.max_position_embeddings, " of ", c.source);
 }
 
+namespace {
+
+// The CPU backend of the decoder schedule (model/decoder.h): fp32 activations, the kernels' fp64
+// accumulation, a check of every block output for non-finite values. Buffers live in `store_`, which
+// keeps them for the whole forward (a deque: handles stay valid as it grows).
+class CpuBackend {
+ public:
+  using Act = float*;
+
+  CpuBackend(const K3Config& c, const SafeTensors& st, const ModelWeights& w, const PathOptions& opt,
+             const std::vector<Segment>& segs, const std::vector<std::vector<int32_t>>& tokens, int64_t N,
+             bool all_positions, const ForwardHooks* hooks)
+      : c_(c), st_(st), w_(w), opt_(opt), segs_(segs), tokens_(tokens), N_(N), D_(c.hidden_size),
+        all_positions_(all_positions), hooks_(hooks), h_(size_t(N * D_)), xn_(size_t(N * D_)), out_(size_t(N * D_)) {}
+
+  bool profiling() const { return opt_.profile; }
+  void synchronize() {}
+
+  Act embed() {  // no scaling
+    float* e = new_buffer();
+    int64_t r = 0;
+    for (const auto& seq : tokens_)
+      for (int32_t id : seq) w_.embed_tokens.rows_to_f32(e + r++ * D_, id, 1);
+    check_block_finite(c_, st_, "embedding", -1, e, N_, D_);
+    return e;
+  }
+
+  void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
+    const LayerWeights* L = l >= 0 ? &w_.layers[size_t(l)] : nullptr;
+    const std::vector<float>& query =
+        site == MixSite::AttnIn ? L->attn_res_query : site == MixSite::FfnIn ? L->mlp_res_query : w_.output_res_query;
+    if (blocks.empty()) {
+      std::copy_n(partial, N_ * D_, h_.data());
+    } else {
+      srcs_.assign(blocks.begin(), blocks.end());
+      srcs_.push_back(partial);
+      attnres_forward(h_.data(), srcs_.data(), int(srcs_.size()), N_, D_, query.data(), c_.rms_norm_eps);
+      opt_.bf16(h_.data(), N_ * D_);  // the GPU's fused AttnRes + norm reads h rounded to its output type
+    }
+    if (site == MixSite::Output) return;  // head() normalises only the rows it keeps
+    const std::vector<float>& norm = site == MixSite::AttnIn ? L->input_layernorm : L->post_attention_layernorm;
+    rmsnorm_forward(xn_.data(), h_.data(), norm.data(), c_.rms_norm_eps, N_, D_);
+    opt_.bf16(xn_);
+    if (hooks_ && hooks_->tensor) hooks_->tensor(site == MixSite::AttnIn ? "attn_in" : "ffn_in", l, xn_.data(), N_, D_);
+  }
+
+  Act attention(int64_t l) {
+    const LayerWeights& L = w_.layers[size_t(l)];
+    if (L.kind == AttnKind::KDA) kda_attention_forward(out_.data(), xn_.data(), N_, segs_, l, L.kda, c_, opt_);
+    else mla_attention_forward(out_.data(), xn_.data(), N_, segs_, l, L.mla, c_, opt_);
+    return out_.data();
+  }
+
+  Act ffn(int64_t l) {
+    const LayerWeights& L = w_.layers[size_t(l)];
+    if (L.is_moe) moe_ffn_forward(out_.data(), xn_.data(), N_, l, L.moe, c_, hooks_, opt_);
+    else dense_ffn_forward(out_.data(), xn_.data(), N_, L.dense, c_, opt_);
+    return out_.data();
+  }
+
+  void block_output(const char* name, int64_t l, Act out) {
+    if (hooks_ && hooks_->tensor) hooks_->tensor(name, l, out, N_, D_);
+    if (hooks_ && hooks_->replace) hooks_->replace(name, l, out, N_, D_);
+    check_block_finite(c_, st_, name, l, out, N_, D_);
+  }
+
+  Act start_partial(Act out) {
+    float* p = new_buffer();
+    std::copy_n(out, N_ * D_, p);
+    return p;
+  }
+  void add_partial(Act& partial, Act out) {
+    for (int64_t i = 0; i < N_ * D_; ++i) partial[i] += out[i];
+  }
+
+  // Output: the selected rows of the final AttnRes, the final norm, lm_head (no soft-cap, no scaling).
+  std::vector<float> head() {
+    std::vector<int64_t> rows;
+    if (all_positions_)
+      for (int64_t r = 0; r < N_; ++r) rows.push_back(r);
+    else
+      for (const Segment& s : segs_) rows.push_back(s.row0 + s.n - 1);
+    const int64_t M = int64_t(rows.size()), V = c_.vocab_size;
+    std::vector<float> hn(size_t(M * D_));
+    for (int64_t i = 0; i < M; ++i) std::copy_n(&h_[size_t(rows[size_t(i)] * D_)], D_, &hn[size_t(i * D_)]);
+    rmsnorm_forward(hn.data(), hn.data(), w_.norm.data(), c_.rms_norm_eps, M, D_);
+    opt_.bf16(hn);
+    std::vector<float> logits(size_t(M * V));
+    linear_forward(logits.data(), hn.data(), M, w_.lm_head);
+    check_block_finite(c_, st_, "logits", -1, logits.data(), M, V);
+    return logits;
+  }
+
+ private:
+  float* new_buffer() { return store_.emplace_back(size_t(N_ * D_)).data(); }
+
+  const K3Config& c_;
+  const SafeTensors& st_;
+  const ModelWeights& w_;
+  const PathOptions& opt_;
+  const std::vector<Segment>& segs_;
+  const std::vector<std::vector<int32_t>>& tokens_;
+  const int64_t N_, D_;
+  const bool all_positions_;
+  const ForwardHooks* hooks_;
+  std::deque<std::vector<float>> store_;  // the partial sums and completed blocks
+  std::vector<float> h_, xn_, out_;       // the last mix's AttnRes output and its norm; a block output
+  std::vector<const float*> srcs_;
+};
+
+}  // namespace
+
 std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
                                   bool all_positions, const ForwardHooks* hooks) {
-  const K3Config& c = cfg_;
-  const int64_t D = c.hidden_size, V = c.vocab_size;
   K3_CHECK(caches.size() == tokens.size(), "forward: ", caches.size(), " caches for ", tokens.size(), " sequences");
   std::vector<Segment> segs;
   int64_t N = 0;
   for (size_t b = 0; b < tokens.size(); ++b) {
-    check_new_tokens(c, b, tokens[b], caches[b]->length);
+    check_new_tokens(cfg_, b, tokens[b], caches[b]->length);
     segs.push_back({N, int64_t(tokens[b].size()), caches[b]});
     N += int64_t(tokens[b].size());
   }
-  // Profiling: tick(slot) charges the time since the previous tick to slot.
-  auto last = std::chrono::steady_clock::now();
-  auto tick = [&](double& slot) {
-    if (!opt_.profile) return;
-    const auto now = std::chrono::steady_clock::now();
-    slot += std::chrono::duration<double>(now - last).count();
-    last = now;
-  };
-  auto emit = [&](const char* name, int64_t l, const float* p) {
-    if (hooks && hooks->tensor) hooks->tensor(name, l, p, N, D);
-  };
-  auto emit_output = [&](const char* name, int64_t l, float* p) {  // a block output: also `replace`
-    emit(name, l, p);
-    if (hooks && hooks->replace) hooks->replace(name, l, p, N, D);
-  };
-
-  // Embedding (no scaling). prefix = the running partial sum of the current AttnRes block.
-  std::vector<float> prefix(size_t(N * D));
-  {
-    int64_t r = 0;
-    for (const auto& seq : tokens)
-      for (int32_t id : seq) w_.embed_tokens.rows_to_f32(&prefix[size_t(r++ * D)], id, 1);
-  }
-  check_block_finite(c, st_, "embedding", -1, prefix.data(), N, D);
-  tick(timings_.embed);
-  std::vector<std::vector<float>> blocks;  // completed block sums, the embedding first
-  std::vector<float> h(size_t(N * D)), xn(size_t(N * D)), a(size_t(N * D));
-  std::vector<const float*> srcs;
-  auto attnres = [&](float* out, const float* partial, const std::vector<float>& query) {
-    srcs.clear();
-    for (auto& b : blocks) srcs.push_back(b.data());
-    srcs.push_back(partial);
-    attnres_forward(out, srcs.data(), int(srcs.size()), N, D, query.data(), c.rms_norm_eps);
-    opt_.bf16(out, N * D);  // the GPU's fused AttnRes + norm reads h rounded to its output type
-  };
-
-  bool prefix_empty = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const LayerWeights& L = w_.layers[size_t(l)];
-    // Attention input: AttnRes over the completed blocks and the partial sum (skipped before the first block).
-    if (blocks.empty()) h = prefix;
-    else attnres(h.data(), prefix.data(), L.attn_res_query);
-    if (l % c.attn_res_block_size == 0) {  // block boundary: snapshot the partial sum, start a new one
-      blocks.push_back(prefix);
-      prefix_empty = true;
-    }
-    rmsnorm_forward(xn.data(), h.data(), L.input_layernorm.data(), c.rms_norm_eps, N, D);
-    opt_.bf16(xn);
-    emit("attn_in", l, xn.data());
-    tick(timings_.attnres_norm);
-    if (L.kind == AttnKind::KDA) kda_attention_forward(a.data(), xn.data(), N, segs, l, L.kda, c, opt_);
-    else mla_attention_forward(a.data(), xn.data(), N, segs, l, L.mla, c, opt_);
-    tick(L.kind == AttnKind::KDA ? timings_.kda : timings_.mla);
-    emit_output("attn_out", l, a.data());
-    check_block_finite(c, st_, "attn_out", l, a.data(), N, D);
-    if (prefix_empty) prefix = a;
-    else
-      for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
-    prefix_empty = false;
-
-    // FFN input: AttnRes again (blocks is never empty here).
-    attnres(h.data(), prefix.data(), L.mlp_res_query);
-    rmsnorm_forward(xn.data(), h.data(), L.post_attention_layernorm.data(), c.rms_norm_eps, N, D);
-    opt_.bf16(xn);
-    emit("ffn_in", l, xn.data());
-    tick(timings_.attnres_norm);
-    if (L.is_moe) moe_ffn_forward(a.data(), xn.data(), N, l, L.moe, c, hooks, opt_);
-    else dense_ffn_forward(a.data(), xn.data(), N, L.dense, c, opt_);
-    tick(L.is_moe ? timings_.moe : timings_.dense_ffn);
-    emit_output("ffn_out", l, a.data());
-    check_block_finite(c, st_, "ffn_out", l, a.data(), N, D);
-    for (int64_t i = 0; i < N * D; ++i) prefix[size_t(i)] += a[size_t(i)];
-  }
-
-  // Output: AttnRes over all blocks, final norm, lm_head (no soft-cap, no scaling).
-  std::vector<int64_t> rows;
-  if (all_positions)
-    for (int64_t r = 0; r < N; ++r) rows.push_back(r);
-  else
-    for (const Segment& s : segs) rows.push_back(s.row0 + s.n - 1);
-  attnres(h.data(), prefix.data(), w_.output_res_query);
-  const int64_t M = int64_t(rows.size());
-  std::vector<float> hn(size_t(M * D));
-  for (int64_t i = 0; i < M; ++i) std::copy_n(&h[size_t(rows[size_t(i)] * D)], D, &hn[size_t(i * D)]);
-  rmsnorm_forward(hn.data(), hn.data(), w_.norm.data(), c.rms_norm_eps, M, D);
-  opt_.bf16(hn);
-  std::vector<float> logits(size_t(M * V));
-  linear_forward(logits.data(), hn.data(), M, w_.lm_head);
-  check_block_finite(c, st_, "logits", -1, logits.data(), M, V);
+  CpuBackend be(cfg_, st_, w_, opt_, segs, tokens, N, all_positions, hooks);
+  std::vector<float> logits = decoder_forward(be, cfg_, &timings_);
   for (const Segment& s : segs) s.cache->length += s.n;
-  tick(timings_.head);
   return logits;
 }
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "model/config.h"
 #include "io/safetensors.h"
+#include "model/config.h"
 #include "model/cache.h"
 #include "model/layers.h"
 #include "model/weights.h"
@@ -28,6 +28,8 @@ class Model {
   const ModelWeights& weights() const { return w_; }
   SequenceCache new_cache() const { return SequenceCache::fresh(cfg_); }
   PathOptions& options() { return opt_; }
+  const PathOptions& options() const { return opt_; }
+  size_t weight_bytes() const { return weight_bytes_; }  // the checkpoint's tensor bytes (mapped, read on use)
 
   // Seconds spent per block kind since the last reset (only while options().profile is set).
   using Timings = BlockTimings;
@@ -47,6 +49,7 @@ class Model {
   ModelWeights w_;
   PathOptions opt_ = PathOptions::from_env();
   Timings timings_;
+  size_t weight_bytes_ = 0;
 };
 
 }  // namespace k3

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "model/decoder.h"
 #include "train/ffn_block.h"
 #include "train/kda_block.h"
 #include "train/mla_block.h"
@@ -38,7 +39,7 @@ std::vector<std::string> trainable_names(const ParamStore& P) {
 
 namespace {
 
-// One AttnRes use: which nodes it mixed, with which query tensors.
+// One AttnRes + RMSNorm use: which nodes it mixed, with which query tensors, and what it computed.
 struct ResUse {
   std::vector<int> srcs;  // node ids; empty = skipped (h is the node `direct`)
   int direct = -1;
@@ -49,9 +50,6 @@ struct ResUse {
 
 struct LayerTape {
   ResUse attn_in, ffn_in;
-  bool attn_new_block = false;
-  int prefix_before_attn = -1, prefix_after_attn = -1, prefix_after_ffn = -1;
-  bool kda = true, moe = false;
   std::unique_ptr<KdaBlockTape> kda_tape;
   std::unique_ptr<MlaBlockTape> mla_tape;
   std::unique_ptr<GluTape> dense_tape;
@@ -65,157 +63,218 @@ std::vector<double> query_of(const ParamStore& P, const std::string& norm, const
   return q;
 }
 
-}  // namespace
+// The float64 training backend of the decoder schedule (model/decoder.h) over one sequence. Its
+// handles are node ids: every version of the running block sum is a node with its own gradient
+// buffer (AttnRes mixes snapshots of that sum, so the backward needs each value a use saw). kOut
+// names the last block output, which is not a node until it is added to the partial sum.
+class TrainBackend {
+ public:
+  using Act = int;
+  static constexpr Act kOut = -1;
 
-double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward, double grad_scale,
-                     std::vector<double>* logits_out, const TrainHooks* hooks) {
-  const int64_t T = int64_t(ids.size()), D = c.hidden_size, V = c.vocab_size;
-  if (T < 1) fail("training: empty sequence");
-  const double eps = c.rms_norm_eps;
-  const ModelNames nm = model_names(P, c);
-  const std::string lp = nm.root + "layers.";
+  TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks)
+      : P_(P), c_(c), ids_(ids), hooks_(hooks), nm_(model_names(P, c)), T_(int64_t(ids.size())), D_(c.hidden_size),
+        tape_(size_t(c.num_hidden_layers)), out_(size_t(T_ * D_)) {}
 
-  // Nodes: versions of the running block sum (node 0 = the embedding).
-  std::vector<std::vector<double>> node;
-  const double* E = P.p(nm.root + "embed_tokens.weight", V * D);
-  node.emplace_back(static_cast<size_t>(T * D));
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[size_t(t)] < 0 || ids[size_t(t)] >= V) fail("training: token id ", ids[size_t(t)], " outside [0, ", V, ")");
-    std::copy_n(E + int64_t(ids[size_t(t)]) * D, D, &node[0][size_t(t * D)]);
+  bool profiling() const { return false; }
+  void synchronize() {}
+
+  Act embed() {
+    const int64_t V = c_.vocab_size;
+    const double* E = P_.p(nm_.root + "embed_tokens.weight", V * D_);
+    node_.emplace_back(static_cast<size_t>(T_ * D_));
+    for (int64_t t = 0; t < T_; ++t) {
+      if (ids_[size_t(t)] < 0 || ids_[size_t(t)] >= V) fail("training: token id ", ids_[size_t(t)], " outside [0, ", V, ")");
+      std::copy_n(E + int64_t(ids_[size_t(t)]) * D_, D_, &node_[0][size_t(t * D_)]);
+    }
+    return 0;
   }
-  std::vector<int> blocks;  // completed block sums (node ids)
-  int prefix = 0;
 
-  auto attnres = [&](ResUse& u, int partial, const std::string& norm, const std::string& proj, const std::string& ln) {
-    u.ln_name = ln;
-    u.h.resize(size_t(T * D));
+  void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
+    const std::string p = layer_prefix(l);
+    ResUse& u = use(site, l);
+    if (site == MixSite::AttnIn) {
+      u.norm_name = p + "self_attention_res_norm.weight", u.proj_name = p + "self_attention_res_proj.weight";
+      u.ln_name = p + "input_layernorm.weight";
+    } else if (site == MixSite::FfnIn) {
+      u.norm_name = p + "mlp_res_norm.weight", u.proj_name = p + "mlp_res_proj.weight";
+      u.ln_name = p + "post_attention_layernorm.weight";
+    } else {
+      u.norm_name = nm_.root + "output_attn_res_norm.weight", u.proj_name = nm_.root + "output_attn_res_proj.weight";
+      u.ln_name = nm_.root + "norm.weight";
+    }
+    u.h.resize(size_t(T_ * D_));
     if (blocks.empty()) {
       u.direct = partial;
-      u.h = node[size_t(partial)];
+      u.h = node_[size_t(partial)];
     } else {
       u.srcs = blocks;
       u.srcs.push_back(partial);
-      u.norm_name = norm;
-      u.proj_name = proj;
       std::vector<const double*> src;
-      for (int s : u.srcs) src.push_back(node[size_t(s)].data());
-      const std::vector<double> q = query_of(P, norm, proj, D);
-      attnres_fwd(u.h.data(), src, q.data(), eps, T, D);
+      for (int s : u.srcs) src.push_back(node_[size_t(s)].data());
+      const std::vector<double> q = query_of(P_, u.norm_name, u.proj_name, D_);
+      attnres_fwd(u.h.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
     }
-    u.xn.resize(size_t(T * D));
-    rmsnorm_fwd(u.xn.data(), u.h.data(), P.p(ln, D), eps, T, D);
-  };
-
-  std::vector<LayerTape> tape(static_cast<size_t>(c.num_hidden_layers));
-  std::vector<double> out(size_t(T * D));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    LayerTape& L = tape[size_t(l)];
-    const std::string p = lp + std::to_string(l) + ".";
-    attnres(L.attn_in, prefix, p + "self_attention_res_norm.weight", p + "self_attention_res_proj.weight",
-            p + "input_layernorm.weight");
-    L.prefix_before_attn = prefix;
-    if (l % c.attn_res_block_size == 0) {
-      blocks.push_back(prefix);
-      L.attn_new_block = true;
-    }
-    L.kda = c.layer_kind[size_t(l)] == AttnKind::KDA;
-    if (L.kda) {
-      L.kda_tape = std::make_unique<KdaBlockTape>();
-      kda_block_forward(P, p, c, l, L.attn_in.xn.data(), T, out.data(), L.kda_tape.get());
-    } else {
-      L.mla_tape = std::make_unique<MlaBlockTape>();
-      mla_block_forward(P, p, c, l, L.attn_in.xn.data(), T, out.data(), L.mla_tape.get());
-    }
-    if (hooks && hooks->tensor) hooks->tensor("attn_out", l, out.data(), T, D);
-    node.push_back(out);
-    if (!L.attn_new_block)
-      for (int64_t i = 0; i < T * D; ++i) node.back()[size_t(i)] += node[size_t(prefix)][size_t(i)];
-    prefix = L.prefix_after_attn = int(node.size()) - 1;
-
-    attnres(L.ffn_in, prefix, p + "mlp_res_norm.weight", p + "mlp_res_proj.weight", p + "post_attention_layernorm.weight");
-    L.moe = c.is_moe_layer(l);
-    if (L.moe) {
-      L.moe_tape = std::make_unique<MoeTape>();
-      const double* bias = hooks && hooks->router_bias ? hooks->router_bias(l)
-                           : P.has(p + "block_sparse_moe.gate.e_score_correction_bias")
-                               ? P.p(p + "block_sparse_moe.gate.e_score_correction_bias")
-                               : nullptr;
-      moe_ffn_forward(P, p, c, l, L.ffn_in.xn.data(), T, out.data(), L.moe_tape.get(), bias);
-      if (hooks && hooks->on_moe) hooks->on_moe(l, *L.moe_tape);
-    } else {
-      L.dense_tape = std::make_unique<GluTape>();
-      dense_ffn_forward(P, p, c, l, L.ffn_in.xn.data(), T, out.data(), L.dense_tape.get());
-    }
-    if (hooks && hooks->tensor) hooks->tensor("ffn_out", l, out.data(), T, D);
-    node.push_back(out);
-    for (int64_t i = 0; i < T * D; ++i) node.back()[size_t(i)] += node[size_t(prefix)][size_t(i)];
-    prefix = L.prefix_after_ffn = int(node.size()) - 1;
+    u.xn.resize(size_t(T_ * D_));
+    rmsnorm_fwd(u.xn.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
   }
 
-  ResUse fin;
-  attnres(fin, prefix, nm.root + "output_attn_res_norm.weight", nm.root + "output_attn_res_proj.weight",
-          nm.root + "norm.weight");
-  std::vector<double> logits(size_t(T * V));
-  const double* Wh = P.p(nm.lm_head, V * D);
-  linear_fwd(logits.data(), fin.xn.data(), Wh, T, D, V);
-  std::vector<int32_t> target(static_cast<size_t>(T), -1);
-  for (int64_t t = 0; t + 1 < T; ++t) target[size_t(t)] = ids[size_t(t + 1)];
-  std::vector<double> dlogits(backward ? size_t(T * V) : 0);
-  const double loss = cross_entropy(logits.data(), target.data(), T, V, backward ? dlogits.data() : nullptr, grad_scale);
-  if (logits_out) *logits_out = std::move(logits);
-  if (!backward) return loss;
+  Act attention(int64_t l) {
+    LayerTape& L = tape_[size_t(l)];
+    const std::string p = layer_prefix(l);
+    if (c_.layer_kind[size_t(l)] == AttnKind::KDA) {
+      L.kda_tape = std::make_unique<KdaBlockTape>();
+      kda_block_forward(P_, p, c_, l, L.attn_in.xn.data(), T_, out_.data(), L.kda_tape.get());
+    } else {
+      L.mla_tape = std::make_unique<MlaBlockTape>();
+      mla_block_forward(P_, p, c_, l, L.attn_in.xn.data(), T_, out_.data(), L.mla_tape.get());
+    }
+    return kOut;
+  }
+
+  Act ffn(int64_t l) {
+    LayerTape& L = tape_[size_t(l)];
+    const std::string p = layer_prefix(l);
+    if (c_.is_moe_layer(l)) {
+      L.moe_tape = std::make_unique<MoeTape>();
+      const std::string bias_name = p + "block_sparse_moe.gate.e_score_correction_bias";
+      const double* bias = hooks_ && hooks_->router_bias ? hooks_->router_bias(l)
+                           : P_.has(bias_name)          ? P_.p(bias_name)
+                                                        : nullptr;
+      moe_ffn_forward(P_, p, c_, l, L.ffn_in.xn.data(), T_, out_.data(), L.moe_tape.get(), bias);
+      if (hooks_ && hooks_->on_moe) hooks_->on_moe(l, *L.moe_tape);
+    } else {
+      L.dense_tape = std::make_unique<GluTape>();
+      dense_ffn_forward(P_, p, c_, l, L.ffn_in.xn.data(), T_, out_.data(), L.dense_tape.get());
+    }
+    return kOut;
+  }
+
+  void block_output(const char* name, int64_t l, Act) {
+    if (hooks_ && hooks_->tensor) hooks_->tensor(name, l, out_.data(), T_, D_);
+  }
+  Act start_partial(Act) {
+    node_.push_back(out_);
+    return int(node_.size()) - 1;
+  }
+  void add_partial(Act& partial, Act) {
+    node_.push_back(out_);
+    std::vector<double>& sum = node_.back();
+    const std::vector<double>& prev = node_[size_t(partial)];
+    for (int64_t i = 0; i < T_ * D_; ++i) sum[size_t(i)] += prev[size_t(i)];
+    partial = int(node_.size()) - 1;
+  }
+
+  // What head() computes: with `backward`, dlogits for head_backward; `logits_out` (optional) gets [T, V].
+  void set_head(bool backward, double grad_scale, std::vector<double>* logits_out) {
+    backward_ = backward, grad_scale_ = grad_scale, logits_out_ = logits_out;
+  }
+  // The head: lm_head on every position and the next-token cross-entropy over T-1 of them.
+  double head() {
+    const int64_t V = c_.vocab_size;
+    std::vector<double> logits(size_t(T_ * V));
+    linear_fwd(logits.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_, D_, V);
+    std::vector<int32_t> target(static_cast<size_t>(T_), -1);
+    for (int64_t t = 0; t + 1 < T_; ++t) target[size_t(t)] = ids_[size_t(t + 1)];
+    dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
+    const double loss =
+        cross_entropy(logits.data(), target.data(), T_, V, backward_ ? dlogits_.data() : nullptr, grad_scale_);
+    if (logits_out_) *logits_out_ = std::move(logits);
+    return loss;
+  }
 
   // ---- backward ----
-  std::vector<std::vector<double>> dnode(node.size(), std::vector<double>(size_t(T * D), 0.0));
-  std::vector<double> dh(static_cast<size_t>(T * D)), dxn(static_cast<size_t>(T * D)), dq(static_cast<size_t>(D));
+  void head_backward() {
+    dnode_.assign(node_.size(), std::vector<double>(size_t(T_ * D_), 0.0));
+    dh_.resize(size_t(T_ * D_)), dxn_.resize(size_t(T_ * D_)), dq_.resize(size_t(D_));
+    const int64_t V = c_.vocab_size;
+    linear_bwd(dxn_.data(), P_.g(nm_.lm_head, V * D_), dlogits_.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_,
+               D_, V);
+  }
+
   // Back through RMSNorm and AttnRes (or the skipped AttnRes) into the node gradients.
-  auto attnres_back = [&](const ResUse& u) {
-    rmsnorm_bwd(dh.data(), P.g(u.ln_name, D), dxn.data(), u.h.data(), P.p(u.ln_name, D), eps, T, D);
+  void mix_backward(MixSite site, int64_t l) {
+    const ResUse& u = use(site, l);
+    rmsnorm_bwd(dh_.data(), P_.g(u.ln_name, D_), dxn_.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
     if (u.srcs.empty()) {
-      for (int64_t i = 0; i < T * D; ++i) dnode[size_t(u.direct)][size_t(i)] += dh[size_t(i)];
+      for (int64_t i = 0; i < T_ * D_; ++i) dnode_[size_t(u.direct)][size_t(i)] += dh_[size_t(i)];
       return;
     }
     std::vector<const double*> src;
     std::vector<double*> dsrc;
     for (int s : u.srcs) {
-      src.push_back(node[size_t(s)].data());
-      dsrc.push_back(dnode[size_t(s)].data());
+      src.push_back(node_[size_t(s)].data());
+      dsrc.push_back(dnode_[size_t(s)].data());
     }
-    const std::vector<double> q = query_of(P, u.norm_name, u.proj_name, D);
-    std::fill(dq.begin(), dq.end(), 0.0);
-    attnres_bwd(dsrc, dq.data(), dh.data(), src, q.data(), eps, T, D);
+    const std::vector<double> q = query_of(P_, u.norm_name, u.proj_name, D_);
+    std::fill(dq_.begin(), dq_.end(), 0.0);
+    attnres_bwd(dsrc, dq_.data(), dh_.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
     // q = norm ⊙ proj
-    const double *a = P.p(u.norm_name, D), *b = P.p(u.proj_name, D);
-    double *da = P.g(u.norm_name, D), *db = P.g(u.proj_name, D);
-    for (int64_t i = 0; i < D; ++i) {
-      da[i] += dq[size_t(i)] * b[i];
-      db[i] += dq[size_t(i)] * a[i];
+    const double *a = P_.p(u.norm_name, D_), *b = P_.p(u.proj_name, D_);
+    double *da = P_.g(u.norm_name, D_), *db = P_.g(u.proj_name, D_);
+    for (int64_t i = 0; i < D_; ++i) {
+      da[i] += dq_[size_t(i)] * b[i];
+      db[i] += dq_[size_t(i)] * a[i];
     }
-  };
-
-  linear_bwd(dxn.data(), P.g(nm.lm_head, V * D), dlogits.data(), fin.xn.data(), Wh, T, D, V);
-  attnres_back(fin);
-  
-  for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
-    LayerTape& L = tape[size_t(l)];
-    const std::string p = lp + std::to_string(l) + ".";
-    // prefix_after_ffn = prefix_after_attn + ffn_out
-    const std::vector<double>& dpost = dnode[size_t(L.prefix_after_ffn)];
-    for (int64_t i = 0; i < T * D; ++i) dnode[size_t(L.prefix_after_attn)][size_t(i)] += dpost[size_t(i)];
-    if (L.moe) moe_ffn_backward(P, p, c, l, *L.moe_tape, dpost.data(), dxn.data());
-    else dense_ffn_backward(P, p, c, l, *L.dense_tape, dpost.data(), dxn.data());
-    attnres_back(L.ffn_in);
-    // prefix_after_attn = (new block ? 0 : prefix_before_attn) + attn_out
-    const std::vector<double>& dmid = dnode[size_t(L.prefix_after_attn)];
-    if (!L.attn_new_block)
-      for (int64_t i = 0; i < T * D; ++i) dnode[size_t(L.prefix_before_attn)][size_t(i)] += dmid[size_t(i)];
-    if (L.kda) kda_block_backward(P, p, c, l, *L.kda_tape, dmid.data(), dxn.data());
-    else mla_block_backward(P, p, c, l, *L.mla_tape, dmid.data(), dxn.data());
-    attnres_back(L.attn_in);
   }
-  double* dE = P.g(nm.root + "embed_tokens.weight", V * D);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d) dE[int64_t(ids[size_t(t)]) * D + d] += dnode[0][size_t(t * D + d)];
+
+  void attention_backward(int64_t l, Act d_out) {
+    const LayerTape& L = tape_[size_t(l)];
+    const double* dy = dnode_[size_t(d_out)].data();
+    if (L.kda_tape) kda_block_backward(P_, layer_prefix(l), c_, l, *L.kda_tape, dy, dxn_.data());
+    else mla_block_backward(P_, layer_prefix(l), c_, l, *L.mla_tape, dy, dxn_.data());
+  }
+  void ffn_backward(int64_t l, Act d_out) {
+    const LayerTape& L = tape_[size_t(l)];
+    const double* dy = dnode_[size_t(d_out)].data();
+    if (L.moe_tape) moe_ffn_backward(P_, layer_prefix(l), c_, l, *L.moe_tape, dy, dxn_.data());
+    else dense_ffn_backward(P_, layer_prefix(l), c_, l, *L.dense_tape, dy, dxn_.data());
+  }
+  void add_gradient(Act dst, Act src) {
+    std::vector<double>& d = dnode_[size_t(dst)];
+    const std::vector<double>& s = dnode_[size_t(src)];
+    for (int64_t i = 0; i < T_ * D_; ++i) d[size_t(i)] += s[size_t(i)];
+  }
+  void embed_backward(Act embedding) {
+    double* dE = P_.g(nm_.root + "embed_tokens.weight", c_.vocab_size * D_);
+    const std::vector<double>& d = dnode_[size_t(embedding)];
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t j = 0; j < D_; ++j) dE[int64_t(ids_[size_t(t)]) * D_ + j] += d[size_t(t * D_ + j)];
+  }
+
+ private:
+  std::string layer_prefix(int64_t l) const { return nm_.root + "layers." + std::to_string(l) + "."; }
+  ResUse& use(MixSite site, int64_t l) {
+    if (site == MixSite::Output) return final_;
+    return site == MixSite::AttnIn ? tape_[size_t(l)].attn_in : tape_[size_t(l)].ffn_in;
+  }
+
+  ParamStore& P_;
+  const K3Config& c_;
+  const std::vector<int32_t>& ids_;
+  const TrainHooks* hooks_;
+  const ModelNames nm_;
+  const int64_t T_, D_;
+  std::vector<LayerTape> tape_;
+  ResUse final_;
+  std::vector<std::vector<double>> node_, dnode_;  // versions of the block sum and their gradients
+  std::vector<double> out_;                        // the last block output
+  std::vector<double> dlogits_, dh_, dxn_, dq_;
+  bool backward_ = false;
+  double grad_scale_ = 0;
+  std::vector<double>* logits_out_ = nullptr;
+};
+
+}  // namespace
+
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward, double grad_scale,
+                     std::vector<double>* logits_out, const TrainHooks* hooks) {
+  if (ids.empty()) fail("training: empty sequence");
+  TrainBackend be(P, c, ids, hooks);
+  be.set_head(backward, grad_scale, logits_out);
+  DecoderTape<TrainBackend::Act> tape;
+  const double loss = decoder_forward(be, c, nullptr, &tape);
+  if (backward) decoder_backward(be, c, tape);
   return loss;
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "io/safetensors.h"
+#include "model/engine.h"
 #include "model/model.h"
 #include "compare.h"
 
@@ -20,6 +21,17 @@ inline k3::Model& tiny() {
   static std::unique_ptr<k3::Model> m =
       k3::Model::load(fixture("k3-tiny-a/config.json"), fixture("k3-tiny-a/model.safetensors"));
   return *m;
+}
+
+// An engine over a model that outlives it (the CPU engine's interface on a test's Model).
+inline std::unique_ptr<k3::Engine> engine_of(k3::Model& m) {
+  return k3::Engine::on_cpu(std::shared_ptr<k3::Model>(std::shared_ptr<k3::Model>(), &m));
+}
+
+// The engine over tiny().
+inline k3::Engine& tiny_engine() {
+  static std::unique_ptr<k3::Engine> e = engine_of(tiny());
+  return *e;
 }
 
 // Every row of an I64 [B, T] golden tensor.

@@ -13,6 +13,7 @@
 #include "kernels/gemm/convert_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
+#include "model/decoder.h"
 
 namespace k3 {
 
@@ -272,13 +273,135 @@ void CudaModel::Impl::validate(const std::vector<CudaSequenceCache*>& caches,
   }
 }
 
+namespace gpu {
+
+// The GPU backend of the decoder schedule (model/decoder.h), activation type T (bf16 or float).
+// The residual stream (partial sums, completed blocks, block outputs) is fp32; the block inputs x̂
+// are T. Each block's scratch is taken from the arena and handed back as soon as its launches are
+// queued (one stream: later launches that reuse the memory run after them).
+template <class T>
+class CudaBackend {
+ public:
+  using Act = float*;
+
+  CudaBackend(Run& run, const WeightsDev& w, const std::vector<SegmentDev>& segs, const int32_t* ids_dev, int64_t N,
+              bool all_positions, bool profile)
+      : r_(run), c_(run.c), w_(w), segs_(segs), ids_(ids_dev), N_(N), D_(run.c.hidden_size),
+        all_positions_(all_positions), profile_(profile) {
+    xn_ = r_.arena.take<T>(N_ * D_);
+    out_ = r_.arena.take<float>(N_ * D_);
+  }
+
+  bool profiling() const { return profile_; }
+  void synchronize() { cuda::synchronize(); }
+
+  Act embed() {
+    float* e = r_.arena.take<float>(N_ * D_);
+    if constexpr (std::is_same_v<T, float>)
+      elementwise::cuda::embedding_gather_f32(e, reinterpret_cast<const float*>(w_.embed.data()), ids_, N_,
+                                              c_.vocab_size, D_);
+    else
+      gemm::cuda::embedding_gather(e, reinterpret_cast<const bf16*>(w_.embed.data()), ids_, N_, c_.vocab_size, D_);
+    return e;
+  }
+
+  // x̂ <- RMSNorm(AttnRes(blocks, partial; query)) in one kernel; before the first block, RMSNorm alone.
+  void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
+    const LayerDev* L = l >= 0 ? &w_.layers[size_t(l)] : nullptr;
+    const DevVector& norm_w =
+        site == MixSite::AttnIn ? L->input_layernorm : site == MixSite::FfnIn ? L->post_attention_layernorm : w_.norm;
+    if (blocks.empty()) {
+      norm::cuda::rmsnorm_forward(xn_, partial, norm_w.data(), float(c_.rms_norm_eps), N_, D_);
+      return;
+    }
+    const DevVector& query =
+        site == MixSite::AttnIn ? L->attn_res_query : site == MixSite::FfnIn ? L->mlp_res_query : w_.output_res_query;
+    attnres::cuda::AttnResParams p;
+    K3_CHECK(int(blocks.size()) + 1 <= attnres::cuda::kMaxSources, "forward (cuda): ", blocks.size() + 1,
+             " AttnRes sources, more than the kernel's ", attnres::cuda::kMaxSources);
+    for (size_t i = 0; i < blocks.size(); ++i) p.sources[i] = blocks[i];
+    p.sources[blocks.size()] = partial;
+    p.S = int(blocks.size()) + 1;
+    p.src_type = DType::F32, p.N = N_, p.D = D_, p.query = query.data(), p.eps = float(c_.rms_norm_eps);
+    p.out_type = dtype_of<T>(), p.normed = xn_, p.norm_weight = norm_w.data(), p.norm_eps = float(c_.rms_norm_eps);
+    attnres::cuda::attnres_forward(p);
+  }
+
+  Act attention(int64_t l) {
+    const DeviceArena::Mark scratch = r_.arena.mark();
+    const LayerDev& L = w_.layers[size_t(l)];
+    if (c_.layer_kind[size_t(l)] == AttnKind::KDA) kda_attention_forward<T>(r_, out_, xn_, N_, segs_, l, L.kda);
+    else mla_attention_forward<T>(r_, out_, xn_, N_, segs_, l, L.mla);
+    r_.arena.rewind(scratch);
+    return out_;
+  }
+
+  Act ffn(int64_t l) {
+    const DeviceArena::Mark scratch = r_.arena.mark();
+    const LayerDev& L = w_.layers[size_t(l)];
+    if (c_.is_moe_layer(l)) moe_ffn_forward<T>(r_, out_, xn_, N_, l, L.moe);
+    else dense_ffn_forward<T>(r_, out_, xn_, N_, L.dense);
+    r_.arena.rewind(scratch);
+    return out_;
+  }
+
+  // A block output to the hooks (a host copy); `replace` may hand back what the forward continues from.
+  void block_output(const char* name, int64_t l, Act out) {
+    const ForwardHooks* hooks = r_.hooks;
+    if (!hooks || (!hooks->tensor && !hooks->replace)) return;
+    std::vector<float> h(size_t(N_ * D_));
+    cuda::copy_to_host(h.data(), out, h.size() * 4);
+    if (hooks->tensor) hooks->tensor(name, l, h.data(), N_, D_);
+    if (hooks->replace && hooks->replace(name, l, h.data(), N_, D_)) cuda::copy_to_device(out, h.data(), h.size() * 4);
+  }
+
+  Act start_partial(Act out) {
+    float* p = r_.arena.take<float>(N_ * D_);
+    cuda::copy_on_device(p, out, size_t(N_ * D_) * 4);
+    return p;
+  }
+  void add_partial(Act& partial, Act out) { elementwise::cuda::add_inplace(partial, out, N_ * D_); }
+
+  // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head, fp32 logits to the host.
+  std::vector<float> head() {
+    const int64_t V = c_.vocab_size;
+    const T* hn = xn_;
+    int64_t M = N_;
+    if (!all_positions_) {
+      M = int64_t(segs_.size());
+      T* sel = r_.arena.take<T>(M * D_);
+      constexpr DType act = dtype_of<T>();
+      for (size_t i = 0; i < segs_.size(); ++i)
+        elementwise::cuda::copy_rows(sel + int64_t(i) * D_, act, D_, xn_ + (segs_[i].row0 + segs_[i].n - 1) * D_, act,
+                                     D_, 1, D_);
+      hn = sel;
+    }
+    float* logits_dev = r_.arena.take<float>(M * V);
+    linear_f32_out<T>(r_, logits_dev, hn, M, w_.lm_head);
+    std::vector<float> logits(size_t(M * V));
+    cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
+    return logits;
+  }
+
+ private:
+  Run& r_;
+  const K3Config& c_;
+  const WeightsDev& w_;
+  const std::vector<SegmentDev>& segs_;
+  const int32_t* ids_;
+  const int64_t N_, D_;
+  const bool all_positions_, profile_;
+  T* xn_ = nullptr;      // the last mix's output: the next block's input
+  float* out_ = nullptr; // a block output
+};
+
+}  // namespace gpu
+
 template <class T>
 std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCache*>& caches,
                                                const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                                const ForwardHooks* hooks) {
   const K3Config& c = cfg;
-  const int64_t D = c.hidden_size, V = c.vocab_size;
-  constexpr DType act = gpu::dtype_of<T>();
   std::vector<gpu::SegmentDev> segs;
   std::vector<int32_t> ids;
   int64_t N = 0;
@@ -296,99 +419,11 @@ std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCac
     }
   }
   gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks};
-  // Profiling: tick(slot) waits for the GPU and charges the time since the previous tick to slot.
-  auto last = std::chrono::steady_clock::now();
-  auto tick = [&](double& slot) {
-    if (!profile) return;
-    cuda::synchronize();
-    const auto now = std::chrono::steady_clock::now();
-    slot += std::chrono::duration<double>(now - last).count();
-    last = now;
-  };
-  // A block output to the hooks (a host copy); `replace` may hand back what the forward continues from.
-  auto emit = [&](const char* name, int64_t l, float* dev) {
-    if (!hooks || (!hooks->tensor && !hooks->replace)) return;
-    std::vector<float> h(size_t(N * D));
-    cuda::copy_to_host(h.data(), dev, h.size() * 4);
-    if (hooks->tensor) hooks->tensor(name, l, h.data(), N, D);
-    if (hooks->replace && hooks->replace(name, l, h.data(), N, D)) cuda::copy_to_device(dev, h.data(), h.size() * 4);
-  };
-
   int32_t* ids_dev = arena.take<int32_t>(N);
   cuda::copy_to_device(ids_dev, ids.data(), ids.size() * 4);
-  float* prefix = arena.take<float>(N * D);  // running partial sum of the current AttnRes block
-  if constexpr (std::is_same_v<T, float>)
-    elementwise::cuda::embedding_gather_f32(prefix, reinterpret_cast<const float*>(w.embed.data()), ids_dev, N, V, D);
-  else
-    gemm::cuda::embedding_gather(prefix, reinterpret_cast<const bf16*>(w.embed.data()), ids_dev, N, V, D);
-  tick(timings.embed);
-
-  std::vector<float*> blocks;  // completed block sums, the embedding first
-  T* xn = arena.take<T>(N * D);
-  float* a = arena.take<float>(N * D);
-  // xn <- RMSNorm(AttnRes(blocks, partial; query)) in one kernel.
-  auto attnres_norm = [&](const float* partial, const gpu::DevVector& query, const gpu::DevVector& norm_w, T* dst,
-                          int64_t rows) {
-    attnres::cuda::AttnResParams p;
-    K3_CHECK(int(blocks.size()) + 1 <= attnres::cuda::kMaxSources, "forward (cuda): ", blocks.size() + 1,
-             " AttnRes sources, more than the kernel's ", attnres::cuda::kMaxSources);
-    for (size_t i = 0; i < blocks.size(); ++i) p.sources[i] = blocks[i];
-    p.sources[blocks.size()] = partial;
-    p.S = int(blocks.size()) + 1;
-    p.src_type = DType::F32, p.N = rows, p.D = D, p.query = query.data(), p.eps = float(c.rms_norm_eps);
-    p.out_type = act, p.normed = dst, p.norm_weight = norm_w.data(), p.norm_eps = float(c.rms_norm_eps);
-    attnres::cuda::attnres_forward(p);
-  };
-
-  bool prefix_empty = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const gpu::LayerDev& L = w.layers[size_t(l)];
-    if (blocks.empty()) norm::cuda::rmsnorm_forward(xn, prefix, L.input_layernorm.data(), float(c.rms_norm_eps), N, D);
-    else attnres_norm(prefix, L.attn_res_query, L.input_layernorm, xn, N);
-    if (l % c.attn_res_block_size == 0) {  // block boundary: the partial sum becomes a block, a new one starts
-      blocks.push_back(prefix);
-      prefix = arena.take<float>(N * D);
-      prefix_empty = true;
-    }
-    tick(timings.attnres_norm);
-    const gpu::DeviceArena::Mark scratch = arena.mark();  // each block's scratch is handed back after it
-    const bool is_kda = c.layer_kind[size_t(l)] == AttnKind::KDA;
-    if (is_kda) gpu::kda_attention_forward<T>(run, a, xn, N, segs, l, L.kda);
-    else gpu::mla_attention_forward<T>(run, a, xn, N, segs, l, L.mla);
-    tick(is_kda ? timings.kda : timings.mla);
-    emit("attn_out", l, a);
-    if (prefix_empty) cuda::copy_on_device(prefix, a, size_t(N * D) * 4);
-    else elementwise::cuda::add_inplace(prefix, a, N * D);
-    prefix_empty = false;
-    arena.rewind(scratch);
-
-    attnres_norm(prefix, L.mlp_res_query, L.post_attention_layernorm, xn, N);
-    tick(timings.attnres_norm);
-    if (c.is_moe_layer(l)) gpu::moe_ffn_forward<T>(run, a, xn, N, l, L.moe);
-    else gpu::dense_ffn_forward<T>(run, a, xn, N, L.dense);
-    tick(c.is_moe_layer(l) ? timings.moe : timings.dense_ffn);
-    emit("ffn_out", l, a);
-    elementwise::cuda::add_inplace(prefix, a, N * D);
-    arena.rewind(scratch);
-  }
-
-  // Output: AttnRes over all blocks + final norm (fused), the selected rows, lm_head.
-  attnres_norm(prefix, w.output_res_query, w.norm, xn, N);
-  const T* hn = xn;
-  int64_t M = N;
-  if (!all_positions) {
-    M = int64_t(segs.size());
-    T* sel = arena.take<T>(M * D);
-    for (size_t i = 0; i < segs.size(); ++i)
-      elementwise::cuda::copy_rows(sel + int64_t(i) * D, act, D, xn + (segs[i].row0 + segs[i].n - 1) * D, act, D, 1, D);
-    hn = sel;
-  }
-  float* logits_dev = arena.take<float>(M * V);
-  gpu::linear_f32_out<T>(run, logits_dev, hn, M, w.lm_head);
-  std::vector<float> logits(size_t(M * V));
-  cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
+  gpu::CudaBackend<T> be(run, w, segs, ids_dev, N, all_positions, profile);
+  std::vector<float> logits = decoder_forward(be, c, &timings);
   for (const gpu::SegmentDev& s : segs) s.cache->length += s.n;
-  tick(timings.head);
   return logits;
 }
 

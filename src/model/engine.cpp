@@ -1,0 +1,139 @@
+#include "model/engine.h"
+
+#include "core/error.h"
+
+namespace k3 {
+
+Device parse_device(const std::string& s, const char* what) {
+  if (s == "cpu") return Device::CPU;
+  if (s == "cuda") return Device::CUDA;
+  fail(what, ": expected cpu or cuda, got '", s, "'");
+}
+Precision parse_precision(const std::string& s, const char* what) {
+  if (s == "f32") return Precision::F32;
+  if (s == "bf16") return Precision::BF16;
+  fail(what, ": expected f32 or bf16, got '", s, "'");
+}
+const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
+const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : "f32"; }
+
+std::string Engine::description() const {
+  const EngineOptions o = options();
+  return std::string(device_name(o.device)) + " (" + precision_name(o.precision) + ")";
+}
+
+namespace {
+
+// A sequence of one engine, tagged with that engine so that another engine refuses it.
+template <class Cache>
+class SequenceOf : public EngineSequence {
+ public:
+  SequenceOf(const void* owner, std::unique_ptr<Cache> c) : owner_(owner), cache_(std::move(c)) {}
+  int64_t length() const override { return length_of(*cache_); }
+  size_t bytes() const override { return cache_->bytes(); }
+  Cache* cache(const void* owner, size_t b) {
+    K3_CHECK(owner == owner_, "forward: sequence ", b, " was made by another engine");
+    return cache_.get();
+  }
+
+ private:
+  static int64_t length_of(const SequenceCache& c) { return c.length; }
+  static int64_t length_of(const CudaSequenceCache& c) { return c.length(); }
+  const void* owner_;
+  std::unique_ptr<Cache> cache_;
+};
+
+template <class Cache>
+std::vector<Cache*> caches_of(const void* owner, const std::vector<EngineSequence*>& seqs) {
+  std::vector<Cache*> out;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    auto* s = dynamic_cast<SequenceOf<Cache>*>(seqs[b]);
+    K3_CHECK(s != nullptr, "forward: sequence ", b, " is null or belongs to an engine on another device");
+    out.push_back(s->cache(owner, b));
+  }
+  return out;
+}
+
+class CpuEngine : public Engine {
+ public:
+  explicit CpuEngine(std::shared_ptr<Model> m) : m_(std::move(m)) {}
+  const K3Config& config() const override { return m_->config(); }
+  EngineOptions options() const override {
+    return {Device::CPU, m_->options().bf16_activations ? Precision::BF16 : Precision::F32};
+  }
+  size_t weight_bytes() const override { return m_->weight_bytes(); }
+  std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
+    K3_CHECK(B >= 1, "new_sequences: need at least one sequence, got ", B);
+    std::vector<std::unique_ptr<EngineSequence>> out;
+    for (int64_t b = 0; b < B; ++b)
+      out.push_back(std::make_unique<SequenceOf<SequenceCache>>(this, std::make_unique<SequenceCache>(m_->new_cache())));
+    return out;
+  }
+  std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
+                             bool all_positions, const ForwardHooks* hooks) override {
+    return m_->forward(caches_of<SequenceCache>(this, seqs), tokens, all_positions, hooks);
+  }
+  void set_profile(bool on) override { m_->options().profile = on; }
+  const BlockTimings& timings() const override { return m_->timings(); }
+  void reset_timings() override { m_->reset_timings(); }
+
+ private:
+  std::shared_ptr<Model> m_;
+};
+
+class CudaEngine : public Engine {
+ public:
+  explicit CudaEngine(std::shared_ptr<CudaModel> m) : m_(std::move(m)) {}
+  const K3Config& config() const override { return m_->config(); }
+  EngineOptions options() const override {
+    return {Device::CUDA, m_->precision() == GpuPrecision::BF16 ? Precision::BF16 : Precision::F32};
+  }
+  size_t weight_bytes() const override { return m_->weight_bytes(); }
+  std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
+    std::vector<std::unique_ptr<EngineSequence>> out;
+    for (auto& c : m_->new_caches(B)) out.push_back(std::make_unique<SequenceOf<CudaSequenceCache>>(this, std::move(c)));
+    return out;
+  }
+  std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
+                             bool all_positions, const ForwardHooks* hooks) override {
+    return m_->forward(caches_of<CudaSequenceCache>(this, seqs), tokens, all_positions, hooks);
+  }
+  void set_profile(bool on) override { m_->set_profile(on); }
+  const BlockTimings& timings() const override { return m_->timings(); }
+  void reset_timings() override { m_->reset_timings(); }
+
+ private:
+  std::shared_ptr<CudaModel> m_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> Engine::on_cpu(std::shared_ptr<Model> m) { return std::make_unique<CpuEngine>(std::move(m)); }
+std::unique_ptr<Engine> Engine::on_gpu(std::shared_ptr<CudaModel> m) { return std::make_unique<CudaEngine>(std::move(m)); }
+
+std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& o) {
+  if (o.device == Device::CUDA)
+    return on_gpu(CudaModel::load(dir, o.precision == Precision::BF16 ? GpuPrecision::BF16 : GpuPrecision::F32));
+  std::shared_ptr<Model> m = Model::load(dir);
+  m->options().bf16_activations = o.precision == Precision::BF16;
+  return on_cpu(std::move(m));
+}
+
+std::vector<float> Engine::forward_fresh(const std::vector<std::vector<int32_t>>& rows, const ForwardHooks* hooks) {
+  std::vector<std::unique_ptr<EngineSequence>> seqs = new_sequences(int64_t(rows.size()));  // one pool
+  std::vector<EngineSequence*> ptrs;
+  for (auto& s : seqs) ptrs.push_back(s.get());
+  return forward(ptrs, rows, true, hooks);
+}
+
+AppendFn Engine::session() {
+  std::shared_ptr<EngineSequence> seq = std::move(new_sequences(1)[0]);
+  return [this, seq](const std::vector<int32_t>& t) { return forward({seq.get()}, {t}, false); };
+}
+
+GenerateResult generate(Engine& e, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
+                        const std::function<void(int32_t)>& on_token) {
+  return generate(e.session(), e.config(), prompt, max_new_tokens, sampler, on_token);
+}
+
+}  // namespace k3

@@ -1,0 +1,84 @@
+// The one interface every command drives (generate, logits, eval, and the server and RL to come):
+// a K3 model loaded onto a device, its per-sequence state, and the forward. The CPU engine runs
+// model/model.h, the GPU engine model/cuda/cuda_model.h; both run the one decoder schedule
+// (model/decoder.h) over their backend, so callers never branch on the device.
+//
+// forward() appends tokens[b] to sequence b and returns fp32 logits on the host: one row per new
+// token (all_positions) or the last row of each sequence. A fresh sequence plus all tokens is a full
+// forward; one token per call after a prefill is incremental decoding.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/cuda/cuda_model.h"
+#include "model/generate.h"
+#include "model/layers.h"
+#include "model/model.h"
+
+namespace k3 {
+
+enum class Device { CPU, CUDA };
+
+// Numerics of an engine. CPU: F32 (fp32 activations, fp64 accumulation) or BF16, the CPU twin of the
+// GPU's bf16 path (PathOptions::bf16_activations). CUDA: BF16 (serving) or F32 (parity).
+enum class Precision { F32, BF16 };
+
+struct EngineOptions {
+  Device device = Device::CPU;
+  Precision precision = Precision::F32;
+};
+// "cpu"/"cuda" and "f32"/"bf16"; anything else is a k3::Error naming `what` (e.g. the CLI flag).
+Device parse_device(const std::string& s, const char* what);
+Precision parse_precision(const std::string& s, const char* what);
+const char* device_name(Device d);
+const char* precision_name(Precision p);
+
+// One sequence's state in an engine (KDA conv tails and recurrent state, MLA latent rows), on the
+// engine's device. Made by Engine::new_sequences; usable only with the engine that made it.
+class EngineSequence {
+ public:
+  virtual ~EngineSequence() = default;
+  virtual int64_t length() const = 0;  // tokens consumed so far
+  virtual size_t bytes() const = 0;    // memory held
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // dir: a Hugging Face model directory (config.json + model.safetensors or shards).
+  static std::unique_ptr<Engine> load(const std::string& dir, const EngineOptions& o);
+  // An engine over a model already loaded (tests and tools that also use the model directly).
+  static std::unique_ptr<Engine> on_cpu(std::shared_ptr<Model> m);
+  static std::unique_ptr<Engine> on_gpu(std::shared_ptr<CudaModel> m);
+
+  virtual const K3Config& config() const = 0;
+  virtual EngineOptions options() const = 0;
+  std::string description() const;     // "cpu (f32)", "cuda (bf16)"
+  virtual size_t weight_bytes() const = 0;  // bytes the weights take on the device (mapped bytes on the CPU)
+
+  // B sequences made together: a forward over all of them, in order and with equal token counts,
+  // may run per-sequence steps as one launch (the GPU's pooled caches).
+  virtual std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) = 0;
+  virtual std::vector<float> forward(const std::vector<EngineSequence*>& seqs,
+                                     const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                     const ForwardHooks* hooks = nullptr) = 0;
+
+  // Per-block wall time while on (on the GPU each block then waits for the device).
+  virtual void set_profile(bool on) = 0;
+  virtual const BlockTimings& timings() const = 0;
+  virtual void reset_timings() = 0;
+
+  // A full forward of rows on fresh sequences: logits of every position, rows in order.
+  std::vector<float> forward_fresh(const std::vector<std::vector<int32_t>>& rows, const ForwardHooks* hooks = nullptr);
+  // A new single-sequence session for generate(): each call appends tokens and returns the last logits.
+  AppendFn session();
+};
+
+// generate() (model/generate.h) on a fresh sequence of `e`.
+GenerateResult generate(Engine& e, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
+                        const std::function<void(int32_t)>& on_token = {});
+
+}  // namespace k3

@@ -1,4 +1,4 @@
-// Training KDA recurrence core, float64: the chunked form (src/train/kda_chunk.h) against the token-by-token
+// Training KDA recurrence core, float64: the chunked form (src/kernels/kda/kda_chunk_f64.h) against the token-by-token
 // recurrence it replaced (kda_recurrent_*_f64, src/train/kda_block.h), forward + backward, in one process.
 //
 //   OMP_NUM_THREADS=1 build/bench_train_kda [--reps 5]
@@ -21,9 +21,11 @@
 #include <vector>
 
 #include "train/kda_block.h"
-#include "train/kda_chunk.h"
+#include "kernels/kda/kda_chunk_f64.h"
+#include "kernels/kda/kda_f64.h"
 
 using namespace k3::train;
+using namespace k3::kda;
 using clock_type = std::chrono::steady_clock;
 
 namespace {

@@ -16,6 +16,9 @@
 #include "core/error.h"
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
+#include "kernels/ffn/glu.h"
+#include "kernels/moe/router.h"
+#include "model/layers.h"
 #include "train/ffn_block.h"
 #include "util/finite_diff.h"
 #include "util/fixture.h"
@@ -177,13 +180,13 @@ TEST(TrainFfn, RouterBiasIsSelectionOnly) {
   const std::vector<double> logits = {0.3, -1.0, 2.0, 0.1, 1.5, -0.2};
   std::vector<double> s(6), w(2), bias = {0, 0, 0, 0, 0, 0}, sum(1);
   std::vector<int32_t> idx(2);
-  k3::train::moe_route(c, logits.data(), nullptr, 1, s.data(), idx.data(), w.data(), sum.data());
+  k3::moe::router_forward(idx.data(), w.data(), s.data(), sum.data(), logits.data(), nullptr, 1, router_params(c));
   EXPECT_EQ(idx[0], 2);
   EXPECT_EQ(idx[1], 4);
   const double s2 = 1 / (1 + std::exp(-2.0)), s4 = 1 / (1 + std::exp(-1.5));
   EXPECT_NEAR(w[0], 2.0 * s2 / (s2 + s4), 1e-15);
   bias[1] = 10.0;  // expert 1 now wins the selection, but its weight uses its unbiased score
-  k3::train::moe_route(c, logits.data(), bias.data(), 1, s.data(), idx.data(), w.data(), sum.data());
+  k3::moe::router_forward(idx.data(), w.data(), s.data(), sum.data(), logits.data(), bias.data(), 1, router_params(c));
   EXPECT_EQ(idx[0], 1);
   EXPECT_EQ(idx[1], 2);
   const double s1 = 1 / (1 + std::exp(1.0));
@@ -193,7 +196,7 @@ TEST(TrainFfn, RouterBiasIsSelectionOnly) {
   c.num_expert_group = 3;
   c.topk_group = 1;
   bias = {0, 0, 0, 0, 0.5, 0.5};
-  k3::train::moe_route(c, logits.data(), bias.data(), 1, s.data(), idx.data(), w.data(), sum.data());
+  k3::moe::router_forward(idx.data(), w.data(), s.data(), sum.data(), logits.data(), bias.data(), 1, router_params(c));
   EXPECT_EQ(idx[0], 4);
   EXPECT_EQ(idx[1], 5);
 }
@@ -212,10 +215,10 @@ TEST(TrainFfn, GluActivationDerivatives) {
     for (double g : {-40.0, -9.0, -3.1, -0.7, 0.0, 0.2, 1.3, 4.4, 8.0, 30.0})
       for (double u : {-120.0, -30.0, -2.5, -0.3, 0.0, 0.6, 7.0, 26.0, 90.0}) {
         double dg, du;
-        k3::train::glu_act(g, u, c, &dg, &du);
+        k3::glu_forward_backward(g, u, glu_params(c), &dg, &du);
         const double e = 1e-5;
-        const double fg = (k3::train::glu_act(g + e, u, c) - k3::train::glu_act(g - e, u, c)) / (2 * e);
-        const double fu = (k3::train::glu_act(g, u + e, c) - k3::train::glu_act(g, u - e, c)) / (2 * e);
+        const double fg = (k3::glu_forward_backward(g + e, u, glu_params(c)) - k3::glu_forward_backward(g - e, u, glu_params(c))) / (2 * e);
+        const double fu = (k3::glu_forward_backward(g, u + e, glu_params(c)) - k3::glu_forward_backward(g, u - e, glu_params(c))) / (2 * e);
         EXPECT_NEAR(dg, fg, 1e-8 + 1e-6 * std::fabs(fg)) << "g " << g << " u " << u;
         EXPECT_NEAR(du, fu, 1e-8 + 1e-6 * std::fabs(fu)) << "g " << g << " u " << u;
         worst = std::max({worst, std::fabs(dg - fg), std::fabs(du - fu)});
@@ -223,7 +226,7 @@ TEST(TrainFfn, GluActivationDerivatives) {
     // Values: SiTU is bounded by b1 b2 and equals the formula; SwiGLU is g σ(g) u.
     const double g = 1.7, u = -3.2, sg = 1 / (1 + std::exp(-g));
     const double ref = act == Activation::SiTU ? 4.0 * std::tanh(g / 4.0) * sg * 25.0 * std::tanh(u / 25.0) : g * sg * u;
-    EXPECT_NEAR(k3::train::glu_act(g, u, c), ref, 1e-14);
+    EXPECT_NEAR(k3::glu_forward_backward(g, u, glu_params(c)), ref, 1e-14);
     std::printf("%s activation: max |analytic - FD| = %.2e\n", act == Activation::SiTU ? "SiTU" : "SwiGLU", worst);
   }
 }

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "kernels/kda/kda_f64.h"
 #include "train/kda_block.h"
 #include "train/params.h"
 #include "util/finite_diff.h"
@@ -21,6 +22,7 @@
 
 using namespace k3;
 using namespace k3::train;
+using namespace k3::kda;
 using k3test::randn;
 
 namespace {

@@ -1,4 +1,4 @@
-// The chunked KDA recurrence core in float64 (src/train/kda_chunk.h) against its token-by-token
+// The chunked KDA recurrence core in float64 (src/kernels/kda/kda_chunk_f64.h) against its token-by-token
 // reference twin (kda_recurrent_*_f64 in src/train/kda_block.h), forward and backward, over awkward
 // lengths, chunk sizes and gates (at the lower bound, near 0, random), and against central finite
 // differences; then the whole KDA block in both forms.
@@ -14,7 +14,8 @@
 #include "core/error.h"
 #include "model/config.h"
 #include "train/kda_block.h"
-#include "train/kda_chunk.h"
+#include "kernels/kda/kda_chunk_f64.h"
+#include "kernels/kda/kda_f64.h"
 #include "train/params.h"
 #include "util/finite_diff.h"
 #include "util/kda_micro.h"
@@ -22,6 +23,7 @@
 
 using namespace k3;
 using namespace k3::train;
+using namespace k3::kda;
 using k3test::randn;
 
 namespace {

@@ -1,4 +1,4 @@
-// The training ops (src/train/ops.h) against central finite differences in float64, and their
+// The float64 training ops (kernels/: linear_f64, norm, attnres, loss) against central finite differences,
 // forwards against the inference kernels (fp32) on the same inputs.
 #include <gtest/gtest.h>
 
@@ -8,10 +8,11 @@
 
 #include "kernels/attnres/attnres.h"
 #include "kernels/norm/norm.h"
-#include "train/ops.h"
+#include "kernels/gemm/linear_f64.h"
+#include "kernels/loss/cross_entropy.h"
 #include "util/finite_diff.h"
 
-using namespace k3::train;
+using namespace k3;
 
 namespace {
 
@@ -40,13 +41,13 @@ TEST(TrainOps, LinearBackwardMatchesFiniteDifferences) {
   std::vector<double> x = randn(N * in, rng), W = randn(out * in, rng), R = randn(N * out, rng);
   auto loss = [&] {
     std::vector<double> y(N * out);
-    linear_fwd(y.data(), x.data(), W.data(), N, in, out);
+    linear_forward(y.data(), x.data(), W.data(), N, in, out);
     double s = 0;
     for (size_t i = 0; i < y.size(); ++i) s += y[i] * R[i];
     return s;
   };
   std::vector<double> dx(N * in), dW(out * in, 0.0);
-  linear_bwd(dx.data(), dW.data(), R.data(), x.data(), W.data(), N, in, out);
+  linear_backward(dx.data(), dW.data(), R.data(), x.data(), W.data(), N, in, out);
   expect_fd(loss, x, dx, "dx");
   expect_fd(loss, W, dW, "dW");
 }
@@ -57,20 +58,20 @@ TEST(TrainOps, RmsNormBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {
   std::vector<double> x = randn(N * D, rng), w = randn(D, rng), R = randn(N * D, rng);
   auto loss = [&] {
     std::vector<double> y(N * D);
-    rmsnorm_fwd(y.data(), x.data(), w.data(), 1e-6, N, D);
+    rmsnorm_forward(y.data(), x.data(), w.data(), 1e-6, N, D);
     double s = 0;
     for (size_t i = 0; i < y.size(); ++i) s += y[i] * R[i];
     return s;
   };
   std::vector<double> dx(N * D), dw(D, 0.0);
-  rmsnorm_bwd(dx.data(), dw.data(), R.data(), x.data(), w.data(), 1e-6, N, D);
+  rmsnorm_backward(dx.data(), dw.data(), R.data(), x.data(), w.data(), 1e-6, N, D);
   expect_fd(loss, x, dx, "dx");
   expect_fd(loss, w, dw, "dw");
   // The inference kernel computes the same function.
   std::vector<float> xf(x.begin(), x.end()), wf(w.begin(), w.end()), yf(N * D);
   k3::rmsnorm_forward(yf.data(), xf.data(), wf.data(), 1e-6f, N, D);
   std::vector<double> y(N * D);
-  rmsnorm_fwd(y.data(), x.data(), w.data(), 1e-6, N, D);
+  rmsnorm_forward(y.data(), x.data(), w.data(), 1e-6, N, D);
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(yf[i], y[i], 1e-5 * (1 + std::abs(y[i])));
 }
 
@@ -88,7 +89,7 @@ TEST(TrainOps, AttnResBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {
   };
   auto loss = [&] {
     std::vector<double> y(N * D);
-    attnres_fwd(y.data(), srcs(), q.data(), 1e-6, N, D);
+    attnres_forward(y.data(), srcs(), q.data(), 1e-6, N, D);
     double s = 0;
     for (size_t i = 0; i < y.size(); ++i) s += y[i] * R[i];
     return s;
@@ -97,7 +98,7 @@ TEST(TrainOps, AttnResBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {
   std::vector<double*> dp;
   for (auto& d : dv) dp.push_back(d.data());
   std::vector<double> dq(D, 0.0);
-  attnres_bwd(dp, dq.data(), R.data(), srcs(), q.data(), 1e-6, N, D);
+  attnres_backward(dp, dq.data(), R.data(), srcs(), q.data(), 1e-6, N, D);
   for (int i = 0; i < S; ++i) expect_fd(loss, v[size_t(i)], dv[size_t(i)], "dsrc");
   expect_fd(loss, q, dq, "dq");
   std::vector<std::vector<float>> vf;
@@ -107,7 +108,7 @@ TEST(TrainOps, AttnResBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {
   std::vector<float> qf(q.begin(), q.end()), yf(N * D);
   k3::attnres_forward(yf.data(), pf.data(), S, N, D, qf.data(), 1e-6f);
   std::vector<double> y(N * D);
-  attnres_fwd(y.data(), srcs(), q.data(), 1e-6, N, D);
+  attnres_forward(y.data(), srcs(), q.data(), 1e-6, N, D);
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(yf[i], y[i], 1e-5 * (1 + std::abs(y[i])));
 }
 

@@ -3,51 +3,19 @@
 //   dW += dyᵀ x   and   dx = dy W.
 #include "train/ffn_block.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "core/error.h"
+#include "kernels/ffn/glu.h"
+#include "kernels/gemm/linear_f64.h"
+#include "kernels/moe/router.h"
+#include "kernels/norm/norm.h"
+#include "model/layers.h"
 
 namespace k3::train {
 namespace {
-
-// y[N, out] = x[N, in] Wᵀ  (W [out, in]).
-void linear(double* y, const double* x, const double* W, int64_t N, int64_t in, int64_t out) {
-  if (N == 0 || out == 0) return;
-  if (in == 0) {
-    std::fill(y, y + N * out, 0.0);
-    return;
-  }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(N), int(out), int(in), 1.0, x, int(in), W, int(in), 0.0, y,
-              int(out));
-}
-
-// dW[out, in] += dy[N, out]ᵀ x[N, in].
-void linear_dw(double* dW, const double* dy, const double* x, int64_t N, int64_t in, int64_t out) {
-  if (N == 0 || out == 0 || in == 0) return;
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(N), 1.0, dy, int(out), x, int(in), 1.0, dW,
-              int(in));
-}
-
-// dx[N, in] = beta * dx + dy[N, out] W  (W [out, in]).
-void linear_dx(double* dx, const double* dy, const double* W, int64_t N, int64_t in, int64_t out, double beta) {
-  if (N == 0 || in == 0) return;
-  if (out == 0) {
-    if (beta == 0.0) std::fill(dx, dx + N * in, 0.0);
-    return;
-  }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(N), int(in), int(out), 1.0, dy, int(out), W, int(in), beta,
-              dx, int(in));
-}
-
-double sigmoid(double x) {
-  // exp of a non-positive number only, so no overflow for large |x|.
-  const double e = std::exp(-std::fabs(x));
-  return x >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
-}
 
 // Tensor names of one GLU MLP.
 struct GluNames {
@@ -76,10 +44,10 @@ void glu_forward_named(const ParamStore& P, const GluNames& n, const K3Config& c
                        double* y, GluTape* tape) {
   const int64_t I = glu_inter(P, n, D);
   std::vector<double> g(static_cast<size_t>(N * I)), u(static_cast<size_t>(N * I)), h(static_cast<size_t>(N * I));
-  linear(g.data(), x, P.p(n.gate), N, D, I);
-  linear(u.data(), x, P.p(n.up), N, D, I);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = glu_act(g[i], u[i], c);
-  linear(y, h.data(), P.p(n.down), N, I, D);
+  linear_forward(g.data(), x, P.p(n.gate), N, D, I);
+  linear_forward(u.data(), x, P.p(n.up), N, D, I);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = glu_forward_backward(g[i], u[i], glu_params(c));
+  linear_forward(y, h.data(), P.p(n.down), N, I, D);
   if (tape) {
     tape->N = N;
     tape->D = D;
@@ -96,42 +64,25 @@ void glu_backward_named(ParamStore& P, const GluNames& n, const K3Config& c, con
   const int64_t N = t.N, D = t.D, I = t.I;
   if (glu_inter(P, n, D) != I) fail("tensor '", n.gate, "' does not match the tape (intermediate ", I, ")");
   // y = h Wdᵀ:  dWd += dyᵀ h,  dh = dy Wd.
-  linear_dw(P.g(n.down), dy, t.h.data(), N, I, D);
+  linear_backward(nullptr, P.g(n.down), dy, t.h.data(), nullptr, N, I, D);
   std::vector<double> dg(static_cast<size_t>(N * I)), du(static_cast<size_t>(N * I));
-  linear_dx(dg.data(), dy, P.p(n.down), N, I, D, 0.0);  // dg holds dh for now
+  linear_backward(dg.data(), nullptr, dy, nullptr, P.p(n.down), N, I, D);  // dg holds dh for now
   // h = act(g, u):  dg = dh ∂h/∂g,  du = dh ∂h/∂u.
   for (size_t i = 0; i < dg.size(); ++i) {
     double pg, pu;
-    glu_act(t.g[i], t.u[i], c, &pg, &pu);
+    glu_forward_backward(t.g[i], t.u[i], glu_params(c), &pg, &pu);
     du[i] = dg[i] * pu;
     dg[i] *= pg;
   }
   // g = x Wgᵀ, u = x Wuᵀ:  dWg += dgᵀ x,  dWu += duᵀ x,  dx = dg Wg + du Wu.
-  linear_dw(P.g(n.gate), dg.data(), t.x.data(), N, D, I);
-  linear_dw(P.g(n.up), du.data(), t.x.data(), N, D, I);
-  linear_dx(dx, dg.data(), P.p(n.gate), N, D, I, 0.0);
-  linear_dx(dx, du.data(), P.p(n.up), N, D, I, 1.0);
+  linear_backward(nullptr, P.g(n.gate), dg.data(), t.x.data(), nullptr, N, D, I);
+  linear_backward(nullptr, P.g(n.up), du.data(), t.x.data(), nullptr, N, D, I);
+  linear_backward(dx, nullptr, dg.data(), nullptr, P.p(n.gate), N, D, I);
+  linear_backward(dx, nullptr, du.data(), nullptr, P.p(n.up), N, D, I, true);
 }
 
 }  // namespace
 
-double glu_act(double g, double u, const K3Config& c, double* dg, double* du) {
-  const double s = sigmoid(g);
-  if (c.hidden_act == Activation::SiTU) {
-    // h = a(g) b(u), a = b1 tanh(g/b1) σ(g), b = b2 tanh(u/b2).
-    // a' = (1 - tanh²(g/b1)) σ(g) + b1 tanh(g/b1) σ(g)(1 - σ(g));  b' = 1 - tanh²(u/b2).
-    const double b1 = double(c.situ_beta), b2 = double(c.situ_linear_beta);
-    const double tg = std::tanh(g / b1), tu = std::tanh(u / b2);
-    const double a = b1 * tg * s, b = b2 * tu;
-    if (dg) *dg = ((1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s)) * b;
-    if (du) *du = a * (1.0 - tu * tu);
-    return a * b;
-  }
-  // SwiGLU: h = g σ(g) u;  ∂h/∂g = u (σ + g σ (1 - σ));  ∂h/∂u = g σ.
-  if (dg) *dg = u * (s + g * s * (1.0 - s));
-  if (du) *du = g * s;
-  return g * s * u;
-}
 
 void glu_mlp_forward(const ParamStore& P, const std::string& mlp_prefix, const K3Config& c, const double* x, int64_t N,
                      int64_t D, double* y, GluTape* tape) {
@@ -158,61 +109,6 @@ void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config
   glu_backward_named(P, n, c, tape, dy, dx);
 }
 
-void moe_route(const K3Config& c, const double* logits, const double* bias, int64_t N, double* scores, int32_t* idx,
-               double* weight, double* sel_sum) {
-  const int64_t E = c.num_experts, K = c.num_experts_per_token;
-  const int64_t G = c.use_grouped_topk ? c.num_expert_group : 1, TG = c.use_grouped_topk ? c.topk_group : 1;
-  if (K < 1 || K > E) fail(c.source, ": num_experts_per_token ", K, " must be in 1..num_experts (", E, ")");
-  if (G < 1 || E % G != 0) fail(c.source, ": num_expert_group ", G, " must divide num_experts ", E);
-  const int64_t per_group = E / G;
-  std::vector<double> sel(static_cast<size_t>(E)), gscore(static_cast<size_t>(G));
-  std::vector<int32_t> order(static_cast<size_t>(E)), gorder(static_cast<size_t>(G));
-  for (int64_t n = 0; n < N; ++n) {
-    double* s = scores + n * E;
-    for (int64_t e = 0; e < E; ++e) {
-      s[e] = sigmoid(logits[n * E + e]);
-      sel[size_t(e)] = s[e] + (bias ? bias[e] : 0.0);  // the bias steers selection only
-    }
-    if (G > 1 && TG < G) {
-      // DeepSeek-V3 group limit (as kernels/moe/router): a group scores the sum of its two best
-      // biased scores; experts outside the best TG groups cannot be selected.
-      for (int64_t g = 0; g < G; ++g) {
-        double b1 = -INFINITY, b2 = -INFINITY;
-        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-          const double v = sel[size_t(e)];
-          if (v > b1) {
-            b2 = b1;
-            b1 = v;
-          } else if (v > b2) {
-            b2 = v;
-          }
-        }
-        gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
-      }
-      std::iota(gorder.begin(), gorder.end(), 0);
-      std::stable_sort(gorder.begin(), gorder.end(),
-                       [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-      for (int64_t r = TG; r < G; ++r)
-        for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
-          sel[size_t(e)] = -INFINITY;
-    }
-    // Top-K of the biased scores; ties go to the lower expert index (deterministic).
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
-      return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
-    });
-    double sum = 0.0;
-    for (int64_t k = 0; k < K; ++k) sum += s[order[size_t(k)]];
-    if (sel_sum) sel_sum[n] = sum;
-    // Weights from the UNBIASED scores: w = s / (Σ_sel s + 1e-20) when renormalising, times scaling.
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = order[size_t(k)];
-      idx[n * K + k] = e;
-      const double w = c.moe_renormalize ? s[e] / (sum + 1e-20) : s[e];
-      weight[n * K + k] = w * double(c.routed_scaling_factor);
-    }
-  }
-}
 
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/, const double* x,
                      int64_t N, double* y, MoeTape* tape, const double* router_bias) {
@@ -232,16 +128,17 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 
   // 1. Router on the full-width x̂.
   std::vector<double> logits(static_cast<size_t>(N * E));
-  linear(logits.data(), x, P.p(pre + "gate.weight", E * D), N, D, E);
+  linear_forward(logits.data(), x, P.p(pre + "gate.weight", E * D), N, D, E);
   t.scores.resize(static_cast<size_t>(N * E));
   t.topk.resize(static_cast<size_t>(N * K));
   t.weight.resize(static_cast<size_t>(N * K));
   t.sel_sum.resize(static_cast<size_t>(N));
-  moe_route(c, logits.data(), router_bias, N, t.scores.data(), t.topk.data(), t.weight.data(), t.sel_sum.data());
+  moe::router_forward(t.topk.data(), t.weight.data(), t.scores.data(), t.sel_sum.data(), logits.data(), router_bias, N,
+                      router_params(c));
 
   // 2. Latent down-projection z = W↓ x̂.
   t.z.resize(static_cast<size_t>(N * L));
-  linear(t.z.data(), x, P.p(pre + "routed_expert_down_proj.weight", L * D), N, D, L);
+  linear_forward(t.z.data(), x, P.p(pre + "routed_expert_down_proj.weight", L * D), N, D, L);
 
   // 3-4. Each expert once on its gathered latent rows; u = Σ_k w_k y_{e_k}.
   t.rows.assign(static_cast<size_t>(E), {});
@@ -273,21 +170,11 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 
   // RMSNorm of the aggregate (not per expert): normed = γ ⊙ u / sqrt(mean(u²) + eps).
   t.normed = t.agg;
-  if (c.latent_moe_use_norm) {
-    const double* gamma = P.p(pre + "routed_expert_norm.weight", L);
-    t.rinv.resize(static_cast<size_t>(N));
-    for (int64_t n = 0; n < N; ++n) {
-      const double* u = &t.agg[size_t(n * L)];
-      double ss = 0.0;
-      for (int64_t j = 0; j < L; ++j) ss += u[j] * u[j];
-      const double r = 1.0 / std::sqrt(ss / double(L) + double(c.rms_norm_eps));
-      t.rinv[size_t(n)] = r;
-      for (int64_t j = 0; j < L; ++j) t.normed[size_t(n * L + j)] = gamma[j] * u[j] * r;
-    }
-  }
+  if (c.latent_moe_use_norm)
+    rmsnorm_forward(t.normed.data(), t.agg.data(), P.p(pre + "routed_expert_norm.weight", L), c.rms_norm_eps, N, L);
 
   // 5. Up-projection r = W↑ normed, plus the shared experts on x̂ (added with no weight).
-  linear(y, t.normed.data(), P.p(pre + "routed_expert_up_proj.weight", D * L), N, L, D);
+  linear_forward(y, t.normed.data(), P.p(pre + "routed_expert_up_proj.weight", D * L), N, L, D);
   t.has_shared = c.num_shared_experts > 0;
   if (t.has_shared) {
     std::vector<double> sh(static_cast<size_t>(N * D));
@@ -316,28 +203,15 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
 
   // y = normed W↑ᵀ:  dW↑ += dyᵀ normed,  dnormed = dy W↑.
   const std::string up = pre + "routed_expert_up_proj.weight";
-  linear_dw(P.g(up, D * L), dy, t.normed.data(), N, L, D);
+  linear_backward(nullptr, P.g(up, D * L), dy, t.normed.data(), nullptr, N, L, D);
   std::vector<double> du(static_cast<size_t>(N * L));
-  linear_dx(du.data(), dy, P.p(up, D * L), N, L, D, 0.0);
+  linear_backward(du.data(), nullptr, dy, nullptr, P.p(up, D * L), N, L, D);
 
-  // RMSNorm: o_j = γ_j u_j r, r = (mean(u²) + eps)^(-1/2).
-  //   dγ_j += Σ_n do_j u_j r;   du_j = r γ_j do_j − u_j r³ (1/L) Σ_i γ_i do_i u_i.
+  // RMSNorm (kernels/norm): du holds the gradient of its output, then of its input.
   if (c.latent_moe_use_norm) {
     const std::string nn = pre + "routed_expert_norm.weight";
-    const double* gamma = P.p(nn, L);
-    double* dgamma = P.g(nn, L);
-    for (int64_t n = 0; n < N; ++n) {
-      const double* u = &t.agg[size_t(n * L)];
-      double* d = &du[size_t(n * L)];
-      const double r = t.rinv[size_t(n)];
-      double dot = 0.0;
-      for (int64_t j = 0; j < L; ++j) {
-        dgamma[j] += d[j] * u[j] * r;
-        dot += gamma[j] * d[j] * u[j];
-      }
-      const double coef = r * r * r * dot / double(L);
-      for (int64_t j = 0; j < L; ++j) d[j] = r * gamma[j] * d[j] - u[j] * coef;
-    }
+    const std::vector<double> dnormed = du;
+    rmsnorm_backward(du.data(), P.g(nn, L), dnormed.data(), t.agg.data(), P.p(nn, L), c.rms_norm_eps, N, L);
   }
 
   // u = Σ_k w_k y_{e_k}:  dy_e (row of slot k) = w_k du,  dw_k = <du, y_{e_k}>.
@@ -373,8 +247,8 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
 
   // z = x W↓ᵀ:  dW↓ += dzᵀ x,  dx += dz W↓.
   const std::string down = pre + "routed_expert_down_proj.weight";
-  linear_dw(P.g(down, L * D), dz.data(), t.x.data(), N, D, L);
-  linear_dx(dx, dz.data(), P.p(down, L * D), N, D, L, 1.0);
+  linear_backward(nullptr, P.g(down, L * D), dz.data(), t.x.data(), nullptr, N, D, L);
+  linear_backward(dx, nullptr, dz.data(), nullptr, P.p(down, L * D), N, D, L, true);
 
   // Router. w_k = c s_k / (S + 1e-20) with S = Σ_sel s (c = routed_scaling_factor), so for a
   // selected j:  ∂L/∂s_j = c [dw_j / (S + 1e-20) − Σ_k dw_k s_k / (S + 1e-20)²]  (renormalised) or
@@ -395,8 +269,8 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
   }
   // logits = x Wrᵀ:  dWr += dlogitsᵀ x,  dx += dlogits Wr.
   const std::string gate = pre + "gate.weight";
-  linear_dw(P.g(gate, E * D), dlogits.data(), t.x.data(), N, D, E);
-  linear_dx(dx, dlogits.data(), P.p(gate, E * D), N, D, E, 1.0);
+  linear_backward(nullptr, P.g(gate, E * D), dlogits.data(), t.x.data(), nullptr, N, D, E);
+  linear_backward(dx, nullptr, dlogits.data(), nullptr, P.p(gate, E * D), N, D, E, true);
 }
 
 }  // namespace k3::train

@@ -17,12 +17,6 @@
 
 namespace k3::train {
 
-// ---- SiTU-GLU / SwiGLU, elementwise ----
-// h = act(g, u); when dg/du are non-null they receive ∂h/∂g and ∂h/∂u.
-//   SiTU:   h = [b1 tanh(g/b1) σ(g)] · [b2 tanh(u/b2)]   (b1 = c.situ_beta, b2 = c.situ_linear_beta)
-//   SwiGLU: h = g σ(g) u
-double glu_act(double g, double u, const K3Config& c, double* dg = nullptr, double* du = nullptr);
-
 // ---- GLU MLP ----
 // Saved activations of one GLU MLP applied to N rows of width D with intermediate width I.
 struct GluTape {
@@ -63,7 +57,6 @@ struct MoeTape {
   std::vector<GluTape> expert_tape;
   std::vector<std::vector<double>> expert_out;
   std::vector<double> agg;     // [N, L] u = Σ_k w_k y_{e_k} (before the norm)
-  std::vector<double> rinv;    // [N] 1/sqrt(mean(u²) + eps) (when the norm is used)
   std::vector<double> normed;  // [N, L] input of routed_expert_up_proj
   bool has_shared = false;
   GluTape shared;
@@ -78,10 +71,5 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 // row selected get no gradient. dx [N, hidden] overwritten.
 void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer, const MoeTape& tape,
                       const double* dy, double* dx);
-
-// The router alone (exposed for tests and Quantile Balancing): logits [N, E] -> scores s [N, E],
-// idx [N, K] (selection order), weight [N, K]; bias may be null. Same rules as kernels/moe/router.
-void moe_route(const K3Config& c, const double* logits, const double* bias, int64_t N, double* scores, int32_t* idx,
-               double* weight, double* sel_sum);
 
 }  // namespace k3::train

@@ -9,10 +9,10 @@
 //   per head, S_0 = 0 (D x D, key-major):
 //     S' = Diag(alpha_t) S_{t-1};  u = S'^T k_t;  S_t = S' + beta_t k_t (v_t - u)^T;  o_t = S_t^T q_t / sqrt(D)
 //   y = Wo ( RMSNorm_head(o; o_norm, rms_norm_eps) * sigmoid(Wg x) )
-// The recurrence (between the normalised q, k, v, beta, g and o) runs in the chunked form of kda_chunk.h,
+// The recurrence (between the normalised q, k, v, beta, g and o) runs in the chunked form of kernels/kda/kda_chunk_f64.h,
 // forward and backward (matrix-matrix work per 16-token chunk; the backward differentiates the chunked
 // form directly). The token-by-token recurrent form is kept below as the reference twin
-// (kda_recurrent_forward_f64 / kda_recurrent_backward_f64): the tests compare the two, and a tape can
+// (kernels/kda/kda_f64.h: kda_recurrent_forward_f64 / kda_recurrent_backward_f64): the tests compare the two, and a tape can
 // select it (KdaBlockTape::recurrent_reference).
 //
 // Parameters, appended to `prefix` (e.g. "language_model.model.layers.3."):
@@ -75,19 +75,5 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
 // dy: [T, hidden]; dx: [T, hidden] (OVERWRITTEN). Parameter gradients are ACCUMULATED into P.g(...).
 void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                         const KdaBlockTape& tape, const double* dy, double* dx);
-
-// The recurrence core in its token-by-token form: the reference twin of kda_chunk_forward_f64 and
-// kda_chunk_backward_f64 (kda_chunk.h), with the same layouts, contract and result (to rounding). Here
-// `states` ([ceil(T/state_every), H, Dk, Dv], may be nullptr in the forward) holds S_{t-1} at every
-// state_every-th token, which for state_every == chunk is exactly the chunked form's chunk_states; the
-// backward recomputes the states in between. Per token it does O(Dk Dv) rank-1 and matrix-vector work.
-void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
-                               const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
-                               int64_t Dv, int64_t state_every);
-// Outputs OVERWRITTEN, as kda_chunk_backward_f64.
-void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, double* dbeta, const double* d_o,
-                                const double* states, const double* q, const double* k, const double* v,
-                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
-                                int64_t Dv, int64_t state_every);
 
 }  // namespace k3::train

@@ -4,11 +4,14 @@
 #include <memory>
 
 #include "core/error.h"
+#include "kernels/attnres/attnres.h"
+#include "kernels/gemm/linear_f64.h"
+#include "kernels/loss/cross_entropy.h"
+#include "kernels/norm/norm.h"
 #include "model/decoder.h"
 #include "train/ffn_block.h"
 #include "train/kda_block.h"
 #include "train/mla_block.h"
-#include "train/ops.h"
 
 namespace k3::train {
 
@@ -113,10 +116,10 @@ class TrainBackend {
       std::vector<const double*> src;
       for (int s : u.srcs) src.push_back(node_[size_t(s)].data());
       const std::vector<double> q = query_of(P_, u.norm_name, u.proj_name, D_);
-      attnres_fwd(u.h.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
+      attnres_forward(u.h.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
     }
     u.xn.resize(size_t(T_ * D_));
-    rmsnorm_fwd(u.xn.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
+    rmsnorm_forward(u.xn.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
   }
 
   Act attention(int64_t l) {
@@ -173,7 +176,7 @@ class TrainBackend {
   double head() {
     const int64_t V = c_.vocab_size;
     std::vector<double> logits(size_t(T_ * V));
-    linear_fwd(logits.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_, D_, V);
+    linear_forward(logits.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_, D_, V);
     std::vector<int32_t> target(static_cast<size_t>(T_), -1);
     for (int64_t t = 0; t + 1 < T_; ++t) target[size_t(t)] = ids_[size_t(t + 1)];
     dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
@@ -188,14 +191,14 @@ class TrainBackend {
     dnode_.assign(node_.size(), std::vector<double>(size_t(T_ * D_), 0.0));
     dh_.resize(size_t(T_ * D_)), dxn_.resize(size_t(T_ * D_)), dq_.resize(size_t(D_));
     const int64_t V = c_.vocab_size;
-    linear_bwd(dxn_.data(), P_.g(nm_.lm_head, V * D_), dlogits_.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_,
+    linear_backward(dxn_.data(), P_.g(nm_.lm_head, V * D_), dlogits_.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_,
                D_, V);
   }
 
   // Back through RMSNorm and AttnRes (or the skipped AttnRes) into the node gradients.
   void mix_backward(MixSite site, int64_t l) {
     const ResUse& u = use(site, l);
-    rmsnorm_bwd(dh_.data(), P_.g(u.ln_name, D_), dxn_.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
+    rmsnorm_backward(dh_.data(), P_.g(u.ln_name, D_), dxn_.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
     if (u.srcs.empty()) {
       for (int64_t i = 0; i < T_ * D_; ++i) dnode_[size_t(u.direct)][size_t(i)] += dh_[size_t(i)];
       return;
@@ -208,7 +211,7 @@ class TrainBackend {
     }
     const std::vector<double> q = query_of(P_, u.norm_name, u.proj_name, D_);
     std::fill(dq_.begin(), dq_.end(), 0.0);
-    attnres_bwd(dsrc, dq_.data(), dh_.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
+    attnres_backward(dsrc, dq_.data(), dh_.data(), src, q.data(), c_.rms_norm_eps, T_, D_);
     // q = norm ⊙ proj
     const double *a = P_.p(u.norm_name, D_), *b = P_.p(u.proj_name, D_);
     double *da = P_.g(u.norm_name, D_), *db = P_.g(u.proj_name, D_);

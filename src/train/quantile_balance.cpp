@@ -10,7 +10,7 @@ namespace k3::train {
 
 namespace {
 
-// Biased scores of one token sorted best first; ties to the lower expert index (as moe_route).
+// Biased scores of one token sorted best first; ties to the lower expert index (as the router, kernels/moe/router.h).
 void rank_token(const double* s, const double* bias, int64_t E, int64_t take, std::vector<double>& v,
                 std::vector<int32_t>& order) {
   for (int64_t e = 0; e < E; ++e) v[size_t(e)] = s[e] + (bias ? bias[e] : 0.0);

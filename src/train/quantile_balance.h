@@ -45,7 +45,7 @@
 // MaxVio of a step = (max_j load_j − mean load)/mean load, load_j = tokens of the step that selected j
 // with the bias in effect during the step (mean load = m·k/n).
 //
-// Selection ties go to the lower expert index, as in train/ffn_block moe_route. Group-limited
+// Selection ties go to the lower expert index, as in the float64 router (kernels/moe/router.h). Group-limited
 // routing (num_expert_group > 1 with topk_group < groups) is not modelled: QB assumes plain top-k.
 #pragma once
 #include <cstdint>

@@ -19,4 +19,10 @@ void glu_forward(float* out, const float* gate, const float* up, int64_t n, cons
 
 float sigmoidf_stable(float x);
 
+// Float64, for training: act(g, u) of one element, with its partial derivatives ∂/∂g and ∂/∂u when
+// dg and du are given.
+double glu_forward_backward(double g, double u, const GluParams& p, double* dg = nullptr, double* du = nullptr);
+// sigmoid(x) without overflow for large |x| (exp of a non-positive number only).
+double sigmoid_stable(double x);
+
 }  // namespace k3

@@ -22,4 +22,10 @@ struct RouterParams {
 void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias,
                     int64_t N, const RouterParams& p);
 
+// Float64, for training: the same routing with the sigmoid scores [N, E] and, per token, the sum of
+// the selected scores (sel_sum [N], optional: the renormalisation's denominator, for the backward).
+// Scores are computed with a stable sigmoid in double; the selection and tie rules are the fp32 one's.
+void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,
+                    const double* bias, int64_t N, const RouterParams& p);
+
 }  // namespace k3::moe

@@ -62,4 +62,59 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
   }
 }
 
+void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits, const double* bias,
+                    int64_t N, const RouterParams& p) {
+  const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups, TG = p.topk_groups;
+  K3_CHECK(K >= 1 && K <= E, "router: top-k ", K, " must be in 1..num_experts (", E, ")");
+  K3_CHECK(G >= 1 && E % G == 0, "router: num_expert_group ", G, " must divide num_experts ", E);
+  const int64_t per_group = E / G;
+  std::vector<double> sel(static_cast<size_t>(E)), gscore(static_cast<size_t>(G));
+  std::vector<int32_t> order(static_cast<size_t>(E)), gorder(static_cast<size_t>(G));
+  for (int64_t n = 0; n < N; ++n) {
+    double* s = scores + n * E;
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = sigmoid_stable(logits[n * E + e]);
+      sel[size_t(e)] = s[e] + (bias ? bias[e] : 0.0);  // the bias steers selection only
+    }
+    if (G > 1 && TG < G) {
+      // DeepSeek-V3 group limit (as the fp32 router): a group scores the sum of its two best
+      // biased scores; experts outside the best TG groups cannot be selected.
+      for (int64_t g = 0; g < G; ++g) {
+        double b1 = -INFINITY, b2 = -INFINITY;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          const double v = sel[size_t(e)];
+          if (v > b1) {
+            b2 = b1;
+            b1 = v;
+          } else if (v > b2) {
+            b2 = v;
+          }
+        }
+        gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
+      }
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::stable_sort(gorder.begin(), gorder.end(),
+                       [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+      for (int64_t r = TG; r < G; ++r)
+        for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
+          sel[size_t(e)] = -INFINITY;
+    }
+    // Top-K of the biased scores; ties go to the lower expert index (deterministic).
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
+      return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
+    });
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) sum += s[order[size_t(k)]];
+    if (sel_sum) sel_sum[n] = sum;
+    // Weights from the UNBIASED scores: w = s / (Σ_sel s + 1e-20) when renormalising, times scaling.
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = order[size_t(k)];
+      idx[n * K + k] = e;
+      const double w = p.renormalize ? s[e] / (sum + 1e-20) : s[e];
+      weight[n * K + k] = w * double(p.scaling);
+    }
+  }
+}
+
 }  // namespace k3::moe

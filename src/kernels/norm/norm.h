@@ -12,4 +12,10 @@ inline void rmsnorm_forward(float* y, const float* x, const float* weight, float
   rmsnorm_forward(y, x, weight, eps, N, D, D);
 }
 
+// Float64, for training: y = w ⊙ x / sqrt(mean(x²) + eps) ([N, D], w may be null), and its backward:
+// dx overwritten, dw accumulated (when both w and dw are given).
+void rmsnorm_forward(double* y, const double* x, const double* w, double eps, int64_t N, int64_t D);
+void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x, const double* w, double eps, int64_t N,
+                      int64_t D);
+
 }  // namespace k3

@@ -19,4 +19,32 @@ void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, i
   }
 }
 
+void rmsnorm_forward(double* y, const double* x, const double* w, double eps, int64_t N, int64_t D) {
+  for (int64_t n = 0; n < N; ++n) {
+    const double* xr = x + n * D;
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    for (int64_t i = 0; i < D; ++i) y[n * D + i] = (w ? w[i] : 1.0) * xr[i] * r;
+  }
+}
+
+void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x, const double* w, double eps, int64_t N,
+                 int64_t D) {
+  // y_i = w_i x_i r with r = (mean(x²) + eps)^(-1/2), so ∂r/∂x_j = -r³ x_j / D and
+  // dx_j = r (w ⊙ dy)_j - r³ x_j Σ_i (w ⊙ dy)_i x_i / D.
+  for (int64_t n = 0; n < N; ++n) {
+    const double *xr = x + n * D, *g = dy + n * D;
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    double dot = 0.0;
+    for (int64_t i = 0; i < D; ++i) dot += (w ? w[i] : 1.0) * g[i] * xr[i];
+    for (int64_t i = 0; i < D; ++i) {
+      dx[n * D + i] = r * (w ? w[i] : 1.0) * g[i] - r * r * r * xr[i] * dot / double(D);
+      if (w && dw) dw[i] += g[i] * xr[i] * r;
+    }
+  }
+}
+
 }  // namespace k3

@@ -1,10 +1,10 @@
 // The KDA delta-rule recurrence in float64, chunked (WY/UT) form: forward and backward, for training.
 //
-// This is the recurrence core of the training KDA block (kda_block.h), i.e. only the part between the
+// This is the recurrence core of the training KDA block (model/training/kda_block.h), i.e. only the part between the
 // normalised, gated inputs and the per-head output; the projections, convs, norms and gates live there.
 // Per head h, with the state S (Dk x Dv, key-major: S[c][j]) starting at 0 at the sequence start:
 //   S' = Diag(exp(g_t)) S_{t-1};   u_t = beta_t (v_t - S'^T k_t);   S_t = S' + k_t u_t^T;   o_t = S_t^T (scale q_t)
-// which is what kda_recurrent_forward_f64 (kda_block.h, the token-by-token reference twin) computes.
+// which is what kda_recurrent_forward_f64 (kda_f64.h, the token-by-token reference twin) computes.
 //
 // The chunked form (the inference prefill's, src/kernels/kda/kda.h kda_chunk_forward) computes the same
 // result chunk by chunk. In a chunk of n <= C tokens (local index r = 0..n-1), with S0 the state entering
@@ -21,19 +21,19 @@
 //
 // The backward differentiates the chunked form directly (not the recurrence), chunk by chunk in reverse,
 // carrying dS (the gradient w.r.t. the state leaving a chunk) between chunks. The derivation is in
-// kda_chunk.cpp. Every chunk is recomputed from its entering state, so the forward saves only that state
+// kda_chunk_f64.cpp. Every chunk is recomputed from its entering state, so the forward saves only that state
 // per chunk: ceil(T/C) * H * Dk * Dv doubles (1/C of the per-token states; at C = 16, D = 64, H = 6 that
 // is 12 KB per token).
 //
-// Layouts (as in kda_block.cpp): token-major, head-major inside a token:
+// Layouts (as in the training KDA block): token-major, head-major inside a token:
 //   q, k, g: [T, H*Dk]    v, o: [T, H*Dv]    beta: [T, H]    chunk_states: [ceil(T/C), H, Dk, Dv]
-// g is the per-token log decay (<= 0 for KDA's gate; any finite g works, see kda_chunk.cpp for the
+// g is the per-token log decay (<= 0 for KDA's gate; any finite g works, see kda_chunk_f64.cpp for the
 // numerics). Output buffers must not alias inputs. T = 0 is a no-op. Heads run in parallel
 // (`omp parallel for`), one thread per head, so results do not depend on the thread count.
 #pragma once
 #include <cstdint>
 
-namespace k3::train {
+namespace k3::kda {
 
 // K3's chunk (the tile of its kernels). Also the default spacing of the block tape's saved states.
 constexpr int64_t kKdaChunk = 16;
@@ -52,4 +52,4 @@ void kda_chunk_backward_f64(double* dq, double* dk, double* dv, double* dg, doub
                             const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
                             int64_t Dv, int64_t chunk = kKdaChunk);
 
-}  // namespace k3::train
+}  // namespace k3::kda

@@ -1,4 +1,4 @@
-// KDA recurrence core, chunked form, float64 forward and backward. See kda_chunk.h for the contract and
+// KDA recurrence core, chunked form, float64 forward and backward. See kda_chunk_f64.h for the contract and
 // the forward math; this file explains the numerics and derives the backward.
 //
 // NUMERICS. The pair decays W_rs = exp(Gamma_r - Gamma_s) (s <= r) are never formed as a quotient
@@ -42,7 +42,7 @@
 // recurrent backward's ~13 Dk Dv, and nearly all of it in register-tiled block products. The n x n x Dv
 // products run over full n x n blocks with zeros above the diagonal: wasted work, but n <= 16 keeps it
 // small and the calls simple.
-#include "train/kda_chunk.h"
+#include "kernels/kda/kda_chunk_f64.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,7 +51,7 @@
 #include "core/error.h"
 #include "kernels/gemm/tiled_f64.h"
 
-namespace k3::train {
+namespace k3::kda {
 namespace {
 
 // Products: k3::gemm_acc_f64 (kernels/gemm/tiled_f64.h), not cblas_dgemm; its header says why (speed at
@@ -92,7 +92,7 @@ struct ChunkForward {
   // P = exp(Gamma_last - Gamma), Kd = P k.
   std::vector<double> Q, K, alpha, E, Qt, Kt, P, Kd;
   std::vector<double> A, M;  // [C, C], row r column s; A strictly lower, M lower with diagonal, zeros elsewhere
-  std::vector<double> X, U;  // [C, Dv]: X_r the residual before beta (see kda_chunk.h), U = diag(beta) X
+  std::vector<double> X, U;  // [C, Dv]: X_r the residual before beta (see kda_chunk_f64.h), U = diag(beta) X
   std::vector<double> dec;   // [Dk] running decay product
 
   ChunkForward(int64_t C_, int64_t Dk_, int64_t Dv_)
@@ -329,4 +329,4 @@ void kda_chunk_backward_f64(double* dq, double* dk, double* dv, double* dg, doub
   }
 }
 
-}  // namespace k3::train
+}  // namespace k3::kda

@@ -1,0 +1,36 @@
+// The KDA ops of the training model in float64 (K3-ARCHITECTURE.md §5.3), each forward beside its
+// backward: the short causal conv with SiLU, the per-head L2 norm, and the delta-rule recurrence in
+// its token-by-token form (the reference twin of the chunked form, kda_chunk_f64.h). The fp32
+// inference forms are in kda.h. Layouts are token-major, head-major inside a token.
+#pragma once
+#include <cstdint>
+
+namespace k3::kda {
+
+// Causal depthwise conv over T tokens of C channels, zero history: pre[t,c] = sum_j w[c,j] in[t-(K-1)+j, c]
+// (tap K-1 is the current token, w [C, K]), then act = SiLU(pre).
+void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, int64_t C, const double* w, int64_t K);
+// d_in [T, C] OVERWRITTEN; dw [C, K] ACCUMULATED.
+void conv_silu_backward(double* d_in, double* dw, const double* d_act, const double* pre, const double* in, int64_t T,
+                        int64_t C, const double* w, int64_t K);
+
+// L2 norm of rows of D (one per token and head): out = in * inv, inv = 1/sqrt(sum in^2 + eps).
+void l2norm_forward(double* out, double* inv, const double* in, int64_t rows, int64_t D, double eps);
+// d_in OVERWRITTEN (may alias d_out).
+void l2norm_backward(double* d_in, const double* d_out, const double* out, const double* inv, int64_t rows, int64_t D);
+
+// The recurrence core in its token-by-token form: the reference twin of kda_chunk_forward_f64 and
+// kda_chunk_backward_f64 (kda_chunk_f64.h), with the same layouts, contract and result (to rounding). Here
+// `states` ([ceil(T/state_every), H, Dk, Dv], may be nullptr in the forward) holds S_{t-1} at every
+// state_every-th token, which for state_every == chunk is exactly the chunked form's chunk_states; the
+// backward recomputes the states in between. Per token it does O(Dk Dv) rank-1 and matrix-vector work.
+void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
+                               const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                               int64_t Dv, int64_t state_every);
+// Outputs OVERWRITTEN, as kda_chunk_backward_f64.
+void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, double* dbeta, const double* d_o,
+                                const double* states, const double* q, const double* k, const double* v,
+                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
+                                int64_t Dv, int64_t state_every);
+
+}  // namespace k3::kda

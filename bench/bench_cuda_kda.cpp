@@ -19,8 +19,8 @@
 //             same run: 1 = the prepare kernel without its register cap, 2 = capped for 7 CTAs per SM
 //             instead of 8 (kda_cuda_chunk.cu)
 // --shapes BxTxH,... times only those shapes (e.g. one shape under a profiler).
-// Reference (ANCHORS.md, H200): fla chunk_kda fwd 1.76 / 2.60 / 1.69 / 4.15 / 4.43 ms; FlashKDA ~1.21 ms at
-// B1 T8192 H64. Exits 0 with a message when there is no GPU.
+// Reference times of fla's chunk_kda and FlashKDA at these shapes: ANCHORS.md; ours and fla's measured in
+// the same run: docs/BENCHMARKS.md. Exits 0 with a message when there is no GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

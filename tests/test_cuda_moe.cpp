@@ -651,7 +651,7 @@ std::vector<int32_t> idx_with_counts(const std::vector<int32_t>& counts, std::mt
 // rows empty: that consumer warpgroup idles), on the full grid and on 3 persistent CTAs (many work
 // items per CTA, the stage ring running on across tiles). Against the CPU twin, and against the
 // mma.sync kernel (K3_MOE_VARIANT=16) to the same tolerance (both run the same k16 steps in the same
-// order and agreed bit for bit on the H200, but nothing documents that wgmma and mma.sync round alike).
+// order, but nothing documents that wgmma and mma.sync round alike).
 TEST(CudaMoeExperts, WgmmaKernelAwkwardShapes) {
   K3_REQUIRE_GPU();
   const k3::GluParams gp{true, 4.0f, 25.0f};

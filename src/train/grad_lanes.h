@@ -2,8 +2,9 @@
 //
 // Why: a k3-tiny sequence's products are 128 wide and its KDA has 4 heads, too little work for
 // OpenBLAS or the per-head loops to keep two threads busy. With the sequences of a step run one after
-// another, perf showed 32% of the training time in libgomp's barrier spin. Running whole sequences
-// side by side, each on one thread with every kernel inside single-threaded, removes that wait.
+// another, the threads spend much of the step in libgomp's barrier spin (docs/BENCHMARKS.md, "Gradient
+// lanes"). Running whole sequences side by side, each on one thread with every kernel inside
+// single-threaded, removes that wait.
 //
 // How: the step's sequences ("pieces": windows cut at document boundaries) are dealt to `lanes`
 // gradient buffers, longest first to the least-loaded lane (cost = tokens, ties to the lower lane).

@@ -12,21 +12,16 @@
 //   h = acc / z;  [y = w ⊙ h / sqrt(mean(h²) + eps_n)]
 // block_sum gives every thread the same bits, so the softmax state is uniform across the block.
 //
-// What changed, and why (measured on an H200 with bench_cuda_dense, N=8192, D=7168, F32 sources):
-//   - The first version issued the loads of V_i only when source i's turn came, each pack's load
-//     guarded together with its use, so a block had nothing in flight while it reduced: 31-47% of
-//     copy bandwidth. Issuing a thread's whole slice before using it (still one source at a time,
-//     NB = 1): 36-55%. Issuing the next source's loads before reducing the current one (this NB-slice
-//     ring): S=2 54-75%, S=5 74-81%, S=9 84-88%. Blocks of 448 threads holding 16 floats each (64
-//     registers, two blocks per SM) were better at S=2 (58-86%) and worse at S=9 (73-83%); with NB=3
-//     (one block per SM), 39-58%. BF16 sources (S=9, NB=3): 44.5% (not measured before).
-//   - The loads stream (ld.global.cs, evict-first: read once), which leaves L1 to the query and the
-//     norm weight.
-//   - A persistent-block version (the ring running across row ends, the query in shared memory)
-//     spilled at 128 registers; at 144 it ran at 30-49%, so it is not used. Inferred, not measured:
-//     at 144 registers only one 224-thread block fits per SM (warps are given registers in groups
-//     of 4, so 2 x 7 warps x 144 x 32 does not fit), which halves what is in flight.
-// The arithmetic and its order are those of the first version: the same row geometry, the same
+// Why this shape (docs/CUDA.md, "Dense", has the figures and the forms that did not pay):
+//   - bandwidth needs bytes in flight while the block reduces, so the next source's loads are issued
+//     before the current one is reduced (the NB-slice ring); loading a source only when its turn
+//     came left the stream idle during every block_sum;
+//   - the loads stream (ld.global.cs, evict-first: read once), which leaves L1 to the query and the
+//     norm weight;
+//   - one row per block, not persistent blocks: a persistent version (the ring running across row
+//     ends, the query in shared memory) was slower; it needs more registers per thread, so (registers
+//     being given to warps in groups of 4) one block fits an SM where two did, halving what is in flight.
+// The arithmetic and its order do not depend on the ring's depth: the same row geometry, the same
 // per-thread fma order and block_sum, so the same bits. The kernel parameters are __grid_constant__,
 // so that the run-time indexed source pointers are read from the parameter space, not a local copy.
 #include <climits>

@@ -10,9 +10,7 @@
 // accumulation and the norm are fp32.
 // Memory-bound, and bound first by what is in flight: a thread issues all its loads of the next
 // source (two ahead for BF16 sources) before it reduces the current one, so the DRAM stream does
-// not wait on the block reduction (attnres_cuda.cu has the measurements: on an H200, F32 sources
-// went from 31-47% of copy bandwidth to 54-88%). The arithmetic, its order and the row geometry are
-// unchanged, so the results are the same bits.
+// not wait on the block reduction (attnres_cuda.cu; the figures are in docs/CUDA.md, "Dense").
 // Sources are F32 or BF16 (all the same); h and y share
 // out_type (F32 or BF16). With a BF16 out_type the norm reads h rounded to bf16, exactly what the
 // unfused pair (AttnRes writes bf16 h, RMSNorm reads it) would compute.

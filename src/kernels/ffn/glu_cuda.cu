@@ -4,11 +4,9 @@
 //
 // The arithmetic per element is that of glu_cpu.cpp, in fp32 with the accurate tanhf/expf:
 //   s = sigmoid_stable(g);  out = (b1·tanh(g/b1)·s) · (b2·tanh(u/b2))      (SiTU)
-// Cheaper forms of the same bits. Measured on an H200 (bench_cuda_dense, 4096 x 33792): the BF16
-// kernel ran at ~1 element per SM per clock, the same element rate as the F32 one (36.5% vs 74% of
-// copy bandwidth): bound by instruction issue, ~100+ SASS instructions an element, of which the
-// three IEEE divisions took ~11 each (MUFU.RCP, 5 FFMA, FCHK, branch, convergence barrier), plus a
-// 64-bit division per pack for the row index. Now:
+// Cheaper forms of the same bits. With bf16 data the kernel is bound by instruction issue, not by
+// bandwidth (it moves half the bytes of fp32 at the same element rate), so the instructions per element
+// are what count (docs/CUDA.md, "Dense", has the SASS count and the figures):
 //   - g/b1 (u/b2) with b a power of two is g·(1/b) exactly (1/b exact, one rounding of the same real
 //     number), done with __fmul_rn so that it is never contracted into an fma: K3's beta_gate = 4.
 //   - other betas, and the sigmoid's num/(1+e), run the IEEE division's own fast path (div_fast)
@@ -16,11 +14,11 @@
 //     check; 1/beta is refined once per thread; a pack with any |x| outside [2^-60, 2^60] (a zero,
 //     inf, NaN) takes the plain division.
 //   - the stable sigmoid selects the numerator (1 or e) and divides once: the same division.
-//   - SiTU / SwiGLU and the beta forms are template parameters; a 2-D grid replaces the 64-bit
-//     division; bf16 outputs are narrowed in pairs by the hardware (rowwise::pack2_bf16_rne).
-// Without the division fast paths these took BF16 from 36.5% to 47% of copy (F32: 74% to 90%);
-// with them, 56.9% (F32: 95%). The rest of the cost is two accurate tanhf and an expf (7 MUFU and
-// ~50 other instructions an element), which the exactness requirement keeps.
+//   - SiTU / SwiGLU and the beta forms are template parameters; a 2-D grid avoids a 64-bit division
+//     per pack for the row index; bf16 outputs are narrowed in pairs by the hardware
+//     (rowwise::pack2_bf16_rne).
+// The rest of the cost is two accurate tanhf and an expf (7 MUFU and ~50 other instructions an
+// element), which the exactness requirement keeps.
 #include <algorithm>
 #include <cmath>
 

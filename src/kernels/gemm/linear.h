@@ -8,12 +8,12 @@
 // Dimension letters: N rows of activations, In / Out features. W is [Out, In] (PyTorch layout).
 //
 // Accumulation precision. Activations are fp32 in and out, but dot products accumulate in fp64 by
-// default (dgemm on widened operands; fp64 accumulators in the fused decode kernel). Measured on
-// the k3-tiny-a fixture (ids_long, 300 tokens): fp32 sgemm accumulation gives logits 1.2e-4..2.0e-4
-// relative L2 from Moonshot's float64 reference, fp64 accumulation 1.4e-5. The cause is real, not a
-// bug: at some tokens AttnRes mixes sources that nearly cancel, and across 8 layers that amplifies
-// 1e-7 perturbations ~1e4x (see docs/NUMERICS.md). K3_GEMM=f32 selects the fp32 sgemm path (about
-// 2x faster prefill on CPU, same results to ~1e-4).
+// default (dgemm on widened operands; fp64 accumulators in the fused decode kernel). With fp32
+// accumulation the golden fixture's long input misses the 1e-4 logits bar: at some tokens AttnRes mixes
+// sources that nearly cancel, and across 8 layers that amplifies 1e-7 perturbations ~1e4x, a real
+// ill-conditioning, not a bug (docs/NUMERICS.md, "Why linear layers accumulate in fp64", has the
+// figures). K3_GEMM=f32 selects the fp32 sgemm path (faster prefill; results differ by ~1e-4 at such
+// tokens).
 #pragma once
 #include <cstdint>
 

@@ -8,8 +8,8 @@
 // spends much of each call in its interface and packing; and with its generic (Prescott) kernels, which
 // it picks on CPUs it does not recognise (virtual machines), it is slower still. Here each kMR x kNR tile
 // of C is summed in a local array that the compiler keeps in vector registers: per step of p, kNR/8 loads
-// of B, kMR broadcasts of A and kMR·kNR/8 fp64 FMAs. Measured at 128^3 (-O3 -march=native, AVX-512): 65
-// vs 11 GFMA/s for the plain i-p-j loop; with AVX2 only 30 vs 16. The summation order is fixed (p
+// of B, kMR broadcasts of A and kMR·kNR/8 fp64 FMAs, several times the plain i-p-j loop's rate
+// (docs/BENCHMARKS.md, "The KDA recurrence core on its own"). The summation order is fixed (p
 // ascending, then one multiply by alpha and one add into C), whatever the tile, so the result does not
 // depend on the BLAS build or the thread count.
 #pragma once

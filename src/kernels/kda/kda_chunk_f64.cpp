@@ -8,7 +8,7 @@
 // multiplies one per-token decay alpha_tau = exp(g_tau) in per step down r = s+1, s+2, ... That is the same
 // number as exp of the difference (not an approximation), every factor is <= 1 for g <= 0 (so nothing can
 // overflow for any chunk size), and it costs one exp per token and channel instead of one per pair and
-// channel (the inference kernel measured pairwise exps at ~55% of the chunk time). It is also the order
+// channel, which would dominate the chunk's time (docs/NUMERICS.md, "KDA"). It is also the order
 // in which the recurrence itself applies the decays, so the two forms agree to ~n ulp rather than to the
 // ~|Gamma| ulp that exp of a difference of two running sums near -80 would carry. exp(Gamma_r) itself is
 // the running product from the chunk start. A factor that underflows is a term that has decayed away;

@@ -4,7 +4,7 @@
 // recurrence and of the chunked form are fp64. Why: decoding runs the recurrence token by token while
 // a prefill runs the chunked form, and the model must give the same logits either way. In fp32 the two
 // forms differ by ~2e-7 per layer, and the golden K3 fixture amplifies such differences ~100x at some
-// tokens (docs/NUMERICS.md), so cached decoding and full recomputation drifted 4.6e-5 apart. In fp64 the
+// tokens, enough to part cached decoding from full recomputation (docs/NUMERICS.md, "KDA"). In fp64 the
 // two forms agree to ~1e-15 before the single rounding of o to fp32. It is cheap on a CPU: KDA is
 // ~H*Dk*Dv*4 flops per token, under 1% of a K3 layer's projections.
 #include "kernels/kda/kda.h"
@@ -189,7 +189,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
 // After <= 63 multiplies its relative error is ~1e-14 (exp of a difference of two running sums near -300
 // would carry ~300 * 1e-16 absolute error, and in fp32 2e-5). With g >= -5 the products stay above
 // e^-320 ~ 1e-139, far inside the normal double range, so no denormals reach the matmuls. It costs one exp per token and channel
-// instead of one per pair and channel: with pairwise expf calls the exps were ~55% of the chunk's time.
+// instead of one per pair and channel, where the exps would dominate the chunk's time (docs/NUMERICS.md, "KDA").
 //
 // Per head and chunk of n tokens, the work (multiply-adds) is:
 //   pair loop   A (strictly lower) and M (lower incl. diagonal), sharing the factor e^{Gamma_i - Gamma_j}: n^2 Dk

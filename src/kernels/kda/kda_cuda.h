@@ -68,29 +68,17 @@
 // roundings of the same size change the error's constant, not its order; (b) only the copy is rounded,
 // never the state itself, so the rounding does not compound from chunk to chunk; an error put into the
 // state by one chunk's Y is then multiplied by the decay (gamma <= 1) and the delta rule's projection
-// (I - beta k k^T), so it fades instead of growing with T. Measured against the fp64 CPU twin: o ~2.5e-3,
-// state ~2.2e-3 relative L2, the same at T = 65536 (it was 2.3e-3 / 1.5e-3 with the state split into
-// hi + lo as below); the bound is 1e-2. It halves the recurrence's MMAs.
+// (I - beta k k^T), so it fades instead of growing with T (see the accuracy below; the bar is 1e-2).
+// It halves the recurrence's MMAs.
 // The fp32 path (q/k/v fp32) keeps every product split: the state as S_hi + S_lo (~2^-17 relative), Y
 // likewise, and the workspace tiles and v as hi/lo planes, multiplying hi*hi + hi*lo + lo*hi everywhere:
 // every product is then fp32-accurate to ~2^-16 (parity with the CPU).
 //
-// Measured (H200, 2026-11-30, bench_cuda_kda, D = 128, bf16, median of 30; prepare + recurrence kernels;
-// slices x key warps of the recurrence as kda_chunk_value_slices / kda_chunk_key_warps choose them;
-// docs/BENCHMARKS.md, "GPU, runs of 2026-11-30"; fla measured in the same run where marked):
-//   (B, T, H)        ms      prepare  recurrence  slices x kw  fla chunk_kda fwd
-//   1, 8192, 64     0.884    0.570    0.318        2 x 1      1.772 (same run: 2.00x)
-//   1, 8192, 96     1.342    0.849    0.500        4 x 1      2.60 (ANCHORS.md)
-//   4, 4096, 32     0.830    0.569    0.264        1 x 1      1.69 (ANCHORS.md)
-//   1, 32768, 32    2.242    1.130    1.121        4 x 2      4.15 (ANCHORS.md)
-//   1, 65536, 16    3.428    1.130    2.286        8 x 4      4.281 (same run: 1.25x)
-// The recurrence costs ~0.56 us per 16-token chunk step at B1 H16 (one CTA of 4 warps per SM, one warp per
-// scheduler). Its time follows the step's instruction count (Nsight Compute, profiled with the flat copy
-// before the 32-bit offsets: ~270 warp instructions a step, ~4 cycles each, the stalls fixed-latency and
-// shared-memory waits), not the bytes it moves: the step went from ~1.0 to ~0.56 us by copying the
-// pre-swizzled workspace item as one flat run and addressing shared memory with 32-bit offsets
-// (kda_cuda_chunk.cu), while a 64-token step (4x the work, a quarter of the steps) and bulk copies (fewer
-// instructions, longer waits) were both slower (docs/CUDA.md, "What did not work").
+// Cost. With few CTAs (B1 H16: one CTA of 4 warps per SM, one warp per scheduler) the recurrence's time
+// follows the instruction count of its 16-token chunk step, not the bytes it moves. Hence the workspace
+// item is stored pre-swizzled and copied as one flat run, and shared memory is addressed with 32-bit
+// offsets (kda_cuda_chunk.cu). Times against fla's chunk_kda: docs/BENCHMARKS.md; the profile, and the
+// variants that did not pay (64-token steps, bulk copies): docs/CUDA.md, KDA.
 // Accuracy against the CPU twin (relative L2, D = 128): bf16 path o ~2.5e-3, state ~2.2e-3 (also at T = 65536);
 // fp32 path o ~7e-6, state ~6e-6.
 #pragma once
@@ -167,8 +155,9 @@ struct KdaParams {
 // lo plane back to back (Qw hi, Qw lo, Kw hi, ...), gamma, then v's hi and lo planes [16][D].
 // B1 T8192 H64 D128 bf16: 453 MB. Throws k3::Error for a D other than 32, 64, 128.
 // Each bf16 tile (and plane) is stored SWIZZLED, in the exact byte order the recurrence kernel wants in
-// shared memory, so that one bulk copy moves a whole item there: element (row, col) of a 16-row tile of
-// `width` columns is at kda_ws_tile_index(row, col, width), which permutes the 16-byte pieces of a row.
+// shared memory, so that a whole item moves there as one flat run of 16-byte copies: element (row, col)
+// of a 16-row tile of `width` columns is at kda_ws_tile_index(row, col, width), which permutes the
+// 16-byte pieces of a row.
 size_t kda_chunk_workspace_bytes(int64_t B, int64_t T, int64_t H, DType in_dtype, int64_t D = kHeadDim);
 
 // The swizzle of the workspace tiles (width 16 for Aw/Mw, D for the others). Without padding, the rows

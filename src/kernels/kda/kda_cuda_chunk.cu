@@ -146,9 +146,9 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
 
 // Resident CTAs of the prepare kernel asked of the compiler (a register cap). The kernel is latency-
 // bound: each CTA runs five phases separated by barriers, two to four of its warps idle in phases
-// 2-4, so the SM hides that latency only with other CTAs. At D = 128 it held 80 registers (6 CTAs of
-// 128 threads per SM). At B1 T8192 H64 (H200, same run): 0.749 ms uncapped, 0.619 ms at 72 registers
-// (7 CTAs), 0.594 ms at 64 registers (a 12-20-byte spill) with 26.2 KB of shared memory (8 CTAs).
+// 2-4, so the SM hides that latency only with other CTAs. Uncapped, D = 128 takes 80 registers (6 CTAs
+// of 128 threads per SM); 64 registers (a small spill) and the shared Ki space below fit 8, which was
+// the fastest of 6, 7 and 8 (docs/CUDA.md, "The prepare kernel's occupancy").
 // K3_KDA_VARIANT bit 1 drops the cap, bit 2 asks for 7 (comparison in bench_cuda_kda).
 template <int D>
 constexpr int prep_min_blocks() { return D == 128 ? 8 : 1; }
@@ -341,10 +341,9 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
 // compile-time offsets, and the bf16 path's V tile (NV columns of 16 token rows of the input) follows.
 // Shared memory is addressed through 32-bit shared-window offsets computed once (a generic pointer per
 // ldmatrix/cp.async costs a conversion each). Both cut the instructions of a chunk step, and at few CTAs
-// the step's time follows its instruction count: at B1 T65536 H16 (one CTA of 4 warps per SM, one warp
-// per scheduler) the recurrence went from 4.03 ms (padded rows, a per-piece index computation) to 2.47 ms
-// with the flat copy, and to 2.30 ms with the 32-bit addresses (H200, 2026-11-30; docs/CUDA.md, "What did
-// not work", has the bulk-copy and deeper-pipeline variants measured against it).
+// (one CTA of 4 warps per SM, one warp per scheduler) the step's time follows its instruction count
+// (docs/CUDA.md, KDA: the profile, the figures, and the bulk-copy and deeper-pipeline loaders that did
+// not pay).
 // Shared memory per stage: the item (Ws layout, swizzled tiles), then (bf16 path) V [16][NV+8] bf16, its
 // rows padded to an odd multiple of 16 bytes mod 128 so that ldmatrix reads 8 rows from 8 distinct bank
 // groups. Then (KW > 1) the partials, float4 [NW][KW][4 tiles][32 lanes]. Every read of a stage happens
@@ -675,12 +674,9 @@ struct RecShape {
   int nw, kw;
 };
 
-// Warps per SM the key split fills up to: 4, one per tensor-core sub-partition. Measured on the H200
-// (recurrence ms at KW = 1 / 2 / 4, D = 128): one value group per SM (B1 T65536 H16) 6.84 / 4.82 / 4.00,
-// two (B1 T32768 H32) 2.33 / 2.02 / 2.39, four (B1 T8192 H64) 0.52 / 0.62 / 0.86, eight (B4 T4096 H32)
-// 0.35 / 0.50 / -: the split pays while it puts a warp on an idle sub-partition, and past one warp per
-// sub-partition its partial sums and wider barrier cost more than the shorter chains save. (A deeper
-// cp.async pipeline, 8 stages instead of 4, measured no faster at these choices.)
+// Warps per SM the key split fills up to: 4, one per tensor-core sub-partition. The split pays while it
+// puts a warp on an idle sub-partition; past one warp per sub-partition its partial sums and wider
+// barrier cost more than the shorter chains save (docs/CUDA.md, KDA, "The key split").
 constexpr int64_t kKeySplitWarpsPerSm = 4;
 
 // bf16 path. NW in {8, 4, 2, 1} with 16 NW <= D: the busiest SM holds the fewest value groups

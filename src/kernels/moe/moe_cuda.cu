@@ -735,9 +735,8 @@ Dispatch::Dispatch(int64_t max_tokens, int64_t num_experts, int64_t top_k)
 namespace {
 int choose_tile_m(int64_t S, int64_t E) {
   // Rows computed per expert for an average group a = S/E: ceil(a/TM)·TM. A 64-row tile (128 weight
-  // rows, 2 CTAs/SM) costs ~1.3× more per computed row than a 128-row one (256 weight rows) on the
-  // H200 (bf16, K3 at 16384 tokens: 70.0 ms for 320 rows/expert against 63.1 ms for 384), so 64 is taken
-  // only for small groups, where it pads much less.
+  // rows, 2 CTAs/SM) costs ~1.3× more per computed row than a 128-row one (256 weight rows) (docs/CUDA.md,
+  // "LatentMoE", tile height), so 64 is taken only for small groups, where it pads much less.
   const double a = std::max(1.0, double(S) / double(E));
   const double c128 = std::ceil(a / 128) * 128, c64 = std::ceil(a / 64) * 64 * 1.3;
   return c64 < c128 ? 64 : 128;

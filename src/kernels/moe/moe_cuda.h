@@ -23,8 +23,8 @@
 // are placed by atomics, but no value depends on where a row lands). MXFP4 weights are decoded
 // exactly (e2m1 × 2^(s−127) in fp32, then to bf16, exact for scales 2..252) in shared memory inside
 // the GEMM, so an MXFP4 expert gives bit-for-bit the result of its bf16 dequantisation on the same
-// (mma.sync) kernel (both kernels run the same k16 steps in the same order and agreed bit for bit on
-// the H200, but nothing promises that wgmma and mma.sync round alike).
+// (mma.sync) kernel (both kernels run the same k16 steps in the same order, but nothing promises that
+// wgmma and mma.sync round alike).
 // The router is fp32 with the CPU twin's stable sigmoid, its tie rule (lower expert index wins) and
 // its fp64 renormalisation sum.
 #pragma once

@@ -22,12 +22,9 @@
 //     flight), and iteration s + kLag - 1 waited for s + kLag - 1 - kStages, so kLag <= kStages - 1
 //     is deadlock-free and kLag <= kStages - 2 keeps that wait off the consumers' critical path.
 //     Stage s's copies are issued when s - kStages is released, about three stages before use.
-//     Measured against a producer with one warp per ring slot (each waiting for its own copies right
-//     after issuing them, up to four stages in flight, plus an L2 prefetch of the slot's next weight
-//     tile): that one reached 39.1% of cuBLAS, this one 51.9% in the same run (H200, 16,384 tokens,
-//     static schedule); one warp gathering a whole 128-row A tile alone issues 32 copies a lane, which
-//     is slower than the wait it saves. Prefetching each weight box into L2 8 or 16 stages ahead
-//     (cp.async.bulk.prefetch.tensor) made the down GEMM slower still: 27.2 and 25.7 ms against 16.7.
+//     All 128 threads gather every stage: one warp per ring slot, each waiting for its own copies,
+//     would have one warp issue 32 copies a lane for a 128-row A tile, which costs more than the wait
+//     it saves (docs/CUDA.md, "LatentMoE", lists this and the L2 prefetch among the forms not kept).
 //   - Glu: the first 128 weight rows of a tile are gate rows n0..n0+127 and the last 128 the up rows
 //     with the same indices, so accumulator n8 block j (gate) and j + 16 (up) of one thread hold the
 //     same h columns: SiTU-GLU runs in registers, h is rounded to bf16 once and never exists in fp32.
@@ -43,13 +40,13 @@
 //     more stage with no bytes, whose slot holds an index past the total: the consumers' signal to
 //     stop. The static schedule (items c, c + grid, ...; K3_MOE_VARIANT 64) lets CTAs drift apart
 //     over hundreds of items, each with its own mix of full and half tiles, until the CTAs sharing a
-//     weight tile run it at different times and each reads it from DRAM: same run, H200, K3's sizes
-//     at 16,384 tokens, the down GEMM took 17.3 ms static and 11.9 ms dynamic, the gate/up 29.5 and
-//     23.3 (with the GLU epilogue of moe_gemm_sm90.cuh). The ring runs on across work items, so the
-//     producer loads the next tile while the consumers run the epilogue.
+//     weight tile run it at different times and each reads it from DRAM (docs/CUDA.md, "How the Hopper
+//     kernel reached 65% of cuBLAS"). The ring runs on across work items, so the producer loads the
+//     next tile while the consumers run the epilogue.
 // Every output element is a fixed sequence of wgmma k16 steps from k = 0 up, whatever the raster, grid
 // or skipping (test KernelVariantsAreBitwiseEqual). The mma.sync kernel runs the same k16 steps in the
-// same order; the two agreed bit for bit in the tests on the H200, which nothing documents.
+// same order, but nothing documents that wgmma and mma.sync round alike, so the tests compare the two
+// kernels to a tolerance only.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -75,7 +72,7 @@ constexpr int kThreads = 384;                 // consumer warpgroups 0, 1; produ
 // Registers: 168 a thread at launch (64K / 384); the producer needs few, the consumers 128
 // accumulators plus addressing and the epilogue. setmaxnreg moves registers within the CTA's launch
 // allocation (168 · 384 = 64,512): 2·128·224 + 128·56 = 64,512 exactly. A larger total never fits, and
-// setmaxnreg.inc then waits forever (a producer at 64 hung the kernel on the H200).
+// setmaxnreg.inc then waits forever: the kernel hangs (no barrier wait, so wait_or_trap cannot see it).
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 constexpr int kItemSlots = 8;  // the dynamic schedule's ring of work items (see the kernel)
 constexpr size_t kSmemBytes =

@@ -11,15 +11,9 @@ namespace k3::moe::cuda {
 // SiTU-GLU of one gate/up accumulator pair, in fp32, in the GEMM epilogue (the CPU twin's formula,
 // kernels/ffn/glu.h): situ: (βg·tanh(g/βg)·σ(g)) · (βu·tanh(u/βu)); else SwiGLU g·σ(g)·u.
 // The epilogue runs 64 of these a thread after every 128 × 128 output tile while the tensor cores wait,
-// so its cost is the gate/up GEMM's (H200, K3's sizes, 16,384 tokens):
-//   - with tanhf, expf and IEEE divisions the gate/up GEMM took 49.3 ms, against 30.4 with the form
-//     below in the same run, then still with 1/β rounded per element (__frcp_rn, a multi-instruction
-//     IEEE reciprocal) and the accurate form beside it behind a runtime flag. Nsight Compute had that
-//     epilogue at 48 executed instructions an element (12,000 SASS instructions of code) and 30% of the
-//     consumers' stall samples, against 5 instructions and 15% for the down GEMM's plain store;
-//   - with 1/β and βg·βu once per kernel and the flag gone: 23.3 ms, in the next run (there the static
-//     schedule, K3_MOE_VARIANT 64, went from 31.1 to 29.5 ms with the same change).
-// So the hardware's approximations:
+// so its instruction count shows directly in the gate/up GEMM's time (docs/CUDA.md, "How the Hopper
+// kernel reached 65% of cuBLAS", has the accurate form's cost and the profile). So the hardware's
+// approximations, and nothing per element that can be done once per kernel:
 //   - tanh: tanh.approx.f32, one SFU op;
 //   - σ(g) = 1 / (1 + e^-g) with ex2.approx and rcp.approx (__expf, __fdividef): e^-g overflows to +inf for
 //     g < -88 and 1/inf is 0, the right limit, so no two-sided form is needed;

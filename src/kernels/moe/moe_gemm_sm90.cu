@@ -41,12 +41,12 @@
 //     the write before the read). The producer runs at most kStages stages, so at most kStages items,
 //     ahead: kItemSlots = 8 slots are never overwritten early. At the end the producer completes one
 //     more stage with no bytes, whose slot holds an index past the total: the consumers' signal to
-//     stop. The static schedule (items c, c + grid, ...; K3_MOE_VARIANT 64) lets CTAs drift apart
-//     over hundreds of items, each with its own mix of full and half tiles, until the CTAs sharing a
-//     weight tile run it at different times and each reads it from DRAM: same run, H200, K3's sizes
-//     at 16,384 tokens, the down GEMM took 17.3 ms static and 11.9 ms dynamic, the gate/up 29.5 and
-//     23.3 (with the GLU epilogue of moe_gemm_sm90.cuh). The ring runs on across work items, so the
-//     producer loads the next tile while the consumers run the epilogue.
+//     stop. The static schedule (items c, c + grid, ...; GemmConfig::dynamic_schedule = false) lets
+//     CTAs drift apart over hundreds of items, each with its own mix of full and half tiles, until the
+//     CTAs sharing a weight tile run it at different times and each reads it from DRAM: same run,
+//     H200, K3's sizes at 16,384 tokens, the down GEMM took 17.3 ms static and 11.9 ms dynamic, the
+//     gate/up 29.5 and 23.3 (with the GLU epilogue of moe_gemm_sm90.cuh). The ring runs on across work
+//     items, so the producer loads the next tile while the consumers run the epilogue.
 // Every output element is a fixed sequence of wgmma k16 steps from k = 0 up, whatever the raster, grid
 // or skipping (test KernelVariantsAreBitwiseEqual). The mma.sync kernel runs the same k16 steps in the
 // same order; the two agreed bit for bit in the tests on the H200, which nothing documents.

@@ -18,7 +18,7 @@ namespace k3::moe::cuda {
 //     epilogue at 48 executed instructions an element (12,000 SASS instructions of code) and 30% of the
 //     consumers' stall samples, against 5 instructions and 15% for the down GEMM's plain store;
 //   - with 1/β and βg·βu once per kernel and the flag gone: 23.3 ms, in the next run (there the static
-//     schedule, K3_MOE_VARIANT 64, went from 31.1 to 29.5 ms with the same change).
+//     schedule, GemmConfig::dynamic_schedule = false, went from 31.1 to 29.5 ms with the same change).
 // So the hardware's approximations:
 //   - tanh: tanh.approx.f32, one SFU op;
 //   - σ(g) = 1 / (1 + e^-g) with ex2.approx and rcp.approx (__expf, __fdividef): e^-g overflows to +inf for

@@ -12,8 +12,8 @@
 // the k3-tiny-a fixture (ids_long, 300 tokens): fp32 sgemm accumulation gives logits 1.2e-4..2.0e-4
 // relative L2 from Moonshot's float64 reference, fp64 accumulation 1.4e-5. The cause is real, not a
 // bug: at some tokens AttnRes mixes sources that nearly cancel, and across 8 layers that amplifies
-// 1e-7 perturbations ~1e4x (see docs/NUMERICS.md). K3_GEMM=f32 selects the fp32 sgemm path (about
-// 2x faster prefill on CPU, same results to ~1e-4).
+// 1e-7 perturbations ~1e4x (see docs/NUMERICS.md). GemmPrecision::F32 selects the fp32 sgemm path
+// (about 2x faster prefill on CPU, same results to ~1e-4); the k3 CLI sets it from K3_GEMM=f32.
 #pragma once
 #include <cstdint>
 
@@ -22,7 +22,8 @@
 namespace k3 {
 
 enum class GemmPrecision { F64Accumulate, F32 };
-// Process-wide choice; initialised from the environment (K3_GEMM=f32 | f64), default F64Accumulate.
+// Process-wide choice, F64Accumulate unless set. The library reads no environment: programs parse
+// K3_GEMM themselves (cli::apply_gemm_env, src/cli/args.h).
 GemmPrecision gemm_precision();
 void set_gemm_precision(GemmPrecision p);
 

@@ -3,6 +3,8 @@
 //   build/bench_cpu_model --model models/k3-small [--model models/k3-1b] [--prefill 128,512]
 //                         [--contexts 64,256,1024] [--decode-steps 16] [--gemm f64|f32]
 //
+// --gemm sets the linears' accumulation; without it K3_GEMM does, as for k3 (default f64).
+//
 // For each model it prints:
 //   prefill: tokens/s of one prompt of each --prefill length (fresh cache).
 //   decode:  ms per generated token after a prefix of each --contexts length, split by block kind
@@ -94,11 +96,11 @@ int main(int argc, char** argv) {
   app.add_option("--prefill", prefill, "prompt lengths for the prefill rows")->capture_default_str();
   app.add_option("--contexts", contexts, "context lengths for the decode rows")->capture_default_str();
   app.add_option("--decode-steps", steps, "tokens decoded per context")->capture_default_str();
-  app.add_option("--gemm", gemm, "accumulation precision of linear layers: f64 (default) or f32");
+  app.add_option("--gemm", gemm, "accumulation precision of linear layers: f64 (default) or f32; overrides K3_GEMM");
   CLI11_PARSE(app, argc, argv);
   try {
-    if (gemm == "f32") set_gemm_precision(GemmPrecision::F32);
-    else if (!gemm.empty() && gemm != "f64") fail("--gemm must be f32 or f64, got '", gemm, "'");
+    cli::apply_gemm_env();
+    if (!gemm.empty()) set_gemm_precision(cli::parse_gemm_precision(gemm, "--gemm"));
     std::printf("k3cpp CPU benchmark: gemm accumulation %s, %d OpenMP threads\n",
                 gemm_precision() == GemmPrecision::F32 ? "f32" : "f64", omp_get_max_threads());
     for (const auto& d : models)

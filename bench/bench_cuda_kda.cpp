@@ -15,9 +15,9 @@
 //   slices    CTAs per head of the recurrence kernel (value-column slices)
 //   kw        warps per 16 value columns of the recurrence kernel (key split, kda_chunk_key_warps)
 //   prepare / recur. ms   each kernel alone (KdaParams::stage), median as above
-//   ms, var. N / prep, var. N   the whole forward and the prepare kernel with K3_KDA_VARIANT=N, in the
-//             same run: 1 = the prepare kernel without its register cap, 2 = capped for 7 CTAs per SM
-//             instead of 8 (kda_cuda_chunk.cu)
+//   ms, uncapped / prep, uncapped / ms, 7 CTAs / prep, 7 CTAs   the whole forward and the prepare kernel
+//             with the prepare kernel's other register caps (KdaParams::prepare_cap), in the same run:
+//             kUncapped = no cap, k7Ctas = capped for 7 CTAs per SM instead of 8 (kda_cuda_chunk.cu)
 // --shapes BxTxH,... times only those shapes (e.g. one shape under a profiler).
 // Reference times of fla's chunk_kda and FlashKDA at these shapes: ANCHORS.md; ours and fla's measured in
 // the same run: docs/BENCHMARKS.md. Exits 0 with a message when there is no GPU.
@@ -205,9 +205,9 @@ int main(int argc, char** argv) {
     std::printf("check vs CPU recurrence (B2 T300 H2): rel L2 of o = %.3g (bf16 bound 1e-2)\n\n", rel_l2(o, ref));
   }
 
-  std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s %12s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s",
-              "GB/s", "slices", "kw", "prepare ms", "recur. ms", "ms, var. 1", "prep, var. 1", "ms, var. 2",
-              "prep, var. 2", "fla fwd ms");
+  std::printf("%-22s %9s %9s %9s %7s %5s %12s %12s %12s %14s %12s %12s %12s\n", "shape (B, T, H)", "ms", "TFLOP/s",
+              "GB/s", "slices", "kw", "prepare ms", "recur. ms", "ms, uncapped", "prep, uncapped", "ms, 7 CTAs",
+              "prep, 7 CTAs", "fla fwd ms");
   for (const Shape& s : shapes) {
     const Inputs in = make_inputs(s.B, s.T, s.H, 42);
     Device d;
@@ -218,13 +218,16 @@ int main(int argc, char** argv) {
     pr.stage = kc::KdaParams::Stage::kRecurrenceOnly;
     const float ms_prep = median_ms([&] { kc::kda_chunk_forward(pp); }, 2, reps);
     const float ms_rec = median_ms([&] { kc::kda_chunk_forward(pr); }, 2, reps);
-    float ms_v[2], ms_prep_v[2];  // K3_KDA_VARIANT 1 and 2 (the prepare kernel's register cap), same run
+    // The prepare kernel's other register caps (kUncapped, k7Ctas), same run.
+    using Cap = kc::KdaParams::PrepareCap;
+    const Cap caps[2] = {Cap::kUncapped, Cap::k7Ctas};
+    float ms_v[2], ms_prep_v[2];
     for (int i = 0; i < 2; ++i) {
-      setenv("K3_KDA_VARIANT", i == 0 ? "1" : "2", 1);
-      ms_v[i] = median_ms([&] { kc::kda_chunk_forward(d.p); }, 2, reps);
-      ms_prep_v[i] = median_ms([&] { kc::kda_chunk_forward(pp); }, 2, reps);
+      kc::KdaParams pa = d.p, pc = pp;
+      pa.prepare_cap = pc.prepare_cap = caps[i];
+      ms_v[i] = median_ms([&] { kc::kda_chunk_forward(pa); }, 2, reps);
+      ms_prep_v[i] = median_ms([&] { kc::kda_chunk_forward(pc); }, 2, reps);
     }
-    unsetenv("K3_KDA_VARIANT");
     const double chunk_heads = double(s.B) * double((s.T + 15) / 16) * double(s.H);
     const double flop = chunk_heads * 1974272.0;
     const int slices = kc::kda_chunk_value_slices(s.B, s.H, DType::BF16);
@@ -232,7 +235,7 @@ int main(int argc, char** argv) {
     const double bytes = double(s.B * s.T * s.H) * 1536.0 + chunk_heads * 13824.0 * (1 + slices);
     char name[64];
     std::snprintf(name, sizeof name, "(%lld, %lld, %lld)", (long long)s.B, (long long)s.T, (long long)s.H);
-    std::printf("%-22s %9.3f %9.1f %9.0f %7d %5d %12.3f %12.3f %12.3f %12.3f %12.3f %12.3f %12.2f\n", name, ms,
+    std::printf("%-22s %9.3f %9.1f %9.0f %7d %5d %12.3f %12.3f %12.3f %14.3f %12.3f %12.3f %12.2f\n", name, ms,
                 flop / (ms * 1e-3) / 1e12, bytes / (ms * 1e-3) / 1e9, slices, kw, ms_prep, ms_rec, ms_v[0],
                 ms_prep_v[0], ms_v[1], ms_prep_v[1], s.fla_ms);
   }

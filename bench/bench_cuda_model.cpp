@@ -14,7 +14,8 @@
 //            profiled (the GPU waited for after every block) split by block kind: KDA, MLA, MoE, dense
 //            FFN, head (output AttnRes, norm, lm_head, logits to the host), other (embedding, AttnRes).
 //   cpu:     the CPU engine (all cores) on a --cpu-tokens prompt and 8 decode steps after it, and the
-//            GPU's ratio at the same length (0 skips it).
+//            GPU's ratio at the same length (0 skips it); its linears accumulate as K3_GEMM says (f64
+//            unless K3_GEMM=f32, as for k3).
 // Times are wall clock around forward() (which ends by copying logits to the host), medians of 3
 // for prefill, means over the steps for decode. Make the models first, e.g.
 // `build/k3 init --config configs/k3-1b.json --out models/k3-1b`.
@@ -152,6 +153,7 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-tokens", cpu_tokens, "prompt length of the CPU baseline (0: skip it)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
+    cli::apply_gemm_env();  // K3_GEMM=f32|f64: the CPU baseline's linears, as for k3
     std::string why;
     if (!cuda::available(&why)) {
       std::printf("no GPU: %s\n", why.c_str());

@@ -2,7 +2,7 @@
 // equal FLOPs, in the same run.
 //
 //   build/bench_cuda_moe [--config configs/kimi-k3.json] [--tokens 4096,16384] [--reps 5] [--experts N]
-//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants 0,16]
+//                        [--formats bf16,mxfp4] [--tm 128,64] [--variants default,mma.sync]
 //
 // Sizes come from the config: E experts, top-K, latent L (routed_expert_hidden_size), intermediate I.
 // Tokens are routed uniformly at random (K distinct experts per token), so each expert gets about
@@ -14,12 +14,13 @@
 // (TM = 128 and 64 rows; `*` marks the one Dispatch::build picks by itself). Also printed: the bytes of
 // expert weights each pass must read and the time that takes at the measured copy bandwidth, since at
 // few rows per expert the grouped GEMM is bound by weight traffic, which one dense GEMM never is.
-// --variants times each case once per value of K3_MOE_VARIANT (kernel variants for comparison, see
-// moe_cuda.cu; 0 = the default). The default "0,16" times bf16 at TM 128 on the Hopper wgmma kernel
-// (0) and on the mma.sync kernel (16) side by side (64: the wgmma kernel's static schedule, the
-// baseline of its dynamic one); values with bit 16 are skipped where they change
-// nothing (MXFP4 and TM 64 always run on the mma.sync kernel). --experts 16 with top-16 sends every token to every expert: one big
-// group per expert, the kernel's compute-bound rate.
+// --variants times each case once per GEMM configuration, named as moe::cuda::gemm_config_name writes
+// them (moe_cuda.h, GemmConfig: "default" is the shipped heuristic; parts joined by '+': mma.sync,
+// row-major, no-skip, narrow, ctas=N, static). The default "default,mma.sync" times bf16 at TM 128 on
+// the Hopper wgmma kernel and on the mma.sync kernel side by side ("static": the wgmma kernel's static
+// schedule, the baseline of its dynamic one); mma.sync variants are skipped where they change nothing
+// (MXFP4 and TM 64 always run on the mma.sync kernel). --experts 16 with top-16 sends every token to
+// every expert: one big group per expert, the kernel's compute-bound rate.
 // Exits 0 with a message when there is no GPU.
 #include <CLI/CLI.hpp>
 
@@ -149,11 +150,24 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens_s, "comma-separated token counts");
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--experts", experts_override, "override num_experts (fewer experts: less memory)");
-  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "0,16";
+  std::string formats_s = "bf16,mxfp4", tm_s = "128,64", variants_s = "default,mma.sync";
   app.add_option("--formats", formats_s, "weight formats to time: bf16, mxfp4 (comma-separated)");
   app.add_option("--tm", tm_s, "tile heights to time (comma-separated, 128 and/or 64)");
-  app.add_option("--variants", variants_s, "values of K3_MOE_VARIANT to time (comma-separated)");
+  app.add_option("--variants", variants_s,
+                 "GEMM configurations to time, comma-separated: default, or parts joined by '+' (mma.sync, "
+                 "row-major, no-skip, narrow, ctas=N, static)");
   CLI11_PARSE(app, argc, argv);
+  std::vector<mc::GemmConfig> variants;  // checked before the GPU, so a bad name fails on any machine
+  try {
+    for (size_t i = 0; i <= variants_s.size();) {
+      const size_t j = std::min(variants_s.find(',', i), variants_s.size());
+      variants.push_back(mc::parse_gemm_config(variants_s.substr(i, j - i)));
+      i = j + 1;
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_cuda_moe: --variants: %s\n", e.what());
+    return 1;
+  }
 
   std::string why;
   if (!cuda::available(&why)) {
@@ -167,7 +181,7 @@ int main(int argc, char** argv) {
     const int64_t E = experts_override > 0 ? experts_override : c.num_experts, K = c.num_experts_per_token;
     const int64_t L = c.routed_expert_hidden_size, I = c.moe_intermediate_size;
     const std::vector<int32_t> tokens = cli::parse_ids(tokens_s, "--tokens");
-    const std::vector<int32_t> tms = cli::parse_ids(tm_s, "--tm"), variants = cli::parse_ids(variants_s, "--variants");
+    const std::vector<int32_t> tms = cli::parse_ids(tm_s, "--tm");
     const bool want_bf16 = formats_s.find("bf16") != std::string::npos;
     const bool want_mx = formats_s.find("mxfp4") != std::string::npos;
     const int64_t Tmax = *std::max_element(tokens.begin(), tokens.end());
@@ -211,33 +225,29 @@ int main(int argc, char** argv) {
           wts.upload(hw.data(), hw.size());
           d.build(idx.data(), T);
           const int auto_tm = d.tile_m();
-          for (int32_t var : variants)
+          for (const mc::GemmConfig& var : variants)
           for (int tm : tms) {
-            if ((var & 16) && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
-            setenv("K3_MOE_VARIANT", std::to_string(var).c_str(), 1);
+            const bool mma = var.kernel == mc::GemmConfig::Kernel::kMmaSync;
+            if (mma && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
             d.build(idx.data(), T, tm);
             const double fgu = 2.0 * double(S) * double(2 * I) * double(L), fdn = 2.0 * double(S) * double(L) * double(I);
-            const float tgu = median_ms([&] { mc::expert_gate_up(hbuf.data(), z.data(), d, w.w1, w.w3, glu); }, reps);
-            const float tdn = median_ms([&] { mc::expert_down(ybuf.data(), hbuf.data(), d, w.w2); }, reps);
+            const float tgu =
+                median_ms([&] { mc::expert_gate_up(hbuf.data(), z.data(), d, w.w1, w.w3, glu, var); }, reps);
+            const float tdn = median_ms([&] { mc::expert_down(ybuf.data(), hbuf.data(), d, w.w2, var); }, reps);
             const float tall = median_ms(
                 [&] {
                   mc::experts_forward(u.data(), hbuf.data(), ybuf.data(), z.data(), wts.data(), d, w.w1, w.w3, w.w2,
-                                      glu);
+                                      glu, var);
                 },
                 reps);
             const std::vector<float>& cb_ms = cublas_ms[ti];
-            char tag[40];
-            if (var == 16)
-              std::snprintf(tag, sizeof tag, "%s mma.sync TM%d%s", name, tm, tm == auto_tm ? "*" : "");
-            else if (var != 0)
-              std::snprintf(tag, sizeof tag, "%s v%d TM%d%s", name, int(var), tm, tm == auto_tm ? "*" : "");
-            else
-              std::snprintf(tag, sizeof tag, "%s TM%d%s", name, tm, tm == auto_tm ? "*" : "");
-            row(tag, T, "gate_up", fgu, tgu, cb_ms[0], w.gate_up_bytes, bw);
-            row(tag, T, "down", fdn, tdn, cb_ms[1], w.down_bytes, bw);
-            row(tag, T, "experts", fgu + fdn, tall, cb_ms[0] + cb_ms[1], w.gate_up_bytes + w.down_bytes, bw);
+            const std::string vname = mc::gemm_config_name(var);
+            const std::string tag = std::string(name) + (vname == "default" ? "" : " " + vname) + " TM" +
+                                    std::to_string(tm) + (tm == auto_tm ? "*" : "");
+            row(tag.c_str(), T, "gate_up", fgu, tgu, cb_ms[0], w.gate_up_bytes, bw);
+            row(tag.c_str(), T, "down", fdn, tdn, cb_ms[1], w.down_bytes, bw);
+            row(tag.c_str(), T, "experts", fgu + fdn, tall, cb_ms[0] + cb_ms[1], w.gate_up_bytes + w.down_bytes, bw);
           }
-          setenv("K3_MOE_VARIANT", "0", 1);
         }
       }
     }

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.h"
@@ -299,6 +300,45 @@ TEST_F(CliErrors, OutputIntoAMissingDirectoryNamesItAndLeavesNothing) {
   Outcome r = run_k3({"logits", "--model", kFixture, "--ids", "1,2,3", "--out", out.string()});
   EXPECT_THAT(error_line(r), HasSubstr(out.string()));
   EXPECT_FALSE(fs::exists(out.parent_path()));
+}
+
+// ---- environment ------------------------------------------------------------------------------
+
+// K3_GEMM is parsed in main before any subcommand runs: a bad value is one clean error naming it,
+// and a good one reaches the CPU linears (f32 rounds differently from the default fp64 accumulation,
+// which f64 and an unset K3_GEMM both give). The variable is set for the child process only.
+TEST_F(CliErrors, K3GemmIsCheckedAndHonoured) {
+  const std::vector<int64_t> a = golden().read_i64("ids_a");
+  auto run = [&](const std::string& env, const std::string& name) {
+    const fs::path out = root_ / (name + ".safetensors");
+    const std::vector<std::string> args = {"logits", "--model", kFixture, "--ids", join(a, ","), "--out", out.string()};
+    return std::make_pair(k3test::run_shell(k3test::k3_command(args, env)), out);
+  };
+  for (const char* bad : {"bad", "F32", "fp64", "f32 "}) {
+    const auto [r, out] = run("K3_GEMM=" + k3test::shell_quote(bad), "bad");
+    EXPECT_EQ(error_line(r), std::string("error: K3_GEMM must be f32 or f64, got '") + bad + "'");
+    EXPECT_FALSE(fs::exists(out)) << bad;
+  }
+  std::vector<std::vector<float>> logits;
+  for (const char* env : {"", "K3_GEMM=", "K3_GEMM=f64", "K3_GEMM=f32"}) {
+    const auto [r, out] = run(env, "ok");
+    ASSERT_EQ(r.status, 0) << r.command << "\n" << r.output;
+    logits.push_back(k3::SafeTensors::open(out.string()).read_f32("logits"));
+  }
+  EXPECT_EQ(logits[1], logits[0]) << "an empty K3_GEMM must leave the default (f64)";
+  EXPECT_EQ(logits[2], logits[0]) << "K3_GEMM=f64 must be the default";
+  ASSERT_EQ(logits[3].size(), logits[0].size());
+  size_t differing = 0;
+  double max_diff = 0.0;
+  for (size_t i = 0; i < logits[0].size(); ++i) {
+    differing += logits[3][i] != logits[0][i];
+    max_diff = std::max(max_diff, std::fabs(double(logits[3][i]) - double(logits[0][i])) /
+                                      std::max(1.0, std::fabs(double(logits[0][i]))));
+  }
+  std::printf("K3_GEMM=f32 against f64: %zu of %zu logits differ, max rel diff %.3g\n", differing, logits[0].size(),
+              max_diff);
+  EXPECT_GT(differing, 0u) << "K3_GEMM=f32 gave the f64 logits bit for bit: it was not applied";
+  EXPECT_LE(max_diff, 1e-2);
 }
 
 // ---- success paths ----------------------------------------------------------------------------

@@ -49,6 +49,16 @@ namespace {
 using k3::DType;
 namespace kc = k3::cuda;
 
+// The CPU reference linears accumulate in fp64 while this lives; the process-wide choice before it is
+// restored on every exit (a failed ASSERT returns early, an error throws).
+struct F64LinearsScope {
+  k3::GemmPrecision saved = k3::gemm_precision();
+  F64LinearsScope() { k3::set_gemm_precision(k3::GemmPrecision::F64Accumulate); }
+  ~F64LinearsScope() { k3::set_gemm_precision(saved); }
+  F64LinearsScope(const F64LinearsScope&) = delete;
+  F64LinearsScope& operator=(const F64LinearsScope&) = delete;
+};
+
 constexpr double kTolBf16 = 1e-2;
 constexpr double kTolF32 = 1e-5;
 constexpr double kTolGemmBf16F32 = 1e-3;
@@ -602,10 +612,10 @@ double run_gemm(k3::gemm::cuda::GemmContext& ctx, const GemmCase& g, DType in, D
     W.format = k3::WeightRef::Format::F32, W.data = w.data();
   }
   W.rows = g.N, W.cols = g.K;
-  const auto saved = k3::gemm_precision();
-  k3::set_gemm_precision(k3::GemmPrecision::F64Accumulate);
-  k3::linear_forward(ref.data(), g.N, xd.data(), g.K, g.M, W, g.accumulate);
-  k3::set_gemm_precision(saved);
+  {
+    const F64LinearsScope f64;
+    k3::linear_forward(ref.data(), g.N, xd.data(), g.K, g.M, W, g.accumulate);
+  }
 
   DevIn dx(x, in), dw(w, in);
   GuardedOut dy(size_t(g.M * ldy), out);
@@ -743,10 +753,10 @@ TEST(CudaDense, LmHeadIsTheBf16Gemm) {
   W.format = k3::WeightRef::Format::BF16, W.data = w.data(), W.rows = V, W.cols = D;
   const auto xf = widen(x);
   std::vector<float> ref(size_t(M * V));
-  const auto saved = k3::gemm_precision();
-  k3::set_gemm_precision(k3::GemmPrecision::F64Accumulate);
-  k3::linear_forward(ref.data(), xf.data(), M, W);
-  k3::set_gemm_precision(saved);
+  {
+    const F64LinearsScope f64;
+    k3::linear_forward(ref.data(), xf.data(), M, W);
+  }
   kc::DeviceBuffer<uint16_t> dx(x.data(), x.size()), dw(w.data(), w.size());
   GuardedOut out(size_t(M * V), DType::F32);
   k3::gemm::cuda::lm_head_forward(ctx, static_cast<float*>(out.data()), dx.data(), dw.data(), M, V, D);

@@ -143,9 +143,11 @@ Result cpu_ref(const Case& c, bool chunked = false) {
   return r;
 }
 
-// The GPU: chunked (kda_chunk_forward) or recurrent (kda_recurrent_forward), bf16 or fp32 q/k/v and o.
-// The output buffer carries 64 guard elements after the end, checked untouched (no write past T).
-Result gpu_run(const Case& c, bool chunked, DType in, DType out) {
+// The GPU: chunked (kda_chunk_forward, its prepare kernel under register cap `cap`) or recurrent
+// (kda_recurrent_forward), bf16 or fp32 q/k/v and o. The output buffer carries 64 guard elements
+// after the end, checked untouched (no write past T).
+Result gpu_run(const Case& c, bool chunked, DType in, DType out,
+               kc::KdaParams::PrepareCap cap = kc::KdaParams::PrepareCap::kAuto) {
   const size_t n = c.q.size();
   DeviceBuffer<float> g(c.g.data(), n), beta(c.beta.data(), c.beta.size()), st(c.state0.data(), c.state0.size());
   DeviceBuffer<uint16_t> qb, kb, vb;
@@ -158,6 +160,7 @@ Result gpu_run(const Case& c, bool chunked, DType in, DType out) {
   p.scale = c.scale;
   p.in_dtype = in;
   p.out_dtype = out;
+  p.prepare_cap = cap;
   if (in == DType::BF16) {
     qb = DeviceBuffer<uint16_t>(to_bf16(c.q).data(), n);
     kb = DeviceBuffer<uint16_t>(to_bf16(c.k).data(), n);
@@ -272,22 +275,22 @@ TEST(CudaKdaChunk, WorkspaceSwizzleIsAConflictFreePermutation) {
   }
 }
 
-// K3_KDA_VARIANT=1 and 2 (the prepare kernel without its register cap, or with a looser one, for the
-// benchmark) are the same code under another register budget: the same bits, bf16 and fp32 inputs,
-// every head dim.
+// KdaParams::prepare_cap kUncapped and k7Ctas (the prepare kernel without its register cap, or with a
+// looser one, for the benchmark) are the same code under another register budget: the same bits, bf16
+// and fp32 inputs, every head dim.
 TEST(CudaKdaChunk, PrepareVariantIsBitwiseEqual) {
   K3_REQUIRE_GPU();
+  using Cap = kc::KdaParams::PrepareCap;
+  const std::pair<Cap, const char*> caps[] = {{Cap::kUncapped, "uncapped"}, {Cap::k7Ctas, "7 CTAs"}};
   for (int D : kHeadDims)
     for (bool bf16 : {true, false}) {
       const Case c = make_case(2, 77, 3, 300 + dseed(D), bf16, false, D);
       const DType in = bf16 ? DType::BF16 : DType::F32;
       const Result a = gpu_run(c, true, in, DType::F32);
-      for (const char* v : {"1", "2"}) {
-        setenv("K3_KDA_VARIANT", v, 1);
-        const Result b = gpu_run(c, true, in, DType::F32);
-        unsetenv("K3_KDA_VARIANT");
-        EXPECT_EQ(a.o, b.o) << name(c) << (bf16 ? " bf16" : " fp32") << " variant " << v;
-        EXPECT_EQ(a.state, b.state) << name(c) << (bf16 ? " bf16" : " fp32") << " variant " << v;
+      for (const auto& [cap, cap_name] : caps) {
+        const Result b = gpu_run(c, true, in, DType::F32, cap);
+        EXPECT_EQ(a.o, b.o) << name(c) << (bf16 ? " bf16" : " fp32") << " prepare cap " << cap_name;
+        EXPECT_EQ(a.state, b.state) << name(c) << (bf16 ? " bf16" : " fp32") << " prepare cap " << cap_name;
       }
     }
 }

@@ -12,6 +12,7 @@
 //   - MXFP4: bit-for-bit equal to the same kernel on the bf16 dequantisation (decoding is exact).
 // Outputs are poisoned with NaN before each run, so an unwritten element fails the finite check.
 // Skips without a Hopper GPU (K3_REQUIRE_GPU).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,6 +35,7 @@
 #include "kernels/moe/moe_cuda.h"
 #include "kernels/moe/router.h"
 #include "util/cuda_test.h"
+#include "util/error_of.h"
 
 namespace {
 
@@ -41,6 +43,7 @@ namespace mc = k3::moe::cuda;
 using k3::WeightRef;
 using k3::cuda::DeviceBuffer;
 using bf16 = uint16_t;
+using ::testing::HasSubstr;
 
 constexpr double kRelL2 = 1e-2;
 constexpr uint16_t kBf16NaN = 0x7fc0;
@@ -246,7 +249,7 @@ struct GpuOut {
 
 GpuOut gpu_experts(const DevExperts& dx, const std::vector<bf16>& z, const std::vector<int32_t>& idx,
                    const std::vector<float>& wt, int64_t T, int64_t E, int64_t K, int64_t L, int64_t I,
-                   const k3::GluParams& gp, int tile_m) {
+                   const k3::GluParams& gp, int tile_m, const mc::GemmConfig& cfg = {}) {
   DeviceBuffer<bf16> dz(z.data(), z.size());
   DeviceBuffer<int32_t> didx(idx.data(), idx.size());
   DeviceBuffer<float> dw(wt.data(), wt.size());
@@ -258,7 +261,7 @@ GpuOut gpu_experts(const DevExperts& dx, const std::vector<bf16>& z, const std::
   mc::Dispatch d(T + 3, E, K);  // capacity above T on purpose
   d.build(didx.data(), T, tile_m);
   EXPECT_EQ(d.tile_m(), tile_m);
-  mc::experts_forward(u.data(), h.data(), y.data(), dz.data(), dw.data(), d, dx.w1, dx.w3, dx.w2, gp);
+  mc::experts_forward(u.data(), h.data(), y.data(), dz.data(), dw.data(), d, dx.w1, dx.w3, dx.w2, gp, cfg);
   k3::cuda::synchronize();
   return GpuOut{download(h, static_cast<size_t>(S * I)), download(u, static_cast<size_t>(T * L))};
 }
@@ -575,12 +578,12 @@ TEST(CudaMoeExperts, Mxfp4EqualsItsBf16Dequantisation) {
       upload(dm, hx, true);
       upload(db, hx, false);
       const int tm = wide_scales ? 64 : 128;
-      // MXFP4 runs on the mma.sync kernel; bf16 at TM 128 would take the wgmma kernel, so variant 16
+      // MXFP4 runs on the mma.sync kernel; bf16 at TM 128 would take the wgmma kernel, so kMmaSync
       // keeps the bf16 run on the mma.sync kernel too (the claim is about one kernel's decoding).
-      setenv("K3_MOE_VARIANT", "16", 1);
-      const GpuOut gm = gpu_experts(dm, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
-      const GpuOut gb = gpu_experts(db, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
-      unsetenv("K3_MOE_VARIANT");
+      mc::GemmConfig mma;
+      mma.kernel = mc::GemmConfig::Kernel::kMmaSync;
+      const GpuOut gm = gpu_experts(dm, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm, mma);
+      const GpuOut gb = gpu_experts(db, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm, mma);
       // Sorted row order depends on atomics, so compare u (token order) bitwise, and h as multisets of rows
       // would need the slot maps: u depends on every h row, which suffices.
       ASSERT_EQ(gm.u.size(), gb.u.size());
@@ -600,11 +603,12 @@ TEST(CudaMoeExperts, Mxfp4EqualsItsBf16Dequantisation) {
   }
 }
 
-// The kernel variants behind K3_MOE_VARIANT (tile raster, weight-tile height, skipping, grid size)
-// only reorder the same per-element work: u must be bitwise the default's. Two families, each
-// compared within itself: base 0 (bf16 at TM 128 on the wgmma kernel, which ignores bits 2 and 4; 32
-// runs it on 3 persistent CTAs, so each takes many items through its ring of item slots; 64 is its
-// static schedule) and base 16 (bf16 on the mma.sync kernel). MXFP4 always runs on the mma.sync kernel.
+// The GEMM configurations (mc::GemmConfig: tile raster, weight-tile height, skipping, grid size,
+// schedule) only reorder the same per-element work: u must be bitwise the default's. Two families, each
+// compared within itself: "default" (bf16 at TM 128 on the wgmma kernel, which ignores "narrow"; ctas=3
+// runs it on 3 persistent CTAs, so each takes many items through its ring of item slots; "static" is
+// its static schedule) and "mma.sync" (bf16 on the mma.sync kernel). MXFP4 and TM 64 always run on the
+// mma.sync kernel, where "narrow" gives TM 128 lists the 128-row weight tiles MXFP4 takes at K > 12,672.
 TEST(CudaMoeExperts, KernelVariantsAreBitwiseEqual) {
   K3_REQUIRE_GPU();
   const k3::GluParams gp{true, 4.0f, 25.0f};
@@ -620,19 +624,21 @@ TEST(CudaMoeExperts, KernelVariantsAreBitwiseEqual) {
         DevExperts dx;
         upload(dx, hx, mx);
         const std::vector<std::pair<const char*, std::vector<const char*>>> families = {
-            {"0", {"1", "2", "4", "7", "8", "15", "32", "41", "64", "97"}}, {"16", {"17", "18", "20", "23", "24", "31"}}};
+            {"default",
+             {"row-major", "narrow", "row-major+narrow", "no-skip", "row-major+no-skip+narrow", "ctas=3",
+              "row-major+no-skip+ctas=3", "static", "row-major+ctas=3+static", "no-skip+static"}},
+            {"mma.sync",
+             {"mma.sync+row-major", "mma.sync+narrow", "mma.sync+row-major+narrow", "mma.sync+no-skip",
+              "mma.sync+row-major+no-skip+narrow"}}};
         for (const auto& [base, variants] : families) {
-          setenv("K3_MOE_VARIANT", base, 1);
-          const GpuOut g0 = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+          const GpuOut g0 = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm, mc::parse_gemm_config(base));
           for (const char* v : variants) {
-            setenv("K3_MOE_VARIANT", v, 1);
-            const GpuOut gv = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm);
+            const GpuOut gv = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, tm, mc::parse_gemm_config(v));
             ASSERT_EQ(gv.u.size(), g0.u.size());
             EXPECT_EQ(std::memcmp(gv.u.data(), g0.u.data(), g0.u.size() * 4), 0)
                 << c.name << (mx ? " MXFP4" : " BF16") << " TM=" << tm << " variant " << v << " vs " << base;
           }
         }
-        unsetenv("K3_MOE_VARIANT");
       }
 }
 
@@ -650,8 +656,8 @@ std::vector<int32_t> idx_with_counts(const std::vector<int32_t>& counts, std::mt
 // one k block), experts with 0, 1, 64, 65, 128, 129 and several tiles of rows (a tile's second 64
 // rows empty: that consumer warpgroup idles), on the full grid and on 3 persistent CTAs (many work
 // items per CTA, the stage ring running on across tiles). Against the CPU twin, and against the
-// mma.sync kernel (K3_MOE_VARIANT=16) to the same tolerance (both run the same k16 steps in the same
-// order, but nothing documents that wgmma and mma.sync round alike).
+// mma.sync kernel (GemmConfig::Kernel::kMmaSync) to the same tolerance (both run the same k16 steps in
+// the same order, but nothing documents that wgmma and mma.sync round alike).
 TEST(CudaMoeExperts, WgmmaKernelAwkwardShapes) {
   K3_REQUIRE_GPU();
   const k3::GluParams gp{true, 4.0f, 25.0f};
@@ -683,11 +689,10 @@ TEST(CudaMoeExperts, WgmmaKernelAwkwardShapes) {
     DevExperts dx;
     upload(dx, hx, false);
     const std::vector<float> ref = cpu_experts(hx, widen(z), idx, wt, c.T, c.K, gp);
-    setenv("K3_MOE_VARIANT", "16", 1);
-    const GpuOut g_mma = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128);
-    for (const char* v : {"0", "32", "64", "96"}) {
-      setenv("K3_MOE_VARIANT", v, 1);
-      const GpuOut g = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128);
+    const mc::GemmConfig mma = mc::parse_gemm_config("mma.sync");
+    const GpuOut g_mma = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128, mma);
+    for (const char* v : {"default", "ctas=3", "static", "ctas=3+static"}) {
+      const GpuOut g = gpu_experts(dx, z, idx, wt, c.T, c.E, c.K, c.L, c.I, gp, 128, mc::parse_gemm_config(v));
       const std::string what = std::string(c.name) + " wgmma variant " + v + " T=" + std::to_string(c.T) +
                                " L=" + std::to_string(c.L) + " I=" + std::to_string(c.I);
       const double err = rel_l2(g.u, ref, what);
@@ -697,7 +702,6 @@ TEST(CudaMoeExperts, WgmmaKernelAwkwardShapes) {
       EXPECT_LE(err, kRelL2) << what;
       EXPECT_LE(err_mma, kRelL2) << what;
     }
-    unsetenv("K3_MOE_VARIANT");
   }
 }
 
@@ -753,6 +757,50 @@ TEST(CudaMoe, RejectsShapesItCannotRun) {
   } catch (const k3::Error& e) {
     EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
   }
+  mc::GemmConfig bad;
+  bad.max_ctas = -1;
+  const mc::ExpertLinear wb = mc::ExpertLinear::bf16_stacked(reinterpret_cast<const bf16*>(buf.data()), 8, 48);
+  EXPECT_EQ(k3test::error_of([&] { mc::grouped_gemm(nullptr, nullptr, nullptr, d, wb, bad); }),
+            "moe::cuda::grouped_gemm: GemmConfig::max_ctas must be >= 0 (0: one CTA per SM), got -1");
+}
+
+// The configuration names bench_cuda_moe --variants takes and the tests print (no GPU needed): the
+// defaults, each part, the fixed order of gemm_config_name, the round trip, and refusals that name
+// the bad part.
+TEST(CudaMoeGemmConfig, NamesRoundTripAndBadNamesAreRefused) {
+  const mc::GemmConfig d = mc::parse_gemm_config("default");
+  EXPECT_EQ(d.kernel, mc::GemmConfig::Kernel::kAuto);
+  EXPECT_TRUE(d.expert_raster);
+  EXPECT_TRUE(d.skip_empty_rows);
+  EXPECT_FALSE(d.narrow_weight_tiles);
+  EXPECT_EQ(d.max_ctas, 0);
+  EXPECT_TRUE(d.dynamic_schedule);
+  EXPECT_EQ(mc::gemm_config_name(d), "default");
+  EXPECT_EQ(mc::gemm_config_name(mc::GemmConfig{}), "default");
+
+  const mc::GemmConfig all = mc::parse_gemm_config("static+ctas=3+narrow+no-skip+row-major+mma.sync");
+  EXPECT_EQ(all.kernel, mc::GemmConfig::Kernel::kMmaSync);
+  EXPECT_FALSE(all.expert_raster);
+  EXPECT_FALSE(all.skip_empty_rows);
+  EXPECT_TRUE(all.narrow_weight_tiles);
+  EXPECT_EQ(all.max_ctas, 3);
+  EXPECT_FALSE(all.dynamic_schedule);
+  EXPECT_EQ(mc::gemm_config_name(all), "mma.sync+row-major+no-skip+narrow+ctas=3+static");
+  for (const char* name : {"mma.sync", "row-major", "no-skip", "narrow", "ctas=132", "static", "mma.sync+narrow"})
+    EXPECT_EQ(mc::gemm_config_name(mc::parse_gemm_config(name)), name);
+
+  using k3test::error_of;
+  EXPECT_EQ(error_of([] { mc::parse_gemm_config("fast"); }),
+            "GEMM variant 'fast': unknown part 'fast' (expected default, or parts joined by '+': mma.sync, "
+            "row-major, no-skip, narrow, ctas=N, static)");
+  EXPECT_THAT(error_of([] { mc::parse_gemm_config(""); }), HasSubstr("unknown part ''"));
+  EXPECT_THAT(error_of([] { mc::parse_gemm_config("mma.sync+"); }), HasSubstr("unknown part ''"));
+  EXPECT_THAT(error_of([] { mc::parse_gemm_config("default+static"); }), HasSubstr("unknown part 'default'"));
+  EXPECT_THAT(error_of([] { mc::parse_gemm_config("static+static"); }), HasSubstr("'static' given twice"));
+  EXPECT_THAT(error_of([] { mc::parse_gemm_config("ctas=2+ctas=3"); }), HasSubstr("'ctas=' given twice"));
+  for (const char* n : {"0", "-1", " 3", "x", "", "3x", "99999999999"})
+    EXPECT_EQ(error_of([&] { mc::parse_gemm_config(std::string("ctas=") + n); }),
+              std::string("GEMM variant 'ctas=") + n + "': ctas=N needs a positive integer N, got '" + n + "'");
 }
 
 // The gate/up epilogue (moe_glu: hardware tanh, exp and reciprocal) against the formula in double

@@ -55,17 +55,27 @@ struct StepResult {
 
 const double kScale = 1.0 / 200.0;
 
+// OpenMP's thread count for the life of the object; the count before is restored on every exit (an
+// error thrown on the way, a failed ASSERT).
+struct OmpThreads {
+  int saved = omp_get_max_threads();
+  explicit OmpThreads(int n) { omp_set_num_threads(n); }
+  ~OmpThreads() { omp_set_num_threads(saved); }
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
+};
+
 // The serial loop, single-threaded.
 StepResult serial_step(const std::vector<std::vector<int32_t>>& pieces) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
   ParamStore P = ParamStore::from_model_dir(fixture("k3-tiny-a"));
   P.zero_grads();
   StepResult r;
   TrainHooks h;
   h.on_moe = [&](int64_t l, const MoeTape& t) { r.router.push_back({l, t.N, t.scores}); };
-  for (const auto& p : pieces) r.loss += sequence_loss(P, cfg(), p, true, kScale, nullptr, &h);
-  omp_set_num_threads(saved);
+  {
+    const OmpThreads one(1);
+    for (const auto& p : pieces) r.loss += sequence_loss(P, cfg(), p, true, kScale, nullptr, &h);
+  }
   r.grads = P.grads();
   return r;
 }
@@ -75,11 +85,11 @@ StepResult lanes_step(const std::vector<std::vector<int32_t>>& pieces, int64_t l
   P.zero_grads();
   GradLanes gl(P, lanes);
   StepResult r;
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  r.loss = gl.step(cfg(), pieces, kScale, nullptr,
-                   [&](int64_t l, const double* s, int64_t N) { r.router.push_back({l, N, std::vector<double>(s, s + N * cfg().num_experts)}); });
-  omp_set_num_threads(saved);
+  {
+    const OmpThreads n(threads);
+    r.loss = gl.step(cfg(), pieces, kScale, nullptr,
+                     [&](int64_t l, const double* s, int64_t N) { r.router.push_back({l, N, std::vector<double>(s, s + N * cfg().num_experts)}); });
+  }
   r.grads = P.grads();
   return r;
 }
@@ -139,13 +149,15 @@ TEST(GradLanes, ManyLanesMatchTheSerialLoopAndNotTheThreadCount) {
 TEST(GradLanes, ForwardLossesEqualTheSerialSum) {
   const auto pieces = make_pieces();
   ParamStore P = ParamStore::from_model_dir(fixture("k3-tiny-a"));
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  double want = 0.0;
-  for (const auto& p : pieces) want += sequence_loss(P, cfg(), p, false, 0.0);
-  omp_set_num_threads(2);
-  const double got = forward_losses(P, cfg(), pieces, nullptr);
-  omp_set_num_threads(saved);
+  double want = 0.0, got = 0.0;
+  {
+    const OmpThreads one(1);
+    for (const auto& p : pieces) want += sequence_loss(P, cfg(), p, false, 0.0);
+  }
+  {
+    const OmpThreads two(2);
+    got = forward_losses(P, cfg(), pieces, nullptr);
+  }
   EXPECT_EQ(got, want);
 }
 

@@ -42,7 +42,7 @@ fi
 if [ "$WHAT" = moe ] || [ "$WHAT" = kda+moe ] || [ "$WHAT" = all ]; then
   # The Hopper expert GEMM, 16,384 tokens at K3's sizes: gate/up (the Glu instance) and down (matched by
   # mangled name: the template argument false is ILb0E).
-  B=(build-gpu/bench_cuda_moe --tokens 16384 --reps 1 --formats bf16 --tm 128 --variants 0)
+  B=(build-gpu/bench_cuda_moe --tokens 16384 --reps 1 --formats bf16 --tm 128 --variants default)
   KBASE=mangled profile moe_gate_up 'grouped_gemm_sm90_kernelILb1E' 0 "${B[@]}"
   KBASE=mangled profile moe_down 'grouped_gemm_sm90_kernelILb0E' 0 "${B[@]}"
 fi

@@ -36,6 +36,17 @@ void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t v
              "position ", i, ") is outside the vocabulary [0, ", vocab_size, ") of ", source);
 }
 
+GemmPrecision parse_gemm_precision(const std::string& text, const std::string& what) {
+  if (text == "f32") return GemmPrecision::F32;
+  if (text == "f64") return GemmPrecision::F64Accumulate;
+  fail(what, " must be f32 or f64, got '", text, "'");
+}
+
+void apply_gemm_env() {
+  const char* e = std::getenv("K3_GEMM");
+  if (e && *e) set_gemm_precision(parse_gemm_precision(e, "K3_GEMM"));
+}
+
 std::string join_ids(const std::vector<int32_t>& ids) {
   std::string s;
   for (int32_t id : ids) {

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/gemm/linear.h"
+
 namespace k3::cli {
 
 // "1,2,3" -> {1,2,3}. Throws k3::Error naming the flag and the bad item.
@@ -17,6 +19,16 @@ void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t v
 
 // {1, 2, 3} -> "1 2 3" (the last line of stdout under --print-ids).
 std::string join_ids(const std::vector<int32_t>& ids);
+
+// "f32" -> GemmPrecision::F32, "f64" -> F64Accumulate; anything else throws k3::Error
+// "<what> must be f32 or f64, got '<text>'" (what: the flag or variable that gave the text).
+GemmPrecision parse_gemm_precision(const std::string& text, const std::string& what);
+
+// The environment variable K3_GEMM (f32 or f64) into set_gemm_precision; unset or empty leaves the
+// library default (F64Accumulate). Throws k3::Error "K3_GEMM must be f32 or f64, got 'x'". Called at the
+// start of main() by k3 and by the benchmarks that run CPU linears, since the library reads no
+// environment.
+void apply_gemm_env();
 
 // Seconds since the first call (for progress lines).
 double elapsed_seconds();

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   k3::cli::register_eval(app);
   k3::cli::add_strict_number_checks(app);
   try {
+    k3::cli::apply_gemm_env();  // K3_GEMM=f32|f64: the CPU linears' accumulation (README, "Switches")
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version are "errors" that exit 0: CLI11 prints them. A real parse error ends like

@@ -40,12 +40,15 @@ inline Outcome run_shell(const std::string& command, const std::string& redirect
 // The shell command line that runs K3_BINARY with `args`, each quoted. The binary runs with this test
 // process's OpenBLAS kernels (OPENBLAS_CORETYPE): on a CPU OpenBLAS does not recognise, k3 would
 // otherwise re-execute itself with faster kernels (src/cli/blas_cpu.h), which round differently, and
-// tests that compare numbers bit for bit across processes would see that, not a bug.
-// K3_TEST_BINARY=path runs another build instead (e.g. one from before a fix, to see a test fail there).
-inline std::string k3_command(const std::vector<std::string>& args) {
+// tests that compare numbers bit for bit across processes would see that, not a bug. For the same
+// reason it runs without the caller's K3_GEMM, which k3 applies to its linears and the library (so
+// this test process) does not read. `env` ("NAME=value ...", values quoted) sets variables for the
+// child alone, after that. K3_TEST_BINARY=path runs another build instead (e.g. one from before a fix,
+// to see a test fail there).
+inline std::string k3_command(const std::vector<std::string>& args, const std::string& env = "") {
   const char* other = std::getenv("K3_TEST_BINARY");
-  std::string cmd = "OPENBLAS_CORETYPE=" + shell_quote(openblas_get_corename()) + " " +
-                    shell_quote(other && *other ? other : K3_BINARY);
+  std::string cmd = "env -u K3_GEMM " + (env.empty() ? "" : env + " ") + "OPENBLAS_CORETYPE=" +
+                    shell_quote(openblas_get_corename()) + " " + shell_quote(other && *other ? other : K3_BINARY);
   for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
   return cmd;
 }

@@ -12,8 +12,8 @@
 // accumulation the golden fixture's long input misses the 1e-4 logits bar: at some tokens AttnRes mixes
 // sources that nearly cancel, and across 8 layers that amplifies 1e-7 perturbations ~1e4x, a real
 // ill-conditioning, not a bug (docs/NUMERICS.md, "Why linear layers accumulate in fp64", has the
-// figures). K3_GEMM=f32 selects the fp32 sgemm path (faster prefill; results differ by ~1e-4 at such
-// tokens).
+// figures). GemmPrecision::F32 selects the fp32 sgemm path (faster prefill; results differ by ~1e-4
+// at such tokens); the k3 CLI sets it from K3_GEMM=f32.
 #pragma once
 #include <cstdint>
 
@@ -22,7 +22,8 @@
 namespace k3 {
 
 enum class GemmPrecision { F64Accumulate, F32 };
-// Process-wide choice; initialised from the environment (K3_GEMM=f32 | f64), default F64Accumulate.
+// Process-wide choice, F64Accumulate unless set. The library reads no environment: programs parse
+// K3_GEMM themselves (cli::apply_gemm_env, src/cli/args.h).
 GemmPrecision gemm_precision();
 void set_gemm_precision(GemmPrecision p);
 

@@ -42,13 +42,7 @@ void WeightRef::rows_to_f32(float* dst, int64_t r0, int64_t n) const {
   }
 }
 
-static GemmPrecision init_precision() {
-  const char* e = std::getenv("K3_GEMM");
-  if (e && std::strcmp(e, "f32") == 0) return GemmPrecision::F32;
-  if (e && *e && std::strcmp(e, "f64") != 0) fail("K3_GEMM must be f32 or f64, got '", e, "'");
-  return GemmPrecision::F64Accumulate;
-}
-static GemmPrecision g_precision = init_precision();
+static GemmPrecision g_precision = GemmPrecision::F64Accumulate;
 GemmPrecision gemm_precision() { return g_precision; }
 void set_gemm_precision(GemmPrecision p) { g_precision = p; }
 

@@ -141,9 +141,17 @@ struct KdaParams {
   size_t workspace_bytes = 0;
   // kda_chunk_forward only, for benchmarks: run both kernels (the default), only the prepare kernel, or
   // only the recurrence kernel (which then reads the workspace a previous call with the same inputs left).
-  enum class Stage { kAll, kPrepareOnly, kRecurrenceOnly } stage = Stage::kAll;
-  // Head dim, Dk = Dv = D: 32, 64 or 128. Last and an int: it fills the tail padding, so the struct (a kernel
-  // parameter of kda_recurrent_forward) keeps its size and layout.
+  enum class Stage : uint8_t { kAll, kPrepareOnly, kRecurrenceOnly } stage = Stage::kAll;
+  // kda_chunk_forward only: the prepare kernel's register cap, as resident CTAs per SM asked of the
+  // compiler (__launch_bounds__). kAuto is the shipped choice: 8 CTAs (64 registers) at D = 128, no cap
+  // at D = 32 and 64. k7Ctas (72 registers; at D = 128 only, elsewhere as kAuto) and kUncapped are the
+  // forms it was measured against, kept for bench_cuda_kda: the prepare kernel took 0.594 / 0.619 /
+  // 0.749 ms at B1 T8192 H64 D128 on the H200 (docs/CUDA.md). The same code under another register
+  // budget: all three give the same bits (tested).
+  enum class PrepareCap : uint8_t { kAuto, k7Ctas, kUncapped } prepare_cap = PrepareCap::kAuto;
+  // Head dim, Dk = Dv = D: 32, 64 or 128. Last and an int, after the two one-byte enums: together they
+  // fill the tail padding, so the struct (a kernel parameter of kda_recurrent_forward) keeps its size
+  // and layout.
   int D = kHeadDim;
 };
 

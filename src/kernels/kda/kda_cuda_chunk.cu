@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "core/cuda.h"
@@ -149,7 +148,7 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
 // 2-4, so the SM hides that latency only with other CTAs. Uncapped, D = 128 takes 80 registers (6 CTAs
 // of 128 threads per SM); 64 registers (a small spill) and the shared Ki space below fit 8, which was
 // the fastest of 6, 7 and 8 (docs/CUDA.md, "The prepare kernel's occupancy").
-// K3_KDA_VARIANT bit 1 drops the cap, bit 2 asks for 7 (comparison in bench_cuda_kda).
+// KdaParams::prepare_cap keeps the other two for the comparison in bench_cuda_kda.
 template <int D>
 constexpr int prep_min_blocks() { return D == 128 ? 8 : 1; }
 
@@ -662,13 +661,6 @@ int sm_count() {
   return n;
 }
 
-// K3_KDA_VARIANT (benchmarking aid, bits): 1 = the prepare kernel without its register cap; 2 = capped
-// for 7 CTAs per SM instead of 8.
-int kernel_variant() {
-  const char* e = std::getenv("K3_KDA_VARIANT");
-  return e ? std::atoi(e) : 0;
-}
-
 // The recurrence's CTA shape: NW value groups (16 columns each) of KW key warps.
 struct RecShape {
   int nw, kw;
@@ -761,14 +753,15 @@ void chunk_forward_d(const KdaParams& p, const Args& a) {
   constexpr int NT = prep_threads<D>();
   if (p.stage != KdaParams::Stage::kRecurrenceOnly) {
     constexpr int MB = prep_min_blocks<D>();
-    const int v = kernel_variant();
+    using Cap = KdaParams::PrepareCap;
+    const Cap cap = p.prepare_cap;
     if (f32_in) {
-      if (v & 1) kda_prepare_kernel<float, 2, D, 1><<<items, NT>>>(a);
-      else if ((v & 2) && MB > 7) kda_prepare_kernel<float, 2, D, 7><<<items, NT>>>(a);
+      if (cap == Cap::kUncapped) kda_prepare_kernel<float, 2, D, 1><<<items, NT>>>(a);
+      else if (cap == Cap::k7Ctas && MB > 7) kda_prepare_kernel<float, 2, D, 7><<<items, NT>>>(a);
       else kda_prepare_kernel<float, 2, D, MB><<<items, NT>>>(a);
     } else {
-      if (v & 1) kda_prepare_kernel<bf16, 1, D, 1><<<items, NT>>>(a);
-      else if ((v & 2) && MB > 7) kda_prepare_kernel<bf16, 1, D, 7><<<items, NT>>>(a);
+      if (cap == Cap::kUncapped) kda_prepare_kernel<bf16, 1, D, 1><<<items, NT>>>(a);
+      else if (cap == Cap::k7Ctas && MB > 7) kda_prepare_kernel<bf16, 1, D, 7><<<items, NT>>>(a);
       else kda_prepare_kernel<bf16, 1, D, MB><<<items, NT>>>(a);
     }
     K3_CUDA_LAUNCH_CHECK();

@@ -34,7 +34,6 @@
 #include <cfloat>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 
 #include "core/cuda_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
@@ -551,28 +550,17 @@ size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
   return a + size_t(kStages) * bn * BK / 2 + size_t(bn) * BK * 2 + size_t(bn) * (K / 32);
 }
 
-// K3_MOE_VARIANT (benchmarking and test aid, bits): 1 = row-major raster; 2 = bf16 TM 128 with 128-row
-// weight tiles (bf16 and MXFP4); 4 = bf16 TM 64 with 256-row weight tiles; 8 = MMAs on every row block
-// of a tile; 16 = bf16 on the mma.sync kernel even at TM 128 (where the wgmma kernel is the default);
-// 32 = the wgmma kernel on a persistent grid of 3 CTAs (tests: many work items per CTA); 64 = the wgmma
-// kernel's static schedule (CTA c takes items c, c + grid, ...) instead of the dynamic one. The wgmma
-// kernel honours 1, 8, 32 and 64 and ignores 2 and 4.
-int gemm_variant() {
-  const char* v = std::getenv("K3_MOE_VARIANT");
-  return v ? std::atoi(v) : 0;
-}
-
 template <int TM, int BNT, bool Glu, bool Mx>
-void launch_gemm_tm(GemmArgs a, const Dispatch& d, bool raster_expert) {
+void launch_gemm_tm(GemmArgs a, const Dispatch& d, const GemmConfig& cfg) {
   const size_t smem = gemm_smem_bytes(TM, BNT, Mx, a.K);
   K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, BNT, Glu, Mx>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int cols_per_tile = Glu ? BNT / 2 : BNT;
   a.col_tiles = (a.N + cols_per_tile - 1) / cols_per_tile;
-  a.raster_expert = raster_expert;
-  a.skip_rows = (gemm_variant() & 8) == 0;
+  a.raster_expert = cfg.expert_raster;
+  a.skip_rows = cfg.skip_empty_rows;
   dim3 grid;
-  if (raster_expert) {
+  if (a.raster_expert) {
     K3_CHECK(int64_t(a.col_tiles) * d.max_tiles() < (int64_t(1) << 31), "moe::cuda: ", d.max_tiles(),
              " row tiles × ", a.col_tiles, " column tiles exceed the grid limit");
     grid = dim3(unsigned(int64_t(a.col_tiles) * d.max_tiles()));
@@ -584,12 +572,14 @@ void launch_gemm_tm(GemmArgs a, const Dispatch& d, bool raster_expert) {
   K3_CUDA_LAUNCH_CHECK();
 }
 
-// bf16 weights on a 128-row tile list run on the Hopper wgmma kernel (moe_gemm_sm90.cu) unless
-// K3_MOE_VARIANT has bit 16; TM 64 lists and MXFP4 weights run on the mma.sync kernel below.
-bool use_sm90(bool mx, const Dispatch& d) { return !mx && d.tile_m() == sm90::kTileRows && (gemm_variant() & 16) == 0; }
+// The heuristic's kernel: bf16 weights on a 128-row tile list run on the Hopper wgmma kernel
+// (moe_gemm_sm90.cu) unless cfg asks for mma.sync; TM 64 lists and MXFP4 weights run on the mma.sync
+// kernel below.
+bool use_sm90(bool mx, const Dispatch& d, const GemmConfig& cfg) {
+  return !mx && d.tile_m() == sm90::kTileRows && cfg.kernel == GemmConfig::Kernel::kAuto;
+}
 
-void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
-  const int v = gemm_variant();
+void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu, const GemmConfig& cfg) {
   sm90::GroupedGemmArgs s;
   s.x = a.x;
   s.x_rows = a.x_rows;
@@ -606,37 +596,32 @@ void launch_sm90(const GemmArgs& a, const Dispatch& d, bool glu) {
   s.y = a.y;
   s.glu = glu;
   s.act = a.glu;
-  s.raster = (v & 1) == 0;
-  s.skip_rows = (v & 8) == 0;
-  s.max_ctas = (v & 32) ? 3 : 0;
-  s.dynamic = (v & 64) == 0;
+  s.raster = cfg.expert_raster;
+  s.skip_rows = cfg.skip_empty_rows;
+  s.max_ctas = cfg.max_ctas;
+  s.dynamic = cfg.dynamic_schedule;
   sm90::grouped_gemm(s);
 }
 
 template <bool Glu, bool Mx>
-void launch_gemm(const GemmArgs& a, const Dispatch& d) {
-  if (use_sm90(Mx, d)) return launch_sm90(a, d, Glu);
-  const int v = gemm_variant();
-  const bool raster = (v & 1) == 0;
-  if constexpr (Mx) {
-    // 256 weight rows at TM 128 unless their K/32 scale bytes push shared memory past the 227 KB limit.
-    if (d.tile_m() == 64) launch_gemm_tm<64, BN, Glu, Mx>(a, d, raster);
-    else if ((v & 2) || gemm_smem_bytes(128, 256, true, a.K) > 227 * 1024) launch_gemm_tm<128, BN, Glu, Mx>(a, d, raster);
-    else launch_gemm_tm<128, 256, Glu, Mx>(a, d, raster);
-  } else {
-    if (d.tile_m() == 64) {
-      if (v & 4) launch_gemm_tm<64, 256, Glu, Mx>(a, d, raster);
-      else launch_gemm_tm<64, BN, Glu, Mx>(a, d, raster);
-    } else {
-      if (v & 2) launch_gemm_tm<128, BN, Glu, Mx>(a, d, raster);
-      else launch_gemm_tm<128, 256, Glu, Mx>(a, d, raster);
-    }
-  }
+void launch_gemm(const GemmArgs& a, const Dispatch& d, const GemmConfig& cfg) {
+  if (use_sm90(Mx, d, cfg)) return launch_sm90(a, d, Glu, cfg);
+  // Tile rows × weight rows: 128 × 256 (1 CTA/SM) unless cfg asks for 128 × 128 or, for MXFP4, the K/32
+  // scale bytes of 256 rows push shared memory past the 227 KB limit; 64 × 128 (2 CTAs/SM) at TM 64.
+  if (d.tile_m() == 64) return launch_gemm_tm<64, BN, Glu, Mx>(a, d, cfg);
+  if (cfg.narrow_weight_tiles || (Mx && gemm_smem_bytes(128, 256, true, a.K) > 227 * 1024))
+    return launch_gemm_tm<128, BN, Glu, Mx>(a, d, cfg);
+  launch_gemm_tm<128, 256, Glu, Mx>(a, d, cfg);
 }
 
 void check_gemm(const ExpertLinear& w, const char* what) {
   const std::string why = gemm_can_run(w);
   K3_CHECK(why.empty(), "moe::cuda::", what, ": ", why);
+}
+
+void check_config(const GemmConfig& cfg, const char* what) {
+  K3_CHECK(cfg.max_ctas >= 0, "moe::cuda::", what, ": GemmConfig::max_ctas must be >= 0 (0: one CTA per SM), got ",
+           cfg.max_ctas);
 }
 
 // u [T, L] = Σ_k w[t,k] y[slot_of[t,k]]: one CTA per token, 8 bf16 per thread step.
@@ -811,8 +796,10 @@ std::string gemm_can_run(const ExpertLinear& w) {
 
 // ---- GEMMs ----------------------------------------------------------------------------------------
 
-void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch& d, const ExpertLinear& w) {
+void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch& d, const ExpertLinear& w,
+                  const GemmConfig& cfg) {
   check_gemm(w, "grouped_gemm");
+  check_config(cfg, "grouped_gemm");
   if (d.slots() == 0) return;
   K3_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe::cuda::grouped_gemm: x must be 16-byte aligned");
   GemmArgs a{};
@@ -830,14 +817,15 @@ void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch&
   a.tiles = d.tiles();
   a.num_tiles = d.num_tiles();
   a.y = y;
-  if (w.format == ExpertLinear::Format::MXFP4) launch_gemm<false, true>(a, d);
-  else launch_gemm<false, false>(a, d);
+  if (w.format == ExpertLinear::Format::MXFP4) launch_gemm<false, true>(a, d, cfg);
+  else launch_gemm<false, false>(a, d, cfg);
 }
 
 void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinear& w1, const ExpertLinear& w3,
-                    const GluParams& glu) {
+                    const GluParams& glu, const GemmConfig& cfg) {
   check_gemm(w1, "expert_gate_up (gate w1)");
   check_gemm(w3, "expert_gate_up (up w3)");
+  check_config(cfg, "expert_gate_up");
   K3_CHECK(w1.format == w3.format && w1.rows == w3.rows && w1.cols == w3.cols && w1.expert_stride == w3.expert_stride &&
                w1.scale_stride == w3.scale_stride,
            "moe::cuda::expert_gate_up: gate and up weights must have the same format, shape and strides");
@@ -859,12 +847,12 @@ void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinea
   a.num_tiles = d.num_tiles();
   a.y = h;
   a.glu = glu_consts(glu);
-  if (w1.format == ExpertLinear::Format::MXFP4) launch_gemm<true, true>(a, d);
-  else launch_gemm<true, false>(a, d);
+  if (w1.format == ExpertLinear::Format::MXFP4) launch_gemm<true, true>(a, d, cfg);
+  else launch_gemm<true, false>(a, d, cfg);
 }
 
-void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2) {
-  grouped_gemm(y, h, nullptr, d, w2);
+void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2, const GemmConfig& cfg) {
+  grouped_gemm(y, h, nullptr, d, w2, cfg);
 }
 
 void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L) {
@@ -875,10 +863,11 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
 }
 
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,
-                     const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu) {
+                     const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu,
+                     const GemmConfig& cfg) {
   K3_CHECK(w2.cols == w1.rows && w2.rows == w1.cols, "moe::cuda::experts_forward: w2 must be [L, I] for w1 [I, L]");
-  expert_gate_up(h, z, d, w1, w3, glu);
-  expert_down(y, h, d, w2);
+  expert_gate_up(h, z, d, w1, w3, glu, cfg);
+  expert_down(y, h, d, w2, cfg);
   combine(u, y, weight, d, w2.rows);
 }
 

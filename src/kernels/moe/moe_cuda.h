@@ -111,24 +111,66 @@ struct ExpertLinear {
 // cols <= 16384 (MXFP4 keeps a tile's scales in shared memory), 16-byte aligned rows.
 std::string gemm_can_run(const ExpertLinear& w);
 
+// ---- how the grouped GEMMs run ---------------------------------------------------------------------
+// Two kernels share the tile list and the epilogue: the Hopper wgmma kernel (moe_gemm_sm90.cu) and the
+// mma.sync kernel (moe_cuda.cu). The defaults are the shipped choice, the heuristic: wgmma for bf16
+// weights on a 128-row tile list, mma.sync for MXFP4 weights and 64-row lists, each in its fastest
+// measured form (docs/CUDA.md, "LatentMoE"); Dispatch::build picks the tile rows. The other values are
+// for benchmarks and tests. Each runs the same k16 steps per output element in the same order, so it
+// gives its kernel's bits (test KernelVariantsAreBitwiseEqual); the tests use them to reach paths the
+// shipped sizes rarely take (many work items per CTA, 128-row weight tiles), bench_cuda_moe times them
+// by name (gemm_config_name).
+struct GemmConfig {
+  // kAuto: the heuristic above. kMmaSync: bf16 weights on 128-row lists run on the mma.sync kernel too
+  // (the kernel before wgmma; one H200 run at K3's sizes, 16,384 tokens: 39.8% of cuBLAS, wgmma 51.9%).
+  enum class Kernel : uint8_t { kAuto, kMmaSync };
+  Kernel kernel = Kernel::kAuto;
+  // Both kernels: work in expert-major order (an expert's column tiles in turn, its row tiles
+  // innermost), so the CTAs reading one weight tile run side by side and share one DRAM read. false:
+  // row tile by row tile, each sweeping all column tiles (a weight tile returns only after a whole
+  // expert's weights have passed through L2).
+  bool expert_raster = true;
+  // Both kernels: skip the MMAs of rows past the expert's count (per 16-row block on mma.sync, per
+  // consumer warpgroup's 64 rows on wgmma). false: multiply the zero-filled rows too.
+  bool skip_empty_rows = true;
+  // mma.sync kernel at 128 tile rows: 128 weight rows per tile instead of 256. MXFP4 weights take 128
+  // anyway where the K/32 scale bytes of 256 rows would not fit shared memory (K > 12,672).
+  bool narrow_weight_tiles = false;
+  // wgmma kernel: at most this many persistent CTAs; 0 = one per SM. 3 makes each CTA take many work
+  // items, so its ring of item slots wraps (tests).
+  int max_ctas = 0;
+  // wgmma kernel: CTAs take work items from an atomic counter in raster order. false: the static
+  // schedule, CTA c takes items c, c + grid, ... (down GEMM 17.3 against 11.9 ms, docs/CUDA.md).
+  bool dynamic_schedule = true;
+};
+
+// The name bench_cuda_moe and the tests print: "default", or the changed fields joined by '+' in this
+// order: "mma.sync", "row-major", "no-skip", "narrow", "ctas=N", "static" (e.g. "mma.sync+narrow").
+std::string gemm_config_name(const GemmConfig& c);
+// The inverse of gemm_config_name (the parts in any order, none twice). Throws k3::Error naming the text
+// and the part it does not know.
+GemmConfig parse_gemm_config(const std::string& name);
+
 // ---- grouped GEMMs (one launch for all experts) ---------------------------------------------------
 // y [S, w.rows] bf16 (sorted rows) = X_e W_eᵀ for every expert e, where row r of the sorted order reads
 // x[(x_rows ? x_rows[r] : r) * w.cols ...] (x_rows = d.slot_token() gathers token rows directly).
-void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch& d, const ExpertLinear& w);
+void grouped_gemm(bf16* y, const bf16* x, const int32_t* x_rows, const Dispatch& d, const ExpertLinear& w,
+                  const GemmConfig& cfg = {});
 
 // h [S, I] bf16 = SiTU-GLU(z W1ᵀ, z W3ᵀ) per expert; z [T, L] bf16 in token order (gathered in the
 // GEMM's loader); w1 (gate) and w3 (up) are [I, L] in the same format.
 void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinear& w1, const ExpertLinear& w3,
-                    const GluParams& glu);
+                    const GluParams& glu, const GemmConfig& cfg = {});
 // y [S, L] bf16 = h W2ᵀ per expert; w2 [L, I].
-void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2);
+void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2, const GemmConfig& cfg = {});
 // u [T, L] fp32 = Σ_k weight[t,k] · y[slot_of(t,k)], k ascending. L % 8 == 0.
 void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L);
 
 // The routed experts after routing: gate/up + SiTU, down, combine. h [S, I] and y [S, L] are caller
 // workspace (bf16). Returns u [T, L] fp32 (before the latent RMSNorm).
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,
-                     const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu);
+                     const ExpertLinear& w1, const ExpertLinear& w3, const ExpertLinear& w2, const GluParams& glu,
+                     const GemmConfig& cfg = {});
 
 // y[i] = the grouped GEMMs' gate/up epilogue (moe_glu: SiTU-GLU or SwiGLU in fp32 with the hardware's
 // tanh, exp and reciprocal) of g[i], u[i]; device pointers (tests: its error against exact arithmetic).
@@ -159,21 +201,22 @@ inline ExpertLinear ExpertLinear::mxfp4_stacked(const uint8_t* p, const uint8_t*
   return ExpertLinear{Format::MXFP4, rows, cols, p, rows * cols / 2, s, rows * cols / 32};
 }
 inline std::string gemm_can_run(const ExpertLinear&) { return "this build has no CUDA backend"; }
-inline void grouped_gemm(bf16*, const bf16*, const int32_t*, const Dispatch&, const ExpertLinear&) {
+inline void grouped_gemm(bf16*, const bf16*, const int32_t*, const Dispatch&, const ExpertLinear&,
+                         const GemmConfig&) {
   fail("moe::cuda::grouped_gemm: this build has no CUDA backend");
 }
 inline void expert_gate_up(bf16*, const bf16*, const Dispatch&, const ExpertLinear&, const ExpertLinear&,
-                           const GluParams&) {
+                           const GluParams&, const GemmConfig&) {
   fail("moe::cuda::expert_gate_up: this build has no CUDA backend");
 }
-inline void expert_down(bf16*, const bf16*, const Dispatch&, const ExpertLinear&) {
+inline void expert_down(bf16*, const bf16*, const Dispatch&, const ExpertLinear&, const GemmConfig&) {
   fail("moe::cuda::expert_down: this build has no CUDA backend");
 }
 inline void combine(float*, const bf16*, const float*, const Dispatch&, int64_t) {
   fail("moe::cuda::combine: this build has no CUDA backend");
 }
 inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, const Dispatch&, const ExpertLinear&,
-                            const ExpertLinear&, const ExpertLinear&, const GluParams&) {
+                            const ExpertLinear&, const ExpertLinear&, const GluParams&, const GemmConfig&) {
   fail("moe::cuda::experts_forward: this build has no CUDA backend");
 }
 inline void glu_eval(float*, const float*, const float*, int64_t, const GluParams&) {

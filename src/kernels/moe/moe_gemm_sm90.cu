@@ -38,7 +38,7 @@
 //     the write before the read). The producer runs at most kStages stages, so at most kStages items,
 //     ahead: kItemSlots = 8 slots are never overwritten early. At the end the producer completes one
 //     more stage with no bytes, whose slot holds an index past the total: the consumers' signal to
-//     stop. The static schedule (items c, c + grid, ...; K3_MOE_VARIANT 64) lets CTAs drift apart
+//     stop. The static schedule (items c, c + grid, ...; GemmConfig::dynamic_schedule = false) lets CTAs drift apart
 //     over hundreds of items, each with its own mix of full and half tiles, until the CTAs sharing a
 //     weight tile run it at different times and each reads it from DRAM (docs/CUDA.md, "How the Hopper
 //     kernel reached 65% of cuBLAS"). The ring runs on across work items, so the producer loads the

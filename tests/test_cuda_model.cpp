@@ -506,6 +506,30 @@ TEST(CudaModelBF16, PrefillTracksCpuTwinDenseModel) {
   EXPECT_TRUE(tracks_twin(e_gpu, e_twin));
 }
 
+// The reference switch (K3_REFERENCE=1, CudaModel::set_reference) reaches the GPU's kernels: a 100-token
+// prefill then runs the KDA recurrence and expanded MLA, so its logits differ from the chunked path's
+// in the last bits, and still track the CPU twin as the default path does.
+TEST(CudaModelBF16, ReferenceSwitchRunsTheSpecificationForms) {
+  K3_REQUIRE_GPU();
+  CudaModel& gpu = *dense().bf16;
+  struct Restore {
+    CudaModel& m;
+    bool was;
+    ~Restore() { m.set_reference(was); }
+  } restore{gpu, gpu.reference()};
+  const std::vector<int32_t> ids = tokens(100, gpu.config().vocab_size, 5);
+  gpu.set_reference(false);
+  const std::vector<float> chunked = forward_fresh(gpu, {ids});
+  gpu.set_reference(true);
+  const std::vector<float> reference = forward_fresh(gpu, {ids});
+  const std::vector<float> exact = forward_fresh(*dense().f32, {ids}), twin = forward_fresh(*dense().twin, {ids});
+  const double e_ref = rel_l2(reference, exact), e_twin = rel_l2(twin, exact);
+  std::printf("GPU bf16 reference forms (100 tokens) from exact: %.3e (twin %.3e); from the chunked path: %.3e\n", e_ref,
+              e_twin, rel_l2(reference, chunked));
+  EXPECT_NE(reference, chunked) << "the switch must change the kernels that run";
+  EXPECT_TRUE(tracks_twin(e_ref, e_twin));
+}
+
 // Prefill 40 tokens, append 8 (a multi-token append: recurrence + absorbed MLA with n = 8), then 24
 // greedy steps, fed identically to the GPU BF16 path, the exact path and the twin: over all the
 // calls' logits, the GPU's cached decoding (recurrence, absorbed split-K MLA, one-row GEMMs) departs

@@ -28,11 +28,9 @@ struct ForwardHooks {
   std::function<bool(const char* name, int64_t layer, float* data, int64_t rows, int64_t cols)> replace;
 };
 
-
 // Numerical path switches of the CPU model (model/model.h). `reference` (env K3_REFERENCE=1) forces
 // the specification paths: the KDA recurrence instead of the chunked form, and expanded MLA instead
-// of absorbed weights. The GPU model (model/cuda) takes none of these: its F32 precision always runs
-// those two forms, its BF16 precision picks its kernels by size (docs/CUDA.md, "Two precisions").
+// of absorbed weights. The GPU model reads the same switch (CudaModel::set_reference).
 struct PathOptions {
   bool reference = false;
   int kda_chunk = 64;

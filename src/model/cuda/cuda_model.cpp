@@ -118,6 +118,7 @@ struct CudaModel::Impl {
   int64_t dispatch_tokens = 0;
   std::string weights_path;  // re-read only to explain non-finite logits (model/nonfinite.h)
   bool profile = false;
+  bool reference = PathOptions::from_env().reference;  // K3_REFERENCE=1, as the CPU model
   BlockTimings timings;
 
   template <class T>
@@ -137,6 +138,8 @@ const K3Config& CudaModel::config() const { return impl_->cfg; }
 GpuPrecision CudaModel::precision() const { return impl_->precision; }
 size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
 void CudaModel::set_profile(bool on) { impl_->profile = on; }
+void CudaModel::set_reference(bool on) { impl_->reference = on; }
+bool CudaModel::reference() const { return impl_->reference; }
 const BlockTimings& CudaModel::timings() const { return impl_->timings; }
 void CudaModel::reset_timings() { impl_->timings = BlockTimings{}; }
 
@@ -418,7 +421,7 @@ std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCac
       dispatch_tokens = N;
     }
   }
-  gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks};
+  gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks, reference};
   int32_t* ids_dev = arena.take<int32_t>(N);
   cuda::copy_to_device(ids_dev, ids.data(), ids.size() * 4);
   gpu::CudaBackend<T> be(run, w, segs, ids_dev, N, all_positions, profile);

@@ -90,6 +90,11 @@ class CudaModel {
   // the block's kind (the waits themselves cost a few microseconds each: use for a breakdown, not
   // for throughput).
   void set_profile(bool on);
+  // The specification forms (K3_REFERENCE=1 at load, as for the CPU model): the KDA recurrence token by
+  // token instead of 16-token chunks, and MLA expanded (keys and values of every cached position)
+  // instead of absorbed, whatever the number of new tokens. The f32 path always runs them.
+  void set_reference(bool on);
+  bool reference() const;
   const BlockTimings& timings() const;
   void reset_timings();
 

@@ -137,6 +137,7 @@ struct Run {
   moe::cuda::Dispatch* dispatch;  // BF16 path
   int64_t mla_ldc;                // cache row stride (elements)
   const ForwardHooks* hooks;
+  bool reference;                 // the specification forms: KDA recurrence, expanded MLA (CudaModel::set_reference)
 };
 
 // A run of rows [row0, row0 + n) of one sequence, with that sequence's device state.

@@ -24,6 +24,8 @@ const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); 
 GpuPrecision CudaModel::precision() const { fail("CudaModel: no CUDA backend"); }
 size_t CudaModel::weight_bytes() const { return 0; }
 void CudaModel::set_profile(bool) { fail("CudaModel: no CUDA backend"); }
+void CudaModel::set_reference(bool) { fail("CudaModel: no CUDA backend"); }
+bool CudaModel::reference() const { return false; }
 const BlockTimings& CudaModel::timings() const { fail("CudaModel: no CUDA backend"); }
 void CudaModel::reset_timings() {}
 std::unique_ptr<CudaSequenceCache> CudaModel::new_cache() const { fail("CudaModel: no CUDA backend"); }

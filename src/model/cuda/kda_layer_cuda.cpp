@@ -64,7 +64,7 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
     p.q = q + s.row0 * HD, p.k = k + s.row0 * HD, p.v = v + s.row0 * HD, p.o = o + s.row0 * HD;
     p.g = g + s.row0 * HD, p.beta = beta + s.row0 * H;
     p.state_in = state, p.state_out = state;
-    if (exact || s.n < kda::cuda::kChunk) {
+    if (exact || r.reference || s.n < kda::cuda::kChunk) {
       kda::cuda::kda_recurrent_forward(p);
     } else {
       p.workspace_bytes = kda::cuda::kda_chunk_workspace_bytes(s.B, s.n, H, p.in_dtype, D);

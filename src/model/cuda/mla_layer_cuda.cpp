@@ -102,7 +102,7 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
         ep.n = g.n, ep.p0 = p0;
         mla::cuda::attention_expanded_exact(ep);
       }
-    } else if (g.n * 4 >= Tc) {  // BF16 expanded (prefill): keys and values of every cached position
+    } else if (r.reference || g.n * 4 >= Tc) {  // BF16 expanded (prefill): keys and values of every cached position
       bf16* kvh = r.arena.take<bf16>(Tc * H * dkv);
       bf16* kk = r.arena.take<bf16>(Tc * H * dq);  // [Tc, H, Dn + Dr]
       bf16* vv = r.arena.take<bf16>(Tc * H * d.Dv);

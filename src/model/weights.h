@@ -1,4 +1,6 @@
-// The K3 text model's parameters, bound by name to a checkpoint (SafeTensors) and shape-checked.
+// The K3 text model's parameters, bound by name to a checkpoint (SafeTensors) and shape-checked:
+// bind_weights walks the tensor table of the config (tensor_table.h), which says each tensor's name,
+// shape and how it is stored; the structs below are where the forward finds them.
 //
 // Matrices stay where the checkpoint has them (mmap'ed, BF16/F32/F16, or MXFP4 for routed experts)
 // and are widened on use; only small vectors (norm weights, gate parameters, conv taps, router

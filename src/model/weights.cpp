@@ -1,7 +1,6 @@
 #include "model/weights.h"
 
 #include "core/error.h"
-#include "model/tensor_table.h"
 
 namespace k3 {
 namespace {
@@ -104,66 +103,22 @@ WeightRef& matrix_slot(ModelWeights& m, const TensorEntry& e) {
   if (e.kind == K::TokenEmbd) return m.embed_tokens;
   if (e.kind == K::LmHead) return m.lm_head;
   LayerWeights& L = m.layers.at(size_t(e.layer));
-  switch (e.kind) {
-    case K::KdaQ: return L.kda.q_proj;
-    case K::KdaK: return L.kda.k_proj;
-    case K::KdaV: return L.kda.v_proj;
-    case K::KdaG: return L.kda.g_proj;
-    case K::KdaFA: return L.kda.f_a_proj;
-    case K::KdaFB: return L.kda.f_b_proj;
-    case K::KdaB: return L.kda.b_proj;
-    case K::KdaO: return L.kda.o_proj;
-    case K::MlaQA: return L.mla.q_a_proj;
-    case K::MlaQB: return L.mla.q_b_proj;
-    case K::MlaQ: return L.mla.q_proj;
-    case K::MlaKvA: return L.mla.kv_a_proj_with_mqa;
-    case K::MlaKvB: return L.mla.kv_b_proj;
-    case K::MlaG: return L.mla.g_proj;
-    case K::MlaO: return L.mla.o_proj;
-    case K::DenseGate: return L.dense.gate_proj;
-    case K::DenseUp: return L.dense.up_proj;
-    case K::DenseDown: return L.dense.down_proj;
-    case K::MoeRouter: return L.moe.router;
-    case K::MoeLatentDown: return L.moe.latent_down;
-    case K::MoeLatentUp: return L.moe.latent_up;
-    case K::ExpertGate: return L.moe.experts.at(size_t(e.expert)).w1;
-    case K::ExpertDown: return L.moe.experts.at(size_t(e.expert)).w2;
-    case K::ExpertUp: return L.moe.experts.at(size_t(e.expert)).w3;
-    case K::SharedGate: return L.moe.shared.gate_proj;
-    case K::SharedUp: return L.moe.shared.up_proj;
-    case K::SharedDown: return L.moe.shared.down_proj;
-    default: break;
+  if (e.expert >= 0) {
+    ExpertWeights& x = L.moe.experts.at(size_t(e.expert));
+    return e.kind == K::ExpertGate ? x.w1 : e.kind == K::ExpertUp ? x.w3 : x.w2;
   }
-  fail("internal error: tensor kind ", int(e.kind), " is not a matrix of ModelWeights");
+  WeightRef* w = layer_matrix(L, e.kind);
+  K3_ASSERT(w != nullptr);
+  return *w;
 }
 
-// The field of `m` a vector entry binds to. An AttnRes norm and its pseudo-query projection share one
-// field: the query the forward uses is their product (norm ⊙ proj), folded at bind.
+// The field of `m` a vector entry binds to (an AttnRes norm and its projection share one: weights.h).
 std::vector<float>& vector_slot(ModelWeights& m, const TensorEntry& e) {
-  switch (e.kind) {
-    case K::OutputNorm: return m.norm;
-    case K::OutputAttnResNorm: case K::OutputAttnResProj: return m.output_res_query;
-    default: break;
-  }
-  LayerWeights& L = m.layers.at(size_t(e.layer));
-  switch (e.kind) {
-    case K::InputNorm: return L.input_layernorm;
-    case K::PostAttnNorm: return L.post_attention_layernorm;
-    case K::AttnResNorm: case K::AttnResProj: return L.attn_res_query;
-    case K::MlpResNorm: case K::MlpResProj: return L.mlp_res_query;
-    case K::KdaQConv: return L.kda.q_conv;
-    case K::KdaKConv: return L.kda.k_conv;
-    case K::KdaVConv: return L.kda.v_conv;
-    case K::KdaALog: return L.kda.A_log;
-    case K::KdaDtBias: return L.kda.dt_bias;
-    case K::KdaONorm: return L.kda.o_norm;
-    case K::MlaQANorm: return L.mla.q_a_layernorm;
-    case K::MlaKvANorm: return L.mla.kv_a_layernorm;
-    case K::MoeRouterBias: return L.moe.router_bias;
-    case K::MoeLatentNorm: return L.moe.latent_norm;
-    default: break;
-  }
-  fail("internal error: tensor kind ", int(e.kind), " is not a vector of ModelWeights");
+  if (e.kind == K::OutputNorm) return m.norm;
+  if (e.kind == K::OutputAttnResNorm || e.kind == K::OutputAttnResProj) return m.output_res_query;
+  std::vector<float>* v = layer_vector(m.layers.at(size_t(e.layer)), e.kind);
+  K3_ASSERT(v != nullptr);
+  return *v;
 }
 
 bool is_attnres_proj(TensorKind k) { return k == K::OutputAttnResProj || k == K::AttnResProj || k == K::MlpResProj; }

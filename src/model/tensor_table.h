@@ -97,8 +97,8 @@ enum class TensorStore : uint8_t {
                  // with zeros) and the first H are used
 };
 
-// How k3 init (and training from scratch) draws a kind. One mt19937_64 stream runs through the
-// table; "fresh" distributions are constructed per element, as the first implementation did.
+// How k3 init (and training from scratch) draws a kind (tensor_init.h). One mt19937_64 stream runs
+// through the table in order; kinds that "draw nothing" leave it untouched.
 enum class TensorInit : uint8_t {
   Normal,       // N(0, initializer_range), one std::normal_distribution per tensor
   One,          // 1 (norm gains); draws nothing
@@ -128,8 +128,9 @@ struct TensorInfo {
   TensorInit init;
   ParamComponent component;
   HeadSplit heads;
-  bool muon;       // a linear map whose spectrum Muon orthogonalises; false: AdamW (embeddings, the head,
-                   // norms, vectors, conv taps, the [1, hid] AttnRes pseudo-queries)
+  bool muon;       // a linear map whose spectrum Muon orthogonalises (when it has two dimensions above 1);
+                   // false: AdamW (the embedding, the head, norms, vectors, conv taps, the [1, hid] AttnRes
+                   // pseudo-queries)
   bool trainable;  // false: the router's selection bias (Quantile Balancing owns it)
   bool optional;   // a checkpoint may leave it out; bind_weights then uses zeros
 };

@@ -2,9 +2,10 @@
 //
 // Training runs in float64 on the CPU: the golden gradients are float64 reference values, finite
 // differences need it, and a tiny model's step is dominated by per-token work, not GEMM speed.
-// Names are the release's tensor names (`language_model.model.layers.3.self_attn.q_proj.weight`,
-// from the tensor table), so a checkpoint is the parameter buffer written back under the same names. One flat buffer each
-// for values and gradients means the optimizer, clipping and checkpointing touch one array.
+// Names are the release's tensor names (`language_model.model.layers.3.self_attn.q_proj.weight`, from
+// the tensor table), so a checkpoint is the parameter buffer written back under the same names. One
+// flat buffer each for values and gradients means the optimizer, clipping and checkpointing touch one
+// array.
 #pragma once
 #include <cstdint>
 #include <map>

@@ -1,24 +1,18 @@
-// Random K3 checkpoints for any config: what tests, benchmarks and (later) training start from.
+// Random K3 checkpoints for any config (`k3 init`): what tests and benchmarks start from.
 // Writes a Hugging Face directory (config.json + model.safetensors, release tensor names) that
-// Model::load reads back. Matrices ~ N(0, initializer_range) stored BF16 (routed experts optionally
-// MXFP4, quantised round-to-nearest per group of 32); norm weights 1; A_log, dt_bias, conv taps and
-// the router bias as the reference initialises them in spirit (A in [1, 16], small dt_bias, taps
-// ~ U(±1/sqrt(K))). AttnRes pseudo-queries are zero (the paper's init: uniform mixing) unless
-// `random_attnres_queries` asks for N(0, initializer_range) ones, which tests use to exercise AttnRes.
+// Model::load reads back: every tensor of the config's tensor table (tensor_table.h), drawn by its
+// initialiser (tensor_init.h, which lists the rules) and stored as the release stores it: BF16,
+// F32 for A_log, dt_bias, conv taps, o_norm and the router bias, routed experts optionally MXFP4
+// (quantised round-to-nearest per group of 32). Training from scratch draws the same values in
+// memory (train/params.h: ParamStore::random_init).
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include "model/config.h"
+#include "model/tensor_init.h"
 
 namespace k3 {
-
-struct RandomInitOptions {
-  uint64_t seed = 0;
-  bool mxfp4_experts = false;
-  bool random_attnres_queries = false;
-  float router_bias_std = 0.0f;  // nonzero exercises the selection-only bias
-};
 
 // config_path: a config.json (nested or flat); out_dir is created if needed. The written
 // config.json is the input file, with a quantization_config added when mxfp4_experts is set.

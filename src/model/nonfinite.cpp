@@ -4,21 +4,17 @@
 
 #include "core/error.h"
 #include "core/finite.h"
+#include "model/tensor_table.h"
 
 namespace k3 {
 
 namespace {
 
-// Whether a tensor of the text model belongs to `layer` (-1: to no layer). Release and flat names
-// both hold "model.layers.<l>." after their root ("language_model." or none); the vision tower's
+// Whether a tensor of the text model belongs to `layer` (-1: to no layer). The vision tower's
 // tensors are not the text forward's and never match.
 bool in_layer(const std::string& name, int64_t layer) {
-  const bool text = name.rfind("language_model.", 0) == 0 || name.rfind("model.", 0) == 0 || name.rfind("lm_head.", 0) == 0;
-  if (!text) return false;
-  const size_t at = name.find("model.layers.");
-  if (layer < 0) return at == std::string::npos;
-  const std::string key = "model.layers." + std::to_string(layer) + ".";
-  return at != std::string::npos && name.compare(at, key.size(), key) == 0;
+  const TensorPlace p = tensor_place(name);
+  return p.text && p.layer == layer;
 }
 
 }  // namespace
@@ -41,7 +37,7 @@ std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer) {
                                                                             int64_t(t.nbytes / 2));
         break;
       case DType::U8:
-        if (name.size() >= 12 && name.compare(name.size() - 12, 12, "weight_scale") == 0) {
+        if (is_mxfp4_scale_name(name)) {
           const void* hit = std::memchr(t.data, 0xFF, t.nbytes);
           if (hit) bad = static_cast<const uint8_t*>(hit) - t.data;
           what = "the MXFP4 scale byte 0xFF (E8M0 NaN)";

@@ -1,5 +1,6 @@
 #include "model/param_count.h"
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -7,85 +8,28 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "io/file.h"
+#include "model/tensor_table.h"
 
 namespace k3 {
 
-namespace {
-
-// One KDA layer's self_attn block (§4.3).
-int64_t kda_layer_params(const K3Config& c) {
-  const int64_t h = c.hidden_size, H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D;
-  int64_t n = 0;
-  n += 3 * HD * h;                           // q_proj, k_proj, v_proj
-  n += 3 * HD * c.short_conv_kernel_size;    // q/k/v_conv1d [HD, 1, K]
-  n += D * h;                                // f_a_proj [head_dim, hidden]
-  n += HD * D;                               // f_b_proj [HD, head_dim]
-  n += D > H ? D : H;                        // A_log: stored padded to head_dim in the release
-  n += HD;                                   // dt_bias
-  n += H * h;                                // b_proj
-  n += HD * h;                               // g_proj
-  n += D;                                    // o_norm (shared by all heads)
-  n += h * HD;                               // o_proj
-  return n;
-}
-
-// One MLA layer's self_attn block (§4.4).
-int64_t mla_layer_params(const K3Config& c) {
-  const int64_t h = c.hidden_size, H = c.num_attention_heads;
-  int64_t n = 0;
-  if (c.q_lora_rank > 0)
-    n += c.q_lora_rank * h + c.q_lora_rank + H * c.q_head_dim() * c.q_lora_rank;  // q_a, q_a_norm, q_b
-  else
-    n += H * c.q_head_dim() * h;                                                 // q_proj
-  n += (c.kv_lora_rank + c.qk_rope_head_dim) * h;                                // kv_a_proj_with_mqa
-  n += c.kv_lora_rank;                                                           // kv_a_layernorm
-  n += H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;                 // kv_b_proj
-  if (c.mla_use_output_gate) n += H * c.v_head_dim * h;                          // g_proj
-  n += h * H * c.v_head_dim;                                                     // o_proj
-  return n;
-}
-
-void add(std::vector<ParamGroup>& g, const char* name, int64_t total, int64_t active) {
-  if (total > 0) g.push_back({name, total, active});
-}
-
-}  // namespace
-
 std::vector<ParamGroup> count_parameters(const K3Config& c) {
-  const int64_t h = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
-  int64_t n_kda = 0, n_mla = 0, n_moe = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    (c.layer_kind.at(size_t(l)) == AttnKind::MLA ? n_mla : n_kda)++;
-    if (c.is_moe_layer(l)) ++n_moe;
+  // Every tensor of the table counts for its component; active is what one token reads: not the input
+  // embedding (a row gather) unless it is also the head, and num_experts_per_token of the experts.
+  std::array<ParamGroup, size_t(ParamComponent::kCount)> g;
+  for (int i = 0; i < int(ParamComponent::kCount); ++i) g[size_t(i)].name = component_name(ParamComponent(i));
+  const TensorTable table(c);
+  for (const TensorEntry& e : table.entries()) {
+    ParamGroup& x = g[size_t(e.info().component)];
+    x.total += e.params;
+    const bool active = e.kind == TensorKind::TokenEmbd ? c.tie_word_embeddings
+                        : e.expert >= 0                 ? e.expert < c.num_experts_per_token
+                                                        : true;
+    if (active) x.active += e.params;
   }
-  const int64_t n_dense = L - n_moe;
-
-  std::vector<ParamGroup> g;
-  if (c.tie_word_embeddings) {
-    add(g, "embedding", V * h, V * h);
-  } else {
-    add(g, "embedding", V * h, 0);
-    add(g, "lm_head", V * h, V * h);
-  }
-  const int64_t kda = n_kda * kda_layer_params(c), mla = n_mla * mla_layer_params(c);
-  add(g, "KDA attention", kda, kda);
-  add(g, "MLA attention", mla, mla);
-  const int64_t dense = n_dense * 3 * c.intermediate_size * h;
-  add(g, "dense FFN", dense, dense);
-  if (n_moe > 0) {
-    const int64_t E = c.num_experts, k = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
-    const int64_t router = n_moe * (E * h + E);
-    const int64_t latent = n_moe * (2 * lat * h + (c.latent_moe_use_norm ? lat : 0));
-    const int64_t expert = 3 * c.moe_intermediate_size * lat;
-    const int64_t shared = n_moe * 3 * c.shared_intermediate() * h;
-    add(g, "router", router, router);
-    add(g, "latent down/up/norm", latent, latent);
-    add(g, "routed experts", n_moe * E * expert, n_moe * k * expert);
-    add(g, "shared experts", shared, shared);
-  }
-  const int64_t norms = L * 6 * h + 3 * h;  // per layer 4 norms + 2 pseudo-queries; model norm + output AttnRes
-  add(g, "norms + AttnRes", norms, norms);
-  return g;
+  std::vector<ParamGroup> out;
+  for (const ParamGroup& x : g)
+    if (x.total > 0) out.push_back(x);
+  return out;
 }
 
 std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, const std::string& src) {

@@ -1,5 +1,6 @@
-// Parameter counts from a K3Config, per component, following the tensor inventory of
-// ../shared/docs/K3-ARCHITECTURE.md §4 exactly (one entry per stored tensor element).
+// Parameter counts from a K3Config, per component: the sum of the tensor table's `params`
+// (tensor_table.h), which follows the tensor inventory of ../shared/docs/K3-ARCHITECTURE.md §4
+// exactly (one entry per stored tensor element).
 //
 // `total` is what the checkpoint stores; `active` is what one text token touches: the top-k routed
 // experts out of num_experts, every other weight of the text model, and the lm_head, but not the

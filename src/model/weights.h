@@ -1,4 +1,6 @@
-// The K3 text model's parameters, bound by name to a checkpoint (SafeTensors) and shape-checked.
+// The K3 text model's parameters, bound by name to a checkpoint (SafeTensors) and shape-checked:
+// bind_weights walks the tensor table of the config (tensor_table.h), which says each tensor's name,
+// shape and how it is stored; the structs below are where the forward finds them.
 //
 // Matrices stay where the checkpoint has them (mmap'ed, BF16/F32/F16, or MXFP4 for routed experts)
 // and are widened on use; only small vectors (norm weights, gate parameters, conv taps, router
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/tensor_table.h"
 #include "io/safetensors.h"
 #include "kernels/gemm/linear.h"
 
@@ -79,5 +82,65 @@ struct ModelWeights {
 
 // Throws k3::Error naming the checkpoint and the tensor on a missing tensor, wrong shape or dtype.
 ModelWeights bind_weights(const K3Config& cfg, const SafeTensors& st);
+
+// The field of a layer that holds tensor kind k: for LayerWeights, and for a backend's mirror of it
+// with the same field names (the GPU's LayerDev, model/cuda/cuda_model_impl.h), so that binding and
+// uploading map kinds to fields in one place. nullptr for kinds that are no field of that sort: the
+// routed experts are kept per expert here and stacked on the GPU, so their callers place them.
+template <class Layer>
+auto layer_matrix(Layer& L, TensorKind k) -> decltype(&L.kda.q_proj) {
+  using K = TensorKind;
+  switch (k) {
+    case K::KdaQ: return &L.kda.q_proj;
+    case K::KdaK: return &L.kda.k_proj;
+    case K::KdaV: return &L.kda.v_proj;
+    case K::KdaG: return &L.kda.g_proj;
+    case K::KdaFA: return &L.kda.f_a_proj;
+    case K::KdaFB: return &L.kda.f_b_proj;
+    case K::KdaB: return &L.kda.b_proj;
+    case K::KdaO: return &L.kda.o_proj;
+    case K::MlaQA: return &L.mla.q_a_proj;
+    case K::MlaQB: return &L.mla.q_b_proj;
+    case K::MlaQ: return &L.mla.q_proj;
+    case K::MlaKvA: return &L.mla.kv_a_proj_with_mqa;
+    case K::MlaKvB: return &L.mla.kv_b_proj;
+    case K::MlaG: return &L.mla.g_proj;
+    case K::MlaO: return &L.mla.o_proj;
+    case K::DenseGate: return &L.dense.gate_proj;
+    case K::DenseUp: return &L.dense.up_proj;
+    case K::DenseDown: return &L.dense.down_proj;
+    case K::MoeRouter: return &L.moe.router;
+    case K::MoeLatentDown: return &L.moe.latent_down;
+    case K::MoeLatentUp: return &L.moe.latent_up;
+    case K::SharedGate: return &L.moe.shared.gate_proj;
+    case K::SharedUp: return &L.moe.shared.up_proj;
+    case K::SharedDown: return &L.moe.shared.down_proj;
+    default: return nullptr;
+  }
+}
+
+// As layer_matrix, for the vectors. An AttnRes norm and its pseudo-query projection share one field:
+// the query the forward reads is their product (norm ⊙ proj), folded at bind.
+template <class Layer>
+auto layer_vector(Layer& L, TensorKind k) -> decltype(&L.input_layernorm) {
+  using K = TensorKind;
+  switch (k) {
+    case K::InputNorm: return &L.input_layernorm;
+    case K::PostAttnNorm: return &L.post_attention_layernorm;
+    case K::AttnResNorm: case K::AttnResProj: return &L.attn_res_query;
+    case K::MlpResNorm: case K::MlpResProj: return &L.mlp_res_query;
+    case K::KdaQConv: return &L.kda.q_conv;
+    case K::KdaKConv: return &L.kda.k_conv;
+    case K::KdaVConv: return &L.kda.v_conv;
+    case K::KdaALog: return &L.kda.A_log;
+    case K::KdaDtBias: return &L.kda.dt_bias;
+    case K::KdaONorm: return &L.kda.o_norm;
+    case K::MlaQANorm: return &L.mla.q_a_layernorm;
+    case K::MlaKvANorm: return &L.mla.kv_a_layernorm;
+    case K::MoeRouterBias: return &L.moe.router_bias;
+    case K::MoeLatentNorm: return &L.moe.latent_norm;
+    default: return nullptr;
+  }
+}
 
 }  // namespace k3

@@ -13,6 +13,7 @@
 #include "kernels/moe/router.h"
 #include "kernels/norm/norm.h"
 #include "model/layers.h"
+#include "model/tensor_table.h"
 
 namespace k3::train {
 namespace {
@@ -22,10 +23,29 @@ struct GluNames {
   std::string gate, up, down;
 };
 
+// The GLUs of a layer (its prefix, "...layers.<l>."): the dense FFN, the shared experts, routed expert e.
+GluNames glu_at(const std::string& prefix, TensorKind gate, TensorKind up, TensorKind down, int64_t expert) {
+  return {tensor_name_at(prefix, gate, expert), tensor_name_at(prefix, up, expert), tensor_name_at(prefix, down, expert)};
+}
+GluNames dense_glu(const std::string& prefix) {
+  return glu_at(prefix, TensorKind::DenseGate, TensorKind::DenseUp, TensorKind::DenseDown, -1);
+}
+GluNames shared_glu(const std::string& prefix) {
+  return glu_at(prefix, TensorKind::SharedGate, TensorKind::SharedUp, TensorKind::SharedDown, -1);
+}
+GluNames expert_glu(const std::string& prefix, int64_t e) {
+  return glu_at(prefix, TensorKind::ExpertGate, TensorKind::ExpertUp, TensorKind::ExpertDown, e);
+}
+
+// A GLU MLP named by its own prefix: the leaves of the dense/shared form (`gate_proj.weight`) or of
+// the routed experts' form (`w1.weight`), the first when both exist.
 GluNames glu_names(const ParamStore& P, const std::string& pre) {
-  if (P.has(pre + "gate_proj.weight") || !P.has(pre + "w1.weight"))
-    return {pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"};
-  return {pre + "w1.weight", pre + "w3.weight", pre + "w2.weight"};
+  auto leaves = [&](TensorKind gate, TensorKind up, TensorKind down) -> GluNames {
+    return {pre + tensor_info(gate).leaf, pre + tensor_info(up).leaf, pre + tensor_info(down).leaf};
+  };
+  const GluNames dense = leaves(TensorKind::DenseGate, TensorKind::DenseUp, TensorKind::DenseDown);
+  const GluNames expert = leaves(TensorKind::ExpertGate, TensorKind::ExpertUp, TensorKind::ExpertDown);
+  return P.has(dense.gate) || !P.has(expert.gate) ? dense : expert;
 }
 
 // Checks gate/up [I, D] and down [D, I] and returns I.
@@ -96,23 +116,20 @@ void glu_mlp_backward(ParamStore& P, const std::string& mlp_prefix, const K3Conf
 
 void dense_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/,
                        const double* x, int64_t T, double* y, GluTape* tape) {
-  const std::string pre = prefix + "mlp.";
-  const GluNames n{pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"};
-  glu_forward_named(P, n, c, x, T, c.hidden_size, y, tape);
+  glu_forward_named(P, dense_glu(prefix), c, x, T, c.hidden_size, y, tape);
 }
 
 void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/,
                         const GluTape& tape, const double* dy, double* dx) {
-  const std::string pre = prefix + "mlp.";
-  const GluNames n{pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"};
-  if (tape.D != c.hidden_size) fail("dense FFN tape for '", pre, "' has width ", tape.D, ", expected ", c.hidden_size);
-  glu_backward_named(P, n, c, tape, dy, dx);
+  if (tape.D != c.hidden_size)
+    fail("dense FFN tape for '", prefix + tensor_info(TensorKind::DenseGate).module, "' has width ", tape.D, ", expected ",
+         c.hidden_size);
+  glu_backward_named(P, dense_glu(prefix), c, tape, dy, dx);
 }
 
 
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/, const double* x,
                      int64_t N, double* y, MoeTape* tape, const double* router_bias) {
-  const std::string pre = prefix + "block_sparse_moe.";
   const int64_t D = c.hidden_size, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
   if (E <= 0) fail(c.source, ": moe_ffn_forward needs num_experts > 0");
 
@@ -128,7 +145,7 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 
   // 1. Router on the full-width x̂.
   std::vector<double> logits(static_cast<size_t>(N * E));
-  linear_forward(logits.data(), x, P.p(pre + "gate.weight", E * D), N, D, E);
+  linear_forward(logits.data(), x, P.p(tensor_name_at(prefix, TensorKind::MoeRouter), E * D), N, D, E);
   t.scores.resize(static_cast<size_t>(N * E));
   t.topk.resize(static_cast<size_t>(N * K));
   t.weight.resize(static_cast<size_t>(N * K));
@@ -138,7 +155,7 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 
   // 2. Latent down-projection z = W↓ x̂.
   t.z.resize(static_cast<size_t>(N * L));
-  linear_forward(t.z.data(), x, P.p(pre + "routed_expert_down_proj.weight", L * D), N, D, L);
+  linear_forward(t.z.data(), x, P.p(tensor_name_at(prefix, TensorKind::MoeLatentDown), L * D), N, D, L);
 
   // 3-4. Each expert once on its gathered latent rows; u = Σ_k w_k y_{e_k}.
   t.rows.assign(static_cast<size_t>(E), {});
@@ -157,8 +174,7 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
       std::copy_n(&t.z[size_t(rows[size_t(i)].first * L)], L, &zin[size_t(i * L)]);
     std::vector<double>& ye = t.expert_out[size_t(e)];
     ye.resize(static_cast<size_t>(ne * L));
-    const std::string ep = pre + "experts." + std::to_string(e) + ".";
-    const GluNames names{ep + "w1.weight", ep + "w3.weight", ep + "w2.weight"};
+    const GluNames names = expert_glu(prefix, e);
     glu_forward_named(P, names, c, zin.data(), ne, L, ye.data(), &t.expert_tape[size_t(e)]);
     for (int64_t i = 0; i < ne; ++i) {
       const auto [n, k] = rows[size_t(i)];
@@ -171,15 +187,14 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
   // RMSNorm of the aggregate (not per expert): normed = γ ⊙ u / sqrt(mean(u²) + eps).
   t.normed = t.agg;
   if (c.latent_moe_use_norm)
-    rmsnorm_forward(t.normed.data(), t.agg.data(), P.p(pre + "routed_expert_norm.weight", L), c.rms_norm_eps, N, L);
+    rmsnorm_forward(t.normed.data(), t.agg.data(), P.p(tensor_name_at(prefix, TensorKind::MoeLatentNorm), L), c.rms_norm_eps, N, L);
 
   // 5. Up-projection r = W↑ normed, plus the shared experts on x̂ (added with no weight).
-  linear_forward(y, t.normed.data(), P.p(pre + "routed_expert_up_proj.weight", D * L), N, L, D);
+  linear_forward(y, t.normed.data(), P.p(tensor_name_at(prefix, TensorKind::MoeLatentUp), D * L), N, L, D);
   t.has_shared = c.num_shared_experts > 0;
   if (t.has_shared) {
     std::vector<double> sh(static_cast<size_t>(N * D));
-    const std::string sp = pre + "shared_experts.";
-    const GluNames names{sp + "gate_proj.weight", sp + "up_proj.weight", sp + "down_proj.weight"};
+    const GluNames names = shared_glu(prefix);
     glu_forward_named(P, names, c, x, N, D, sh.data(), &t.shared);
     for (size_t i = 0; i < sh.size(); ++i) y[i] += sh[i];
   }
@@ -187,29 +202,27 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
 
 void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/, const MoeTape& t,
                       const double* dy, double* dx) {
-  const std::string pre = prefix + "block_sparse_moe.";
   const int64_t N = t.N, D = t.D, E = t.E, K = t.K, L = t.L;
   if (D != c.hidden_size || E != c.num_experts || K != c.num_experts_per_token || L != c.routed_expert_hidden_size)
-    fail("MoE tape for '", pre, "' does not match the config");
+    fail("MoE tape for '", prefix + tensor_info(TensorKind::MoeRouter).module, "' does not match the config");
 
   // Shared experts: y += shared(x)  ->  dx = d shared/dx.
   if (t.has_shared) {
-    const std::string sp = pre + "shared_experts.";
-    const GluNames names{sp + "gate_proj.weight", sp + "up_proj.weight", sp + "down_proj.weight"};
+    const GluNames names = shared_glu(prefix);
     glu_backward_named(P, names, c, t.shared, dy, dx);
   } else {
     std::fill(dx, dx + N * D, 0.0);
   }
 
   // y = normed W↑ᵀ:  dW↑ += dyᵀ normed,  dnormed = dy W↑.
-  const std::string up = pre + "routed_expert_up_proj.weight";
+  const std::string up = tensor_name_at(prefix, TensorKind::MoeLatentUp);
   linear_backward(nullptr, P.g(up, D * L), dy, t.normed.data(), nullptr, N, L, D);
   std::vector<double> du(static_cast<size_t>(N * L));
   linear_backward(du.data(), nullptr, dy, nullptr, P.p(up, D * L), N, L, D);
 
   // RMSNorm (kernels/norm): du holds the gradient of its output, then of its input.
   if (c.latent_moe_use_norm) {
-    const std::string nn = pre + "routed_expert_norm.weight";
+    const std::string nn = tensor_name_at(prefix, TensorKind::MoeLatentNorm);
     const std::vector<double> dnormed = du;
     rmsnorm_backward(du.data(), P.g(nn, L), dnormed.data(), t.agg.data(), P.p(nn, L), c.rms_norm_eps, N, L);
   }
@@ -236,8 +249,7 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
       }
       dw[size_t(n * K + k)] = acc;
     }
-    const std::string ep = pre + "experts." + std::to_string(e) + ".";
-    const GluNames names{ep + "w1.weight", ep + "w3.weight", ep + "w2.weight"};
+    const GluNames names = expert_glu(prefix, e);
     glu_backward_named(P, names, c, t.expert_tape[size_t(e)], dye.data(), dzin.data());
     for (int64_t i = 0; i < ne; ++i) {
       double* dst = &dz[size_t(rows[size_t(i)].first * L)];
@@ -246,7 +258,7 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
   }
 
   // z = x W↓ᵀ:  dW↓ += dzᵀ x,  dx += dz W↓.
-  const std::string down = pre + "routed_expert_down_proj.weight";
+  const std::string down = tensor_name_at(prefix, TensorKind::MoeLatentDown);
   linear_backward(nullptr, P.g(down, L * D), dz.data(), t.x.data(), nullptr, N, D, L);
   linear_backward(dx, nullptr, dz.data(), nullptr, P.p(down, L * D), N, D, L, true);
 
@@ -268,7 +280,7 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
     }
   }
   // logits = x Wrᵀ:  dWr += dlogitsᵀ x,  dx += dlogits Wr.
-  const std::string gate = pre + "gate.weight";
+  const std::string gate = tensor_name_at(prefix, TensorKind::MoeRouter);
   linear_backward(nullptr, P.g(gate, E * D), dlogits.data(), t.x.data(), nullptr, N, D, E);
   linear_backward(dx, nullptr, dlogits.data(), nullptr, P.p(gate, E * D), N, D, E, true);
 }

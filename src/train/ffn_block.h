@@ -27,8 +27,9 @@ struct GluTape {
   std::vector<double> h;  // [N, I] act(g, u), the input of down
 };
 
-// mlp_prefix names a GLU MLP whose tensors are either {gate,up,down}_proj.weight (dense `mlp.`,
-// `shared_experts.`) or {w1,w3,w2}.weight (routed `experts.E.`); the first form wins when both exist.
+// mlp_prefix names a GLU MLP whose tensors have the leaves of the dense and shared FFNs
+// ({gate,up,down}_proj) or of the routed experts ({w1,w3,w2}), as the tensor table names them; the
+// first form wins when both exist.
 // Shapes: gate/up [I, D], down [D, I]; I is read from the gate tensor. y: [N, D] (overwritten).
 void glu_mlp_forward(const ParamStore& P, const std::string& mlp_prefix, const K3Config& c, const double* x, int64_t N,
                      int64_t D, double* y, GluTape* tape);
@@ -36,13 +37,13 @@ void glu_mlp_forward(const ParamStore& P, const std::string& mlp_prefix, const K
 void glu_mlp_backward(ParamStore& P, const std::string& mlp_prefix, const K3Config& c, const GluTape& tape,
                       const double* dy, double* dx);
 
-// ---- Dense FFN (layers < first_k_dense_replace): prefix + "mlp.{gate,up,down}_proj.weight" ----
+// ---- Dense FFN (layers < first_k_dense_replace): DenseGate/DenseUp/DenseDown under the layer prefix ----
 void dense_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                        const double* x, int64_t T, double* y, GluTape* tape);
 void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                         const GluTape& tape, const double* dy, double* dx);
 
-// ---- Stable LatentMoE: tensors under prefix + "block_sparse_moe." ----
+// ---- Stable LatentMoE: the Moe*, Expert* and Shared* kinds under the layer prefix ----
 struct MoeTape {
   int64_t N = 0, E = 0, K = 0, D = 0, L = 0;  // rows, experts, top-k, hidden, latent
   std::vector<double> x;       // [N, D] input
@@ -63,7 +64,7 @@ struct MoeTape {
 };
 
 // router_bias [E]: the selection-only bias (never in the weights, never trained); null = zeros.
-// The caller passes P.p(prefix + "block_sparse_moe.gate.e_score_correction_bias") or its own.
+// The caller passes P.p(tensor_name_at(prefix, TensorKind::MoeRouterBias)) or its own.
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer, const double* x,
                      int64_t N, double* y, MoeTape* tape, const double* router_bias);
 // The router weight gets its gradient through the unbiased scores of the selected experts (via the

@@ -14,6 +14,7 @@
 #include "kernels/gemm/linear_f64.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_f64.h"
+#include "model/tensor_table.h"
 
 namespace k3::train {
 namespace {
@@ -54,11 +55,11 @@ constexpr double kL2Eps = 1e-6;  // q/k L2-norm epsilon, as in kda_layer.cpp (fl
 struct Names {
   std::string q, k, v, qc, kc, vc, fa, fb, b, g, o, alog, dt, onorm;
   Names(const std::string& prefix) {
-    const std::string p = prefix + "self_attn.";
-    q = p + "q_proj.weight", k = p + "k_proj.weight", v = p + "v_proj.weight";
-    qc = p + "q_conv1d.weight", kc = p + "k_conv1d.weight", vc = p + "v_conv1d.weight";
-    fa = p + "f_a_proj.weight", fb = p + "f_b_proj.weight", b = p + "b_proj.weight", g = p + "g_proj.weight";
-    o = p + "o_proj.weight", alog = p + "A_log", dt = p + "dt_bias", onorm = p + "o_norm.weight";
+    using K = TensorKind;
+    auto n = [&](K kind) { return tensor_name_at(prefix, kind); };
+    q = n(K::KdaQ), k = n(K::KdaK), v = n(K::KdaV), qc = n(K::KdaQConv), kc = n(K::KdaKConv), vc = n(K::KdaVConv);
+    fa = n(K::KdaFA), fb = n(K::KdaFB), b = n(K::KdaB), g = n(K::KdaG), o = n(K::KdaO);
+    alog = n(K::KdaALog), dt = n(K::KdaDtBias), onorm = n(K::KdaONorm);
   }
 };
 

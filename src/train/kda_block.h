@@ -15,12 +15,11 @@
 // (kernels/kda/kda_f64.h: kda_recurrent_forward_f64 / kda_recurrent_backward_f64): the tests compare the two, and a tape can
 // select it (KdaBlockTape::recurrent_reference).
 //
-// Parameters, appended to `prefix` (e.g. "language_model.model.layers.3."):
-//   self_attn.{q,k,v}_proj.weight [HD, hidden]     self_attn.{q,k,v}_conv1d.weight [HD, 1, K] (or [HD, K])
-//   self_attn.f_a_proj.weight [D, hidden]          self_attn.f_b_proj.weight [HD, D]
-//   self_attn.b_proj.weight [H, hidden]            self_attn.g_proj.weight [HD, hidden]
-//   self_attn.o_proj.weight [hidden, HD]           self_attn.A_log [>= H] (padded; only the first H are
-//   used and only they receive gradient)           self_attn.dt_bias [HD]     self_attn.o_norm.weight [D]
+// Parameters: the KDA kinds of the tensor table (model/tensor_table.h), named under `prefix` (the
+// layer's, e.g. "language_model.model.layers.3.") by tensor_name_at:
+//   KdaQ/KdaK/KdaV [HD, hidden]   KdaQConv/KdaKConv/KdaVConv [HD, 1, K] (or [HD, K])   KdaFA [D, hidden]
+//   KdaFB [HD, D]   KdaB [H, hidden]   KdaG [HD, hidden]   KdaO [hidden, HD]   KdaDtBias [HD]   KdaONorm [D]
+//   KdaALog [>= H] (padded; only the first H are used and only they receive gradient)
 //
 // Memory of the tape: ~20 arrays of T*HD doubles plus the recurrent state S_{t-1} at every
 // `state_every`-th token (T/state_every * H*D*D doubles). In the chunked form state_every is the chunk

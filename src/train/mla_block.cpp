@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/tensor_table.h"
 
 namespace k3::train {
 
@@ -46,10 +47,10 @@ struct Names {
   std::string q_a, q_a_norm, q_b, q, kv_a, kv_a_norm, kv_b, g, o;
 };
 Names names_of(const std::string& prefix) {
-  const std::string p = prefix + "self_attn.";
-  return {p + "q_a_proj.weight",  p + "q_a_layernorm.weight",  p + "q_b_proj.weight",
-          p + "q_proj.weight",    p + "kv_a_proj_with_mqa.weight", p + "kv_a_layernorm.weight",
-          p + "kv_b_proj.weight", p + "g_proj.weight",         p + "o_proj.weight"};
+  using K = TensorKind;
+  auto n = [&](K kind) { return tensor_name_at(prefix, kind); };
+  return {n(K::MlaQA),  n(K::MlaQANorm), n(K::MlaQB), n(K::MlaQ), n(K::MlaKvA),
+          n(K::MlaKvANorm), n(K::MlaKvB), n(K::MlaG), n(K::MlaO)};
 }
 
 void check_layer(const K3Config& c, int64_t layer) {

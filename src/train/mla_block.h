@@ -11,12 +11,11 @@
 // RMSNorm here is weight * x / sqrt(mean(x²) + eps) with eps = c.mla_norm_eps (the inference code's
 // choice: the reference passes no eps to these two norms, so the class default 1e-6 applies).
 //
-// Parameters, appended to `prefix` ("language_model.model.layers.L."):
-//   self_attn.q_a_proj.weight [q_lora, hidden], self_attn.q_a_layernorm.weight [q_lora],
-//   self_attn.q_b_proj.weight [H*(Dn+Dr), q_lora]      (or self_attn.q_proj.weight [H*(Dn+Dr), hidden]),
-//   self_attn.kv_a_proj_with_mqa.weight [R+Dr, hidden], self_attn.kv_a_layernorm.weight [R],
-//   self_attn.kv_b_proj.weight [H*(Dn+Dv), R], self_attn.g_proj.weight [H*Dv, hidden] (when gated),
-//   self_attn.o_proj.weight [hidden, H*Dv].
+// Parameters: the MLA kinds of the tensor table (model/tensor_table.h), named under `prefix` (the
+// layer's, "language_model.model.layers.L.") by tensor_name_at:
+//   MlaQA [q_lora, hidden], MlaQANorm [q_lora], MlaQB [H*(Dn+Dr), q_lora]  (or MlaQ [H*(Dn+Dr), hidden]),
+//   MlaKvA [R+Dr, hidden], MlaKvANorm [R], MlaKvB [H*(Dn+Dv), R], MlaG [H*Dv, hidden] (when gated),
+//   MlaO [hidden, H*Dv].
 #pragma once
 #include <cstdint>
 #include <string>

@@ -4,34 +4,19 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cctype>
 #include <cstdlib>
 
 #include "core/error.h"
+#include "model/tensor_table.h"
 
 namespace k3::train {
 
 namespace {
 
-bool contains(const std::string& s, const char* sub) { return s.find(sub) != std::string::npos; }
-
 int64_t dims_above_one(const std::vector<int64_t>& shape) {
   int64_t n = 0;
   for (int64_t d : shape) n += d > 1;
   return n;
-}
-
-// Layer index and the rest of the name after "layers.<L>.", or -1.
-int64_t layer_of(const std::string& name, std::string* rest) {
-  const size_t at = name.find("model.layers.");
-  if (at == std::string::npos) return -1;
-  size_t i = at + 13;
-  if (i >= name.size() || !std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
-  int64_t L = 0;
-  while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) L = L * 10 + (name[i++] - '0');
-  if (i >= name.size() || name[i] != '.') return -1;
-  *rest = name.substr(i + 1);
-  return L;
 }
 
 }  // namespace
@@ -46,52 +31,41 @@ const char* param_group_name(ParamGroup g) {
 }
 
 bool is_router_weight(const std::string& name) {
-  const std::string suffix = "block_sparse_moe.gate.weight";
-  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const auto id = parse_tensor_name(name);
+  return id && id->kind == TensorKind::MoeRouter && id->part == TensorPart::Whole;
 }
 
 ParamGroup default_param_group(const std::string& name, const std::vector<int64_t>& shape) {
-  if (contains(name, "e_score_correction_bias")) return ParamGroup::Frozen;
-  // Embedding rows and LM-head rows are per-token lookups/readouts, not linear maps whose spectrum
-  // matters; Muon literature (Moonlight, K2) keeps them on AdamW.
-  if (contains(name, "embed_tokens") || contains(name, "lm_head")) return ParamGroup::AdamW;
-  // Vectors (norm gains, biases, A_log, dt_bias) and [1, D] AttnRes pseudo-queries: orthogonalising
-  // a single row would only normalise it (sign-SGD-like), so they get AdamW.
-  if (dims_above_one(shape) <= 1) return ParamGroup::AdamW;
-  if (contains(name, "conv1d") || contains(name, "A_log") || contains(name, "dt_bias") || contains(name, "norm.weight") ||
-      contains(name, "layernorm") || contains(name, ".bias"))
-    return ParamGroup::AdamW;
-  if (shape.size() != 2) return ParamGroup::AdamW;
+  // The table's word for K3 tensors: the router's selection bias is not trained (Frozen); embedding
+  // rows and LM-head rows are per-token lookups/readouts, not linear maps whose spectrum matters
+  // (Muon literature, Moonlight and K2, keeps them on AdamW), and so are norm gains, A_log, dt_bias
+  // and conv taps.
+  if (const auto id = parse_tensor_name(name)) {
+    const TensorInfo& t = tensor_info(id->kind);
+    if (!t.trainable) return ParamGroup::Frozen;
+    if (!t.muon) return ParamGroup::AdamW;
+  }
+  // Vectors and single rows (a [1, D] AttnRes pseudo-query, a one-head b_proj): orthogonalising a
+  // single row would only normalise it (sign-SGD-like), so they get AdamW; so do tensors of 3+ dims.
+  if (dims_above_one(shape) <= 1 || shape.size() != 2) return ParamGroup::AdamW;
   return ParamGroup::Muon;
 }
 
 std::map<std::string, int64_t> k3_head_splits(const ParamStore& P, const K3Config& c) {
   std::map<std::string, int64_t> out;
-  for (const std::string& name : P.names()) {
-    std::string rest;
-    const int64_t L = layer_of(name, &rest);
-    if (L < 0 || L >= int64_t(c.layer_kind.size())) continue;
-    int64_t heads = 0, per_head = 0;
-    if (c.layer_kind[size_t(L)] == AttnKind::KDA) {
-      if (rest == "self_attn.q_proj.weight" || rest == "self_attn.k_proj.weight" || rest == "self_attn.v_proj.weight") {
-        heads = c.kda_num_heads;
-        per_head = c.kda_head_dim;
-      }
-    } else {
-      if (rest == "self_attn.q_b_proj.weight" || rest == "self_attn.q_proj.weight") {
-        heads = c.num_attention_heads;
-        per_head = c.q_head_dim();
-      } else if (rest == "self_attn.kv_b_proj.weight") {
-        heads = c.num_attention_heads;
-        per_head = c.qk_nope_head_dim + c.v_head_dim;
-      }
+  const TensorTable table(c);
+  for (const TensorEntry& e : table.entries()) {
+    const HeadBlocks b = head_blocks(c, e.kind);
+    if (b.heads == 0) continue;
+    for (TensorNaming n : {TensorNaming::Release, TensorNaming::Flat}) {
+      const std::string name = table.name(e, n);
+      if (!P.has(name)) continue;
+      const std::vector<int64_t>& s = P.shape(name);
+      if (s.size() != 2 || s[0] != b.heads * b.rows)
+        fail("per-head Muon: '", name, "' should have ", b.heads, "x", b.rows, " = ", b.heads * b.rows,
+             " rows, shape is [", s.empty() ? 0 : s[0], s.size() > 1 ? ", ..." : "", "]");
+      out[name] = b.heads;
     }
-    if (heads == 0) continue;
-    const std::vector<int64_t>& s = P.shape(name);
-    if (s.size() != 2 || s[0] != heads * per_head)
-      fail("per-head Muon: '", name, "' should have ", heads, "x", per_head, " = ", heads * per_head, " rows, shape is [",
-           s.empty() ? 0 : s[0], s.size() > 1 ? ", ..." : "", "]");
-    out[name] = heads;
   }
   return out;
 }

@@ -44,15 +44,19 @@ namespace k3::train {
 enum class ParamGroup { Muon, AdamW, Frozen };
 const char* param_group_name(ParamGroup g);  // "muon", "adamw", "frozen"
 
-// The default rule, by name and shape:
-//   Frozen: router e_score_correction_bias (balanced by QuantileBalancer, not trained by gradient).
-//   AdamW:  embed_tokens, lm_head, anything with at most one dimension > 1 (norm weights, A_log,
-//           dt_bias, biases, [1, D] AttnRes projections), conv1d kernels, and tensors of 3+ dims.
+// The default rule, by the tensor table (model/tensor_table.h: tensor_info's trainable and muon) for
+// K3 tensor names, then by shape:
+//   Frozen: what the table says is not trainable: the router's selection bias (balanced by
+//           QuantileBalancer, not trained by gradient).
+//   AdamW:  what the table keeps off Muon (the embedding, lm_head, norm gains, A_log, dt_bias, conv
+//           taps, the [1, D] AttnRes pseudo-queries); anything with at most one dimension > 1; tensors
+//           of 3+ dims.
 //   Muon:   every other 2-D matrix (projections, router weight, experts).
 ParamGroup default_param_group(const std::string& name, const std::vector<int64_t>& shape);
 using ParamGroupRule = std::function<ParamGroup(const std::string& name, const std::vector<int64_t>& shape)>;
 
-// Per-Head Muon splits of a K3 model: name -> head count, for every q/k/v projection in P:
+// Per-Head Muon splits of a K3 model (the tensor table's head_blocks): name -> head count, for every
+// q/k/v projection in P, in either naming:
 //   KDA layer: self_attn.{q,k,v}_proj.weight            [kda_num_heads·kda_head_dim, hidden]
 //   MLA layer: self_attn.q_b_proj.weight (or q_proj)    [num_attention_heads·(Dn + Dr), ...]
 //              self_attn.kv_b_proj.weight               [num_attention_heads·(Dn + Dv), kv_lora_rank]

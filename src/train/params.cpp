@@ -1,7 +1,9 @@
 #include "train/params.h"
 
+#include <algorithm>
 #include <filesystem>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/finite.h"
 #include "io/safetensors.h"
@@ -67,8 +69,7 @@ ParamStore ParamStore::from_model_dir(const std::string& dir) {
   for (const std::string& name : st.names()) {
     const TensorView& t = st.get(name);
     if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16) {
-      if (name.find("weight_packed") != std::string::npos || name.find("weight_scale") != std::string::npos)
-        fail(st.path(), ": tensor '", name, "' is MXFP4; training needs BF16/F32 experts");
+      if (is_mxfp4_name(name)) fail(st.path(), ": tensor '", name, "' is MXFP4; training needs BF16/F32 experts");
       continue;  // non-float tensors are not parameters
     }
     ps.add(name, t.shape);
@@ -80,6 +81,42 @@ ParamStore ParamStore::from_model_dir(const std::string& dir) {
     for (size_t i = 0; i < v.size(); ++i) dst[i] = double(v[i]);
   }
   return ps;
+}
+
+ParamStore ParamStore::random_init(const K3Config& c, const RandomInitOptions& opt) {
+  if (opt.mxfp4_experts) fail(c.source, ": training keeps routed experts in BF16; MXFP4 experts are for k3 init --mxfp4");
+  const TensorTable table(c);
+  std::vector<std::string> names;
+  names.reserve(table.entries().size());
+  for (const TensorEntry& e : table.entries()) names.push_back(table.name(e));
+  // Laid out in name order, as from_model_dir lays out a checkpoint (SafeTensors::names() is sorted):
+  // the flat buffer's order is the order of whole-buffer sums (clipping), so it is part of the result.
+  std::vector<size_t> order(names.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return names[a] < names[b]; });
+  ParamStore ps;
+  for (size_t i : order) ps.add(names[i], table.entries()[i].shape);
+  // Drawn in table order (the random stream's order), each rounded to the dtype k3 init stores it in.
+  TensorInitializer init(c, opt);
+  std::vector<float> v;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const TensorEntry& e = table.entries()[i];
+    v.resize(size_t(e.numel()));
+    init.begin(e);
+    init.fill(v.data(), e.numel());
+    if (init.stored_dtype(e) == DType::BF16) round_to_bf16(v.data(), e.numel());
+    double* dst = ps.p_mut(names[i], e.numel());
+    for (size_t j = 0; j < v.size(); ++j) dst[j] = double(v[j]);
+  }
+  return ps;
+}
+
+TensorNaming param_naming(const ParamStore& P) {
+  const auto n = detect_naming([&](const std::string& name) { return P.has(name); });
+  if (!n)
+    fail("training parameters: no '", tensor_name(TensorNaming::Release, TensorKind::TokenEmbd), "' or '",
+         tensor_name(TensorNaming::Flat, TensorKind::TokenEmbd), "'");
+  return *n;
 }
 
 std::string first_nonfinite_tensor(const ParamStore& P, bool gradients) {

@@ -2,14 +2,19 @@
 //
 // Training runs in float64 on the CPU: the golden gradients are float64 reference values, finite
 // differences need it, and a tiny model's step is dominated by per-token work, not GEMM speed.
-// Names are the release's tensor names (`language_model.model.layers.3.self_attn.q_proj.weight`),
-// so a checkpoint is the parameter buffer written back under the same names. One flat buffer each
-// for values and gradients means the optimizer, clipping and checkpointing touch one array.
+// Names are the release's tensor names (`language_model.model.layers.3.self_attn.q_proj.weight`, from
+// the tensor table), so a checkpoint is the parameter buffer written back under the same names. One
+// flat buffer each for values and gradients means the optimizer, clipping and checkpointing touch one
+// array.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "model/config.h"
+#include "model/tensor_init.h"
+#include "model/tensor_table.h"
 
 namespace k3::train {
 
@@ -18,6 +23,12 @@ class ParamStore {
   // Every floating-point tensor of a model directory (config.json + safetensors), widened to f64.
   // MXFP4 expert tensors are not supported for training (decode them to BF16 first).
   static ParamStore from_model_dir(const std::string& dir);
+
+  // A fresh model, initialised in memory from the tensor table (model/tensor_table.h) and its
+  // initialisers (model/tensor_init.h): what `k3 init` with `opt` writes and from_model_dir reads
+  // back, bit for bit and in the same layout (release names, BF16 tensors rounded to BF16, tensors
+  // laid out in name order). MXFP4 experts are refused (training keeps experts in BF16).
+  static ParamStore random_init(const K3Config& c, const RandomInitOptions& opt);
 
   // A gradient lane of `base`: the same tensors, reading `base`'s values (which must outlive it and
   // not be resized), with a gradient buffer of its own. The trainer runs a step's sequences on
@@ -56,6 +67,10 @@ class ParamStore {
   std::vector<double> values_, grads_;
   const std::vector<double>* shared_values_ = nullptr;  // a gradient lane's base values
 };
+
+// The naming P's tensors use (release or flat), told by its embedding; throws k3::Error naming
+// both embedding names when it has neither.
+TensorNaming param_naming(const ParamStore& P);
 
 // The first tensor of P (in name order) whose values, or with `gradients` whose gradients, hold a NaN
 // or an infinity, as "'NAME' (NaN at flat index I)"; "" when every one is finite. One scan of the flat

@@ -22,7 +22,8 @@
 #include "model/config.h"
 #include "io/file.h"
 #include "io/safetensors.h"
-#include "model/init_random.h"
+#include "model/tensor_init.h"
+#include "model/tensor_table.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/ffn_block.h"
@@ -62,10 +63,6 @@ std::vector<Stage> parse_stages(const std::string& text) {
 }
 
 namespace {
-
-std::string moe_bias_name(const std::string& root, int64_t l) {
-  return root + "layers." + std::to_string(l) + ".block_sparse_moe.gate.e_score_correction_bias";
-}
 
 // Mean loss over the first `tokens` of the shard, windows of `len`, documents cut as in training;
 // and the entropy of those tokens' unigram distribution.
@@ -186,23 +183,19 @@ TrainResult train(const TrainOptions& opt) {
   }
   const int64_t warmup = std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
 
-  // Parameters: fresh random init, or the latest checkpoint.
+  // Parameters: a fresh random init, made in memory from the tensor table (what `k3 init --seed`
+  // would write), or the latest checkpoint.
   const std::string resume_dir = opt.resume ? latest_checkpoint(opt.out_dir) : "";
   if (opt.resume && resume_dir.empty()) fail(opt.out_dir, ": --resume, but there is no checkpoint (no 'latest')");
   ParamStore P;
-  {
-    const fs::path init_dir = fs::path(opt.out_dir) / ".init";
-    if (resume_dir.empty()) {
-      RandomInitOptions ri;
-      ri.seed = opt.seed;
-      write_random_model(opt.config_path, init_dir.string(), ri);
-      P = ParamStore::from_model_dir(init_dir.string());
-      fs::remove_all(init_dir);
-    } else {
-      P = ParamStore::from_model_dir(resume_dir);
-    }
+  if (resume_dir.empty()) {
+    RandomInitOptions ri;
+    ri.seed = opt.seed;
+    P = ParamStore::random_init(c, ri);
+  } else {
+    P = ParamStore::from_model_dir(resume_dir);
   }
-  const ModelNames nm = model_names(P, c);
+  const TensorNames tn{param_naming(P)};
 
   OptimizerConfig oc;
   oc.weight_decay = opt.weight_decay;
@@ -211,7 +204,7 @@ TrainResult train(const TrainOptions& opt) {
   std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     if (c.is_moe_layer(l)) {
-      const double* b = P.p(moe_bias_name(nm.root, l), c.num_experts);
+      const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
       bal[size_t(l)] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, opt.balance,
                                                           std::vector<double>(b, b + c.num_experts));
     }
@@ -303,7 +296,7 @@ TrainResult train(const TrainOptions& opt) {
       if (bal[size_t(l)]) {
         bj[std::to_string(l)] = bal[size_t(l)]->to_json();
         const std::vector<double>& b = bal[size_t(l)]->bias();
-        std::copy(b.begin(), b.end(), P.p_mut(moe_bias_name(nm.root, l), c.num_experts));
+        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c.num_experts));
       }
     st.meta["balancers"] = bj;
     return save_checkpoint(opt.out_dir, step, config_text, P, st);

@@ -1,4 +1,5 @@
-// Uploading a bound checkpoint (model/weights.h) to the device (cuda_model_impl.h: upload_weights).
+// Uploading a bound checkpoint (model/weights.h) to the device (cuda_model_impl.h: upload_weights),
+// tensor by tensor of the config's table (model/tensor_table.h).
 // Matrices are widened row-block by row-block from wherever the checkpoint keeps them (mmap'ed
 // BF16/F32/F16, or MXFP4) and narrowed to the path's type, so host memory stays bounded by one
 // block; a BF16 matrix bound for the BF16 path is copied as is.
@@ -7,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/cuda/cuda_model_impl.h"
+#include "model/tensor_table.h"
 
 namespace k3::gpu {
 
@@ -105,8 +107,6 @@ class Uploader {
     return x;
   }
 
-  GluDev glu(const GluFfnWeights& w) { return GluDev{matrix(w.gate_proj), matrix(w.up_proj), matrix(w.down_proj)}; }
-
  private:
   GpuPrecision p_;
 };
@@ -135,41 +135,30 @@ WeightsDev upload_weights(const K3Config& c, const ModelWeights& w, GpuPrecision
   d.lm_head = up.matrix(w.lm_head);
   d.norm = up.vec(w.norm);
   d.output_res_query = up.vec(w.output_res_query);
+  // Every layer tensor of the table goes to the device field of its kind (weights.h: layer_matrix and
+  // layer_vector name the fields of both structs); an AttnRes pair is uploaded once, as the query its
+  // projection's field holds. The routed experts are stacked per layer below.
+  d.layers.resize(size_t(c.num_hidden_layers));
+  const TensorTable table(c);
+  for (const TensorEntry& e : table.entries()) {
+    if (e.layer < 0 || e.expert >= 0 || e.kind == TensorKind::AttnResNorm || e.kind == TensorKind::MlpResNorm) continue;
+    const LayerWeights& L = w.layers[size_t(e.layer)];
+    LayerDev& D = d.layers[size_t(e.layer)];
+    if (const WeightRef* m = layer_matrix(L, e.kind)) {
+      *layer_matrix(D, e.kind) = up.matrix(*m);
+    } else {
+      const std::vector<float>* v = layer_vector(L, e.kind);
+      K3_ASSERT(v != nullptr);
+      *layer_vector(D, e.kind) = up.vec(*v);
+    }
+  }
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const LayerWeights& L = w.layers[size_t(l)];
-    LayerDev D;
-    D.input_layernorm = up.vec(L.input_layernorm);
-    D.post_attention_layernorm = up.vec(L.post_attention_layernorm);
-    D.attn_res_query = up.vec(L.attn_res_query);
-    D.mlp_res_query = up.vec(L.mlp_res_query);
-    if (L.kind == AttnKind::KDA) {
-      const KdaWeights& k = L.kda;
-      D.kda = KdaDev{up.matrix(k.q_proj), up.matrix(k.k_proj), up.matrix(k.v_proj), up.matrix(k.f_a_proj),
-                     up.matrix(k.f_b_proj), up.matrix(k.b_proj), up.matrix(k.g_proj), up.matrix(k.o_proj),
-                     up.vec(k.q_conv),      up.vec(k.k_conv),      up.vec(k.v_conv),   up.vec(k.A_log),
-                     up.vec(k.dt_bias),     up.vec(k.o_norm)};
-    } else {
-      const MlaWeights& m = L.mla;
-      D.mla = MlaDev{up.matrix(m.q_a_proj), up.matrix(m.q_b_proj), up.matrix(m.q_proj), up.matrix(m.kv_a_proj_with_mqa),
-                     up.matrix(m.kv_b_proj), up.matrix(m.g_proj), up.matrix(m.o_proj), up.vec(m.q_a_layernorm),
-                     up.vec(m.kv_a_layernorm)};
-    }
-    if (L.is_moe) {
-      const MoeWeights& m = L.moe;
-      D.moe.router = up.matrix(m.router);
-      D.moe.router_bias = up.vec(m.router_bias);
-      D.moe.latent_down = up.matrix(m.latent_down);
-      D.moe.latent_up = up.matrix(m.latent_up);
-      D.moe.latent_norm = up.vec(m.latent_norm);
-      const int64_t E = c.num_experts;
-      D.moe.w1 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w1; });
-      D.moe.w3 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w3; });
-      D.moe.w2 = up.experts(E, [&](int64_t e) -> const WeightRef& { return m.experts[size_t(e)].w2; });
-      D.moe.shared = up.glu(m.shared);
-    } else {
-      D.dense = up.glu(L.dense);
-    }
-    d.layers.push_back(std::move(D));
+    if (!w.layers[size_t(l)].is_moe) continue;
+    const std::vector<ExpertWeights>& x = w.layers[size_t(l)].moe.experts;
+    MoeDev& D = d.layers[size_t(l)].moe;
+    D.w1 = up.experts(c.num_experts, [&](int64_t e) -> const WeightRef& { return x[size_t(e)].w1; });
+    D.w3 = up.experts(c.num_experts, [&](int64_t e) -> const WeightRef& { return x[size_t(e)].w3; });
+    D.w2 = up.experts(c.num_experts, [&](int64_t e) -> const WeightRef& { return x[size_t(e)].w2; });
   }
   d.bytes = up.bytes;
   return d;

@@ -1,5 +1,5 @@
 // Training KDA recurrence core, float64: the chunked form (src/kernels/kda/kda_chunk_f64.h) against the token-by-token
-// recurrence it replaced (kda_recurrent_*_f64, src/train/kda_block.h), forward + backward, in one process.
+// recurrence it replaced (kda_recurrent_*_f64, src/kernels/kda/kda_f64.h), forward + backward, in one process.
 //
 //   OMP_NUM_THREADS=1 build/bench_train_kda [--reps 5]
 //
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "train/kda_block.h"
+#include "model/training/kda_block.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_f64.h"
 

@@ -14,7 +14,7 @@
 #include "model/config.h"
 #include "model/init_random.h"
 #include "model/tensor_table.h"
-#include "train/params.h"
+#include "model/params.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
 

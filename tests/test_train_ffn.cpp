@@ -1,4 +1,4 @@
-// Training FFN blocks (src/train/ffn_block.*): the float64 forward against the golden per-layer
+// Training FFN blocks (src/model/training/ffn_block.*): the float64 forward against the golden per-layer
 // FFN outputs and routing of k3-tiny-a, and every gradient against central finite differences on
 // micro random configs (SiTU-GLU and SwiGLU, grouped top-k, renormalised or not, with and without
 // the aggregate norm and the shared experts).
@@ -19,7 +19,7 @@
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "model/layers.h"
-#include "train/ffn_block.h"
+#include "model/training/ffn_block.h"
 #include "util/finite_diff.h"
 #include "util/fixture.h"
 

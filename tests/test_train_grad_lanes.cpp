@@ -12,10 +12,10 @@
 
 #include "core/error.h"
 #include "model/config.h"
-#include "train/ffn_block.h"
+#include "model/training/ffn_block.h"
 #include "train/grad_lanes.h"
-#include "train/model_train.h"
-#include "train/params.h"
+#include "model/training/model_train.h"
+#include "model/params.h"
 #include "util/fixture.h"
 
 using namespace k3;

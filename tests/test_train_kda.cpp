@@ -1,4 +1,4 @@
-// Training KDA block (src/train/kda_block.h): the float64 forward against the golden fixture's
+// Training KDA block (src/model/training/kda_block.h): the float64 forward against the golden fixture's
 // attention outputs (float64 reference), and the backward against central finite differences of
 // that forward on a micro model.
 #include <gtest/gtest.h>
@@ -12,8 +12,8 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "kernels/kda/kda_f64.h"
-#include "train/kda_block.h"
-#include "train/params.h"
+#include "model/training/kda_block.h"
+#include "model/params.h"
 #include "util/finite_diff.h"
 #include "util/compare.h"
 #include "util/fixture.h"

@@ -1,5 +1,5 @@
 // The chunked KDA recurrence core in float64 (src/kernels/kda/kda_chunk_f64.h) against its token-by-token
-// reference twin (kda_recurrent_*_f64 in src/train/kda_block.h), forward and backward, over awkward
+// reference twin (kda_recurrent_*_f64 in src/kernels/kda/kda_f64.h), forward and backward, over awkward
 // lengths, chunk sizes and gates (at the lower bound, near 0, random), and against central finite
 // differences; then the whole KDA block in both forms.
 #include <gtest/gtest.h>
@@ -13,10 +13,10 @@
 
 #include "core/error.h"
 #include "model/config.h"
-#include "train/kda_block.h"
+#include "model/training/kda_block.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_f64.h"
-#include "train/params.h"
+#include "model/params.h"
 #include "util/finite_diff.h"
 #include "util/kda_micro.h"
 #include "util/random.h"

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "train/checkpoint.h"
-#include "train/params.h"
+#include "model/params.h"
 #include "util/cli.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"

@@ -1,4 +1,4 @@
-// Training forward/backward of the Gated MLA block (src/train/mla_block.h).
+// Training forward/backward of the Gated MLA block (src/model/training/mla_block.h).
 //  - Forward against the golden fixture: the inference model's normalised block input ("attn_in")
 //    through mla_block_forward must reproduce the float64 reference's block output ("attn_out.L")
 //    for every MLA layer.
@@ -15,8 +15,8 @@
 #include "core/error.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "train/mla_block.h"
-#include "train/params.h"
+#include "model/training/mla_block.h"
+#include "model/params.h"
 #include "util/finite_diff.h"
 #include "util/compare.h"
 #include "util/fixture.h"

@@ -1,4 +1,4 @@
-// The whole training model (src/train/model_train.h): float64 forward + explicit backward through
+// The whole training model (src/model/training/model_train.h): float64 forward + explicit backward through
 // every K3 block, against Moonshot's reference on the golden fixture (loss_ids_b; every gradient
 // against the exact-arithmetic reference and against golden-grads.safetensors), its logits against
 // the golden logits, and the model-level
@@ -11,8 +11,8 @@
 
 #include "model/config.h"
 #include "io/safetensors.h"
-#include "train/model_train.h"
-#include "train/params.h"
+#include "model/training/model_train.h"
+#include "model/params.h"
 #include "util/finite_diff.h"
 #include "util/cli.h"
 #include "util/fixture.h"

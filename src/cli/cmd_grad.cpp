@@ -11,8 +11,8 @@
 #include "core/finite.h"
 #include "model/config.h"
 #include "io/safetensors.h"
-#include "train/model_train.h"
-#include "train/params.h"
+#include "model/training/model_train.h"
+#include "model/params.h"
 
 namespace k3::cli {
 

@@ -4,7 +4,7 @@
 // initialiser (tensor_init.h, which lists the rules) and stored as the release stores it: BF16,
 // F32 for A_log, dt_bias, conv taps, o_norm and the router bias, routed experts optionally MXFP4
 // (quantised round-to-nearest per group of 32). Training from scratch draws the same values in
-// memory (train/params.h: ParamStore::random_init).
+// memory (model/params.h: ParamStore::random_init).
 #pragma once
 #include <cstdint>
 #include <string>

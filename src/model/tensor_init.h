@@ -1,6 +1,6 @@
 // Random initial values for the tensor table (tensor_table.h: TensorInit), shared by `k3 init`, which
 // writes them to disk (init_random.h), and by training from scratch, which keeps them in memory
-// (train/params.h: ParamStore::random_init). Both draw through one TensorInitializer in table order,
+// (model/params.h: ParamStore::random_init). Both draw through one TensorInitializer in table order,
 // so a seed gives the same model either way.
 //
 // The rules per tensor (TensorInit): matrices ~ N(0, initializer_range); norm gains 1; AttnRes

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "train/params.h"
+#include "model/params.h"
 
 namespace k3::train {
 

@@ -5,7 +5,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "train/ffn_block.h"
+#include "model/training/ffn_block.h"
 
 namespace k3::train {
 

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "model/config.h"
-#include "train/model_train.h"
-#include "train/params.h"
+#include "model/training/model_train.h"
+#include "model/params.h"
 
 namespace k3::train {
 

@@ -37,7 +37,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
-#include "train/params.h"
+#include "model/params.h"
 
 namespace k3::train {
 

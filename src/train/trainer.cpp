@@ -26,11 +26,11 @@
 #include "model/tensor_table.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "train/ffn_block.h"
+#include "model/training/ffn_block.h"
 #include "train/grad_lanes.h"
-#include "train/model_train.h"
+#include "model/training/model_train.h"
 #include "train/optimizer.h"
-#include "train/params.h"
+#include "model/params.h"
 
 namespace k3::train {
 

@@ -1,5 +1,5 @@
 // A small register-tiled fp64 matrix product for the many little products of the chunked KDA forms
-// (inference prefill, src/kernels/kda/kda_cpu.cpp; training forward/backward, src/train/kda_chunk.cpp).
+// (inference prefill, src/kernels/kda/kda_cpu.cpp; training forward/backward, src/kernels/kda/kda_chunk_f64.cpp).
 //
 //   C[m, nn] += alpha · op(A) · B, row-major with row strides lda, ldb, ldc;
 //   op(A) = A (stored [m, kk]) or, with kTransA, Aᵀ (A stored [kk, m]).

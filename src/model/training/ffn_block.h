@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "model/config.h"
-#include "train/params.h"
+#include "model/params.h"
 
 namespace k3::train {
 

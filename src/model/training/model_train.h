@@ -13,18 +13,12 @@
 #include <vector>
 
 #include "model/config.h"
-#include "train/params.h"
+#include "model/params.h"
 
 namespace k3::train {
 
 struct MoeTape;
 
-// Tensor-name roots: "language_model.model." + "language_model.lm_head.weight" (release) or
-// "model." + "lm_head.weight" (flat); lm_head is the embedding when the config ties them.
-struct ModelNames {
-  std::string root, lm_head;
-};
-ModelNames model_names(const ParamStore& P, const K3Config& c);
 
 struct TrainHooks {
   // Called after each MoE layer's forward with its tape (router scores and selections).

@@ -1,4 +1,4 @@
-#include "train/model_train.h"
+#include "model/training/model_train.h"
 
 #include <algorithm>
 #include <memory>
@@ -9,34 +9,19 @@
 #include "kernels/loss/cross_entropy.h"
 #include "kernels/norm/norm.h"
 #include "model/decoder.h"
-#include "train/ffn_block.h"
-#include "train/kda_block.h"
-#include "train/mla_block.h"
+#include "model/tensor_table.h"
+#include "model/training/ffn_block.h"
+#include "model/training/kda_block.h"
+#include "model/training/mla_block.h"
 
 namespace k3::train {
 
-ModelNames model_names(const ParamStore& P, const K3Config& c) {
-  ModelNames n;
-  if (P.has("language_model.model.embed_tokens.weight")) {
-    n.root = "language_model.model.";
-    n.lm_head = "language_model.lm_head.weight";
-  } else if (P.has("model.embed_tokens.weight")) {
-    n.root = "model.";
-    n.lm_head = "lm_head.weight";
-  } else {
-    fail("training parameters: no embed_tokens.weight under language_model.model. or model.");
-  }
-  if (!P.has(n.lm_head)) {
-    if (!c.tie_word_embeddings) fail("training parameters: ", n.lm_head, " is missing and the config does not tie embeddings");
-    n.lm_head = n.root + "embed_tokens.weight";
-  }
-  return n;
-}
-
 std::vector<std::string> trainable_names(const ParamStore& P) {
   std::vector<std::string> out;
-  for (const std::string& n : P.names())
-    if (n.find("e_score_correction_bias") == std::string::npos) out.push_back(n);
+  for (const std::string& n : P.names()) {
+    const auto id = parse_tensor_name(n);
+    if (!id || tensor_info(id->kind).trainable) out.push_back(n);
+  }
   return out;
 }
 
@@ -66,6 +51,14 @@ std::vector<double> query_of(const ParamStore& P, const std::string& norm, const
   return q;
 }
 
+// lm_head, or the embedding when the config ties them and the store has no lm_head.
+std::string lm_head_name(const ParamStore& P, const K3Config& c, const TensorNames& tn) {
+  const std::string head = tn(TensorKind::LmHead);
+  if (P.has(head)) return head;
+  if (!c.tie_word_embeddings) fail("training parameters: ", head, " is missing and the config does not tie embeddings");
+  return tn(TensorKind::TokenEmbd);
+}
+
 // The float64 training backend of the decoder schedule (model/decoder.h) over one sequence. Its
 // handles are node ids: every version of the running block sum is a node with its own gradient
 // buffer (AttnRes mixes snapshots of that sum, so the backward needs each value a use saw). kOut
@@ -76,7 +69,7 @@ class TrainBackend {
   static constexpr Act kOut = -1;
 
   TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks)
-      : P_(P), c_(c), ids_(ids), hooks_(hooks), nm_(model_names(P, c)), T_(int64_t(ids.size())), D_(c.hidden_size),
+      : P_(P), c_(c), ids_(ids), hooks_(hooks), tn_{param_naming(P)}, lm_head_(lm_head_name(P, c, tn_)), T_(int64_t(ids.size())), D_(c.hidden_size),
         tape_(size_t(c.num_hidden_layers)), out_(size_t(T_ * D_)) {}
 
   bool profiling() const { return false; }
@@ -84,7 +77,7 @@ class TrainBackend {
 
   Act embed() {
     const int64_t V = c_.vocab_size;
-    const double* E = P_.p(nm_.root + "embed_tokens.weight", V * D_);
+    const double* E = P_.p(tn_(TensorKind::TokenEmbd), V * D_);
     node_.emplace_back(static_cast<size_t>(T_ * D_));
     for (int64_t t = 0; t < T_; ++t) {
       if (ids_[size_t(t)] < 0 || ids_[size_t(t)] >= V) fail("training: token id ", ids_[size_t(t)], " outside [0, ", V, ")");
@@ -94,17 +87,16 @@ class TrainBackend {
   }
 
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
-    const std::string p = layer_prefix(l);
     ResUse& u = use(site, l);
     if (site == MixSite::AttnIn) {
-      u.norm_name = p + "self_attention_res_norm.weight", u.proj_name = p + "self_attention_res_proj.weight";
-      u.ln_name = p + "input_layernorm.weight";
+      u.norm_name = tn_(TensorKind::AttnResNorm, l), u.proj_name = tn_(TensorKind::AttnResProj, l);
+      u.ln_name = tn_(TensorKind::InputNorm, l);
     } else if (site == MixSite::FfnIn) {
-      u.norm_name = p + "mlp_res_norm.weight", u.proj_name = p + "mlp_res_proj.weight";
-      u.ln_name = p + "post_attention_layernorm.weight";
+      u.norm_name = tn_(TensorKind::MlpResNorm, l), u.proj_name = tn_(TensorKind::MlpResProj, l);
+      u.ln_name = tn_(TensorKind::PostAttnNorm, l);
     } else {
-      u.norm_name = nm_.root + "output_attn_res_norm.weight", u.proj_name = nm_.root + "output_attn_res_proj.weight";
-      u.ln_name = nm_.root + "norm.weight";
+      u.norm_name = tn_(TensorKind::OutputAttnResNorm), u.proj_name = tn_(TensorKind::OutputAttnResProj);
+      u.ln_name = tn_(TensorKind::OutputNorm);
     }
     u.h.resize(size_t(T_ * D_));
     if (blocks.empty()) {
@@ -140,7 +132,7 @@ class TrainBackend {
     const std::string p = layer_prefix(l);
     if (c_.is_moe_layer(l)) {
       L.moe_tape = std::make_unique<MoeTape>();
-      const std::string bias_name = p + "block_sparse_moe.gate.e_score_correction_bias";
+      const std::string bias_name = tn_(TensorKind::MoeRouterBias, l);
       const double* bias = hooks_ && hooks_->router_bias ? hooks_->router_bias(l)
                            : P_.has(bias_name)          ? P_.p(bias_name)
                                                         : nullptr;
@@ -176,7 +168,7 @@ class TrainBackend {
   double head() {
     const int64_t V = c_.vocab_size;
     std::vector<double> logits(size_t(T_ * V));
-    linear_forward(logits.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_, D_, V);
+    linear_forward(logits.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_, D_, V);
     std::vector<int32_t> target(static_cast<size_t>(T_), -1);
     for (int64_t t = 0; t + 1 < T_; ++t) target[size_t(t)] = ids_[size_t(t + 1)];
     dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
@@ -191,7 +183,7 @@ class TrainBackend {
     dnode_.assign(node_.size(), std::vector<double>(size_t(T_ * D_), 0.0));
     dh_.resize(size_t(T_ * D_)), dxn_.resize(size_t(T_ * D_)), dq_.resize(size_t(D_));
     const int64_t V = c_.vocab_size;
-    linear_backward(dxn_.data(), P_.g(nm_.lm_head, V * D_), dlogits_.data(), final_.xn.data(), P_.p(nm_.lm_head, V * D_), T_,
+    linear_backward(dxn_.data(), P_.g(lm_head_, V * D_), dlogits_.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_,
                D_, V);
   }
 
@@ -239,14 +231,14 @@ class TrainBackend {
     for (int64_t i = 0; i < T_ * D_; ++i) d[size_t(i)] += s[size_t(i)];
   }
   void embed_backward(Act embedding) {
-    double* dE = P_.g(nm_.root + "embed_tokens.weight", c_.vocab_size * D_);
+    double* dE = P_.g(tn_(TensorKind::TokenEmbd), c_.vocab_size * D_);
     const std::vector<double>& d = dnode_[size_t(embedding)];
     for (int64_t t = 0; t < T_; ++t)
       for (int64_t j = 0; j < D_; ++j) dE[int64_t(ids_[size_t(t)]) * D_ + j] += d[size_t(t * D_ + j)];
   }
 
  private:
-  std::string layer_prefix(int64_t l) const { return nm_.root + "layers." + std::to_string(l) + "."; }
+  std::string layer_prefix(int64_t l) const { return k3::layer_prefix(tn_.naming, l); }
   ResUse& use(MixSite site, int64_t l) {
     if (site == MixSite::Output) return final_;
     return site == MixSite::AttnIn ? tape_[size_t(l)].attn_in : tape_[size_t(l)].ffn_in;
@@ -256,7 +248,8 @@ class TrainBackend {
   const K3Config& c_;
   const std::vector<int32_t>& ids_;
   const TrainHooks* hooks_;
-  const ModelNames nm_;
+  const TensorNames tn_;
+  const std::string lm_head_;
   const int64_t T_, D_;
   std::vector<LayerTape> tape_;
   ResUse final_;

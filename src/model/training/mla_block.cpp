@@ -4,7 +4,7 @@
 // dq = Dn + Dr (q/k width per head), dkv = Dn + Dv (kv_b output per head), ldc = R + Dr.
 // A linear layer is y = x Wᵀ with W [out, in] (the release's layout), so its backward is
 // dx = dy W and dW += dyᵀ x.
-#include "train/mla_block.h"
+#include "model/training/mla_block.h"
 
 #include <cblas.h>
 

@@ -1,7 +1,7 @@
 // Float64 forward/backward of the GLU MLP, the dense FFN and Stable LatentMoE (see ffn_block.h).
 // Linear layers follow the checkpoint convention W [out, in], y = x Wᵀ, so for a linear layer
 //   dW += dyᵀ x   and   dx = dy W.
-#include "train/ffn_block.h"
+#include "model/training/ffn_block.h"
 
 #include <algorithm>
 #include <cmath>
@@ -126,7 +126,6 @@ void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config
          c.hidden_size);
   glu_backward_named(P, dense_glu(prefix), c, tape, dy, dx);
 }
-
 
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/, const double* x,
                      int64_t N, double* y, MoeTape* tape, const double* router_bias) {

@@ -4,7 +4,7 @@
 // Notation in the comments: x [T, hidden] is the block input; for any forward quantity a, "da" is the
 // gradient of the loss w.r.t. a. A projection a = x W^T (W [out, in]) has the backward
 // dW += da^T x and dx += da W.
-#include "train/kda_block.h"
+#include "model/training/kda_block.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "train/params.h"
+#include "model/params.h"
 
 #include <algorithm>
 #include <filesystem>

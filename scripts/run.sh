@@ -18,7 +18,9 @@
 # Every step's output lives under $K3_DEMO_DIR (default out/demo); a re-run reuses finished steps
 # (a half-finished training run is resumed). Settings, by environment variable:
 #   K3_DEMO_MINUTES   time budget of step 7 in minutes, calibration and the held-out check included
-#                     (default 8; the whole job took 11 min 18 s on 2 cores)
+#                     (default 8). On 2 cores shared with other builds, with k3 already built, the
+#                     whole job took 10 min 8 s and 18 min 35 s, step 7 6.4 and 6.2 min of it, most
+#                     of the rest the eval (docs/BENCHMARKS.md, 2026-12-01)
 #   K3_DEMO_DIR       work directory (default out/demo)
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)

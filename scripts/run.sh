@@ -9,14 +9,18 @@
 #   5. tasks    synthetic passkey and multi-key recall documents over Brown filler (k3 corpus retrieval)
 #   6. shards   token shards for training and held-out evaluation (k3 data)
 #   7. train    k3-tiny with Quantile Balancing and the staged context curriculum 128 -> 256 -> 512,
-#               for a bounded time (k3 train)
+#               for a bounded time (k3 train): a short calibration measures the training speed at
+#               each length, then each stage gets its share of the time (30/40/30 %) in whole steps
 #   8. talk     three sampled continuations of a prompt (k3 generate)
 #   9. eval     held-out perplexity, retrieval accuracy up to 4x the last training length, expert
 #               load; JSON and PNG plots (k3 eval)
 #
 # Every step's output lives under $K3_DEMO_DIR (default out/demo); a re-run reuses finished steps
 # (a half-finished training run is resumed). Settings, by environment variable:
-#   K3_DEMO_MINUTES   training time budget in minutes (default 8; the whole job took 11 min 18 s on 2 cores)
+#   K3_DEMO_MINUTES   time budget of step 7 in minutes, calibration and the held-out check included
+#                     (default 8). On 2 cores shared with other builds, with k3 already built, the
+#                     whole job took 10 min 8 s and 18 min 35 s, step 7 6.4 and 6.2 min of it, most
+#                     of the rest the eval (docs/BENCHMARKS.md, 2026-12-01)
 #   K3_DEMO_DIR       work directory (default out/demo)
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)
@@ -30,6 +34,9 @@ fi
 cd "$(dirname "$0")/.."
 DIR=${K3_DEMO_DIR:-out/demo}
 MINUTES=${K3_DEMO_MINUTES:-8}
+if ! [[ "$MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]] || ! awk -v m="$MINUTES" 'BEGIN { exit !(m > 0) }'; then
+  echo "K3_DEMO_MINUTES must be a positive number of minutes, not '$MINUTES'" >&2; exit 2
+fi
 PROMPT=${K3_DEMO_PROMPT:-The jury said}
 export OMP_NUM_THREADS=${K3_DEMO_THREADS:-$(nproc)}
 K3=./build-demo/k3
@@ -76,19 +83,86 @@ if [ ! -f "$DIR/train.bin" ] || [ ! -f "$DIR/heldout.bin" ]; then
 else echo "reusing $DIR/train.bin and $DIR/heldout.bin"; fi
 
 step "7/9 train k3-tiny: Quantile Balancing, curriculum 128 -> 256 -> 512, ${MINUTES} min budget"
-TPS=1024  # tokens per optimizer step, the same in every stage
-LR=6e-3   # peak learning rate (docs/BENCHMARKS.md: the main job's settings, a sweep at equal tokens)
+STEP7_START=$(date +%s.%N)
+TPS=1024            # tokens per optimizer step, the same in every stage
+LR=6e-3             # peak learning rate (docs/BENCHMARKS.md: the main job's settings, a sweep at equal tokens)
+LENGTHS=(128 256 512)
+SHARES=(30 40 30)   # percent of the training time spent at each length
+CAL_STEPS=3         # calibration steps per length; the first at each length is warm-up, not timed
+MIN_STEPS=4         # the fewest steps a stage gets, however short the budget
+SAFETY=0.92         # of the time left for steps: room for step-to-step noise and a checkpoint every 50 steps
+EVAL_TOKENS=16384   # k3 train's held-out check after the last step (its --eval-tokens default)
 if [ ! -f "$DIR/stages.txt" ]; then
-  # Measure this machine's training speed on 3 short steps, then size the token budget to fit.
+  # Each length trains at its own speed (MLA attention grows with the length, the KDA chunks too,
+  # and the 512 stage has only two windows a step), so each stage's tokens come from its own
+  # measured rate. The calibration is one short k3 train run through all three lengths; its time,
+  # the run's start-up and the held-out check after the last step all come out of the budget:
+  # K3_DEMO_MINUTES bounds this whole step.
+  CAL_SPEC=$(for L in "${LENGTHS[@]}"; do printf '%s:%d,' "$L" $(( TPS * CAL_STEPS )); done)
+  CAL_SPEC=${CAL_SPEC%,}
+  echo "calibration: $CAL_STEPS steps of $TPS tokens at each length (${LENGTHS[*]}); its time counts against the ${MINUTES} min"
   rm -rf "$DIR/calibrate"
-  "$K3" train --config configs/k3-tiny.json --data "$DIR/train.bin" --out "$DIR/calibrate" \
-    --stages 256:$(( TPS * 4 )) --tokens-per-step $TPS --save-every 1000 >/dev/null
-  RATE=$(tail -n 2 "$DIR/calibrate/metrics.jsonl" | grep -o '"tokens_per_s":[0-9.]*' | tail -1 | cut -d: -f2)
-  rm -rf "$DIR/calibrate"
-  STEPS=$(awk -v r="$RATE" -v m="$MINUTES" -v t=$TPS 'BEGIN { s = int(r * m * 60 * 0.92 / t); print (s < 10 ? 10 : s) }')
-  S1=$(( STEPS * 3 / 10 )); S2=$(( STEPS * 4 / 10 )); S3=$(( STEPS - S1 - S2 ))
-  echo "128:$(( S1 * TPS )),256:$(( S2 * TPS )),512:$(( S3 * TPS ))" > "$DIR/stages.txt"
-  printf 'measured %.0f training tokens/s: %d steps of %d tokens fit in %s min\n' "$RATE" "$STEPS" $TPS "$MINUTES"
+  CAL_T0=$(date +%s.%N)
+  if ! "$K3" train --config configs/k3-tiny.json --data "$DIR/train.bin" --out "$DIR/calibrate" \
+       --stages "$CAL_SPEC" --tokens-per-step $TPS --save-every 1000 >"$DIR/calibrate.log" 2>&1; then
+    cat "$DIR/calibrate.log" >&2
+    echo "the calibration run failed (k3 train --stages $CAL_SPEC; output above)" >&2
+    exit 1
+  fi
+  CAL_S=$(awk -v a="$CAL_T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  # metrics.jsonl: one line per step with its length and the run's cumulative tokens/s since its
+  # first step; tokens / tokens_per_s is the time at the end of that step. Per length, the rate over
+  # its steps after the first: "LENGTH RATE" lines. Then "fixed SECONDS": what a k3 train run costs
+  # beyond its steps at those rates (start-up, random init, the first step's warm-up, the final
+  # checkpoint), which the real run pays too.
+  RATES=$(awk -v cal="$CAL_S" -v tps=$TPS '
+    { match($0, /"seq_len":[0-9]+/);       L = substr($0, RSTART + 10, RLENGTH - 10)
+      match($0, /"tokens":[0-9]+/);        n = substr($0, RSTART + 9, RLENGTH - 9)
+      match($0, /"tokens_per_s":[0-9.eE+-]+/); t = n / substr($0, RSTART + 15, RLENGTH - 15)
+      if (NR == 1) first = t
+      if (!(L in n0)) { n0[L] = n; t0[L] = t; order[++k] = L } else { n1[L] = n; t1[L] = t }
+      last = t }
+    END { for (i = 1; i <= k; ++i) { L = order[i]; if (L in n1 && t1[L] > t0[L]) { r = (n1[L] - n0[L]) / (t1[L] - t0[L]); print L, r } }
+          L = order[1]; warm = (L in n1 && t1[L] > t0[L]) ? first - tps * (t1[L] - t0[L]) / (n1[L] - n0[L]) : 0
+          print "fixed", (cal - last) + (warm > 0 ? warm : 0) }
+  ' "$DIR/calibrate/metrics.jsonl")
+  rm -rf "$DIR/calibrate" "$DIR/calibrate.log"
+  declare -A RATE
+  while read -r L R; do RATE[$L]=$R; done <<<"$RATES"
+  for L in "${LENGTHS[@]}"; do
+    [ -n "${RATE[$L]:-}" ] || { echo "the calibration measured no rate at length $L (metrics: $RATES)" >&2; exit 1; }
+  done
+  # The plan, in seconds: the budget, less the calibration, less the training run's fixed costs (as
+  # measured), less its held-out check (a forward pass only, counted at a third of the training
+  # cost per token at the last length; measured, it is about a quarter), times SAFETY, split by
+  # SHARES; each stage's time becomes whole steps at that stage's own rate.
+  PLAN=$(awk -v m="$MINUTES" -v cal="$CAL_S" -v tps=$TPS -v safety=$SAFETY -v minst=$MIN_STEPS \
+             -v ev=$EVAL_TOKENS -v lens="${LENGTHS[*]}" -v shares="${SHARES[*]}" -v rates="$RATES" \
+             -v out="$DIR/calibration.txt" 'BEGIN {
+      n = split(lens, Ls, " "); split(shares, S, " "); k = split(rates, RR, "[ \n]")
+      for (i = 1; i < k; i += 2) R[RR[i]] = RR[i + 1]
+      fixed = R["fixed"]
+      evs = ev / (3 * R[Ls[n]])
+      train = (m * 60 - cal - fixed - evs) * safety; if (train < 0) train = 0
+      printf "calibration took %.0f s; training tokens/s measured at", cal > out
+      for (i = 1; i <= n; ++i) printf " %d: %.0f%s", Ls[i], R[Ls[i]], (i < n ? "," : "\n") > out
+      printf "budget %.0f s = calibration %.0f s + fixed costs %.0f s + held-out check %.0f s + %.0f s of steps (x %s)\n", \
+             m * 60, cal, fixed, evs, train, safety > out
+      printf "%-6s %-7s %-6s %-10s %-7s %s\n", "stage", "length", "share", "measured", "steps", "tokens" > out
+      spec = ""; total = 0; short = 0
+      for (i = 1; i <= n; ++i) {
+        s = int(train * S[i] / 100 * R[Ls[i]] / tps); if (s < minst) { s = minst; short = 1 }
+        total += s * tps / R[Ls[i]]
+        printf "%-6d %-7d %-6s %-10s %-7d %d (%.0f s)\n", i, Ls[i], S[i] "%", sprintf("%.0f tok/s", R[Ls[i]]), s, s * tps, \
+               s * tps / R[Ls[i]] > out
+        spec = spec (i > 1 ? "," : "") Ls[i] ":" s * tps
+      }
+      printf "planned: %.0f s of steps; step 7 in all about %.0f s of its %.0f s\n", total, cal + fixed + evs + total, m * 60 > out
+      if (short) printf "warning: %s min is too short for %d steps a stage at this speed: step 7 will overrun it\n", m, minst > out
+      print spec }')
+  cat "$DIR/calibration.txt"
+  echo "$PLAN" > "$DIR/stages.txt"
+  FRESH_PLAN=1
 fi
 STAGES=$(cat "$DIR/stages.txt")
 TOTAL_STEPS=$(echo "$STAGES" | tr ',' '\n' | awk -F: -v t=$TPS '{ s += $2 / t } END { print s }')
@@ -107,6 +181,11 @@ else
   rm -rf "$DIR/run"
   echo "stages (length:tokens): $STAGES"
   "$K3" train "${TRAIN_ARGS[@]}"
+fi
+if [ -n "${FRESH_PLAN:-}" ]; then
+  awk -v a="$STEP7_START" -v b="$(date +%s.%N)" -v m="$MINUTES" 'BEGIN { e = b - a
+    printf "step 7 took %.0f s of its %.0f s budget%s\n", e, m * 60,
+           (e > m * 60 ? " (over it: the machine was busier than during the calibration)" : "") }'
 fi
 MODEL="$DIR/run/$(cat "$DIR/run/latest")"
 

@@ -22,6 +22,11 @@ float sigmoidf_stable(float x);
 // Float64, for training: act(g, u) of one element, with its partial derivatives ∂/∂g and ∂/∂u when
 // dg and du are given.
 double glu_forward_backward(double g, double u, const GluParams& p, double* dg = nullptr, double* du = nullptr);
+// The same over n elements: h = act(g, u); and from dh = ∂L/∂h, dg = dh ∂h/∂g and du = dh ∂h/∂u
+// (dg may alias dh).
+void glu_forward(double* h, const double* g, const double* u, int64_t n, const GluParams& p);
+void glu_backward(double* dg, double* du, const double* dh, const double* g, const double* u, int64_t n,
+                  const GluParams& p);
 // sigmoid(x) without overflow for large |x| (exp of a non-positive number only).
 double sigmoid_stable(double x);
 

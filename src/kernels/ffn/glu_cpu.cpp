@@ -43,4 +43,19 @@ double glu_forward_backward(double g, double u, const GluParams& p, double* dg, 
   return g * s * u;
 }
 
+void glu_forward(double* h, const double* g, const double* u, int64_t n, const GluParams& p) {
+  for (int64_t i = 0; i < n; ++i) h[i] = glu_forward_backward(g[i], u[i], p);
+}
+
+void glu_backward(double* dg, double* du, const double* dh, const double* g, const double* u, int64_t n,
+                  const GluParams& p) {
+  for (int64_t i = 0; i < n; ++i) {
+    double pg, pu;
+    glu_forward_backward(g[i], u[i], p, &pg, &pu);
+    const double d = dh[i];
+    du[i] = d * pu;
+    dg[i] = d * pg;
+  }
+}
+
 }  // namespace k3

@@ -66,7 +66,7 @@ void glu_forward_named(const ParamStore& P, const GluNames& n, const K3Config& c
   std::vector<double> g(static_cast<size_t>(N * I)), u(static_cast<size_t>(N * I)), h(static_cast<size_t>(N * I));
   linear_forward(g.data(), x, P.p(n.gate), N, D, I);
   linear_forward(u.data(), x, P.p(n.up), N, D, I);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = glu_forward_backward(g[i], u[i], glu_params(c));
+  glu_forward(h.data(), g.data(), u.data(), int64_t(h.size()), glu_params(c));
   linear_forward(y, h.data(), P.p(n.down), N, I, D);
   if (tape) {
     tape->N = N;
@@ -88,12 +88,7 @@ void glu_backward_named(ParamStore& P, const GluNames& n, const K3Config& c, con
   std::vector<double> dg(static_cast<size_t>(N * I)), du(static_cast<size_t>(N * I));
   linear_backward(dg.data(), nullptr, dy, nullptr, P.p(n.down), N, I, D);  // dg holds dh for now
   // h = act(g, u):  dg = dh ∂h/∂g,  du = dh ∂h/∂u.
-  for (size_t i = 0; i < dg.size(); ++i) {
-    double pg, pu;
-    glu_forward_backward(t.g[i], t.u[i], glu_params(c), &pg, &pu);
-    du[i] = dg[i] * pu;
-    dg[i] *= pg;
-  }
+  glu_backward(dg.data(), du.data(), dg.data(), t.g.data(), t.u.data(), int64_t(dg.size()), glu_params(c));
   // g = x Wgᵀ, u = x Wuᵀ:  dWg += dgᵀ x,  dWu += duᵀ x,  dx = dg Wg + du Wu.
   linear_backward(nullptr, P.g(n.gate), dg.data(), t.x.data(), nullptr, N, D, I);
   linear_backward(nullptr, P.g(n.up), du.data(), t.x.data(), nullptr, N, D, I);

@@ -55,7 +55,7 @@ struct KdaBlockTape {
   std::vector<double> q_inv, k_inv;       // [T, H] 1/sqrt(sum^2 + 1e-6) per head
   std::vector<double> q, k, v;            // [T, HD] recurrence inputs (q, k normalised)
   std::vector<double> beta;               // [T, H]
-  std::vector<double> fa;                 // [T, D] f_a_proj output
+  std::vector<double> fa;                 // [T, D] the decay gate's first projection (rank D)
   std::vector<double> z;                  // [T, HD] f_b_proj output (gate pre-activation before dt_bias)
   std::vector<double> sg;                 // [T, HD] sigmoid(exp(A_log) (z + dt_bias)); g = lower_bound * sg
   std::vector<double> g;                  // [T, HD] log decay

@@ -14,10 +14,10 @@
 // KDA time per token should stay flat as the context grows (fixed-size state); MLA time grows
 // linearly (it reads every cached 576-wide row); the ratio full/decode grows with the context.
 // Make the models first: `build/k3 init --config configs/k3-small.json --out models/k3-small`.
+#include <omp.h>
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <omp.h>
 #include <random>
 
 #include "cli/args.h"
@@ -38,8 +38,8 @@ static std::vector<int32_t> random_ids(int64_t n, int64_t V, uint64_t seed) {
   return ids;
 }
 
-static void bench_model(const std::string& dir, const std::vector<int32_t>& prefills, const std::vector<int32_t>& contexts,
-                        int steps) {
+static void bench_model(const std::string& dir, const std::vector<int32_t>& prefills,
+                        const std::vector<int32_t>& contexts, int steps) {
   auto t0 = clock_type::now();
   auto m = Model::load(dir);
   const K3Config& c = m->config();

@@ -46,9 +46,10 @@ struct Bench {
 
   // Median milliseconds of `fn` over iters calls, each after an L2 flush; two warm-up calls first.
   double time_ms(const std::function<void()>& fn) {
-    return kc::median_ms([&](int) { fn(); }, iters, 2, [&](int i) {
-      check(cudaMemsetAsync(flush_buf.data(), i & 0xff, flush_buf.size()), "L2 flush");
-    });
+    return kc::median_ms([&](int) { fn(); }, iters, 2,
+                         [&](int i) {
+                           check(cudaMemsetAsync(flush_buf.data(), i & 0xff, flush_buf.size()), "L2 flush");
+                         });
   }
 };
 
@@ -62,7 +63,8 @@ kc::DeviceBuffer<uint8_t> filled(size_t bytes, int byte = 0x3c) {
 double copy_bandwidth(Bench& B) {
   const size_t bytes = size_t(1) << 30;
   auto src = filled(bytes), dst = filled(bytes, 0);
-  const double ms = B.time_ms([&] { check(cudaMemcpy(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice), "copy"); });
+  const double ms =
+      B.time_ms([&] { check(cudaMemcpy(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice), "copy"); });
   const double gbs = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
   std::printf("%-44s %10.1f us %9.1f GB/s (read + write)\n", "copy d2d 1 GiB", ms * 1e3, gbs);
   return gbs;
@@ -75,9 +77,10 @@ void bench_gemm(Bench& B) {
     int64_t M, N, K;
   };
   const Shape shapes[] = {
-      {"q_proj decode", 1, 12288, 7168},    {"o_proj decode", 1, 7168, 12288},   {"lm_head decode", 1, 163840, 7168},
-      {"q_proj batch 64", 64, 12288, 7168}, {"dense up 64", 64, 33792, 7168},    {"q_proj prefill", 4096, 12288, 7168},
-      {"o_proj prefill", 4096, 7168, 12288}, {"dense gate prefill", 4096, 33792, 7168},
+      {"q_proj decode", 1, 12288, 7168},         {"o_proj decode", 1, 7168, 12288},
+      {"lm_head decode", 1, 163840, 7168},       {"q_proj batch 64", 64, 12288, 7168},
+      {"dense up 64", 64, 33792, 7168},          {"q_proj prefill", 4096, 12288, 7168},
+      {"o_proj prefill", 4096, 7168, 12288},     {"dense gate prefill", 4096, 33792, 7168},
       {"dense down prefill", 4096, 7168, 33792}, {"lm_head prefill", 4096, 163840, 7168},
   };
   std::printf("\n%-44s %13s %15s %12s\n", "gemm bf16 (y = x W^T)", "time", "TFLOP/s", "operand GB/s");
@@ -201,7 +204,8 @@ void bench_embed(Bench& B, double copy_gbs) {
   print_bw("embedding bf16 -> f32", ms, double(T * D) * 6.0, copy_gbs);
   auto f = filled(size_t(T * D) * 4), h = filled(size_t(T * D) * 2, 0);
   const double ms2 = B.time_ms([&] {
-    gemm::cuda::convert_f32_to_bf16(reinterpret_cast<uint16_t*>(h.data()), reinterpret_cast<const float*>(f.data()), T * D);
+    gemm::cuda::convert_f32_to_bf16(reinterpret_cast<uint16_t*>(h.data()), reinterpret_cast<const float*>(f.data()),
+                                    T * D);
   });
   print_bw("convert f32 -> bf16", ms2, double(T * D) * 6.0, copy_gbs);
 }

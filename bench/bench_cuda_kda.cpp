@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
     int64_t B, T, H;
     double fla_ms;
   };
-  std::vector<Shape> shapes = {{1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15},
-                               {1, 65536, 16, 4.43}};
+  std::vector<Shape> shapes = {
+      {1, 8192, 64, 1.76}, {1, 8192, 96, 2.60}, {4, 4096, 32, 1.69}, {1, 32768, 32, 4.15}, {1, 65536, 16, 4.43}};
   if (!only.empty()) {
     shapes.clear();
     for (size_t pos = 0; pos < only.size();) {

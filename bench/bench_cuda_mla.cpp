@@ -60,7 +60,8 @@ void bench_prefill(int reps) {
               (long long)dq, (long long)Dv);
   std::printf("%-8s %8s %10s %10s\n", "T", "B", "ms", "TFLOP/s");
   for (const int64_t T : {int64_t(4096), int64_t(8192), int64_t(32768)}) {
-    cuda::DeviceBuffer<uint16_t> q(size_t(T * H * dq)), k(size_t(T * H * dq)), v(size_t(T * H * Dv)), o(size_t(T * H * Dv));
+    cuda::DeviceBuffer<uint16_t> q(size_t(T * H * dq)), k(size_t(T * H * dq)), v(size_t(T * H * Dv)),
+        o(size_t(T * H * Dv));
     fill_bf16(q.data(), q.size(), 1, 1.0f);
     fill_bf16(k.data(), k.size(), 2, 1.0f);
     fill_bf16(v.data(), v.size(), 3, 1.0f);
@@ -118,8 +119,8 @@ void bench_decode(int reps) {
     const double gbs = double(cache_bytes) / (ms * 1e-3) / 1e9;
     const double tflops = 2.0 * double(H) * double(T) * double(ldc + R) / (ms * 1e-3) / 1e12;
     std::printf("%-8lld %7d %10.2f %10.1f %10.1f\n", (long long)T, splits, ms * 1e3, gbs, tflops);
-    std::printf("mla_decode B=1 n=1 T=%lld H=%lld R=%lld Dr=%lld splits=%d us=%.2f gbs=%.1f tflops=%.1f\n", (long long)T,
-                (long long)H, (long long)R, (long long)Dr, splits, ms * 1e3, gbs, tflops);
+    std::printf("mla_decode B=1 n=1 T=%lld H=%lld R=%lld Dr=%lld splits=%d us=%.2f gbs=%.1f tflops=%.1f\n",
+                (long long)T, (long long)H, (long long)R, (long long)Dr, splits, ms * 1e3, gbs, tflops);
   }
 }
 

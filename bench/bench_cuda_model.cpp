@@ -36,7 +36,9 @@ using clock_type = std::chrono::steady_clock;
 
 namespace {
 
-double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
 
 std::vector<int32_t> random_ids(int64_t n, int64_t V, uint64_t seed) {
   std::mt19937_64 r(seed);
@@ -91,12 +93,13 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
   auto m = CudaModel::load(dir, prec);
   const K3Config& c = m->config();
   const int64_t V = c.vocab_size;
-  std::printf("\n== %s (%s): %lld layers (%lld MLA), hidden %lld, %lld experts top-%lld; %.0f MiB of weights on the "
-              "GPU, loaded in %.2f s\n",
-              dir.c_str(), gpu_precision_name(prec), (long long)c.num_hidden_layers,
-              (long long)std::count(c.layer_kind.begin(), c.layer_kind.end(), AttnKind::MLA), (long long)c.hidden_size,
-              (long long)c.num_experts, (long long)c.num_experts_per_token, double(m->weight_bytes()) / 1048576.0,
-              seconds_since(t0));
+  std::printf(
+      "\n== %s (%s): %lld layers (%lld MLA), hidden %lld, %lld experts top-%lld; %.0f MiB of weights on the "
+      "GPU, loaded in %.2f s\n",
+      dir.c_str(), gpu_precision_name(prec), (long long)c.num_hidden_layers,
+      (long long)std::count(c.layer_kind.begin(), c.layer_kind.end(), AttnKind::MLA), (long long)c.hidden_size,
+      (long long)c.num_experts, (long long)c.num_experts_per_token, double(m->weight_bytes()) / 1048576.0,
+      seconds_since(t0));
   gpu_prefill_seconds(*m, random_ids(64, V, 98));  // warm-up: cuBLAS handles, plans, the arena
   std::printf("%-10s %10s %12s\n", "prefill", "ms", "tokens/s");
   for (int32_t T : prefills) {
@@ -131,9 +134,10 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
     const double cpu_dec = seconds_since(t0) / 8;
     const double gpu_pre = gpu_prefill_seconds(*m, prompt);
     const double gpu_dec = gpu_decode_seconds(*m, cpu_tokens, 1, steps, 5);
-    std::printf("cpu baseline at %d tokens: prefill %.1f tok/s (GPU %.0f, %.0fx), decode %.1f tok/s (GPU %.0f, %.0fx)\n",
-                cpu_tokens, cpu_tokens / cpu_pre, cpu_tokens / gpu_pre, cpu_pre / gpu_pre, 1.0 / cpu_dec,
-                1.0 / gpu_dec, cpu_dec / gpu_dec);
+    std::printf(
+        "cpu baseline at %d tokens: prefill %.1f tok/s (GPU %.0f, %.0fx), decode %.1f tok/s (GPU %.0f, %.0fx)\n",
+        cpu_tokens, cpu_tokens / cpu_pre, cpu_tokens / gpu_pre, cpu_pre / gpu_pre, 1.0 / cpu_dec, 1.0 / gpu_dec,
+        cpu_dec / gpu_dec);
   }
 }
 

@@ -37,8 +37,8 @@
 #include "cli/args.h"
 #include "core/cuda.h"
 #include "core/error.h"
-#include "model/config.h"
 #include "kernels/moe/moe_cuda.h"
+#include "model/config.h"
 
 #ifdef K3_HAVE_CUDA
 #include <cublas_v2.h>
@@ -51,9 +51,9 @@ namespace mc = k3::moe::cuda;
 #ifdef K3_HAVE_CUDA
 namespace {
 
-#define BENCH_CUBLAS(call)                                                                    \
-  do {                                                                                        \
-    const cublasStatus_t st_ = (call);                                                        \
+#define BENCH_CUBLAS(call)                                                                              \
+  do {                                                                                                  \
+    const cublasStatus_t st_ = (call);                                                                  \
     if (st_ != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: ", #call, " failed: ", cublasGetStatusString(st_)); \
   } while (0)
 
@@ -131,11 +131,13 @@ std::vector<int32_t> uniform_routing(int64_t T, int64_t E, int64_t K, uint64_t s
   return idx;
 }
 
-void row(const char* fmt, int64_t T, const char* op, double flops, float ms, float cublas_ms, double wbytes, double bw) {
+void row(const char* fmt, int64_t T, const char* op, double flops, float ms, float cublas_ms, double wbytes,
+         double bw) {
   const double tf = flops / (ms * 1e-3) / 1e12, tc = flops / (cublas_ms * 1e-3) / 1e12;
-  std::printf("%-20s T=%-6lld %-8s %9.3f ms %7.1f TFLOP/s | cuBLAS %9.3f ms %7.1f TFLOP/s | ratio %5.1f%% | weights %6.2f GB, %7.3f ms at copy bw\n",
-              fmt, (long long)T, op, ms, tf, cublas_ms, tc, 100.0 * tf / tc, wbytes / 1e9,
-              wbytes / (bw * 1e9) * 1e3);
+  std::printf(
+      "%-20s T=%-6lld %-8s %9.3f ms %7.1f TFLOP/s | cuBLAS %9.3f ms %7.1f TFLOP/s | ratio %5.1f%% | weights %6.2f GB, "
+      "%7.3f ms at copy bw\n",
+      fmt, (long long)T, op, ms, tf, cublas_ms, tc, 100.0 * tf / tc, wbytes / 1e9, wbytes / (bw * 1e9) * 1e3);
 }
 
 }  // namespace
@@ -194,7 +196,8 @@ int main(int argc, char** argv) {
     cublasHandle_t h;
     BENCH_CUBLAS(cublasCreate(&h));
     const int64_t Smax = Tmax * K;
-    cuda::DeviceBuffer<uint16_t> z(static_cast<size_t>(Tmax * L)), hbuf(static_cast<size_t>(Smax * I)), ybuf(static_cast<size_t>(Smax * L));
+    cuda::DeviceBuffer<uint16_t> z(static_cast<size_t>(Tmax * L)), hbuf(static_cast<size_t>(Smax * I)),
+        ybuf(static_cast<size_t>(Smax * L));
     cuda::DeviceBuffer<float> wts(static_cast<size_t>(Smax)), u(static_cast<size_t>(Tmax * L));
     cuda::DeviceBuffer<int32_t> idx(static_cast<size_t>(Smax));
     mc::fill_random_bf16(z.data(), Tmax * L, 1.7f, 5);
@@ -202,7 +205,8 @@ int main(int argc, char** argv) {
     {
       // cuBLAS operands: A [S, max(L, I)], B [2I or L, max(L, I)], C [S, 2I]
       const int64_t kmax = std::max(L, I);
-      cuda::DeviceBuffer<uint16_t> ca(static_cast<size_t>(Smax * kmax)), cb(static_cast<size_t>(2 * I * kmax)), cc(static_cast<size_t>(Smax * 2 * I));
+      cuda::DeviceBuffer<uint16_t> ca(static_cast<size_t>(Smax * kmax)), cb(static_cast<size_t>(2 * I * kmax)),
+          cc(static_cast<size_t>(Smax * 2 * I));
       mc::fill_random_bf16(ca.data(), Smax * kmax, 1.0f, 6);
       mc::fill_random_bf16(cb.data(), 2 * I * kmax, 0.03f, 7);
       std::vector<std::vector<float>> cublas_ms;  // [token case] = {gate_up, down}
@@ -226,28 +230,29 @@ int main(int argc, char** argv) {
           d.build(idx.data(), T);
           const int auto_tm = d.tile_m();
           for (const mc::GemmConfig& var : variants)
-          for (int tm : tms) {
-            const bool mma = var.kernel == mc::GemmConfig::Kernel::kMmaSync;
-            if (mma && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
-            d.build(idx.data(), T, tm);
-            const double fgu = 2.0 * double(S) * double(2 * I) * double(L), fdn = 2.0 * double(S) * double(L) * double(I);
-            const float tgu =
-                median_ms([&] { mc::expert_gate_up(hbuf.data(), z.data(), d, w.w1, w.w3, glu, var); }, reps);
-            const float tdn = median_ms([&] { mc::expert_down(ybuf.data(), hbuf.data(), d, w.w2, var); }, reps);
-            const float tall = median_ms(
-                [&] {
-                  mc::experts_forward(u.data(), hbuf.data(), ybuf.data(), z.data(), wts.data(), d, w.w1, w.w3, w.w2,
-                                      glu, var);
-                },
-                reps);
-            const std::vector<float>& cb_ms = cublas_ms[ti];
-            const std::string vname = mc::gemm_config_name(var);
-            const std::string tag = std::string(name) + (vname == "default" ? "" : " " + vname) + " TM" +
-                                    std::to_string(tm) + (tm == auto_tm ? "*" : "");
-            row(tag.c_str(), T, "gate_up", fgu, tgu, cb_ms[0], w.gate_up_bytes, bw);
-            row(tag.c_str(), T, "down", fdn, tdn, cb_ms[1], w.down_bytes, bw);
-            row(tag.c_str(), T, "experts", fgu + fdn, tall, cb_ms[0] + cb_ms[1], w.gate_up_bytes + w.down_bytes, bw);
-          }
+            for (int tm : tms) {
+              const bool mma = var.kernel == mc::GemmConfig::Kernel::kMmaSync;
+              if (mma && (fmt == 1 || tm != 128)) continue;  // the mma.sync kernel either way
+              d.build(idx.data(), T, tm);
+              const double fgu = 2.0 * double(S) * double(2 * I) * double(L),
+                           fdn = 2.0 * double(S) * double(L) * double(I);
+              const float tgu =
+                  median_ms([&] { mc::expert_gate_up(hbuf.data(), z.data(), d, w.w1, w.w3, glu, var); }, reps);
+              const float tdn = median_ms([&] { mc::expert_down(ybuf.data(), hbuf.data(), d, w.w2, var); }, reps);
+              const float tall = median_ms(
+                  [&] {
+                    mc::experts_forward(u.data(), hbuf.data(), ybuf.data(), z.data(), wts.data(), d, w.w1, w.w3, w.w2,
+                                        glu, var);
+                  },
+                  reps);
+              const std::vector<float>& cb_ms = cublas_ms[ti];
+              const std::string vname = mc::gemm_config_name(var);
+              const std::string tag = std::string(name) + (vname == "default" ? "" : " " + vname) + " TM" +
+                                      std::to_string(tm) + (tm == auto_tm ? "*" : "");
+              row(tag.c_str(), T, "gate_up", fgu, tgu, cb_ms[0], w.gate_up_bytes, bw);
+              row(tag.c_str(), T, "down", fdn, tdn, cb_ms[1], w.down_bytes, bw);
+              row(tag.c_str(), T, "experts", fgu + fdn, tall, cb_ms[0] + cb_ms[1], w.gate_up_bytes + w.down_bytes, bw);
+            }
         }
       }
     }

@@ -55,8 +55,8 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repetitions (median reported)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  std::printf("%8s %8s %12s %10s %14s %10s %16s\n", "rows", "hidden", "scan (us)", "GB/s", "isfinite (us)",
-              "speed-up", "share of x*W");
+  std::printf("%8s %8s %12s %10s %14s %10s %16s\n", "rows", "hidden", "scan (us)", "GB/s", "isfinite (us)", "speed-up",
+              "share of x*W");
   std::mt19937 rng(1);
   std::normal_distribution<float> d(0.0f, 1.0f);
   for (int64_t D : hidden) {

@@ -153,7 +153,9 @@ int main(int argc, char** argv) {
   bool baseline = false;
   app.add_option("--text", text_path, "text file to encode (its bytes, as they are)")->required();
   app.add_option("--ranks", ranks, "tiktoken rank file")->capture_default_str();
-  app.add_option("--reps", reps, "timed repetitions (median reported)")->capture_default_str()->check(CLI::Range(1, 1000));
+  app.add_option("--reps", reps, "timed repetitions (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   app.add_option("--ids-out", ids_out, "write the encoder's ids here (little-endian int32)");
   app.add_flag("--baseline", baseline, "also time the v0 encoder and check its ids");
   CLI11_PARSE(app, argc, argv);
@@ -163,8 +165,9 @@ int main(int argc, char** argv) {
     const BpeTokenizer tok = BpeTokenizer::load(ranks);
     const double load_s = std::chrono::duration<double>(clock_type::now() - t_load).count();
     const PreTokenizer pre(kK3Pattern);
-    std::printf("k3cpp tokenizer benchmark: %s, %zu bytes, ranks %s (%lld, loaded in %.3f s), K3 pattern, 1 thread, %d reps\n",
-                text_path.c_str(), text.size(), ranks.c_str(), (long long)tok.num_ranks(), load_s, reps);
+    std::printf(
+        "k3cpp tokenizer benchmark: %s, %zu bytes, ranks %s (%lld, loaded in %.3f s), K3 pattern, 1 thread, %d reps\n",
+        text_path.c_str(), text.size(), ranks.c_str(), (long long)tok.num_ranks(), load_s, reps);
 
     size_t pieces = 0;
     const Timing tp = time_reps(reps, [&] {
@@ -186,8 +189,7 @@ int main(int argc, char** argv) {
         pre.for_each_piece(text, [&](std::string_view p) { v0.encode_piece(p, ids0); });
       });
       print_row("v0", text.size(), ids0.size(), t0);
-      std::printf("v0 / encode: %.2fx the time; ids %s\n", t0.median / te.median,
-                  ids0 == ids ? "identical" : "DIFFER");
+      std::printf("v0 / encode: %.2fx the time; ids %s\n", t0.median / te.median, ids0 == ids ? "identical" : "DIFFER");
       if (ids0 != ids) return 1;
     }
     if (!ids_out.empty()) {
@@ -199,8 +201,9 @@ int main(int argc, char** argv) {
       }
       if (!out) fail(ids_out, ": cannot write");
     }
-    std::printf("RESULT impl=k3cpp bytes=%zu tokens=%zu fnv1a=%08x median_s=%.6f min_s=%.6f max_s=%.6f cpu_s=%.6f reps=%d\n",
-                text.size(), ids.size(), fnv1a_ids(ids), te.median, te.min, te.max, te.cpu_median, reps);
+    std::printf(
+        "RESULT impl=k3cpp bytes=%zu tokens=%zu fnv1a=%08x median_s=%.6f min_s=%.6f max_s=%.6f cpu_s=%.6f reps=%d\n",
+        text.size(), ids.size(), fnv1a_ids(ids), te.median, te.min, te.max, te.cpu_median, reps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -9,20 +9,20 @@
 // checkpoint spacing and the chunked form's chunk), so they keep the same tape. Each figure is the best of
 // --reps runs (ms); "speedup" = recurrent / chunked. The last column is the largest relative difference
 // between the two forms' outputs and gradients (a check that the timed code computes the same thing).
+#include <omp.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <omp.h>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "model/training/kda_block.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_f64.h"
+#include "model/training/kda_block.h"
 
 using namespace k3::train;
 using namespace k3::kda;

@@ -47,9 +47,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (mode < 3) {
     check_parse(k3::xtml_pieces_from_text(rest));
   } else if (mode < 6) {
-    static const k3::XtmlPieceKind kinds[] = {k3::XtmlPieceKind::kOpen, k3::XtmlPieceKind::kClose, k3::XtmlPieceKind::kSep,
-                                              k3::XtmlPieceKind::kEndOfMsg, k3::XtmlPieceKind::kOtherSpecial,
-                                              k3::XtmlPieceKind::kOtherSpecial};
+    static const k3::XtmlPieceKind kinds[] = {k3::XtmlPieceKind::kOpen,         k3::XtmlPieceKind::kClose,
+                                              k3::XtmlPieceKind::kSep,          k3::XtmlPieceKind::kEndOfMsg,
+                                              k3::XtmlPieceKind::kOtherSpecial, k3::XtmlPieceKind::kOtherSpecial};
     std::vector<k3::XtmlPiece> pieces;
     for (char c : rest) {
       if (uint8_t(c) < 6) {

@@ -15,13 +15,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <unordered_map>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "../tests/util/plain_bpe.h"  // k3test::PlainBpe, the twin
-#include "tokenizer/bpe.h"           // BpeTokenizer
+#include "tokenizer/bpe.h"            // BpeTokenizer
 
 namespace {
 
@@ -31,7 +31,8 @@ const std::string kRanks = std::string(K3_SOURCE_DIR) + "/tests/fixtures/tokeniz
 
 const k3::BpeTokenizer& tokenizer() {
   static const k3::BpeTokenizer t = k3::BpeTokenizer::load(
-      kRanks, {{"<|open|>", 200100}, {"<|sep|>", 200101}, {"<|close|>", 200102}, {"<|op", 200103}, {"<|open|><|", 200104}});
+      kRanks,
+      {{"<|open|>", 200100}, {"<|sep|>", 200101}, {"<|close|>", 200102}, {"<|op", 200103}, {"<|open|><|", 200104}});
   return t;
 }
 

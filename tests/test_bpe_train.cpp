@@ -21,13 +21,13 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"               // defines: Error
-#include "tokenizer/bpe_train.h"      // defines: train_bpe, count_corpus_pieces, train_bpe_on_pieces, ...
-#include "tokenizer/pretokenizer.h"   // defines: PreTokenizer, kK3Pattern
-#include "tokenizer/tokenizer.h"      // defines: Tokenizer, kimi_encode_parts
+#include "core/error.h"              // defines: Error
+#include "tokenizer/bpe_train.h"     // defines: train_bpe, count_corpus_pieces, train_bpe_on_pieces, ...
+#include "tokenizer/pretokenizer.h"  // defines: PreTokenizer, kK3Pattern
+#include "tokenizer/tokenizer.h"     // defines: Tokenizer, kimi_encode_parts
 #include "util/cli.h"
 #include "util/error_of.h"
-#include "util/temp_dir.h"            // defines: k3test::TempDir
+#include "util/temp_dir.h"  // defines: k3test::TempDir
 
 using namespace k3;
 using k3test::TempDir;
@@ -141,7 +141,8 @@ std::string english() {
 std::string utf8_cjk() {
   std::string s;
   for (int i = 0; i < 8; ++i) {
-    s += "naïve café Ünïcödé straße Привет мир, как дела? Ελληνικά 😀😀 emoji 👍🏽 ";
+    s += "naïve café Ünïcödé straße Привет мир, как дела? Ελληνικά 😀😀 emoji "
+         "👍🏽 ";
     s += "中文分词测试，中文分词很有趣。日本語のテキストも。한국어 텍스트 ";
     s += i % 2 ? "٣٤٥ १२३ ①②③\n" : "Ｆｕｌｌｗｉｄｔｈ ｔｅｘｔ\n";
   }
@@ -217,7 +218,9 @@ TEST(BpeTrain, OverlapsCountButMergeLeftToRight) {
   const BpeTrainResult r = train_counts({{"aaaa", 1}}, 257);
   EXPECT_EQ(r.merge_counts, (std::vector<int64_t>{3}));
   EXPECT_EQ(r.num_tokens, 2);  // aa, aa
-  EXPECT_THAT(error_of([] { train_counts({{"aaaa", 1}}, 258); }),
+  EXPECT_THAT(error_of([] {
+                train_counts({{"aaaa", 1}}, 258);
+              }),
               AllOf(HasSubstr("supports only 257 ranks"), HasSubstr("258 requested"), HasSubstr("at least 2 times")));
   const BpeTrainResult one = train_counts({{"aaaa", 1}}, 258, /*min_count=*/1);
   EXPECT_EQ(one.tokens[257], "aaaa");
@@ -274,7 +277,8 @@ TEST(BpeTrain, MatchesNaiveReferenceTrainer) {
       const BpeTrainResult got = train_counts(want_counts, n, min_count, /*keep=*/true);
       ASSERT_EQ(got.tokens.size(), ref.tokens.size());
       for (size_t i = 256; i < ref.tokens.size(); ++i)
-        ASSERT_EQ(got.tokens[i], ref.tokens[i]) << "first different rank " << i << " (count " << ref.counts[i - 256] << ")";
+        ASSERT_EQ(got.tokens[i], ref.tokens[i])
+            << "first different rank " << i << " (count " << ref.counts[i - 256] << ")";
       EXPECT_EQ(got.merge_counts, ref.counts);
       ASSERT_EQ(got.segmentations.size(), ref.seg.size());
       std::map<std::string, int32_t> rank;
@@ -382,10 +386,11 @@ TEST(BpeTrain, ErrorsNameTheProblem) {
               AllOf(HasSubstr("vocab size 255"), HasSubstr("256 to ")));
   EXPECT_THAT(error_of([&] { train_bpe({good}, kMaxTrainRanks + 1, kK3Pattern, o); }),
               HasSubstr("vocab size " + std::to_string(kMaxTrainRanks + 1)));
-  EXPECT_THAT(error_of([&] { train_bpe({good, missing}, 300, kK3Pattern, o); }),
+  EXPECT_THAT(error_of([&] {
+                train_bpe({good, missing}, 300, kK3Pattern, o);
+              }),
               AllOf(HasSubstr(missing), HasSubstr("does not exist")));
-  EXPECT_THAT(error_of([&] { train_bpe({dir.path().string()}, 300, kK3Pattern, o); }),
-              HasSubstr("is a directory"));
+  EXPECT_THAT(error_of([&] { train_bpe({dir.path().string()}, 300, kK3Pattern, o); }), HasSubstr("is a directory"));
   EXPECT_THAT(error_of([&] { train_bpe({empty}, 300, kK3Pattern, o); }),
               AllOf(HasSubstr("corpus is empty"), HasSubstr(empty)));
   EXPECT_THAT(error_of([&] { train_bpe({empty, empty}, 256, kK3Pattern, o); }), HasSubstr("corpus is empty"));
@@ -432,8 +437,8 @@ TEST(BpeTrainCli, WritesWhatTheLibraryTrains) {
     EXPECT_THAT(e.path().filename().string(), ::testing::AnyOf("tiktoken.model", "tokenizer_config.json"));
   // Same file with another thread count and the corpus listed twice (every count doubled: the
   // same comparisons, so the same merges while counts stay >= 2).
-  const Outcome r3 = run_k3({"tokenizer", "train", "--corpus", corpus, corpus, "--vocab-size", "400", "--out", out3,
-                             "--threads", "3"});
+  const Outcome r3 = run_k3(
+      {"tokenizer", "train", "--corpus", corpus, corpus, "--vocab-size", "400", "--out", out3, "--threads", "3"});
   ASSERT_EQ(r3.status, 0) << r3.output;
   EXPECT_EQ(read_file(out3 + "/tiktoken.model"), read_file(out1 + "/tiktoken.model"));
   EXPECT_EQ(Tokenizer::load_dir(out1).special_id(K3Special::kEndOfMsg), 402);
@@ -451,7 +456,8 @@ TEST(BpeTrainCli, BadInputIsACleanError) {
   const std::vector<Case> cases = {
       {{"--corpus", corpus, "--vocab-size", "100", "--out", out}, {"--vocab-size must be in [256,", "got 100"}},
       {{"--corpus", corpus, "--vocab-size", "99999999999", "--out", out}, {"--vocab-size must be in [256,"}},
-      {{"--corpus", dir.file("nope.txt"), "--vocab-size", "300", "--out", out}, {dir.file("nope.txt"), "does not exist"}},
+      {{"--corpus", dir.file("nope.txt"), "--vocab-size", "300", "--out", out},
+       {dir.file("nope.txt"), "does not exist"}},
       {{"--corpus", empty, "--vocab-size", "300", "--out", out}, {"corpus is empty", empty}},
       {{"--corpus", corpus, "--vocab-size", "300", "--out", corpus}, {corpus, "not a directory"}},
       {{"--corpus", corpus, "--vocab-size", "300", "--out", corpus + "/x"}, {"cannot create output directory"}},
@@ -468,7 +474,8 @@ TEST(BpeTrainCli, BadInputIsACleanError) {
     const std::string line = last_line(r.output);
     EXPECT_THAT(line, StartsWith("error: ")) << r.output;
     for (const auto& w : c.want) EXPECT_THAT(line, HasSubstr(w));
-    for (const char* bad : {"terminate called", "internal error", "Segmentation"}) EXPECT_THAT(r.output, ::testing::Not(HasSubstr(bad)));
+    for (const char* bad : {"terminate called", "internal error", "Segmentation"})
+      EXPECT_THAT(r.output, ::testing::Not(HasSubstr(bad)));
   }
   EXPECT_FALSE(fs::exists(out + "/tiktoken.model"));  // nothing written by a failed run
   const Outcome help = run_k3({"tokenizer", "train", "--help"});

@@ -68,8 +68,7 @@ class CliErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root_ = fs::temp_directory_path() /
-            ("k3-cli-errors-" + std::to_string(::getpid()) + "-" + info->name());
+    root_ = fs::temp_directory_path() / ("k3-cli-errors-" + std::to_string(::getpid()) + "-" + info->name());
     fs::remove_all(root_);
     fs::create_directories(root_);
   }
@@ -137,8 +136,8 @@ TEST_F(CliErrors, TruncatedInsideTheHeaderNamesFile) {
   const fs::path st = d / "model.safetensors";
   const StFile f = read_st(st);
   fs::resize_file(st, 8 + f.header_len / 2);
-  EXPECT_THAT(error_line(logits(d)),
-              AllOf(HasSubstr(st.string()), HasSubstr("truncated"), HasSubstr("header says " + std::to_string(f.header_len))));
+  EXPECT_THAT(error_line(logits(d)), AllOf(HasSubstr(st.string()), HasSubstr("truncated"),
+                                           HasSubstr("header says " + std::to_string(f.header_len))));
   expect_no_output_files();
 }
 
@@ -211,15 +210,17 @@ TEST_F(CliErrors, HugeSizesAreRefusedBeforeAllocating) {
   // sizes overflowed int64 parameter counts (UBSan abort in k3 inspect). Both are refused by name.
   const fs::path d = model_dir();
   edit_config(d, [](json& c) { c["text_config"]["num_hidden_layers"] = 1000000000000LL; });
-  EXPECT_THAT(error_line(logits(d)), AllOf(HasSubstr((d / "config.json").string()),
-                                           HasSubstr("text_config.num_hidden_layers"), HasSubstr("exceeds the supported maximum")));
+  EXPECT_THAT(error_line(logits(d)),
+              AllOf(HasSubstr((d / "config.json").string()), HasSubstr("text_config.num_hidden_layers"),
+                    HasSubstr("exceeds the supported maximum")));
   EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})),
               HasSubstr("text_config.num_hidden_layers"));
   edit_config(d, [](json& c) {
     c["text_config"]["num_hidden_layers"] = 8;
     c["text_config"]["vocab_size"] = 9000000000000000000LL;
   });
-  EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})), HasSubstr("text_config.vocab_size"));
+  EXPECT_THAT(error_line(run_k3({"inspect", "--config", (d / "config.json").string()})),
+              HasSubstr("text_config.vocab_size"));
   edit_config(d, [](json& c) {
     c["text_config"]["vocab_size"] = 1024;
     c["text_config"]["num_experts"] = 1 << 20;
@@ -233,8 +234,9 @@ TEST_F(CliErrors, HiddenSizeDisagreeingWithTheWeightsNamesTensorShapesAndConfig)
   const fs::path d = model_dir();
   edit_config(d, [](json& c) { c["text_config"]["hidden_size"] = 256; });
   EXPECT_THAT(error_line(logits(d)),
-              AllOf(HasSubstr((d / "model.safetensors").string()), HasSubstr("language_model.model.embed_tokens.weight"),
-                    HasSubstr("[1024, 128]"), HasSubstr("[1024, 256]"), HasSubstr((d / "config.json").string())));
+              AllOf(HasSubstr((d / "model.safetensors").string()),
+                    HasSubstr("language_model.model.embed_tokens.weight"), HasSubstr("[1024, 128]"),
+                    HasSubstr("[1024, 256]"), HasSubstr((d / "config.json").string())));
 }
 
 TEST_F(CliErrors, MissingConfigNamesIt) {
@@ -267,15 +269,20 @@ TEST_F(CliErrors, TokenIdOutsideTheVocabularyNamesIdsAndVocab) {
 }
 
 TEST_F(CliErrors, MalformedIdsNameTheFlagAndTheItem) {
-  for (const auto& [ids, item] : std::vector<std::pair<std::string, std::string>>{
-           {"1,,2", "''"}, {"a", "'a'"}, {"-3", "'-3'"}, {"1,2,", "''"}, {"", "''"}, {"3x", "'3x'"},
-           {"99999999999", "'99999999999'"}}) {
+  for (const auto& [ids, item] : std::vector<std::pair<std::string, std::string>>{{"1,,2", "''"},
+                                                                                  {"a", "'a'"},
+                                                                                  {"-3", "'-3'"},
+                                                                                  {"1,2,", "''"},
+                                                                                  {"", "''"},
+                                                                                  {"3x", "'3x'"},
+                                                                                  {"99999999999", "'99999999999'"}}) {
     EXPECT_THAT(error_line(logits(kFixture, {ids})), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
     Outcome g = run_k3({"generate", "--model", kFixture, "--ids", ids});
     EXPECT_THAT(error_line(g), AllOf(HasSubstr("--ids"), HasSubstr(item))) << ids;
   }
   // The `=` form, which CLI11 can never take for an option name.
-  EXPECT_THAT(error_line(run_k3({"generate", "--model", kFixture, "--ids=-3"})), AllOf(HasSubstr("--ids"), HasSubstr("'-3'")));
+  EXPECT_THAT(error_line(run_k3({"generate", "--model", kFixture, "--ids=-3"})),
+              AllOf(HasSubstr("--ids"), HasSubstr("'-3'")));
   expect_no_output_files();
 }
 
@@ -356,7 +363,7 @@ TEST_F(CliErrors, LogitsWritesTheInProcessForwardAndNoTempFile) {
   fs::create_directories(outdir);
   const fs::path out = outdir / "logits.safetensors";
   Outcome r = run_k3({"logits", "--model", kFixture, "--ids", join(a, ","), "--ids",
-                  join({b.begin(), b.begin() + T}, ","), "--out", out.string()});
+                      join({b.begin(), b.begin() + T}, ","), "--out", out.string()});
   ASSERT_EQ(r.status, 0) << r.command << "\n" << r.output;
   EXPECT_THAT(r.output, ::testing::Not(HasSubstr("Sanitizer")));
 
@@ -385,8 +392,8 @@ TEST_F(CliErrors, LogitsWritesTheInProcessForwardAndNoTempFile) {
     max_diff = std::max(max_diff, dlt / std::max(1.0, std::fabs(double(want[i]))));
     differing += got[i] != want[i];
   }
-  std::printf("k3 logits vs in-process forward: %zu of %zu values differ, max rel diff %.3g\n", differing,
-              got.size(), max_diff);
+  std::printf("k3 logits vs in-process forward: %zu of %zu values differ, max rel diff %.3g\n", differing, got.size(),
+              max_diff);
   EXPECT_LE(max_diff, 1e-6);
 }
 
@@ -395,7 +402,7 @@ TEST_F(CliErrors, GenerateGreedyPrintsTheGoldenContinuation) {
   ASSERT_EQ(want.size(), 24u);
   const fs::path err = root_ / "stderr.txt";
   Outcome r = run_k3({"generate", "--model", kFixture, "--ids", join(a, ","), "--max-new-tokens", "24", "--print-ids"},
-                 "2>" + k3test::shell_quote(err.string()));
+                     "2>" + k3test::shell_quote(err.string()));
   ASSERT_EQ(r.status, 0) << r.command << "\n" << read_bytes(err);
   const std::vector<std::string> lines = lines_of(r.output);
   ASSERT_FALSE(lines.empty());

@@ -12,8 +12,8 @@
 #include <string>
 
 #include "core/error.h"
-#include "model/config.h"
 #include "io/safetensors.h"
+#include "model/config.h"
 #include "model/param_count.h"
 
 using json = nlohmann::json;
@@ -50,18 +50,53 @@ std::string parse_error(const json& j) {
 
 void expect_same(const k3::K3Config& a, const k3::K3Config& b) {
 #define SAME(f) EXPECT_EQ(a.f, b.f) << #f
-  SAME(vocab_size); SAME(hidden_size); SAME(intermediate_size); SAME(num_hidden_layers);
-  SAME(num_attention_heads); SAME(num_key_value_heads); SAME(hidden_act); SAME(hidden_act_name);
-  SAME(situ_beta); SAME(situ_linear_beta); SAME(rms_norm_eps); SAME(q_lora_rank); SAME(kv_lora_rank);
-  SAME(qk_nope_head_dim); SAME(qk_rope_head_dim); SAME(v_head_dim); SAME(mla_use_output_gate);
-  SAME(mla_norm_eps); SAME(num_experts); SAME(num_experts_per_token); SAME(num_shared_experts);
-  SAME(moe_intermediate_size); SAME(routed_expert_hidden_size); SAME(latent_moe_use_norm);
-  SAME(moe_renormalize); SAME(routed_scaling_factor); SAME(use_grouped_topk); SAME(num_expert_group);
-  SAME(topk_group); SAME(topk_method); SAME(first_k_dense_replace); SAME(moe_layer_freq);
-  SAME(attn_res_block_size); SAME(max_position_embeddings); SAME(num_nextn_predict_layers);
-  SAME(tie_word_embeddings); SAME(bos_token_id); SAME(eos_token_id); SAME(pad_token_id);
-  SAME(initializer_range); SAME(kda_num_heads); SAME(kda_head_dim); SAME(short_conv_kernel_size);
-  SAME(gate_lower_bound); SAME(layer_kind); SAME(has_vision_config); SAME(experts_mxfp4);
+  SAME(vocab_size);
+  SAME(hidden_size);
+  SAME(intermediate_size);
+  SAME(num_hidden_layers);
+  SAME(num_attention_heads);
+  SAME(num_key_value_heads);
+  SAME(hidden_act);
+  SAME(hidden_act_name);
+  SAME(situ_beta);
+  SAME(situ_linear_beta);
+  SAME(rms_norm_eps);
+  SAME(q_lora_rank);
+  SAME(kv_lora_rank);
+  SAME(qk_nope_head_dim);
+  SAME(qk_rope_head_dim);
+  SAME(v_head_dim);
+  SAME(mla_use_output_gate);
+  SAME(mla_norm_eps);
+  SAME(num_experts);
+  SAME(num_experts_per_token);
+  SAME(num_shared_experts);
+  SAME(moe_intermediate_size);
+  SAME(routed_expert_hidden_size);
+  SAME(latent_moe_use_norm);
+  SAME(moe_renormalize);
+  SAME(routed_scaling_factor);
+  SAME(use_grouped_topk);
+  SAME(num_expert_group);
+  SAME(topk_group);
+  SAME(topk_method);
+  SAME(first_k_dense_replace);
+  SAME(moe_layer_freq);
+  SAME(attn_res_block_size);
+  SAME(max_position_embeddings);
+  SAME(num_nextn_predict_layers);
+  SAME(tie_word_embeddings);
+  SAME(bos_token_id);
+  SAME(eos_token_id);
+  SAME(pad_token_id);
+  SAME(initializer_range);
+  SAME(kda_num_heads);
+  SAME(kda_head_dim);
+  SAME(short_conv_kernel_size);
+  SAME(gate_lower_bound);
+  SAME(layer_kind);
+  SAME(has_vision_config);
+  SAME(experts_mxfp4);
 #undef SAME
 }
 
@@ -393,9 +428,9 @@ TEST(ParamCount, KimiK3MatchesRecount) {
   // Exact, from the §4 shapes.
   EXPECT_EQ(total, 2779484478208);
   EXPECT_EQ(active, 104189614848);
-  EXPECT_EQ(active + 163840LL * 7168, 105364019968);  // 105.36B including the embedding (§1)
-  EXPECT_EQ(group(g, "KDA attention").total, 69LL * 443740416);  // §4.3: 443,740,416 per layer
-  EXPECT_EQ(group(g, "routed experts").total, 92LL * 896 * 33030144);  // §4.6: 33,030,144 per expert
+  EXPECT_EQ(active + 163840LL * 7168, 105364019968);                        // 105.36B including the embedding (§1)
+  EXPECT_EQ(group(g, "KDA attention").total, 69LL * 443740416);             // §4.3: 443,740,416 per layer
+  EXPECT_EQ(group(g, "routed experts").total, 92LL * 896 * 33030144);       // §4.6: 33,030,144 per expert
   EXPECT_EQ(k3::format_count(group(g, "routed experts").total), "2.723T");  // §1: 2.7227T
   EXPECT_EQ(group(g, "routed experts").active, 92LL * 16 * 33030144);
   EXPECT_EQ(group(g, "embedding").active, 0);

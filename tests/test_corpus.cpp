@@ -20,9 +20,7 @@ using k3test::fixture;
 
 namespace {
 
-void write(const std::filesystem::path& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
+void write(const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 // Filler: three documents of numbered sentences, so a prompt's sentences are easy to recognise.
 std::vector<std::string> filler_docs() {
@@ -117,7 +115,8 @@ TEST(RetrievalTasks, PasskeyPromptContract) {
       const std::smatch m = *begin;
       EXPECT_EQ(m[1].str(), m[2].str());
       EXPECT_EQ(ex.answer, " " + m[1].str());
-      EXPECT_TRUE(ex.prompt.size() >= 37 && ex.prompt.substr(ex.prompt.size() - 37) == "What is the pass key? The pass key is");
+      EXPECT_TRUE(ex.prompt.size() >= 37 &&
+                  ex.prompt.substr(ex.prompt.size() - 37) == "What is the pass key? The pass key is");
       EXPECT_GE(ex.depth, 0.0);
       EXPECT_LE(ex.depth, 1.0);
     }

@@ -162,9 +162,9 @@ TEST(CudaDense, ConvertF32ToBf16BitExact) {
   const int64_t n = 1000003;  // odd: a scalar tail after the 8-wide packs
   auto v = randf(n, 11);
   for (int64_t i = 0; i < n; i += 7) v[size_t(i)] = std::ldexp(v[size_t(i)], int(i % 200) - 100);
-  const uint32_t specials[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffa12345u, 0x80000000u,
-                               0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f7fffffu,
-                               0x7f7f8000u, 0x00008000u};
+  const uint32_t specials[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffa12345u,
+                               0x80000000u, 0x00000001u, 0x807fffffu, 0x3f808000u, 0x3f818000u,
+                               0x3f80ffffu, 0x7f7fffffu, 0x7f7f8000u, 0x00008000u};
   for (size_t i = 0; i < sizeof(specials) / 4; ++i) std::memcpy(&v[i * 13], &specials[i], 4);
   kc::DeviceBuffer<float> src(v.data(), v.size());
   for (int off : {0, 1}) {  // off = 1: pointers not 16-byte aligned, the scalar path
@@ -215,8 +215,8 @@ TEST(CudaDense, EmbeddingGatherBitExact) {
     for (int64_t t = 0; t < T; ++t) ids[size_t(t)] = int32_t((t * 7919 + 3) % V);
     ids[5] = ids[6] = 0;
     ids[7] = int32_t(V - 1);
-    ids[8] = -1;              // out of range: NaN row
-    ids[9] = int32_t(V);      // out of range: NaN row
+    ids[8] = -1;          // out of range: NaN row
+    ids[9] = int32_t(V);  // out of range: NaN row
     kc::DeviceBuffer<uint16_t> dt(table.data(), table.size());
     kc::DeviceBuffer<int32_t> di(ids.data(), ids.size());
     GuardedOut out(size_t(T * D), DType::F32);
@@ -328,7 +328,8 @@ TEST(CudaDense, RmsNormRejectsWhatItCannotRun) {
   p.N = 1, p.D = 40000;
   kc::DeviceBuffer<float> b(40000);
   p.x = p.y = b.data();
-  EXPECT_NE(k3::norm::cuda::can_run(p).find("register-resident row limit"), std::string::npos) << k3::norm::cuda::can_run(p);
+  EXPECT_NE(k3::norm::cuda::can_run(p).find("register-resident row limit"), std::string::npos)
+      << k3::norm::cuda::can_run(p);
   EXPECT_THROW(k3::norm::cuda::rmsnorm_forward(p), k3::Error);
   p.D = 16, p.x_type = DType::I64;
   EXPECT_NE(k3::norm::cuda::can_run(p).find("F32 or BF16"), std::string::npos);
@@ -451,8 +452,8 @@ struct AttnResCase {
 };
 
 void run_attnres_case(const AttnResCase& c, uint64_t seed) {
-  const std::string ctx = "S=" + std::to_string(c.S) + " N=" + std::to_string(c.N) + " D=" + std::to_string(c.D) +
-                          " " + tname(c.src) + "->" + tname(c.out) + (c.want_out ? " out" : "") +
+  const std::string ctx = "S=" + std::to_string(c.S) + " N=" + std::to_string(c.N) + " D=" + std::to_string(c.D) + " " +
+                          tname(c.src) + "->" + tname(c.out) + (c.want_out ? " out" : "") +
                           (c.want_norm ? (c.norm_weight ? " norm(w)" : " norm") : "") +
                           " qscale=" + std::to_string(c.query_scale);
   SCOPED_TRACE(ctx);
@@ -577,7 +578,9 @@ struct GemmCase {
 };
 
 std::string gemm_ctx(const GemmCase& g, DType in, DType out, k3::gemm::cuda::GemmBackend b) {
-  const char* bn = b == k3::gemm::cuda::GemmBackend::Auto ? "auto" : b == k3::gemm::cuda::GemmBackend::Lt ? "lt" : "classic";
+  const char* bn = b == k3::gemm::cuda::GemmBackend::Auto ? "auto"
+                   : b == k3::gemm::cuda::GemmBackend::Lt ? "lt"
+                                                          : "classic";
   return "M=" + std::to_string(g.M) + " N=" + std::to_string(g.N) + " K=" + std::to_string(g.K) +
          " pad_x=" + std::to_string(g.pad_x) + " pad_y=" + std::to_string(g.pad_y) + (g.accumulate ? " acc " : " ") +
          tname(in) + "->" + tname(out) + " " + bn;
@@ -656,13 +659,13 @@ TEST(CudaDense, GemmBf16MatchesCpu) {
   k3::gemm::cuda::GemmContext ctx;
   using B = k3::gemm::cuda::GemmBackend;
   const GemmCase cases[] = {
-      {1, 128, 128},             // decode row
-      {37, 300, 7168},           // rows not a multiple of any tile; hidden 7168
-      {5, 1000, 130},            // K not a multiple of 8: no 16-byte rows
+      {1, 128, 128},    // decode row
+      {37, 300, 7168},  // rows not a multiple of any tile; hidden 7168
+      {5, 1000, 130},   // K not a multiple of 8: no 16-byte rows
       {64, 7168, 128},
-      {37, 129, 7168, 8, 3},     // strided x and y, odd N
-      {37, 256, 7168, 0, 0, true},   // accumulate
-      {3, 136, 1000, 24, 8, true},   // strided accumulate
+      {37, 129, 7168, 8, 3},        // strided x and y, odd N
+      {37, 256, 7168, 0, 0, true},  // accumulate
+      {3, 136, 1000, 24, 8, true},  // strided accumulate
   };
   uint64_t seed = 500;
   for (const auto& g : cases)
@@ -702,7 +705,8 @@ TEST(CudaDense, GemmF32ExactIntegerDataIsExactAtHidden7168) {
   k3::gemm::cuda::GemmContext ctx;
   // Integers in [-8, 8]: every product and partial sum (|sum| <= 64·7168 < 2^24) is exact in fp32,
   // so any summation order gives the exact result: a layout or stride error cannot hide in rounding.
-  for (const GemmCase& g : {GemmCase{37, 129, 7168}, GemmCase{4, 7168, 7168, 16, 0}, GemmCase{19, 300, 7168, 0, 0, true}}) {
+  for (const GemmCase& g :
+       {GemmCase{37, 129, 7168}, GemmCase{4, 7168, 7168, 16, 0}, GemmCase{19, 300, 7168, 0, 0, true}}) {
     const int64_t n_x = g.M * (g.K + g.pad_x), n_w = g.N * g.K;
     std::vector<float> x(static_cast<size_t>(n_x)), w(static_cast<size_t>(n_w));
     uint64_t s = 12345;
@@ -716,7 +720,8 @@ TEST(CudaDense, GemmF32ExactIntegerDataIsExactAtHidden7168) {
     run_gemm(ctx, g, DType::F32, DType::F32, k3::gemm::cuda::GemmBackend::Auto, x, w, &got, &ref, /*integer_y0=*/true);
     ASSERT_EQ(got.size(), ref.size());
     for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_EQ(got[i], ref[i]) << "element " << i << " " << gemm_ctx(g, DType::F32, DType::F32, k3::gemm::cuda::GemmBackend::Auto);
+      ASSERT_EQ(got[i], ref[i]) << "element " << i << " "
+                                << gemm_ctx(g, DType::F32, DType::F32, k3::gemm::cuda::GemmBackend::Auto);
   }
 }
 

@@ -16,8 +16,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -135,9 +135,8 @@ Result cpu_ref(const Case& c, bool chunked = false) {
       k3::kda::kda_chunk_forward(r.o.data() + b * sx, c.q.data() + b * sx, c.k.data() + b * sx, c.v.data() + b * sx,
                                  c.g.data() + b * sx, c.beta.data() + b * sb, c.scale, st.data(), c.T, c.H, D, D, 64);
     else
-      k3::kda::kda_recurrent_forward(r.o.data() + b * sx, c.q.data() + b * sx, c.k.data() + b * sx,
-                                     c.v.data() + b * sx, c.g.data() + b * sx, c.beta.data() + b * sb, c.scale,
-                                     st.data(), c.T, c.H, D, D);
+      k3::kda::kda_recurrent_forward(r.o.data() + b * sx, c.q.data() + b * sx, c.k.data() + b * sx, c.v.data() + b * sx,
+                                     c.g.data() + b * sx, c.beta.data() + b * sb, c.scale, st.data(), c.T, c.H, D, D);
     for (size_t i = 0; i < ss; ++i) r.state[b * ss + i] = float(st[i]);
   }
   return r;
@@ -352,8 +351,10 @@ TEST(CudaKdaChunk, PrefillThenDecodeEqualsLongerPrefill) {
         c.scale = whole.scale;
         for (int64_t b = 0; b < B; ++b) {
           const size_t x0 = size_t((b * T + t0) * H * D), x1 = size_t((b * T + t1) * H * D);
-          const std::pair<Vec*, const Vec*> parts[] = {
-              {&c.q, &whole.q}, {&c.k, &whole.k}, {&c.v, &whole.v}, {&c.g, &whole.g}};
+          const std::pair<Vec*, const Vec*> parts[] = {{&c.q, &whole.q},
+                                                       {&c.k, &whole.k},
+                                                       {&c.v, &whole.v},
+                                                       {&c.g, &whole.g}};
           for (const auto& [dst, src] : parts) dst->insert(dst->end(), src->begin() + x0, src->begin() + x1);
           c.beta.insert(c.beta.end(), whole.beta.begin() + (b * T + t0) * H, whole.beta.begin() + (b * T + t1) * H);
         }
@@ -565,9 +566,10 @@ TEST(CudaKdaChunk, PrepareWorkspaceMatchesAlgebra) {
         const double e6 = rel(gg, gr);
         // gamma = e^G with G summed in fp32: |G| <= 80, 16 additions of <= 2^-24 * 80 each -> <= 7.6e-5 in G.
         EXPECT_LE(e6, 1e-4) << "gamma chunk " << n << " head " << h << " D=" << D;
-        std::printf("[workspace D=%d chunk %lld head %lld] rel L2: Qw %.2g Kw %.2g Kr %.2g Aw %.2g Mw %.2g "
-                    "gamma %.2g\n",
-                    D, (long long)n, (long long)h, e1, e2, e3, e4, e5, e6);
+        std::printf(
+            "[workspace D=%d chunk %lld head %lld] rel L2: Qw %.2g Kw %.2g Kr %.2g Aw %.2g Mw %.2g "
+            "gamma %.2g\n",
+            D, (long long)n, (long long)h, e1, e2, e3, e4, e5, e6);
       }
   }
 }
@@ -717,8 +719,7 @@ TEST(CudaKdaGate, MatchesCpuAndRespectsTheBound) {
   const Vec A_log = normal(rng, size_t(H), 0.5f), dt = normal(rng, size_t(H * D), 0.5f);
   Vec ref(z.size());
   k3::kda::gate_forward(ref.data(), z.data(), A_log.data(), dt.data(), -5.0f, rows, H, D);
-  DeviceBuffer<float> dz(z.data(), z.size()), dA(A_log.data(), A_log.size()), ddt(dt.data(), dt.size()),
-      dg(z.size());
+  DeviceBuffer<float> dz(z.data(), z.size()), dA(A_log.data(), A_log.size()), ddt(dt.data(), dt.size()), dg(z.size());
   kc::gate_forward(dg.data(), dz.data(), dA.data(), ddt.data(), -5.0f, rows, H, D);
   const Vec got = download(dg, z.size());
   EXPECT_LE(rel(got, ref), kF32Tol);

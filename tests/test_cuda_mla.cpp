@@ -13,14 +13,14 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda.h"            // defines: cuda::DeviceBuffer, cuda::synchronize
-#include "core/dtype.h"           // defines: f32_to_bf16, bf16_to_f32
-#include "core/error.h"           // defines: k3::Error
-#include "kernels/mla/mla.h"      // defines: mla::attention_head_expanded, mla::attention_head_latent
-#include "kernels/mla/mla_cuda.h" // defines: mla::cuda::prefill, mla::cuda::decode
-#include "util/compare.h"         // defines: rel_l2
-#include "util/cuda_test.h"       // defines: K3_REQUIRE_GPU
-#include "util/random.h"          // defines: randn
+#include "core/cuda.h"             // defines: cuda::DeviceBuffer, cuda::synchronize
+#include "core/dtype.h"            // defines: f32_to_bf16, bf16_to_f32
+#include "core/error.h"            // defines: k3::Error
+#include "kernels/mla/mla.h"       // defines: mla::attention_head_expanded, mla::attention_head_latent
+#include "kernels/mla/mla_cuda.h"  // defines: mla::cuda::prefill, mla::cuda::decode
+#include "util/compare.h"          // defines: rel_l2
+#include "util/cuda_test.h"        // defines: K3_REQUIRE_GPU
+#include "util/random.h"           // defines: randn
 
 using namespace k3;
 namespace mc = k3::mla::cuda;
@@ -124,11 +124,13 @@ void check_prefill(const PrefillCase& c, uint64_t seed) {
         for (int64_t j = 0; j < c.Dn; ++j) kvh[size_t(s * (c.Dn + c.Dv) + j)] = knope.f[size_t(bsh * c.Dn + j)];
         for (int64_t j = 0; j < c.Dv; ++j) kvh[size_t(s * (c.Dn + c.Dv) + c.Dn + j)] = v.f[size_t(bsh * c.Dv + j)];
       }
-      mla::attention_head_expanded(&ref[size_t((b * c.n * H + h) * c.Dv)], H * c.Dv, &q.f[size_t((b * c.n * H + h) * dq)],
-                                   H * dq, kvh.data(), krot.f.data() + b * T * c.Dr, c.Dr, c.n, c.p0, dcpu, scale);
+      mla::attention_head_expanded(&ref[size_t((b * c.n * H + h) * c.Dv)], H * c.Dv,
+                                   &q.f[size_t((b * c.n * H + h) * dq)], H * dq, kvh.data(),
+                                   krot.f.data() + b * T * c.Dr, c.Dr, c.n, c.p0, dcpu, scale);
     }
 
-  cuda::DeviceBuffer<uint16_t> dq_(q.bits.data(), q.bits.size()), dk(k.data(), k.size()), dv(v.bits.data(), v.bits.size());
+  cuda::DeviceBuffer<uint16_t> dq_(q.bits.data(), q.bits.size()), dk(k.data(), k.size()),
+      dv(v.bits.data(), v.bits.size());
   mc::PrefillParams p;
   p.q = dq_.data();
   p.k = dk.data();
@@ -208,7 +210,8 @@ DecodeRun run_decode(const DecodeCase& c, const std::vector<uint16_t>& cache_bit
       mla::attention_head_latent(ol.data(), ql.data(), qr.data(), c.Dr, &cache_f[size_t(b * T * ldc)], ldc, c.n, c.p0,
                                  dcpu, scale);
       for (int64_t i = 0; i < c.n; ++i)
-        for (int64_t j = 0; j < c.R; ++j) out.ref[size_t(((b * c.n + i) * H + h) * c.R + j)] = float(ol[size_t(i * c.R + j)]);
+        for (int64_t j = 0; j < c.R; ++j)
+          out.ref[size_t(((b * c.n + i) * H + h) * c.R + j)] = float(ol[size_t(i * c.R + j)]);
     }
 
   // GPU.
@@ -277,10 +280,10 @@ TEST(CudaMla, PrefillSmallDims) {
 
 TEST(CudaMla, PrefillOtherBuckets) {
   K3_REQUIRE_GPU();
-  check_prefill({1, 130, 0, 8, 64, 32, 64, false}, 21);   // k3-1b / k3-small: qk 96 in the (128, 128) bucket
-  check_prefill({2, 65, 31, 2, 160, 64, 96, true}, 22);   // qk 224, v 96: the (256, 128) bucket
-  check_prefill({1, 200, 0, 2, 16, 16, 16, false}, 23);   // the smallest dims
-  check_prefill({1, 90, 40, 2, 64, 0, 128, false}, 24);   // Dr = 0
+  check_prefill({1, 130, 0, 8, 64, 32, 64, false}, 21);  // k3-1b / k3-small: qk 96 in the (128, 128) bucket
+  check_prefill({2, 65, 31, 2, 160, 64, 96, true}, 22);  // qk 224, v 96: the (256, 128) bucket
+  check_prefill({1, 200, 0, 2, 16, 16, 16, false}, 23);  // the smallest dims
+  check_prefill({1, 90, 40, 2, 64, 0, 128, false}, 24);  // Dr = 0
 }
 
 TEST(CudaMla, PrefillK3Dims) {
@@ -294,20 +297,21 @@ TEST(CudaMla, PrefillK3Dims) {
 
 TEST(CudaMla, DecodeSmallDims) {
   K3_REQUIRE_GPU();
-  check_decode({1, 1, 0, 4, 32, 16, 32, 0, false, 0}, 41);       // T = 1
-  check_decode({2, 1, 99, 4, 32, 16, 32, 0, false, 1}, 42);      // one split, 100 rows
-  check_decode({2, 1, 99, 4, 32, 16, 32, 0, false, 3}, 42, 2);   // the same, split (combine pass)
-  check_decode({2, 3, 97, 4, 32, 16, 32, 16, true, 4}, 43, 2);   // 3 new tokens (causal among them), padded rows
-  check_decode({1, 2, 500, 6, 64, 32, 32, 0, false, 0}, 44);     // k3-small dims, auto splits
+  check_decode({1, 1, 0, 4, 32, 16, 32, 0, false, 0}, 41);      // T = 1
+  check_decode({2, 1, 99, 4, 32, 16, 32, 0, false, 1}, 42);     // one split, 100 rows
+  check_decode({2, 1, 99, 4, 32, 16, 32, 0, false, 3}, 42, 2);  // the same, split (combine pass)
+  check_decode({2, 3, 97, 4, 32, 16, 32, 16, true, 4}, 43, 2);  // 3 new tokens (causal among them), padded rows
+  check_decode({1, 2, 500, 6, 64, 32, 32, 0, false, 0}, 44);    // k3-small dims, auto splits
 }
 
 TEST(CudaMla, DecodeK3Dims) {
   K3_REQUIRE_GPU();
   check_decode({1, 1, 299, 64, 128, 64, 512, 0, false, 0}, 51, 2);  // auto: several splits
   check_decode({1, 1, 299, 64, 128, 64, 512, 0, false, 1}, 51);     // the same on one split
-  check_decode({2, 2, 250, 64, 128, 64, 512, 0, true, 5}, 52, 4);   // 2 tokens = 2 row tiles, bf16 q (5 asked: 4 of 64 keys)
+  check_decode({2, 2, 250, 64, 128, 64, 512, 0, true, 5}, 52,
+               4);  // 2 tokens = 2 row tiles, bf16 q (5 asked: 4 of 64 keys)
   check_decode({1, 1, 4999, 16, 128, 64, 512, 64, false, 3}, 53, 3);  // long splits, padded cache rows
-  check_decode({1, 1, 128, 8, 64, 32, 256, 0, false, 0}, 54);     // R = 256: the generic (512, 64) bucket
+  check_decode({1, 1, 128, 8, 64, 32, 256, 0, false, 0}, 54);         // R = 256: the generic (512, 64) bucket
 }
 
 // Decode through the absorbed weights equals prefill through the expanded ones: with
@@ -380,7 +384,8 @@ TEST(CudaMla, DecodeMatchesLastRowsOfPrefill) {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t j = 0; j < Dv; ++j) {
           double acc = 0;
-          for (int64_t rr = 0; rr < R; ++rr) acc += wvb[size_t((h * Dv + j) * R + rr)] * r.got[size_t((i * H + h) * R + rr)];
+          for (int64_t rr = 0; rr < R; ++rr)
+            acc += wvb[size_t((h * Dv + j) * R + rr)] * r.got[size_t((i * H + h) * R + rr)];
           expanded[size_t((i * H + h) * Dv + j)] = float(acc);
           last[size_t((i * H + h) * Dv + j)] = full[size_t(((T - nd + i) * H + h) * Dv + j)];
         }

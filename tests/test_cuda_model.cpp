@@ -103,7 +103,7 @@ std::vector<float> forward_fresh(CudaModel& m, const std::vector<std::vector<int
 
 // Every block output and routing decision of one forward, by fixture name.
 struct Trace {
-  std::map<std::string, std::vector<float>> tensors;           // attn_out.L, ffn_out.L
+  std::map<std::string, std::vector<float>> tensors;          // attn_out.L, ffn_out.L
   std::map<int64_t, std::vector<std::set<int32_t>>> experts;  // layer -> per token, the chosen set
   ForwardHooks hooks() {
     ForwardHooks h;
@@ -312,8 +312,8 @@ TEST(CpuTwin, ReplaceHookFeedsBlockOutputsToTheForward) {
     for (const char* kind : {"attn_out", "ffn_out"}) {
       const std::string key = std::string(kind) + "." + std::to_string(l);
       const bool moe = std::string(kind) == "ffn_out" && c.is_moe_layer(l);
-      const std::vector<std::set<int32_t>> want_experts = moe ? golden_experts(l, c.num_experts_per_token)
-                                                              : std::vector<std::set<int32_t>>{};
+      const std::vector<std::set<int32_t>> want_experts =
+          moe ? golden_experts(l, c.num_experts_per_token) : std::vector<std::set<int32_t>>{};
       int64_t flipped = 0, unused = 0;
       const double e = block_rel_l2(forced.tensors.at(key), golden().read_f32(key), c.hidden_size,
                                     moe ? &forced.experts.at(l) : nullptr, moe ? &want_experts : nullptr, &flipped);
@@ -324,10 +324,11 @@ TEST(CpuTwin, ReplaceHookFeedsBlockOutputsToTheForward) {
       flipped_tokens += flipped;
     }
   const std::vector<float> want = golden().read_f32("logits_ids_a");
-  std::printf("CPU twin vs float64 golden: first block %.3e; worst block free %.3e, fed the golden blocks %.3e "
-              "(%lld token-layers routed differently, left out); logits %.3e vs %.3e\n",
-              first, worst_free, worst_forced, (long long)flipped_tokens, rel_l2(free_logits, want),
-              rel_l2(forced_logits, want));
+  std::printf(
+      "CPU twin vs float64 golden: first block %.3e; worst block free %.3e, fed the golden blocks %.3e "
+      "(%lld token-layers routed differently, left out); logits %.3e vs %.3e\n",
+      first, worst_free, worst_forced, (long long)flipped_tokens, rel_l2(free_logits, want),
+      rel_l2(forced_logits, want));
   EXPECT_LE(worst_forced, 2 * first) << "a block's own bf16 noise is of the first block's size";
   EXPECT_GT(worst_free, 4 * first) << "the free twin must inherit noise, or this test shows nothing";
   EXPECT_LT(rel_l2(forced_logits, want), rel_l2(free_logits, want));
@@ -337,7 +338,8 @@ TEST(CpuTwin, ReplaceHookFeedsBlockOutputsToTheForward) {
 // The switch for CLI users: `k3 logits --precision bf16` on the CPU gives the twin's logits.
 TEST(CpuTwin, PrecisionFlagReachesTheCli) {
   k3test::TempDir dir("cpu-twin-cli");
-  const std::string plain = (dir.path() / "plain.safetensors").string(), twin = (dir.path() / "twin.safetensors").string();
+  const std::string plain = (dir.path() / "plain.safetensors").string(),
+                    twin = (dir.path() / "twin.safetensors").string();
   const std::string csv = joined(golden_row("ids_a"), ',');
   const std::vector<std::string> args = {"logits", "--model", fixture("k3-tiny-a"), "--ids", csv, "--out"};
   auto with = [&](const std::string& out) {
@@ -501,8 +503,9 @@ TEST(CudaModelBF16, PrefillTracksCpuTwinDenseModel) {
   const std::vector<float> gpu = forward_fresh(*dense().bf16, {ids}), exact = forward_fresh(*dense().f32, {ids});
   const std::vector<float> twin = forward_fresh(*dense().twin, {ids});
   const double e_gpu = rel_l2(gpu, exact), e_twin = rel_l2(twin, exact);
-  std::printf("GPU bf16 logits (dense random model, 100 tokens) from exact: GPU %.3e, CPU twin %.3e; GPU vs twin %.3e\n",
-              e_gpu, e_twin, rel_l2(gpu, twin));
+  std::printf(
+      "GPU bf16 logits (dense random model, 100 tokens) from exact: GPU %.3e, CPU twin %.3e; GPU vs twin %.3e\n", e_gpu,
+      e_twin, rel_l2(gpu, twin));
   EXPECT_TRUE(tracks_twin(e_gpu, e_twin));
 }
 
@@ -524,8 +527,8 @@ TEST(CudaModelBF16, ReferenceSwitchRunsTheSpecificationForms) {
   const std::vector<float> reference = forward_fresh(gpu, {ids});
   const std::vector<float> exact = forward_fresh(*dense().f32, {ids}), twin = forward_fresh(*dense().twin, {ids});
   const double e_ref = rel_l2(reference, exact), e_twin = rel_l2(twin, exact);
-  std::printf("GPU bf16 reference forms (100 tokens) from exact: %.3e (twin %.3e); from the chunked path: %.3e\n", e_ref,
-              e_twin, rel_l2(reference, chunked));
+  std::printf("GPU bf16 reference forms (100 tokens) from exact: %.3e (twin %.3e); from the chunked path: %.3e\n",
+              e_ref, e_twin, rel_l2(reference, chunked));
   EXPECT_NE(reference, chunked) << "the switch must change the kernels that run";
   EXPECT_TRUE(tracks_twin(e_ref, e_twin));
 }
@@ -559,8 +562,10 @@ TEST(CudaModelBF16, CachedDecodeTracksCpuTwinDenseModel) {
   for (int s = 0; s < 24; ++s) next = step({next});
   EXPECT_EQ(gc->length(), tc.length);
   const double e_gpu = rel_l2(all_g, all_f), e_twin = rel_l2(all_t, all_f);
-  std::printf("GPU bf16 cached decode (dense random model, prefill + append + 24 steps) from exact: GPU %.3e, CPU twin "
-              "%.3e (ratio %.2f; worst single step %.2f)\n", e_gpu, e_twin, e_gpu / e_twin, worst_ratio);
+  std::printf(
+      "GPU bf16 cached decode (dense random model, prefill + append + 24 steps) from exact: GPU %.3e, CPU twin "
+      "%.3e (ratio %.2f; worst single step %.2f)\n",
+      e_gpu, e_twin, e_gpu / e_twin, worst_ratio);
   EXPECT_TRUE(tracks_twin(e_gpu, e_twin));
 }
 
@@ -671,7 +676,8 @@ TEST(CudaModelCli, LogitsAndGenerateOnTheGpu) {
   const std::vector<int32_t> ids = golden_row("ids_a");
   const std::string csv = joined(ids, ',');
   const std::string model = fixture("k3-tiny-a");
-  auto r = k3test::run_k3({"logits", "--model", model, "--ids", csv, "--out", out, "--device", "cuda", "--precision", "f32"});
+  auto r = k3test::run_k3(
+      {"logits", "--model", model, "--ids", csv, "--out", out, "--device", "cuda", "--precision", "f32"});
   ASSERT_EQ(r.status, 0) << r.output;
   const SafeTensors st = SafeTensors::open(out);
   EXPECT_LE(rel_l2(st.read_f32("logits"), golden().read_f32("logits_ids_a")), kFixtureBar);
@@ -691,12 +697,13 @@ TEST(CudaModelCli, DeviceCudaWithoutGpuIsAClearError) {
   if (cuda::available(&why)) GTEST_SKIP() << "a GPU is present: LogitsAndGenerateOnTheGpu covers --device cuda";
   k3test::TempDir dir("cuda-cli-err");
   const std::string out = (dir.path() / "logits.safetensors").string();
-  auto r = k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", out, "--device", "cuda"});
+  auto r =
+      k3test::run_k3({"logits", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--out", out, "--device", "cuda"});
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--device cuda"), std::string::npos) << r.output;
   EXPECT_FALSE(std::filesystem::exists(out));
-  r = k3test::run_k3({"generate", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--device", "cuda", "--precision",
-                      "fp8"});
+  r = k3test::run_k3(
+      {"generate", "--model", fixture("k3-tiny-a"), "--ids", "1,2,3", "--device", "cuda", "--precision", "fp8"});
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--precision"), std::string::npos) << r.output;
 }
@@ -706,7 +713,8 @@ TEST(CudaModelConfig, ShapesTheKernelsCannotTakeAreNamed) {
   const K3Config ok = load_config(fixture("k3-tiny-a/config.json"));
   EXPECT_EQ(gpu_config_problem(ok, GpuPrecision::BF16), "");
   EXPECT_EQ(gpu_config_problem(ok, GpuPrecision::F32), "");
-  EXPECT_EQ(gpu_config_problem(load_config(std::string(K3_SOURCE_DIR) + "/configs/kimi-k3.json"), GpuPrecision::BF16), "");
+  EXPECT_EQ(gpu_config_problem(load_config(std::string(K3_SOURCE_DIR) + "/configs/kimi-k3.json"), GpuPrecision::BF16),
+            "");
   K3Config c = ok;
   c.kda_head_dim = 48;
   EXPECT_NE(gpu_config_problem(c, GpuPrecision::BF16).find("kda_head_dim 48"), std::string::npos);
@@ -742,7 +750,8 @@ TEST(CudaModelCli, PrecisionOnTheCpuIsF32OrBf16) {
   ASSERT_EQ(r.status, 0) << r.output;
   r = with({"--precision", "f32"}, "f32");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_EQ(SafeTensors::open(dir.file("plain")).read_f32("logits"), SafeTensors::open(dir.file("f32")).read_f32("logits"));
+  EXPECT_EQ(SafeTensors::open(dir.file("plain")).read_f32("logits"),
+            SafeTensors::open(dir.file("f32")).read_f32("logits"));
   r = with({"--precision", "fp8"}, "fp8");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("--precision"), std::string::npos) << r.output;

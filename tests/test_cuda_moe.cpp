@@ -105,10 +105,12 @@ std::vector<bf16> dequant_bf16(const Mx& m, int64_t E, int64_t rows, int64_t col
   std::vector<bf16> out(static_cast<size_t>(E * rows * cols));
   std::vector<float> row(static_cast<size_t>(cols));
   for (int64_t r = 0; r < E * rows; ++r) {
-    k3::mxfp4_decode_row(row.data(), &m.packed[static_cast<size_t>(r * cols / 2)], &m.scales[static_cast<size_t>(r * cols / 32)], cols);
+    k3::mxfp4_decode_row(row.data(), &m.packed[static_cast<size_t>(r * cols / 2)],
+                         &m.scales[static_cast<size_t>(r * cols / 32)], cols);
     for (int64_t c = 0; c < cols; ++c) {
       out[static_cast<size_t>(r * cols + c)] = k3::f32_to_bf16(row[static_cast<size_t>(c)]);
-      EXPECT_EQ(k3::bf16_to_f32(out[static_cast<size_t>(r * cols + c)]), row[static_cast<size_t>(c)]) << "dequantised value not exact in bf16";
+      EXPECT_EQ(k3::bf16_to_f32(out[static_cast<size_t>(r * cols + c)]), row[static_cast<size_t>(c)])
+          << "dequantised value not exact in bf16";
     }
   }
   return out;
@@ -200,7 +202,8 @@ std::vector<float> cpu_experts(const HostExperts& x, const std::vector<float>& z
         if (idx[static_cast<size_t>(t * K + k)] == e) rows.push_back({t, wt[static_cast<size_t>(t * K + k)]});
     if (rows.empty()) continue;
     const int64_t ne = int64_t(rows.size());
-    std::vector<float> zin(static_cast<size_t>(ne * L)), g(static_cast<size_t>(ne * I)), up(static_cast<size_t>(ne * I)), y(static_cast<size_t>(ne * L));
+    std::vector<float> zin(static_cast<size_t>(ne * L)), g(static_cast<size_t>(ne * I)),
+        up(static_cast<size_t>(ne * I)), y(static_cast<size_t>(ne * L));
     for (int64_t i = 0; i < ne; ++i)
       std::copy_n(&z[static_cast<size_t>(rows[static_cast<size_t>(i)].first * L)], L, &zin[static_cast<size_t>(i * L)]);
     k3::linear_forward(g.data(), zin.data(), ne, x.ref(1, e));
@@ -208,7 +211,9 @@ std::vector<float> cpu_experts(const HostExperts& x, const std::vector<float>& z
     k3::glu_forward(g.data(), g.data(), up.data(), ne * I, gp);
     k3::linear_forward(y.data(), g.data(), ne, x.ref(2, e));
     for (int64_t i = 0; i < ne; ++i)
-      for (int64_t j = 0; j < L; ++j) u[static_cast<size_t>(rows[static_cast<size_t>(i)].first * L + j)] += rows[static_cast<size_t>(i)].second * y[static_cast<size_t>(i * L + j)];
+      for (int64_t j = 0; j < L; ++j)
+        u[static_cast<size_t>(rows[static_cast<size_t>(i)].first * L + j)] +=
+            rows[static_cast<size_t>(i)].second * y[static_cast<size_t>(i * L + j)];
   }
   return u;
 }
@@ -310,8 +315,8 @@ TEST(CudaMoeRouter, NanScoresGiveTheCpusExperts) {
   k3::moe::RouterParams p{E, K, 8, 3, true, 1.0f};
   std::vector<float> logits(static_cast<size_t>(T * E));
   for (int64_t i = 0; i < T * E; ++i) logits[size_t(i)] = float((i * 37) % 11) - 5.0f;
-  for (int64_t e = 0; e < E; ++e) logits[size_t(e)] = NAN;                  // token 0: all NaN
-  for (int64_t e = 0; e < E; e += 3) logits[size_t(E + e)] = NAN;           // token 1: some NaN
+  for (int64_t e = 0; e < E; ++e) logits[size_t(e)] = NAN;         // token 0: all NaN
+  for (int64_t e = 0; e < E; e += 3) logits[size_t(E + e)] = NAN;  // token 1: some NaN
   std::vector<int32_t> idx_c(static_cast<size_t>(T * K));
   std::vector<float> w_c(idx_c.size());
   k3::moe::router_forward(idx_c.data(), w_c.data(), nullptr, logits.data(), nullptr, T, p);
@@ -333,11 +338,11 @@ TEST(CudaMoeRouter, MatchesCpuAwayFromTies) {
     bool bias;
   };
   const RC cases[] = {
-      {77, 896, 16, 1, 1, true, 1.0f, true},    // K3
-      {33, 16, 4, 1, 1, true, 1.0f, true},      // k3-tiny
-      {129, 192, 4, 1, 1, true, 1.0f, false},   // k3-1b, no bias
-      {50, 64, 6, 8, 3, true, 2.5f, true},      // group-limited (DeepSeek-V3 style)
-      {41, 256, 8, 1, 1, false, 2.5f, true},    // no renormalisation
+      {77, 896, 16, 1, 1, true, 1.0f, true},   // K3
+      {33, 16, 4, 1, 1, true, 1.0f, true},     // k3-tiny
+      {129, 192, 4, 1, 1, true, 1.0f, false},  // k3-1b, no bias
+      {50, 64, 6, 8, 3, true, 2.5f, true},     // group-limited (DeepSeek-V3 style)
+      {41, 256, 8, 1, 1, false, 2.5f, true},   // no renormalisation
   };
   std::mt19937_64 r(1234);
   for (const RC& c : cases) {
@@ -367,7 +372,8 @@ TEST(CudaMoeRouter, MatchesCpuAwayFromTies) {
       // biased scores in descending order; a token is near a tie when two of its K+1 best (or, with
       // groups, two group scores) are within 1e-6.
       std::vector<float> sel(static_cast<size_t>(c.E));
-      for (int64_t e = 0; e < c.E; ++e) sel[static_cast<size_t>(e)] = s_c[static_cast<size_t>(t * c.E + e)] + (hb ? hb[e] : 0.0f);
+      for (int64_t e = 0; e < c.E; ++e)
+        sel[static_cast<size_t>(e)] = s_c[static_cast<size_t>(t * c.E + e)] + (hb ? hb[e] : 0.0f);
       bool near_tie = false;
       if (c.G > 1 && c.TG < c.G) {  // mask the groups the CPU twin drops, and check the group scores too
         const int64_t per = c.E / c.G;
@@ -379,14 +385,18 @@ TEST(CudaMoeRouter, MatchesCpuAwayFromTies) {
         }
         std::vector<int64_t> go(static_cast<size_t>(c.G));
         std::iota(go.begin(), go.end(), 0);
-        std::stable_sort(go.begin(), go.end(), [&](int64_t a, int64_t b) { return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)]; });
-        for (size_t i = 0; i + 1 < go.size(); ++i) near_tie |= gs[static_cast<size_t>(go[i])] - gs[static_cast<size_t>(go[i + 1])] < 1e-6f;
+        std::stable_sort(go.begin(), go.end(),
+                         [&](int64_t a, int64_t b) { return gs[static_cast<size_t>(a)] > gs[static_cast<size_t>(b)]; });
+        for (size_t i = 0; i + 1 < go.size(); ++i)
+          near_tie |= gs[static_cast<size_t>(go[i])] - gs[static_cast<size_t>(go[i + 1])] < 1e-6f;
         for (int64_t i = c.TG; i < c.G; ++i)
-          for (int64_t e = go[static_cast<size_t>(i)] * per; e < (go[static_cast<size_t>(i)] + 1) * per; ++e) sel[static_cast<size_t>(e)] = -INFINITY;
+          for (int64_t e = go[static_cast<size_t>(i)] * per; e < (go[static_cast<size_t>(i)] + 1) * per; ++e)
+            sel[static_cast<size_t>(e)] = -INFINITY;
       }
       std::vector<float> srt = sel;
       std::sort(srt.rbegin(), srt.rend());
-      for (int64_t i = 0; i < std::min(c.K, c.E - 1); ++i) near_tie |= srt[static_cast<size_t>(i)] - srt[static_cast<size_t>(i + 1)] < 1e-6f;
+      for (int64_t i = 0; i < std::min(c.K, c.E - 1); ++i)
+        near_tie |= srt[static_cast<size_t>(i)] - srt[static_cast<size_t>(i + 1)] < 1e-6f;
       if (near_tie) continue;
       ++compared;
       for (int64_t k = 0; k < c.K; ++k) {
@@ -410,7 +420,7 @@ TEST(CudaMoeRouter, ExactTiesGoToTheLowerExpert) {
   // token 1: expert 40 scores higher; token 2: experts 50..63 score lower (0.29), but the bias lifts 63
   logits[static_cast<size_t>(1 * E + 40)] = 2.0f;
   for (int64_t e = 50; e < E; ++e) logits[static_cast<size_t>(2 * E + e)] = 0.29f;  // lower raw score ...
-  bias[static_cast<size_t>(63)] = 0.5f;                                               // ... but 63 wins by bias
+  bias[static_cast<size_t>(63)] = 0.5f;                                             // ... but 63 wins by bias
   DeviceBuffer<float> dl(logits.data(), logits.size()), db(bias.data(), bias.size());
   DeviceBuffer<int32_t> di(static_cast<size_t>(T * K));
   DeviceBuffer<float> dw(static_cast<size_t>(T * K));
@@ -452,7 +462,8 @@ TEST(CudaMoeDispatch, CountsOffsetsSlotsAndTiles) {
     d.build(didx.data(), T, tm);
     ASSERT_EQ(d.tile_m(), tm);
     k3::cuda::synchronize();
-    std::vector<int32_t> counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1)), slot_of(static_cast<size_t>(S)), slot_token(static_cast<size_t>(S)), nt(1);
+    std::vector<int32_t> counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1)),
+        slot_of(static_cast<size_t>(S)), slot_token(static_cast<size_t>(S)), nt(1);
     k3::cuda::copy_to_host(counts.data(), d.counts(), counts.size() * 4);
     k3::cuda::copy_to_host(offsets.data(), d.offsets(), offsets.size() * 4);
     k3::cuda::copy_to_host(slot_of.data(), d.slot_of(), slot_of.size() * 4);
@@ -476,7 +487,8 @@ TEST(CudaMoeDispatch, CountsOffsetsSlotsAndTiles) {
     std::vector<char> seen(static_cast<size_t>(S), 0);
     for (int64_t i = 0; i < S; ++i) {
       const int32_t pos = slot_of[static_cast<size_t>(i)], e = idx[static_cast<size_t>(i)];
-      ASSERT_TRUE(pos >= offsets[static_cast<size_t>(e)] && pos < offsets[static_cast<size_t>(e + 1)]) << "slot " << i << " outside expert " << e;
+      ASSERT_TRUE(pos >= offsets[static_cast<size_t>(e)] && pos < offsets[static_cast<size_t>(e + 1)])
+          << "slot " << i << " outside expert " << e;
       ASSERT_FALSE(seen[static_cast<size_t>(pos)]) << "sorted row " << pos << " used twice";
       seen[static_cast<size_t>(pos)] = 1;
       ASSERT_EQ(slot_token[static_cast<size_t>(pos)], int32_t(i / K));
@@ -536,8 +548,8 @@ TEST(CudaMoeGemm, GroupedGemmMatchesCpu) {
       std::copy_n(&y[static_cast<size_t>(slot_of[static_cast<size_t>(i)] * N)], N, &got[static_cast<size_t>(i * N)]);
     }
     const double err = rel_l2(got, ref, mx ? "grouped_gemm MXFP4" : "grouped_gemm BF16");
-    std::printf("[gemm] %s N=%lld K=%lld rel L2 %.3e (tol %.0e)\n", mx ? "MXFP4" : "BF16 ", (long long)N,
-                (long long)Kd, err, kRelL2);
+    std::printf("[gemm] %s N=%lld K=%lld rel L2 %.3e (tol %.0e)\n", mx ? "MXFP4" : "BF16 ", (long long)N, (long long)Kd,
+                err, kRelL2);
     EXPECT_LE(err, kRelL2);
   }
 }
@@ -820,17 +832,17 @@ TEST(CudaMoeExperts, FastGluIsWithinBf16Rounding) {
     }
   const size_t n = g.size();
   DeviceBuffer<float> dg(g.data(), n), du(u.data(), n), dy(n);
-  for (const k3::GluParams glu : {k3::GluParams{true, 4.0f, 25.0f}, k3::GluParams{true, 1.0f, 1.0f},
-                                  k3::GluParams{false, 1.0f, 1.0f}}) {
+  for (const k3::GluParams glu :
+       {k3::GluParams{true, 4.0f, 25.0f}, k3::GluParams{true, 1.0f, 1.0f}, k3::GluParams{false, 1.0f, 1.0f}}) {
     mc::glu_eval(dy.data(), dg.data(), du.data(), int64_t(n), glu);
     const std::vector<float> y = download(dy, n);
     double worst = 0;
     size_t at = 0;
     for (size_t i = 0; i < n; ++i) {
       const double gd = g[i], ud = u[i], sg = 1.0 / (1.0 + std::exp(-gd));
-      const double ref = glu.situ ? glu.beta_gate * std::tanh(gd / glu.beta_gate) * sg * glu.beta_up *
-                                        std::tanh(ud / glu.beta_up)
-                                  : gd * sg * ud;
+      const double ref =
+          glu.situ ? glu.beta_gate * std::tanh(gd / glu.beta_gate) * sg * glu.beta_up * std::tanh(ud / glu.beta_up)
+                   : gd * sg * ud;
       ASSERT_TRUE(std::isfinite(y[i])) << "g " << g[i] << " u " << u[i];
       if (std::fabs(ref) < 1e-30) continue;  // σ(g) underflows in fp32 anyway
       const double rel = std::fabs(y[i] - ref) / std::fabs(ref);

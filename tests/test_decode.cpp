@@ -106,7 +106,8 @@ double cached_vs_full(Model& m, const std::vector<int32_t>& prompt, int steps, d
     EXPECT_EQ(cache.length, int64_t(seq.size())) << label << ": step " << step;
     const double err = rel_l2(got, full_last(m, seq));
     worst = std::max(worst, err);
-    EXPECT_LE(err, tol) << label << ": step " << step << " (" << seq.size() << " tokens in the sequence), rel L2 " << err;
+    EXPECT_LE(err, tol) << label << ": step " << step << " (" << seq.size() << " tokens in the sequence), rel L2 "
+                        << err;
     if (step == steps) break;
     const int32_t next = argmax(got.data(), V);
     seq.push_back(next);
@@ -132,7 +133,6 @@ std::vector<float> piecewise_all(Model& m, const std::vector<int32_t>& seq, cons
   return out;
 }
 
-
 json fixture_config() {
   std::ifstream in(fixture("k3-tiny-a/config.json"));
   return json::parse(in);
@@ -149,10 +149,13 @@ TEST(FixtureDecode, GreedyGenerateEqualsGoldenFullRecomputation) {
   ASSERT_EQ(want.size(), 24u);
   Sampler greedy(SamplingParams{});
   std::vector<int32_t> streamed;
-  GenerateResult r = generate(*k3test::engine_of(m), prompt, int64_t(want.size()), greedy, [&](int32_t t) { streamed.push_back(t); });
+  GenerateResult r =
+      generate(*k3test::engine_of(m), prompt, int64_t(want.size()), greedy, [&](int32_t t) { streamed.push_back(t); });
   EXPECT_FALSE(r.stopped_on_eos);
   ASSERT_EQ(r.tokens.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) { EXPECT_EQ(r.tokens[i], want[i]) << "generated token " << i; }
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(r.tokens[i], want[i]) << "generated token " << i;
+  }
   EXPECT_EQ(streamed, r.tokens) << "on_token must see every generated id, in order";
   // The golden cached continuation is the same sequence (the README says so; check the fixture).
   EXPECT_EQ(golden_row("greedy_cached_ids_a"), want);
@@ -207,9 +210,8 @@ TEST(FixtureDecode, UnevenPrefillEqualsOnePrefill) {
     PathScope path(m, reference);
     const std::vector<float> one = full_all(m, seq);
     double worst = 0.0;
-    for (const std::vector<int64_t>& pieces :
-         {std::vector<int64_t>{5, 1, 13}, std::vector<int64_t>{1, 1, 1, 30}, std::vector<int64_t>{16, 17},
-          std::vector<int64_t>{36}}) {
+    for (const std::vector<int64_t>& pieces : {std::vector<int64_t>{5, 1, 13}, std::vector<int64_t>{1, 1, 1, 30},
+                                               std::vector<int64_t>{16, 17}, std::vector<int64_t>{36}}) {
       std::string label = reference ? "reference path, pieces" : "default path, pieces";
       for (int64_t p : pieces) label.append(" ").append(std::to_string(p));
       label += " +rest";
@@ -459,30 +461,56 @@ TEST_P(VariantTest, ConfigIsWhatTheVariantSays) {
   const K3Config& c = model().config();
   const std::string n = name();
   EXPECT_EQ(c.hidden_size, 64) << n;
-  if (n == "kda_head_dim16_heads8") { EXPECT_TRUE(c.kda_head_dim == 16 && c.kda_num_heads == 8) << n; }
+  if (n == "kda_head_dim16_heads8") {
+    EXPECT_TRUE(c.kda_head_dim == 16 && c.kda_num_heads == 8) << n;
+  }
   if (n == "mla_q_proj_no_rope_v24") {
     EXPECT_TRUE(c.q_lora_rank == 0 && c.qk_rope_head_dim == 0 && c.v_head_dim == 24) << n;
     EXPECT_FALSE(model().weights().layers[2].mla.q_proj.empty()) << n;
   }
-  if (n == "attnres_block_gt_layers") { EXPECT_GT(c.attn_res_block_size, c.num_hidden_layers) << n; }
-  if (n == "shared_experts0") { EXPECT_TRUE(model().weights().layers[1].moe.shared.empty()) << n; }
-  if (n == "shared_experts3") { EXPECT_EQ(model().weights().layers[1].moe.shared.gate_proj.rows, 3 * 32) << n; }
-  if (n == "routed_scaling2.5") { EXPECT_EQ(c.routed_scaling_factor, 2.5f) << n; }
-  if (n == "no_renormalize") { EXPECT_FALSE(c.moe_renormalize) << n; }
+  if (n == "attnres_block_gt_layers") {
+    EXPECT_GT(c.attn_res_block_size, c.num_hidden_layers) << n;
+  }
+  if (n == "shared_experts0") {
+    EXPECT_TRUE(model().weights().layers[1].moe.shared.empty()) << n;
+  }
+  if (n == "shared_experts3") {
+    EXPECT_EQ(model().weights().layers[1].moe.shared.gate_proj.rows, 3 * 32) << n;
+  }
+  if (n == "routed_scaling2.5") {
+    EXPECT_EQ(c.routed_scaling_factor, 2.5f) << n;
+  }
+  if (n == "no_renormalize") {
+    EXPECT_FALSE(c.moe_renormalize) << n;
+  }
   if (n == "groups4_topk_group2") {
     EXPECT_TRUE(c.num_expert_group == 4 && c.topk_group == 2 && c.use_grouped_topk) << n;
   }
-  if (n == "experts_per_token1") { EXPECT_EQ(c.num_experts_per_token, 1) << n; }
-  if (n == "first_k_dense2") { EXPECT_TRUE(!c.is_moe_layer(1) && c.is_moe_layer(2)) << n; }
-  if (n == "moe_layer_freq2") { EXPECT_TRUE(c.is_moe_layer(2) && !c.is_moe_layer(3) && c.is_moe_layer(4)) << n; }
+  if (n == "experts_per_token1") {
+    EXPECT_EQ(c.num_experts_per_token, 1) << n;
+  }
+  if (n == "first_k_dense2") {
+    EXPECT_TRUE(!c.is_moe_layer(1) && c.is_moe_layer(2)) << n;
+  }
+  if (n == "moe_layer_freq2") {
+    EXPECT_TRUE(c.is_moe_layer(2) && !c.is_moe_layer(3) && c.is_moe_layer(4)) << n;
+  }
   if (n == "no_moe")
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) { EXPECT_FALSE(c.is_moe_layer(l)) << n; }
-  if (n == "silu") { EXPECT_EQ(c.hidden_act, Activation::SiLU) << n; }
-  if (n == "mla_no_output_gate") { EXPECT_TRUE(model().weights().layers[2].mla.g_proj.empty()) << n; }
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      EXPECT_FALSE(c.is_moe_layer(l)) << n;
+    }
+  if (n == "silu") {
+    EXPECT_EQ(c.hidden_act, Activation::SiLU) << n;
+  }
+  if (n == "mla_no_output_gate") {
+    EXPECT_TRUE(model().weights().layers[2].mla.g_proj.empty()) << n;
+  }
   if (n == "mla_first_kda_last") {
     EXPECT_TRUE(c.layer_kind[0] == AttnKind::MLA && c.layer_kind[5] == AttnKind::KDA) << n;
   }
-  if (n == "conv_kernel2") { EXPECT_EQ(c.short_conv_kernel_size, 2) << n; }
+  if (n == "conv_kernel2") {
+    EXPECT_EQ(c.short_conv_kernel_size, 2) << n;
+  }
   if (n == "mxfp4_experts") {
     EXPECT_TRUE(c.experts_mxfp4) << n;
     EXPECT_EQ(model().weights().layers[1].moe.experts[0].w1.format, WeightRef::Format::MXFP4) << n;
@@ -506,10 +534,10 @@ TEST_P(VariantTest, ReferencePathEqualsDefaultPath) {
   const std::vector<int32_t> seq = random_tokens(70, V, 99 + GetParam());
   const PathOptions saved = m.options();
   m.options().reference = false;
-  const std::vector<float> fast = full_all(m, seq);                   // KDA chunked (64 + 6), MLA expanded
-  const std::vector<float> pieces = piecewise_all(m, seq, {40, 8});   // + absorbed MLA / recurrence (8), chunked (22)
+  const std::vector<float> fast = full_all(m, seq);                  // KDA chunked (64 + 6), MLA expanded
+  const std::vector<float> pieces = piecewise_all(m, seq, {40, 8});  // + absorbed MLA / recurrence (8), chunked (22)
   m.options().reference = true;
-  const std::vector<float> ref = full_all(m, seq);                    // KDA recurrence, MLA expanded
+  const std::vector<float> ref = full_all(m, seq);  // KDA recurrence, MLA expanded
   const std::vector<float> ref_pieces = piecewise_all(m, seq, {40, 8});
   m.options() = saved;
   double worst = 0.0;
@@ -625,7 +653,8 @@ TEST_P(AttnResSkeleton, BlockInputsAndLogitsMatchIndependentSkeleton) {
   const std::vector<float> logits = m.forward({&cache}, {seq}, true, &hooks);
 
   // Everything below comes from the checkpoint file, not from the engine's bound weights.
-  const SafeTensors st = SafeTensors::open(m.config().source.substr(0, m.config().source.rfind('/')) + "/model.safetensors");
+  const SafeTensors st =
+      SafeTensors::open(m.config().source.substr(0, m.config().source.rfind('/')) + "/model.safetensors");
   const std::string P = "language_model.model.";
   auto query = [&](const std::string& n) {
     std::vector<float> w = st.read_f32(n + "_norm.weight"), p = st.read_f32(n + "_proj.weight");
@@ -667,15 +696,16 @@ TEST_P(AttnResSkeleton, BlockInputsAndLogitsMatchIndependentSkeleton) {
     ASSERT_EQ(a.size(), size_t(N * D)) << vname << " layer " << l;
     for (size_t i = 0; i < prefix.size(); ++i) prefix[i] = (fresh ? 0.0 : prefix[i]) + double(a[i]);
     const Mat h2 = attnres_ref(sources(prefix), query(p + "mlp_res"), N, D, eps);
-    check("ffn_in." + std::to_string(l), rmsnorm_ref(h2, st.read_f32(p + "post_attention_layernorm.weight"), N, D, eps));
+    check("ffn_in." + std::to_string(l),
+          rmsnorm_ref(h2, st.read_f32(p + "post_attention_layernorm.weight"), N, D, eps));
     const std::vector<float>& f = got["ffn_out." + std::to_string(l)];
     ASSERT_EQ(f.size(), size_t(N * D)) << vname << " layer " << l;
     for (size_t i = 0; i < prefix.size(); ++i) prefix[i] += double(f[i]);
   }
   // Number of sources at the output: the embedding + one snapshot per boundary after layer 0 + partial.
   EXPECT_EQ(int64_t(blocks.size()), (L - 1) / B + 1) << vname;
-  const std::vector<float> hn =
-      rmsnorm_ref(attnres_ref(sources(prefix), query(P + "output_attn_res"), N, D, eps), st.read_f32(P + "norm.weight"), N, D, eps);
+  const std::vector<float> hn = rmsnorm_ref(attnres_ref(sources(prefix), query(P + "output_attn_res"), N, D, eps),
+                                            st.read_f32(P + "norm.weight"), N, D, eps);
   std::vector<float> want(size_t(N * V));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t v = 0; v < V; ++v) {
@@ -835,7 +865,9 @@ void expect_frequencies(const std::vector<float>& logits, const SamplingParams& 
   for (size_t v = 0; v < logits.size(); ++v) {
     const double f = double(count[v]) / n;
     EXPECT_NEAR(f, want[v], 0.02) << label << ": id " << v;
-    if (want[v] == 0.0) { EXPECT_EQ(count[v], 0) << label << ": id " << v << " is outside the cut"; }
+    if (want[v] == 0.0) {
+      EXPECT_EQ(count[v], 0) << label << ": id " << v << " is outside the cut";
+    }
   }
 }
 
@@ -868,8 +900,8 @@ TEST(Sampler, BadParamsThrowNamingTheFlag) {
   const std::vector<Bad> bad = {
       {sampling(0.0f, 0, 1.0f, 0), "temperature"}, {sampling(-1.0f, 0, 1.0f, 0), "temperature"},
       {sampling(NAN, 0, 1.0f, 0), "temperature"},  {sampling(INFINITY, 0, 1.0f, 0), "temperature"},
-      {sampling(1.0f, 0, 0.0f, 0), "top-p"},        {sampling(1.0f, 0, 1.5f, 0), "top-p"},
-      {sampling(1.0f, 0, NAN, 0), "top-p"},         {sampling(1.0f, -1, 1.0f, 0), "top-k"},
+      {sampling(1.0f, 0, 0.0f, 0), "top-p"},       {sampling(1.0f, 0, 1.5f, 0), "top-p"},
+      {sampling(1.0f, 0, NAN, 0), "top-p"},        {sampling(1.0f, -1, 1.0f, 0), "top-k"},
   };
   for (const Bad& b : bad) {
     const std::string label = std::string(b.flag) + " (temperature " + std::to_string(b.p.temperature) + ", top_k " +
@@ -915,7 +947,8 @@ TEST(Generate, StopsOnEosAndIncludesIt) {
   ASSERT_EQ(m->config().eos_token_id, eos);
   std::vector<int32_t> streamed;
   Sampler greedy2(SamplingParams{});
-  const GenerateResult r = generate(*k3test::engine_of(*m), prompt, 10, greedy2, [&](int32_t t) { streamed.push_back(t); });
+  const GenerateResult r =
+      generate(*k3test::engine_of(*m), prompt, 10, greedy2, [&](int32_t t) { streamed.push_back(t); });
   EXPECT_TRUE(r.stopped_on_eos);
   const std::vector<int32_t> want(first.tokens.begin(), first.tokens.begin() + int64_t(stop) + 1);
   EXPECT_EQ(r.tokens, want) << "generation must stop right after the eos id, which is included";

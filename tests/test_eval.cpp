@@ -114,7 +114,8 @@ TEST(Eval, HeldoutLossEqualsDirectLogSoftmaxSum) {
   ASSERT_LT(cap, int64_t(toks.size()));
   eval::ExpertLoad load(m.config());
   int64_t calls = 0;
-  const eval::HeldoutResult r = eval::heldout_loss(k3test::tiny_engine(), shard, cap, window, &load, [&](int64_t, int64_t) { ++calls; });
+  const eval::HeldoutResult r =
+      eval::heldout_loss(k3test::tiny_engine(), shard, cap, window, &load, [&](int64_t, int64_t) { ++calls; });
 
   // Independent: windows [p, p+window) of the first `cap` tokens, cut after each kEod, 1-token pieces dropped.
   double sum = 0;
@@ -148,7 +149,8 @@ TEST(Eval, HeldoutLossEqualsDirectLogSoftmaxSum) {
   // Every token of every run piece is routed to k experts in every MoE layer.
   int64_t routed_tokens = 0;
   for (int64_t p = 0; p + 2 <= cap; p += window)
-    for (const auto& piece : train::window_pieces(shard, p, std::min(window, cap - p))) routed_tokens += int64_t(piece.size());
+    for (const auto& piece : train::window_pieces(shard, p, std::min(window, cap - p)))
+      routed_tokens += int64_t(piece.size());
   const auto stats = load.stats();
   ASSERT_FALSE(stats.empty());
   for (const auto& s : stats) {
@@ -203,7 +205,9 @@ TEST(Eval, ExactMatchIsVerbatim) {
 }
 
 TEST(Eval, BatchedGreedyEqualsGenerateOneByOne) {
-  const std::vector<std::vector<int32_t>> prompts = {{203, 802, 2, 239, 451}, {17, 5}, {900, 901, 902, 3, 4, 5, 6, 7, 8, 9, 10}};
+  const std::vector<std::vector<int32_t>> prompts = {{203, 802, 2, 239, 451},
+                                                     {17, 5},
+                                                     {900, 901, 902, 3, 4, 5, 6, 7, 8, 9, 10}};
   const auto batched = eval::greedy_continuations(k3test::tiny_engine(), prompts, 6);
   ASSERT_EQ(batched.size(), prompts.size());
   for (size_t b = 0; b < prompts.size(); ++b) {
@@ -211,7 +215,8 @@ TEST(Eval, BatchedGreedyEqualsGenerateOneByOne) {
     const GenerateResult g = generate(k3test::tiny_engine(), prompts[b], 6, s);
     // generate() stops on eos; compare the common prefix (and it must be all of g's tokens).
     ASSERT_LE(g.tokens.size(), batched[b].size());
-    EXPECT_EQ(std::vector<int32_t>(batched[b].begin(), batched[b].begin() + int64_t(g.tokens.size())), g.tokens) << "prompt " << b;
+    EXPECT_EQ(std::vector<int32_t>(batched[b].begin(), batched[b].begin() + int64_t(g.tokens.size())), g.tokens)
+        << "prompt " << b;
   }
 }
 
@@ -259,10 +264,14 @@ TEST(Eval, RetrievalIsReproducibleAndConsistent) {
 TEST(Eval, RunMetricsParse) {
   k3test::TempDir dir("metrics");
   std::ofstream(dir.file("metrics.jsonl"))
-      << R"({"step":1,"loss":7.5,"max_vio":[1.0,2.0],"seq_len":64,"stage":0,"tokens":4096,"skipped":false})" "\n"
-      << R"({"step":2,"loss":null,"max_vio":[0.5,1.5],"seq_len":64,"stage":0,"tokens":8192,"skipped":true})" "\n"
-      << R"({"step":3,"loss":6.5,"max_vio":[0.25,0.75],"seq_len":256,"stage":1,"tokens":12288,"skipped":false})" "\n"
-      << R"({"step":3,"eval_loss":6.25,"eval_predictions":100,"unigram_entropy":5.5})" "\n"
+      << R"({"step":1,"loss":7.5,"max_vio":[1.0,2.0],"seq_len":64,"stage":0,"tokens":4096,"skipped":false})"
+         "\n"
+      << R"({"step":2,"loss":null,"max_vio":[0.5,1.5],"seq_len":64,"stage":0,"tokens":8192,"skipped":true})"
+         "\n"
+      << R"({"step":3,"loss":6.5,"max_vio":[0.25,0.75],"seq_len":256,"stage":1,"tokens":12288,"skipped":false})"
+         "\n"
+      << R"({"step":3,"eval_loss":6.25,"eval_predictions":100,"unigram_entropy":5.5})"
+         "\n"
       << R"({"step":4,"loss":6.)";  // torn last line of a run in progress
   const eval::RunMetrics r = eval::read_run_metrics(dir.path().string());
   ASSERT_EQ(r.steps.size(), 3u);
@@ -302,18 +311,39 @@ TEST(EvalCli, WritesJsonAndPlots) {
   {
     std::ofstream f(dir.file("run/metrics.jsonl"));
     for (int s = 1; s <= 30; ++s)
-      f << nlohmann::json({{"step", s}, {"loss", 7.0 - 0.05 * s}, {"max_vio", {1.0 / s, 2.0 / s}}, {"seq_len", s <= 15 ? 64 : 128},
-                           {"tokens", 4096 * s}, {"stage", s <= 15 ? 0 : 1}, {"skipped", false}})
+      f << nlohmann::json({{"step", s},
+                           {"loss", 7.0 - 0.05 * s},
+                           {"max_vio", {1.0 / s, 2.0 / s}},
+                           {"seq_len", s <= 15 ? 64 : 128},
+                           {"tokens", 4096 * s},
+                           {"stage", s <= 15 ? 0 : 1},
+                           {"skipped", false}})
                .dump()
         << "\n";
-    f << R"({"step":30,"eval_loss":6.0,"eval_predictions":10,"unigram_entropy":5.0})" "\n";
+    f << R"({"step":30,"eval_loss":6.0,"eval_predictions":10,"unigram_entropy":5.0})"
+         "\n";
   }
   const Tokenizer tok = Tokenizer::load_dir(dir.file("tok"));
   const int64_t len = data::RetrievalTaskGenerator(tok, {kFiller}).min_tokens(data::RetrievalTask::Passkey) + 16;
-  const std::vector<std::string> args = {"eval", "--model", k3test::fixture("k3-tiny-a"), "--tokenizer", dir.file("tok"),
-                                         "--heldout", dir.file("ho.bin"), "--filler", dir.file("filler"), "--run",
-                                         dir.file("run"), "--lengths", std::to_string(len) + ",40", "--samples", "2",
-                                         "--heldout-tokens", "200", "--out", dir.file("out")};
+  const std::vector<std::string> args = {"eval",
+                                         "--model",
+                                         k3test::fixture("k3-tiny-a"),
+                                         "--tokenizer",
+                                         dir.file("tok"),
+                                         "--heldout",
+                                         dir.file("ho.bin"),
+                                         "--filler",
+                                         dir.file("filler"),
+                                         "--run",
+                                         dir.file("run"),
+                                         "--lengths",
+                                         std::to_string(len) + ",40",
+                                         "--samples",
+                                         "2",
+                                         "--heldout-tokens",
+                                         "200",
+                                         "--out",
+                                         dir.file("out")};
   const k3test::Outcome r = k3test::run_k3(args);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("held-out:"), std::string::npos) << r.output;
@@ -350,10 +380,10 @@ TEST(EvalCli, WritesJsonAndPlots) {
 
   // A relative --out (as scripts/run.sh passes it): the plots are drawn all the same.
   if (have_gnuplot) {
-    const k3test::Outcome rel = k3test::run_shell(
-        "cd " + k3test::shell_quote(dir.path().string()) + " && " +
-        k3test::k3_command({"eval", "--model", k3test::fixture("k3-tiny-a"), "--heldout", "ho.bin", "--train-length",
-                            "64", "--heldout-tokens", "100", "--out", "rel/out"}));
+    const k3test::Outcome rel =
+        k3test::run_shell("cd " + k3test::shell_quote(dir.path().string()) + " && " +
+                          k3test::k3_command({"eval", "--model", k3test::fixture("k3-tiny-a"), "--heldout", "ho.bin",
+                                              "--train-length", "64", "--heldout-tokens", "100", "--out", "rel/out"}));
     ASSERT_EQ(rel.status, 0) << rel.output;
     EXPECT_EQ(rel.output.find("gnuplot failed"), std::string::npos) << rel.output;
     EXPECT_GT(read(dir.file("rel/out/expert_load.png")).size(), 1000u) << rel.output;
@@ -385,7 +415,8 @@ TEST(EvalCli, ClearErrors) {
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("not a checkpoint (no config.json)"), std::string::npos) << r.output;
 
-  r = run({"eval", "--model", model, "--heldout", dir.file("missing.bin"), "--train-length", "64", "--out", dir.file("o")});
+  r = run(
+      {"eval", "--model", model, "--heldout", dir.file("missing.bin"), "--train-length", "64", "--out", dir.file("o")});
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("--heldout " + dir.file("missing.bin") + ": no such file"), std::string::npos) << r.output;
 

@@ -58,7 +58,8 @@ TEST(GenerateText, PromptFeedsTheTokenizersIds) {
   EXPECT_EQ(tok.vocab_size(), 1024);
   const std::string text = "Hello world, naïve café";
   const Outcome by_text =
-      run_k3({"generate", "--model", m.path(), "--prompt", text, "--max-new-tokens", "6", "--print-ids"}, "2>/dev/null");
+      run_k3({"generate", "--model", m.path(), "--prompt", text, "--max-new-tokens", "6", "--print-ids"},
+             "2>/dev/null");
   const Outcome by_ids = run_k3({"generate", "--model", m.path(), "--ids", join_ids(tok.encode(text, false)),
                                  "--max-new-tokens", "6", "--print-ids"},
                                 "2>/dev/null");
@@ -77,9 +78,11 @@ TEST(GenerateText, RequestFeedsTheXtmlIdsAndPrintsTheParsedMessage) {
   std::ofstream(req) << body.dump();
   const std::string prompt_ids = join_ids(encode_segments(tok, render_chat(body)));
   const Outcome by_req =
-      run_k3({"generate", "--model", m.path(), "--request", req, "--max-new-tokens", "5", "--print-ids"}, "2>/dev/null");
+      run_k3({"generate", "--model", m.path(), "--request", req, "--max-new-tokens", "5", "--print-ids"},
+             "2>/dev/null");
   const Outcome by_ids =
-      run_k3({"generate", "--model", m.path(), "--ids", prompt_ids, "--max-new-tokens", "5", "--print-ids"}, "2>/dev/null");
+      run_k3({"generate", "--model", m.path(), "--ids", prompt_ids, "--max-new-tokens", "5", "--print-ids"},
+             "2>/dev/null");
   ASSERT_EQ(by_req.status, 0) << by_req.output;
   EXPECT_EQ(last_line(by_req.output), last_line(by_ids.output));
   const Outcome r = run_k3({"generate", "--model", m.path(), "--request", req, "--max-new-tokens", "5"}, "2>/dev/null");

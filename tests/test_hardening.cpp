@@ -41,8 +41,8 @@
 #include "util/cli.h"
 #include "util/cli_error.h"
 #include "util/compare.h"
-#include "util/st_file.h"
 #include "util/error_of.h"
+#include "util/st_file.h"
 #include "util/temp_dir.h"
 
 namespace fs = std::filesystem;
@@ -111,7 +111,8 @@ struct Corpus {
     for (int d = 0; d < 4; ++d) {
       const std::string f = dir.file("doc" + std::to_string(d) + ".txt");
       std::ofstream t(f);
-      for (int r = 0; r < 12; ++r) t << "the cat sat on the mat and the dog sat on the log, " << r << " and " << d << ".\n";
+      for (int r = 0; r < 12; ++r)
+        t << "the cat sat on the mat and the dog sat on the log, " << r << " and " << d << ".\n";
       args.push_back(f);
     }
     const Outcome r = run_k3(args);
@@ -126,9 +127,25 @@ const Corpus& corpus() {
 }
 
 // Two steps of 32 tokens on the tiny config, a checkpoint after each.
-std::vector<std::string> train_args(const std::string& out, const std::string& config = fixture("k3-tiny-a/config.json")) {
-  return {"train",  "--config",          config, "--data",       corpus().shard, "--out", out,  "--stages",
-          "16:64", "--tokens-per-step", "32",   "--save-every", "1",            "--seed", "3", "--grad-lanes", "1"};
+std::vector<std::string> train_args(const std::string& out,
+                                    const std::string& config = fixture("k3-tiny-a/config.json")) {
+  return {"train",
+          "--config",
+          config,
+          "--data",
+          corpus().shard,
+          "--out",
+          out,
+          "--stages",
+          "16:64",
+          "--tokens-per-step",
+          "32",
+          "--save-every",
+          "1",
+          "--seed",
+          "3",
+          "--grad-lanes",
+          "1"};
 }
 
 // args with each FLAG VALUE pair of `more` set (replacing the flag's value when args has it) and each
@@ -138,7 +155,8 @@ std::vector<std::string> with(std::vector<std::string> args, const std::vector<s
     const bool has_value = i + 1 < more.size() && more[i + 1].rfind("--", 0) != 0;
     const auto it = std::find(args.begin(), args.end(), more[i]);
     if (has_value && it != args.end() && it + 1 != args.end()) *(it + 1) = more[i + 1];
-    else args.insert(args.end(), more.begin() + std::ptrdiff_t(i), more.begin() + std::ptrdiff_t(i + (has_value ? 2 : 1)));
+    else
+      args.insert(args.end(), more.begin() + std::ptrdiff_t(i), more.begin() + std::ptrdiff_t(i + (has_value ? 2 : 1)));
     i += has_value;
   }
   return args;
@@ -152,8 +170,8 @@ TEST(Hardening, D01_DeepJsonInARequestIsAnErrorNotAStackOverflow) {
   TempDir d("d01");
   const std::string tools = R"({"tools":[{"type":"function","function":{"name":"f","parameters":{"x":)" + kDeep20k +
                             R"(}}}],"messages":[{"role":"user","content":"x"}]})";
-  const std::string content = R"({"messages":[{"role":"user","content":)" + std::string(200000, '[') +
-                              std::string(200000, ']') + "}]}";
+  const std::string content =
+      R"({"messages":[{"role":"user","content":)" + std::string(200000, '[') + std::string(200000, ']') + "}]}";
   write_text(d.path() / "tools.json", tools);
   write_text(d.path() / "content.json", content);
   for (const char* f : {"tools.json", "content.json"})
@@ -180,8 +198,9 @@ TEST(Hardening, D01_TheDepthBoundIsExact) {
 }
 
 TEST(Hardening, D01_DeepToolArgumentsInModelOutputAreKeptAsText) {
-  const std::string head = "<|open|>response<|sep|>ok<|close|>response<|sep|><|open|>tools<|sep|>"
-                           "<|open|>call tool=\"f\" index=\"1\"<|sep|>";
+  const std::string head =
+      "<|open|>response<|sep|>ok<|close|>response<|sep|><|open|>tools<|sep|>"
+      "<|open|>call tool=\"f\" index=\"1\"<|sep|>";
   const std::string tail = "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
   for (const std::string& body :
        {"<|open|>argument key=\"x\" type=\"array\"<|sep|>" + kDeep20k + "<|close|>argument<|sep|>",
@@ -249,7 +268,8 @@ TEST(Hardening, D02_OutputFileRefusesLinksAndDirectories) {
 
 TEST(Hardening, D03_NanFlagsAreRefused) {
   TempDir d("d03");
-  EXPECT_THAT(error_line(run_k3(with(train_args(d.file("run")), {"--min-lr-ratio", "nan"}))), HasSubstr("--min-lr-ratio"));
+  EXPECT_THAT(error_line(run_k3(with(train_args(d.file("run")), {"--min-lr-ratio", "nan"}))),
+              HasSubstr("--min-lr-ratio"));
   EXPECT_FALSE(fs::exists(d.path() / "run" / "latest"));
   k3::train::TrainOptions o;  // the library refuses it too (a server or a script calls train() directly)
   o.min_lr_ratio = std::nan("");
@@ -277,8 +297,9 @@ TEST(Hardening, D03_NanWeightNamesTheTensorInLogitsGradAndEval) {
               HasSubstr(kvb));
   EXPECT_THAT(error_line(run_k3({"grad", "--model", m.string(), "--ids", "1,2,3", "--out", out})),
               AllOf(HasSubstr(kvb), HasSubstr("NaN")));
-  EXPECT_THAT(error_line(run_k3({"eval", "--model", m.string(), "--tokenizer", corpus().tok, "--heldout", corpus().shard,
-                                 "--heldout-tokens", "64", "--train-length", "16", "--out", d.file("eval")})),
+  EXPECT_THAT(error_line(
+                  run_k3({"eval", "--model", m.string(), "--tokenizer", corpus().tok, "--heldout", corpus().shard,
+                          "--heldout-tokens", "64", "--train-length", "16", "--out", d.file("eval")})),
               HasSubstr(kvb));
   EXPECT_FALSE(fs::exists(out));
   EXPECT_FALSE(fs::exists(d.path() / "eval" / "eval.json"));
@@ -368,8 +389,9 @@ TEST(Hardening, D05_AnOutputThatIsAnInputIsRefusedAndTheInputKept) {
 
 TEST(Hardening, D06_ATinyTemperatureSamplesLikeGreedy) {
   auto ids = [](std::vector<std::string> extra) {
-    const Outcome r = run_k3(with({"generate", "--ids", "203,802,2,239", "--max-new-tokens", "8", "--print-ids"}, extra),
-                             "2>/dev/null");
+    const Outcome r =
+        run_k3(with({"generate", "--ids", "203,802,2,239", "--max-new-tokens", "8", "--print-ids"}, extra),
+               "2>/dev/null");
     EXPECT_EQ(r.status, 0) << r.output;
     return k3test::lines_of(r.output).back();
   };
@@ -389,7 +411,8 @@ TEST(Hardening, D06_ATinyTemperatureSamplesLikeGreedy) {
   }
   // -Inf masks a token; +Inf and NaN, or nothing but -Inf, are errors rather than a made-up draw.
   k3::Sampler sampler(p);
-  const std::vector<float> masked = {-INFINITY, 0.5f, -INFINITY}, pos_inf = {0.0f, INFINITY}, none = {-INFINITY, -INFINITY};
+  const std::vector<float> masked = {-INFINITY, 0.5f, -INFINITY}, pos_inf = {0.0f, INFINITY},
+                           none = {-INFINITY, -INFINITY};
   EXPECT_EQ(sampler.sample(masked.data(), 3), 1);
   EXPECT_THAT(error_of([&] { sampler.sample(pos_inf.data(), 2); }), HasSubstr("logit 1 is +Inf"));
   EXPECT_THAT(error_of([&] { sampler.sample(none.data(), 2); }), HasSubstr("every logit is -Inf"));
@@ -443,8 +466,8 @@ TEST(Hardening, D09_ARankBeyondTheFileIsRefusedWithoutAllocating) {
   ranks += "YWI= 300000000\n";  // "ab"
   write_text(d.path() / "tiktoken.model", ranks);
   // The old loader asked for ~10 GB here.
-  const Outcome r = run_shell(memory_limit() + k3test::k3_command({"tokenize", "--ranks", d.file("tiktoken.model"),
-                                                                             "--text", "ab"}));
+  const Outcome r =
+      run_shell(memory_limit() + k3test::k3_command({"tokenize", "--ranks", d.file("tiktoken.model"), "--text", "ab"}));
   EXPECT_THAT(error_line(r), AllOf(HasSubstr("tiktoken.model:257"), HasSubstr("rank 300000000 is out of range")));
 }
 
@@ -463,7 +486,9 @@ TEST(Hardening, D09_GradLanesAndInitAreEstimatedBeforeAllocating) {
 TEST(Hardening, D10_FifoAndDeviceInputsAreRefusedNotWaitedOn) {
   TempDir d("d10");
   // `timeout` turns a hang into status 124, which error_line rejects.
-  auto k3t = [](const std::vector<std::string>& args) { return run_shell("timeout 60 env " + k3test::k3_command(args)); };
+  auto k3t = [](const std::vector<std::string>& args) {
+    return run_shell("timeout 60 env " + k3test::k3_command(args));
+  };
   for (const char* file : {"config.json", "model.safetensors"}) {
     const fs::path m = copy_model(d, std::string("m-") + file);
     fs::remove(m / file);
@@ -496,7 +521,8 @@ TEST(Hardening, D11_ResumeRefusesOtherSettingsAndReportsAFinishedRun) {
               HasSubstr("--config: the config differs"));
   // The plan: refused unless asked for, then taken with a note.
   const std::vector<std::string> longer = with(train_args(run), {"--stages", "16:96", "--resume"});
-  EXPECT_THAT(error_line(run_k3(longer)), AllOf(HasSubstr("--stages: the run used [\"16:64\"]"), HasSubstr("--change-plan")));
+  EXPECT_THAT(error_line(run_k3(longer)),
+              AllOf(HasSubstr("--stages: the run used [\"16:64\"]"), HasSubstr("--change-plan")));
   Outcome r = run_k3(with(longer, {"--change-plan"}));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_THAT(r.output, AllOf(HasSubstr("continuing on a new plan"), HasSubstr("trained 3 steps (1 in this run)")));
@@ -526,7 +552,8 @@ TEST(Hardening, D12_ATornMetricsLineIsDroppedAndACorruptStateIsNamed) {
     edit(h);
     const std::string hs = h.dump();
     const uint64_t n = hs.size();
-    write_text(state, bytes.substr(0, 8) + std::string(reinterpret_cast<const char*>(&n), 8) + hs + bytes.substr(16 + len));
+    write_text(state,
+               bytes.substr(0, 8) + std::string(reinterpret_cast<const char*>(&n), 8) + hs + bytes.substr(16 + len));
   };
   rewrite([](json& h) { h["meta"].erase("data_pos"); });
   EXPECT_THAT(error_line(run_k3(with(train_args(run), {"--resume"}))), AllOf(HasSubstr(state), HasSubstr("data_pos")));
@@ -592,7 +619,8 @@ TEST(Hardening, D16_DuplicateNamesAndUnreferencedBytesAreRefused) {
   EXPECT_THAT(error_of([&] { k3::SafeTensors::open(path); }), AllOf(HasSubstr(path), HasSubstr("\"a\" appears twice")));
   const std::string c = R"("c":{"dtype":"F32","shape":[2],"data_offsets":[8,16]})";
   k3test::write_bytes(path, k3test::st_bytes("{" + c + "}", data));  // bytes 0..8 belong to nothing
-  EXPECT_THAT(error_of([&] { k3::SafeTensors::open(path); }), HasSubstr("bytes 0..8 of the data section belong to no tensor"));
+  EXPECT_THAT(error_of([&] { k3::SafeTensors::open(path); }),
+              HasSubstr("bytes 0..8 of the data section belong to no tensor"));
   k3test::write_bytes(path, k3test::st_bytes("{" + a + "}", data));  // bytes 8..16 trail
   EXPECT_THAT(error_of([&] { k3::SafeTensors::open(path); }), HasSubstr("the last 8 bytes of the file"));
 }

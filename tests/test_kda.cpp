@@ -115,8 +115,8 @@ KdaOut run_recurrent(const KdaCase& c) {
 
 KdaOut run_chunk(const KdaCase& c, int chunk) {
   KdaOut r{Vec(c.T * c.H * c.Dv), c.state0};
-  kda_chunk_forward(r.o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale,
-                    r.state.data(), c.T, c.H, c.Dk, c.Dv, chunk);
+  kda_chunk_forward(r.o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale, r.state.data(),
+                    c.T, c.H, c.Dk, c.Dv, chunk);
   return r;
 }
 
@@ -228,11 +228,10 @@ TEST(KdaRecurrent, SplitCallsEqualOneCall) {
     Vec o(c.T * c.H * c.Dv);
     DVec st = c.state0;
     const int64_t a = split * c.H;
-    kda_recurrent_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale,
-                          st.data(), split, c.H, c.Dk, c.Dv);
+    kda_recurrent_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale, st.data(),
+                          split, c.H, c.Dk, c.Dv);
     kda_recurrent_forward(o.data() + a * c.Dv, c.q.data() + a * c.Dk, c.k.data() + a * c.Dk, c.v.data() + a * c.Dv,
-                          c.g.data() + a * c.Dk, c.beta.data() + a, c.scale, st.data(), c.T - split, c.H, c.Dk,
-                          c.Dv);
+                          c.g.data() + a * c.Dk, c.beta.data() + a, c.scale, st.data(), c.T - split, c.H, c.Dk, c.Dv);
     // Token by token the arithmetic is identical, so the results are bit-identical.
     EXPECT_EQ(o, whole.o) << "split=" << split;
     EXPECT_EQ(st, whole.state) << "split=" << split;
@@ -249,8 +248,7 @@ TEST(KdaChunk, SplitCallsEqualOneCall) {
     kda_chunk_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale, st.data(),
                       split, c.H, c.Dk, c.Dv, 16);
     kda_chunk_forward(o.data() + a * c.Dv, c.q.data() + a * c.Dk, c.k.data() + a * c.Dk, c.v.data() + a * c.Dv,
-                      c.g.data() + a * c.Dk, c.beta.data() + a, c.scale, st.data(), c.T - split, c.H, c.Dk, c.Dv,
-                      16);
+                      c.g.data() + a * c.Dk, c.beta.data() + a, c.scale, st.data(), c.T - split, c.H, c.Dk, c.Dv, 16);
     // Chunk boundaries move with the split, so only rounding may differ.
     EXPECT_LE(rel_l2(o, whole.o), kOutTol) << "split=" << split;
     EXPECT_LE(rel_l2(st, whole.state), kStateTol) << "split=" << split;
@@ -262,8 +260,8 @@ TEST(KdaChunk, RejectsBadArguments) {
   Vec o(8 * 4);
   DVec st = c.state0;
   auto call = [&](int64_t T, int64_t H, int64_t Dk, int64_t Dv, int chunk) {
-    kda_chunk_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale, st.data(), T,
-                      H, Dk, Dv, chunk);
+    kda_chunk_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale, st.data(), T, H,
+                      Dk, Dv, chunk);
   };
   EXPECT_THROW(call(8, 1, 4, 4, 0), k3::Error);
   EXPECT_THROW(call(8, 1, 4, 4, -3), k3::Error);
@@ -275,8 +273,8 @@ TEST(KdaChunk, RejectsBadArguments) {
   } catch (const k3::Error& e) {
     EXPECT_NE(std::string(e.what()).find("chunk_size"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(kda_recurrent_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(),
-                                     c.scale, st.data(), 8, 1, 4, 0),
+  EXPECT_THROW(kda_recurrent_forward(o.data(), c.q.data(), c.k.data(), c.v.data(), c.g.data(), c.beta.data(), c.scale,
+                                     st.data(), 8, 1, 4, 0),
                k3::Error);
 }
 

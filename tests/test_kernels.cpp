@@ -35,8 +35,8 @@ using k3::GemmPrecision;
 using k3::WeightRef;
 using Fmt = WeightRef::Format;
 
-constexpr double kU = 0x1p-24;   // fp32 unit roundoff (half an ulp, relative)
-constexpr double kUd = 0x1p-53;  // fp64 unit roundoff
+constexpr double kU = 0x1p-24;          // fp32 unit roundoff (half an ulp, relative)
+constexpr double kUd = 0x1p-53;         // fp64 unit roundoff
 constexpr float kSentinel = -7777.25f;  // written in padding columns that a kernel must not touch
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
@@ -70,7 +70,10 @@ struct Worst {
       else where = at;
     }
   }
-  ~Worst() { std::printf("[worst] %s: err/tol = %.3g (err %.3g, tol %.3g) at %s\n", what.c_str(), ratio, err, tol, where.c_str()); }
+  ~Worst() {
+    std::printf("[worst] %s: err/tol = %.3g (err %.3g, tol %.3g) at %s\n", what.c_str(), ratio, err, tol,
+                where.c_str());
+  }
 };
 
 // Restores the process-wide GEMM precision on scope exit.
@@ -221,8 +224,7 @@ TestWeight make_weight(Fmt fmt, int64_t rows, int64_t cols, uint32_t seed) {
         for (auto& v : row) v = std::ldexp(nd(rng), row_shift(r));
         k3::mxfp4_encode_row(&w.packed[size_t(r * cols / 2)], &w.scales[size_t(r * cols / 32)], row.data(), cols);
         for (int64_t c = 0; c < cols; ++c)
-          w.ref[size_t(r * cols + c)] =
-              ref_mxfp4(&w.packed[size_t(r * cols / 2)], &w.scales[size_t(r * cols / 32)], c);
+          w.ref[size_t(r * cols + c)] = ref_mxfp4(&w.packed[size_t(r * cols / 2)], &w.scales[size_t(r * cols / 32)], c);
       }
       break;
     }
@@ -392,8 +394,8 @@ TEST(Linear, RowSliceAndRowsToF32) {
       int64_t r0, n;
     };
     for (Sl sl : {Sl{0, 37}, Sl{1, 5}, Sl{36, 1}, Sl{13, 24}, Sl{20, 0}}) {
-      const std::string cname = std::string(fmt_name(fmt)) + " slice r0=" + std::to_string(sl.r0) +
-                                " n=" + std::to_string(sl.n);
+      const std::string cname =
+          std::string(fmt_name(fmt)) + " slice r0=" + std::to_string(sl.r0) + " n=" + std::to_string(sl.n);
       const WeightRef s = full.row_slice(sl.r0, sl.n);
       EXPECT_EQ(s.rows, sl.n) << cname;
       EXPECT_EQ(s.cols, In) << cname;
@@ -530,7 +532,7 @@ std::vector<uint8_t> nibble_table_row() {
 }
 
 TEST(Mxfp4, DecodesKnownBytes) {
-  const float table[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+  const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   for (int k = 0; k < 16; ++k) {
     EXPECT_TRUE(same_bits(k3::kE2M1[k], table[k])) << "kE2M1[" << k << "]";
@@ -613,7 +615,8 @@ TEST(Mxfp4, EncodeDecodeRepresentableRows) {
     // Some groups all zero.
     if (trial % 7 == 3)
       for (int i = 0; i < 32; ++i) nibs[size_t(32 + i)] = (i % 2) ? 8 : 0;
-    for (int64_t j = 0; j < cols / 2; ++j) packed[size_t(j)] = uint8_t(nibs[size_t(2 * j)] | (nibs[size_t(2 * j + 1)] << 4));
+    for (int64_t j = 0; j < cols / 2; ++j)
+      packed[size_t(j)] = uint8_t(nibs[size_t(2 * j)] | (nibs[size_t(2 * j + 1)] << 4));
     std::vector<float> row(cols);
     for (int64_t c = 0; c < cols; ++c) row[size_t(c)] = float(ref_mxfp4(packed.data(), scales.data(), c));
 
@@ -696,7 +699,7 @@ TEST(Mxfp4, EncodeRandomRowsIsNearest) {
 struct RefRoute {
   std::vector<int> idx;
   std::vector<double> w, s;
-  std::vector<bool> group_ok;  // per group: may supply experts
+  std::vector<bool> group_ok;       // per group: may supply experts
   double min_sel_gap = INFINITY;    // smallest gap in (score + bias) among the K+1 best allowed experts
                                     // (pairs with identical inputs excluded)
   double min_group_gap = INFINITY;  // gap between the last kept and the first dropped group score
@@ -781,7 +784,8 @@ void check_router(const std::vector<float>& logits, const std::vector<float>* bi
       ASSERT_TRUE(r.group_ok[size_t(idx[size_t(n * K + k)] / (E / p.num_groups))]) << at() << " slot " << k;
       const double err = std::fabs(w[size_t(n * K + k)] - r.w[size_t(k)]), tol = kWeightTol * std::fabs(r.w[size_t(k)]);
       ww.see(err, tol, at);
-      ASSERT_LE(err, tol) << at() << " weight slot " << k << " got " << w[size_t(n * K + k)] << " ref " << r.w[size_t(k)];
+      ASSERT_LE(err, tol) << at() << " weight slot " << k << " got " << w[size_t(n * K + k)] << " ref "
+                          << r.w[size_t(k)];
     }
   }
 }
@@ -793,9 +797,9 @@ TEST(Router, MatchesReferenceRandom) {
     bool renorm, use_bias;
   };
   const Cfg cfgs[] = {
-      {64, 8, 1, 1, true, true},   {64, 8, 1, 1, false, true}, {64, 8, 1, 1, true, false},
-      {64, 6, 8, 3, true, true},   {16, 4, 4, 2, true, true},  {16, 4, 4, 2, false, true},
-      {16, 16, 1, 1, true, true},  {16, 16, 1, 1, false, true}, {32, 4, 4, 4, true, true},  // TG == G: no limit
+      {64, 8, 1, 1, true, true},  {64, 8, 1, 1, false, true},  {64, 8, 1, 1, true, false},
+      {64, 6, 8, 3, true, true},  {16, 4, 4, 2, true, true},   {16, 4, 4, 2, false, true},
+      {16, 16, 1, 1, true, true}, {16, 16, 1, 1, false, true}, {32, 4, 4, 4, true, true},  // TG == G: no limit
       {8, 1, 1, 1, true, true},
   };
   uint32_t seed = 11;
@@ -1065,7 +1069,8 @@ TEST(AttnRes, SingleSourceIsExactAndZeroQueryIsMean) {
     std::vector<float> out(static_cast<size_t>(c.N * D));
     const float* p = c.src[0].data();
     k3::attnres_forward(out.data(), &p, 1, c.N, D, c.q.data(), 1e-5f);
-    for (int64_t i = 0; i < c.N * D; ++i) ASSERT_TRUE(same_bits(out[size_t(i)], c.src[0][size_t(i)])) << "S=1 D=" << D << " i=" << i;
+    for (int64_t i = 0; i < c.N * D; ++i)
+      ASSERT_TRUE(same_bits(out[size_t(i)], c.src[0][size_t(i)])) << "S=1 D=" << D << " i=" << i;
   }
   for (int S : {2, 9}) {
     AttnCase c = make_attn_case(S, 4, 64, 321 + S, 1.0f);
@@ -1110,8 +1115,10 @@ TEST(AttnRes, ScalingASourceKeepsItsScore) {
           for (int i = 0; i < S; ++i)
             for (int64_t n = 0; n < c.N; ++n) {
               double ss = 0.0, kq = 0.0;
-              for (int64_t d = 0; d < c.D; ++d) ss += double(unscaled[size_t(i)][size_t(n * c.D + d)]) * unscaled[size_t(i)][size_t(n * c.D + d)];
-              for (int64_t d = 0; d < c.D; ++d) kq += std::fabs(unscaled[size_t(i)][size_t(n * c.D + d)] * c.q[size_t(d)]);
+              for (int64_t d = 0; d < c.D; ++d)
+                ss += double(unscaled[size_t(i)][size_t(n * c.D + d)]) * unscaled[size_t(i)][size_t(n * c.D + d)];
+              for (int64_t d = 0; d < c.D; ++d)
+                kq += std::fabs(unscaled[size_t(i)][size_t(n * c.D + d)] * c.q[size_t(d)]);
               maxkq = std::max(maxkq, kq / std::sqrt(ss / double(c.D)));
             }
           extra = 4.0 * kU * maxkq * (1.0 + 1e-6);
@@ -1142,9 +1149,9 @@ TEST(RmsNorm, MatchesReference) {
             for (int64_t n = 0; n < N; ++n)
               for (int64_t d = 0; d < D; ++d) {
                 float v = normal_vec(rng, 1)[0];
-                if (n == 1) v = 0.0f;            // all-zero row: y = 0
-                if (n == 2) v *= 1e20f;          // large row: the sum of squares must not overflow
-                if (n == 3) v *= 1e-20f;         // tiny row: eps dominates
+                if (n == 1) v = 0.0f;     // all-zero row: y = 0
+                if (n == 2) v *= 1e20f;   // large row: the sum of squares must not overflow
+                if (n == 3) v *= 1e-20f;  // tiny row: eps dominates
                 x[size_t(n * ld + d)] = v;
               }
             const std::vector<float> w = normal_vec(rng, size_t(D));
@@ -1202,7 +1209,8 @@ TEST(Glu, SituAndSwigluMatchReference) {
   // A band of extreme but finite gate values, and a few exact special points.
   for (int64_t i = 0; i < 200; ++i) g[size_t(i)] = float(-120 + 1.2 * double(i));
   const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 4.0f, -4.0f, 25.0f, -25.0f, 87.0f, -87.0f, 103.0f, -103.0f};
-  for (size_t i = 0; i < std::size(special); ++i) g[size_t(200 + i)] = special[i], u[size_t(200 + i)] = special[(i + 3) % std::size(special)];
+  for (size_t i = 0; i < std::size(special); ++i)
+    g[size_t(200 + i)] = special[i], u[size_t(200 + i)] = special[(i + 3) % std::size(special)];
   for (bool situ : {true, false}) {
     k3::GluParams p;
     p.situ = situ;
@@ -1214,7 +1222,8 @@ TEST(Glu, SituAndSwigluMatchReference) {
     k3::glu_forward(ua.data(), g.data(), ua.data(), n, p);
     for (int64_t i = 0; i < n; ++i) {
       const double ref = situ ? ref_situ(g[size_t(i)], u[size_t(i)]) : ref_swiglu(g[size_t(i)], u[size_t(i)]);
-      const double tol = (situ ? kSituTol : kSwigluTol) * std::fabs(ref) + subnormal_floor(situ, g[size_t(i)], u[size_t(i)]);
+      const double tol =
+          (situ ? kSituTol : kSwigluTol) * std::fabs(ref) + subnormal_floor(situ, g[size_t(i)], u[size_t(i)]);
       const double got = out[size_t(i)];
       const double err = std::isfinite(got) ? std::fabs(got - ref) : INFINITY;
       auto at = [&] {
@@ -1230,8 +1239,8 @@ TEST(Glu, SituAndSwigluMatchReference) {
 }
 
 TEST(Glu, SituBoundedAndFiniteForHugeInputs) {
-  const float vals[] = {1e30f, -1e30f, 1e10f, -1e10f, 3e38f, -3e38f, 1000.0f, -1000.0f, 100.0f, -100.0f,
-                        INFINITY, -INFINITY, 0.0f};
+  const float vals[] = {1e30f,    -1e30f, 1e10f,   -1e10f,   3e38f,     -3e38f, 1000.0f,
+                        -1000.0f, 100.0f, -100.0f, INFINITY, -INFINITY, 0.0f};
   std::vector<float> g, u;
   for (float a : vals)
     for (float b : vals) g.push_back(a), u.push_back(b);
@@ -1250,7 +1259,8 @@ TEST(Glu, SituBoundedAndFiniteForHugeInputs) {
     ASSERT_LE(std::fabs(out[i]), 100.0f) << at;
     max_abs = std::max(max_abs, double(std::fabs(out[i])));
     const double ref = ref_situ(g[i], u[i]);
-    ASSERT_LE(std::fabs(out[i] - ref), kSituTol * std::fabs(ref) + subnormal_floor(true, g[i], u[i])) << at << " got " << out[i] << " ref " << ref;
+    ASSERT_LE(std::fabs(out[i] - ref), kSituTol * std::fabs(ref) + subnormal_floor(true, g[i], u[i]))
+        << at << " got " << out[i] << " ref " << ref;
   }
   EXPECT_EQ(max_abs, 100.0);  // g, u -> +inf: 4 * 1 * 1 * 25
   std::printf("[info] SiTU max |out| over huge inputs: %.9g\n", max_abs);

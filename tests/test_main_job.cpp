@@ -103,10 +103,10 @@ TEST(MainJob, EveryStepOfTheDemoChainAtMicroScale) {
   ASSERT_NO_FATAL_FAILURE(ok(held_args));
 
   const std::string run = (root / "run").string();
-  ASSERT_NO_FATAL_FAILURE(ok({"train", "--config", fixture("k3-tiny-a/config.json"), "--data",
-                              (root / "train.bin").string(), "--eval-data", (root / "heldout.bin").string(),
-                              "--eval-tokens", "512", "--out", run, "--stages", "32:256,64:256", "--tokens-per-step",
-                              "128", "--balance", "qb-exact", "--save-every", "2"}));
+  ASSERT_NO_FATAL_FAILURE(
+      ok({"train", "--config", fixture("k3-tiny-a/config.json"), "--data", (root / "train.bin").string(), "--eval-data",
+          (root / "heldout.bin").string(), "--eval-tokens", "512", "--out", run, "--stages", "32:256,64:256",
+          "--tokens-per-step", "128", "--balance", "qb-exact", "--save-every", "2"}));
   const std::string ckpt = k3::train::latest_checkpoint(run);
   ASSERT_EQ(fs::path(ckpt).filename(), "step-00000004");
 
@@ -116,8 +116,8 @@ TEST(MainJob, EveryStepOfTheDemoChainAtMicroScale) {
   EXPECT_NE(g.output.find("generated: 6 tokens"), std::string::npos) << g.output;
 
   ASSERT_NO_FATAL_FAILURE(ok({"eval", "--model", run, "--tokenizer", tok, "--heldout", (root / "heldout.bin").string(),
-                              "--heldout-tokens", "512", "--filler", (root / "brown" / "heldout").string(),
-                              "--samples", "2", "--out", (root / "eval").string(), "--no-plots"}));
+                              "--heldout-tokens", "512", "--filler", (root / "brown" / "heldout").string(), "--samples",
+                              "2", "--out", (root / "eval").string(), "--no-plots"}));
   std::ifstream in(root / "eval" / "eval.json");
   const nlohmann::json J = nlohmann::json::parse(in);
   EXPECT_EQ(J["train_length"].get<int64_t>(), 64);

@@ -104,8 +104,8 @@ TEST(Optimizer, AdamWMatchesHandReference) {
     if (t == 1) {
       // By hand: at t = 1 the bias-corrected step is lr·g/(|g| + eps).
       EXPECT_NEAR(P.values()[0], 1.0 * (1 - 0.01) - 0.1 * 0.5 / (0.5 + 1e-8), 1e-15);  // 0.890000002
-      EXPECT_NEAR(P.values()[2], 0.5 * 0.99, 1e-15);                                      // g = 0: decay only
-      EXPECT_NEAR(P.values()[6], 2.0 - 0.1 * 0.5 / (0.5 + 1e-8), 1e-15);                 // vector: no decay
+      EXPECT_NEAR(P.values()[2], 0.5 * 0.99, 1e-15);                                   // g = 0: decay only
+      EXPECT_NEAR(P.values()[6], 2.0 - 0.1 * 0.5 / (0.5 + 1e-8), 1e-15);               // vector: no decay
     }
   }
   EXPECT_EQ(opt.steps_taken(), 3);
@@ -193,8 +193,8 @@ TEST(Optimizer, RouterLrScaleAppliesToRouterOnly) {
   EXPECT_FALSE(is_router_weight("model.layers.1.block_sparse_moe.gate.e_score_correction_bias"));
   EXPECT_EQ(oa.plan_of(router).lr_scale, 0.25);
   EXPECT_EQ(oa.plan_of(other).lr_scale, 1.0);
-  oa.step(A, 0.0625);  // powers of two: lr·scale is exact
-  ob.step(B, 0.0625);  // B: the other tensor's truth
+  oa.step(A, 0.0625);    // powers of two: lr·scale is exact
+  ob.step(B, 0.0625);    // B: the other tensor's truth
   oc.step(C, 0.015625);  // C: the router's truth (lr·scale)
   const double* ar = A.p(router);
   const double* cr = C.p(router);
@@ -243,17 +243,33 @@ TEST(Optimizer, PerHeadMuonEqualsSeparateMuonPerHead) {
 TEST(Optimizer, GroupRuleOnFixtureModel) {
   ParamStore P = ParamStore::from_model_dir(kFixture);
   const k3::K3Config cfg = k3::load_config(kFixture + "/config.json");
-  const std::vector<std::string> muon = {
-      "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-      "self_attn.g_proj.weight", "self_attn.f_a_proj.weight", "self_attn.f_b_proj.weight", "self_attn.b_proj.weight",
-      "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
-      "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-      "gate.weight", "w1.weight", "w2.weight", "w3.weight", "routed_expert_down_proj.weight",
-      "routed_expert_up_proj.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-      "shared_experts.down_proj.weight"};
-  const std::vector<std::string> adamw = {
-      "embed_tokens.weight", "lm_head.weight", "norm.weight", "layernorm.weight", "A_log", "dt_bias",
-      "conv1d.weight", "res_proj.weight"};
+  const std::vector<std::string> muon = {"self_attn.q_proj.weight",
+                                         "self_attn.k_proj.weight",
+                                         "self_attn.v_proj.weight",
+                                         "self_attn.o_proj.weight",
+                                         "self_attn.g_proj.weight",
+                                         "self_attn.f_a_proj.weight",
+                                         "self_attn.f_b_proj.weight",
+                                         "self_attn.b_proj.weight",
+                                         "self_attn.q_a_proj.weight",
+                                         "self_attn.q_b_proj.weight",
+                                         "self_attn.kv_a_proj_with_mqa.weight",
+                                         "self_attn.kv_b_proj.weight",
+                                         "mlp.gate_proj.weight",
+                                         "mlp.up_proj.weight",
+                                         "mlp.down_proj.weight",
+                                         "gate.weight",
+                                         "w1.weight",
+                                         "w2.weight",
+                                         "w3.weight",
+                                         "routed_expert_down_proj.weight",
+                                         "routed_expert_up_proj.weight",
+                                         "shared_experts.gate_proj.weight",
+                                         "shared_experts.up_proj.weight",
+                                         "shared_experts.down_proj.weight"};
+  const std::vector<std::string> adamw = {"embed_tokens.weight", "lm_head.weight", "norm.weight",
+                                          "layernorm.weight",    "A_log",          "dt_bias",
+                                          "conv1d.weight",       "res_proj.weight"};
   auto ends_with = [](const std::string& s, const std::string& t) {
     return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
   };
@@ -299,13 +315,12 @@ TEST(Optimizer, GroupRuleOnFixtureModel) {
     const double* b = before.data() + (a - P.values().data());
     double moved = 0;
     for (int64_t i = 0; i < P.numel(n); ++i) moved = std::max(moved, std::abs(a[i] - b[i]));
-    if (opt.plan_of(n).group == ParamGroup::Frozen)
-      EXPECT_EQ(moved, 0.0) << n;
-    else
-      EXPECT_GT(moved, 0.0) << n;
+    if (opt.plan_of(n).group == ParamGroup::Frozen) EXPECT_EQ(moved, 0.0) << n;
+    else EXPECT_GT(moved, 0.0) << n;
   }
   // A split that does not divide the rows, or names a non-matrix, is refused.
-  EXPECT_THROW(Optimizer(P, OptimizerConfig{}, {{"language_model.model.layers.0.self_attn.q_proj.weight", 3}}), k3::Error);
+  EXPECT_THROW(Optimizer(P, OptimizerConfig{}, {{"language_model.model.layers.0.self_attn.q_proj.weight", 3}}),
+               k3::Error);
   EXPECT_THROW(Optimizer(P, OptimizerConfig{}, {{"language_model.model.norm.weight", 1}}), k3::Error);
   EXPECT_THROW(Optimizer(P, OptimizerConfig{}, {{"no.such.weight", 1}}), k3::Error);
 }
@@ -317,7 +332,7 @@ TEST(Optimizer, ClipGradNorm) {
   P.grads() = {3.0, 0.0, 0.0, 4.0};  // norm 5
   EXPECT_DOUBLE_EQ(clip_grad_norm(P, 10.0), 5.0);
   EXPECT_EQ(P.grads(), (std::vector<double>{3.0, 0.0, 0.0, 4.0}));  // under the limit: untouched
-  EXPECT_DOUBLE_EQ(clip_grad_norm(P, 1.0), 5.0);                   // returns the pre-clip norm
+  EXPECT_DOUBLE_EQ(clip_grad_norm(P, 1.0), 5.0);                    // returns the pre-clip norm
   EXPECT_NEAR(P.grads()[0], 0.6, 1e-15);
   EXPECT_NEAR(P.grads()[3], 0.8, 1e-15);
   EXPECT_NEAR(clip_grad_norm(P, 0.0), 1.0, 1e-15);  // max_norm 0: measure only
@@ -329,10 +344,10 @@ TEST(Optimizer, ClipGradNorm) {
 
 TEST(Optimizer, CosineScheduleWithWarmup) {
   const double peak = 1e-3, lo = 1e-4;
-  EXPECT_DOUBLE_EQ(cosine_lr(0, 10, 110, peak, lo), 1e-4);   // first update: peak/warmup
+  EXPECT_DOUBLE_EQ(cosine_lr(0, 10, 110, peak, lo), 1e-4);  // first update: peak/warmup
   EXPECT_DOUBLE_EQ(cosine_lr(4, 10, 110, peak, lo), 5e-4);
-  EXPECT_DOUBLE_EQ(cosine_lr(9, 10, 110, peak, lo), peak);   // end of warmup
-  EXPECT_DOUBLE_EQ(cosine_lr(10, 10, 110, peak, lo), peak);  // cosine starts at the peak
+  EXPECT_DOUBLE_EQ(cosine_lr(9, 10, 110, peak, lo), peak);                  // end of warmup
+  EXPECT_DOUBLE_EQ(cosine_lr(10, 10, 110, peak, lo), peak);                 // cosine starts at the peak
   EXPECT_NEAR(cosine_lr(60, 10, 110, peak, lo), 0.5 * (peak + lo), 1e-18);  // halfway
   EXPECT_NEAR(cosine_lr(110, 10, 110, peak, lo), lo, 1e-18);
   EXPECT_EQ(cosine_lr(500, 10, 110, peak, lo), lo);

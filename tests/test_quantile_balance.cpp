@@ -40,9 +40,9 @@ std::vector<double> uniform_scores(int64_t N, int64_t E, uint32_t seed) {
 // The K3 Fig. 5 toy: 8 tokens, 4 experts, top-1. Found by a search for scores whose unbiased loads
 // are (4,3,1,0) and whose one-step QB loads are (2,2,2,2), with every decision at least 0.02 from a
 // tie (so rounding cannot flip it).
-const std::vector<double> kToy = {0.70, 0.25, 0.35, 0.40,  0.75, 0.95, 0.50, 0.65,  0.30, 0.25, 0.90, 0.05,
-                                  0.55, 0.80, 0.65, 0.65,  0.85, 0.55, 0.35, 0.10,  0.50, 0.20, 0.15, 0.05,
-                                  0.15, 0.80, 0.55, 0.50,  0.80, 0.20, 0.55, 0.45};
+const std::vector<double> kToy = {0.70, 0.25, 0.35, 0.40, 0.75, 0.95, 0.50, 0.65, 0.30, 0.25, 0.90,
+                                  0.05, 0.55, 0.80, 0.65, 0.65, 0.85, 0.55, 0.35, 0.10, 0.50, 0.20,
+                                  0.15, 0.05, 0.15, 0.80, 0.55, 0.50, 0.80, 0.20, 0.55, 0.45};
 
 }  // namespace
 
@@ -141,7 +141,8 @@ TEST(QuantileBalance, ConstantShiftChangesNothing) {
   EXPECT_EQ(biased_topk_loads(s.data(), N, E, K, b.data()), biased_topk_loads(s.data(), N, E, K, bs.data()));
   // Per token the selected set is the same too.
   for (int64_t i = 0; i < N; ++i)
-    EXPECT_EQ(biased_topk_loads(s.data() + i * E, 1, E, K, b.data()), biased_topk_loads(s.data() + i * E, 1, E, K, bs.data()))
+    EXPECT_EQ(biased_topk_loads(s.data() + i * E, 1, E, K, b.data()),
+              biased_topk_loads(s.data() + i * E, 1, E, K, bs.data()))
         << "token " << i;
   // And QB's next bias does not depend on the shift (α moves with it, b̂ moves with it, centring
   // removes it).

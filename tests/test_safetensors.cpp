@@ -68,9 +68,7 @@ std::string le64(uint64_t v) {
 }
 
 // A hand-made safetensors file: 8-byte little-endian header length, header text, data.
-std::string raw_file(const std::string& header, const std::string& data) {
-  return le64(header.size()) + header + data;
-}
+std::string raw_file(const std::string& header, const std::string& data) { return le64(header.size()) + header + data; }
 
 void write_raw(const std::string& path, const std::string& header, const std::string& data) {
   write_bytes(path, raw_file(header, data));
@@ -102,7 +100,7 @@ TEST(SafeTensorsRoundTrip, AllDtypesShapesAndMetadata) {
   const std::string path = dir.file("model.safetensors");
   std::vector<float> f32 = {1.5f, -2.25f, 0.0f, 3.0e-8f, 1.0e30f, -0.0f};
   std::vector<uint16_t> bf16 = {0x3f80, 0xbf80, 0x4000, 0x0000};  // 1, -1, 2, 0
-  std::vector<uint16_t> f16 = {0x3c00, 0xc000, 0x3800};            // 1, -2, 0.5
+  std::vector<uint16_t> f16 = {0x3c00, 0xc000, 0x3800};           // 1, -2, 0.5
   std::vector<uint8_t> u8 = {0, 1, 127, 128, 255};
   std::vector<int64_t> i64 = {0, -1, std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()};
   std::map<std::string, std::string> meta = {{"format", "pt"}, {"note", "k3 test \"quoted\""}};
@@ -192,9 +190,9 @@ TEST(SafeTensorsRoundTrip, ReadF32WidensHalfPrecisionExactly) {
   std::vector<float> h = st.read_f32("h", {10});
   ASSERT_EQ(h.size(), 10u);
   EXPECT_EQ(h[0], 1.0f);
-  EXPECT_EQ(h[1], std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(h[1], std::ldexp(1.0f, -24));     // smallest subnormal
   EXPECT_EQ(h[2], std::ldexp(1023.0f, -24));  // largest subnormal
-  EXPECT_EQ(h[3], std::ldexp(1.0f, -14));  // smallest normal
+  EXPECT_EQ(h[3], std::ldexp(1.0f, -14));     // smallest normal
   EXPECT_TRUE(std::isinf(h[4]) && h[4] > 0);
   EXPECT_TRUE(std::isinf(h[5]) && h[5] < 0);
   EXPECT_EQ(f32_bits(h[6]), 0x80000000u);  // -0.0
@@ -220,7 +218,9 @@ TEST(SafeTensorsRoundTrip, ReadF32ShapeMismatchNamesTensorAndBothShapes) {
   std::vector<float> v(6, 1.0f);
   k3::write_safetensors(path, {{"blk.w", DType::F32, {2, 3}, v.data()}});
   SafeTensors st = SafeTensors::open(path);
-  EXPECT_THAT(error_of([&] { st.read_f32("blk.w", {3, 2}); }),
+  EXPECT_THAT(error_of([&] {
+                st.read_f32("blk.w", {3, 2});
+              }),
               AllOf(HasSubstr(path), HasSubstr("blk.w"), HasSubstr("[2, 3]"), HasSubstr("[3, 2]")));
   EXPECT_THAT(error_of([&] { st.read_f32("blk.w", {6}); }),
               AllOf(HasSubstr("blk.w"), HasSubstr("[2, 3]"), HasSubstr("[6]")));
@@ -286,13 +286,17 @@ TEST(SafeTensorsWrite, RejectsBadTensorLists) {
   TempDir dir;
   const std::string path = dir.file("w.safetensors");
   std::vector<float> v(4, 0.0f);
-  EXPECT_THAT(error_of([&] { k3::write_safetensors(path, {{"neg", DType::F32, {-1, 2}, v.data()}}); }),
+  EXPECT_THAT(error_of([&] {
+                k3::write_safetensors(path, {{"neg", DType::F32, {-1, 2}, v.data()}});
+              }),
               AllOf(HasSubstr(path), HasSubstr("neg")));
   EXPECT_THAT(error_of([&] {
                 k3::write_safetensors(path, {{"dup", DType::F32, {1}, v.data()}, {"dup", DType::F32, {1}, v.data()}});
               }),
               AllOf(HasSubstr(path), HasSubstr("dup")));
-  EXPECT_THAT(error_of([&] { k3::write_safetensors(path, {{"__metadata__", DType::F32, {1}, v.data()}}); }),
+  EXPECT_THAT(error_of([&] {
+                k3::write_safetensors(path, {{"__metadata__", DType::F32, {1}, v.data()}});
+              }),
               AllOf(HasSubstr(path), HasSubstr("__metadata__")));
   EXPECT_TRUE(dir_entries(dir.path()).empty());
 }
@@ -537,8 +541,8 @@ TEST_F(SafeTensorsBadFile, BadMetadata) {
 TEST_F(SafeTensorsBadFile, UnknownDtype) {
   for (std::string dt : {"F64", "Q4", "I8", "f32", ""}) {
     SCOPED_TRACE(dt);
-    std::string msg = open_raw(R"({"w.q":{"dtype":")" + dt + R"(","shape":[1],"data_offsets":[0,8]}})",
-                               std::string(8, '\0'));
+    std::string msg =
+        open_raw(R"({"w.q":{"dtype":")" + dt + R"(","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'));
     EXPECT_THAT(msg, AllOf(HasSubstr(path_), HasSubstr("'w.q'"), HasSubstr("dtype")));
   }
 }
@@ -573,9 +577,10 @@ TEST_F(SafeTensorsBadFile, MissingOrMistypedFields) {
 
 TEST_F(SafeTensorsBadFile, ShapeTimesDtypeSizeDisagreesWithSpan) {
   // F32 [2, 2] needs 16 bytes, the offsets give 8.
-  std::string msg = open_raw(R"({"lying.w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,8]}})", std::string(16, '\0'));
-  EXPECT_THAT(msg, AllOf(HasSubstr(path_), HasSubstr("'lying.w'"), HasSubstr("[2, 2]"), HasSubstr("16"),
-                         HasSubstr("8")));
+  std::string msg =
+      open_raw(R"({"lying.w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,8]}})", std::string(16, '\0'));
+  EXPECT_THAT(msg,
+              AllOf(HasSubstr(path_), HasSubstr("'lying.w'"), HasSubstr("[2, 2]"), HasSubstr("16"), HasSubstr("8")));
   // BF16 [3] needs 6 bytes, the offsets give 8.
   msg = open_raw(R"({"b":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})", std::string(8, '\0'));
   EXPECT_THAT(msg, AllOf(HasSubstr(path_), HasSubstr("'b'"), HasSubstr("[3]")));
@@ -766,7 +771,9 @@ TEST(SafeTensorsAtomicWrite, AMappedInputIsNeverReplacedAndARenameKeepsItsViewIn
   SafeTensors old = SafeTensors::open(path);
   std::vector<float> b = {5.0f, 6.0f};
   // This process reads it: its own writer refuses to replace it (io/output_file.h).
-  EXPECT_THAT(error_of([&] { k3::write_safetensors(path, {{"w", DType::F32, {2}, b.data()}}); }),
+  EXPECT_THAT(error_of([&] {
+                k3::write_safetensors(path, {{"w", DType::F32, {2}, b.data()}});
+              }),
               HasSubstr("is an input of this command"));
   // Another program replacing it the atomic way (a new file renamed over it) leaves the mapping intact.
   k3::write_safetensors(dir.file("new.safetensors"), {{"w", DType::F32, {2}, b.data()}});

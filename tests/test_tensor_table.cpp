@@ -13,8 +13,8 @@
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/init_random.h"
-#include "model/tensor_table.h"
 #include "model/params.h"
+#include "model/tensor_table.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
 

@@ -6,10 +6,10 @@
 #include <climits>
 #include <cstdio>
 #include <fstream>
-#include <unordered_map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <tuple>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "tokenizer/bpe.h"
@@ -120,15 +120,19 @@ std::vector<int32_t> plain_encode(const std::string& text) { return plain().enco
 // (letters, Han, punctuation, spaces, one repeated character) so that pieces exceed 128 bytes.
 std::string random_text(std::mt19937& rng) {
   static const std::vector<std::vector<std::string>> pools = {
-      {"the", " the", "The", " and", "ing", "tion", " of", "I", "a", "Z", "q", "xyz", "Hello", " world", "'s", "'LL", "'d"},
+      {"the", " the", "The", " and", "ing", "tion", " of", "I", "a", "Z", "q", "xyz", "Hello", " world", "'s", "'LL",
+       "'d"},
       {" ", "  ", "\t", "\n", "\r\n", "\r", "\n\n", "\u00a0", "\u3000", "\u2028", "\u200b", "\f", "\v"},
       {"0", "7", "42", "123", "9999", "\u00b2", "\u0663", "\u216b", "\uff13"},
       {".", ",", "!", "?", "-", "_", "(", ")", "{", "}", "\"", "'", "/", "\\", "#", "<|open|>", "...", "--", "=="},
-      {"\u00e9", "\u00df", "\u00c6", "na\u00efve", "\u0141\u00f3d\u017a", "\u01c5", "\u02b0", "e\u0301", "\u0308", "\u0301"},
+      {"\u00e9", "\u00df", "\u00c6", "na\u00efve", "\u0141\u00f3d\u017a", "\u01c5", "\u02b0", "e\u0301", "\u0308",
+       "\u0301"},
       {"\u03b1\u03b2\u03b3", "\u0394", "\u0420\u0443\u0441", "\u0442\u0435\u043a\u0441\u0442", "\u0627", "\u0628\u0627",
        "\u05e9", "\u0905", "\u093f", "\u0e01", "\u0e31"},
-      {"\u4e2d", "\u56fd", "\u6587", "\u5b66\u4e60", "\u3007", "\u3005", "\u3042", "\u30a2", "\u30fc", "\ud55c", "\uad6d\uc5b4"},
-      {"\U0001f642", "\U0001f44d\U0001f3fd", "\u200d", "\ufe0f", "\U0001f1ef", "\U0001f1f5", "\u20ac", "\u2211", "\u2192"},
+      {"\u4e2d", "\u56fd", "\u6587", "\u5b66\u4e60", "\u3007", "\u3005", "\u3042", "\u30a2", "\u30fc", "\ud55c",
+       "\uad6d\uc5b4"},
+      {"\U0001f642", "\U0001f44d\U0001f3fd", "\u200d", "\ufe0f", "\U0001f1ef", "\U0001f1f5", "\u20ac", "\u2211",
+       "\u2192"},
   };
   std::string s;
   const int items = 1 + int(rng() % 40);

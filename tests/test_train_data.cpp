@@ -44,7 +44,7 @@ TEST(TrainData, WindowsCutAtDocumentBoundaries) {
   EXPECT_EQ(window_pieces(s, 0, 9), (P{{1, 2, 3, 9}, {4, 5, 9}, {6, 9}}));
   EXPECT_EQ(window_pieces(s, 2, 4), (P{{3, 9}, {4, 5}}));
   EXPECT_EQ(window_pieces(s, 7, 5), (P{{6, 9}, {1, 2, 3}}));  // wraps around the end
-  EXPECT_EQ(window_pieces(s, 3, 3), (P{{4, 5}}));               // a lone end-of-document predicts nothing
+  EXPECT_EQ(window_pieces(s, 3, 3), (P{{4, 5}}));             // a lone end-of-document predicts nothing
   EXPECT_THROW(window_pieces(s, 0, 1), Error);
 }
 

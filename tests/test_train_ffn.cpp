@@ -15,9 +15,9 @@
 
 #include "core/error.h"
 #include "kernels/attnres/attnres.h"
-#include "kernels/norm/norm.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
+#include "kernels/norm/norm.h"
 #include "model/layers.h"
 #include "model/training/ffn_block.h"
 #include "util/finite_diff.h"
@@ -47,8 +47,8 @@ double rel_l2d(const std::vector<double>& a, const std::vector<float>& b) {
 
 // Runs our FFN forward of layer l on x [T, hidden] and, for MoE layers, checks the routing against
 // golden topk_idx.l and the tape fields Quantile Balancing reads. Returns y.
-std::vector<double> golden_layer_forward(const ParamStore& P, const K3Config& c, int64_t l, const std::vector<double>& x,
-                                         int64_t T) {
+std::vector<double> golden_layer_forward(const ParamStore& P, const K3Config& c, int64_t l,
+                                         const std::vector<double>& x, int64_t T) {
   const int64_t K = c.num_experts_per_token;
   std::vector<double> y(x.size());
   const std::string prefix = "language_model.model.layers." + std::to_string(l) + ".";
@@ -217,15 +217,20 @@ TEST(TrainFfn, GluActivationDerivatives) {
         double dg, du;
         k3::glu_forward_backward(g, u, glu_params(c), &dg, &du);
         const double e = 1e-5;
-        const double fg = (k3::glu_forward_backward(g + e, u, glu_params(c)) - k3::glu_forward_backward(g - e, u, glu_params(c))) / (2 * e);
-        const double fu = (k3::glu_forward_backward(g, u + e, glu_params(c)) - k3::glu_forward_backward(g, u - e, glu_params(c))) / (2 * e);
+        const double fg =
+            (k3::glu_forward_backward(g + e, u, glu_params(c)) - k3::glu_forward_backward(g - e, u, glu_params(c))) /
+            (2 * e);
+        const double fu =
+            (k3::glu_forward_backward(g, u + e, glu_params(c)) - k3::glu_forward_backward(g, u - e, glu_params(c))) /
+            (2 * e);
         EXPECT_NEAR(dg, fg, 1e-8 + 1e-6 * std::fabs(fg)) << "g " << g << " u " << u;
         EXPECT_NEAR(du, fu, 1e-8 + 1e-6 * std::fabs(fu)) << "g " << g << " u " << u;
         worst = std::max({worst, std::fabs(dg - fg), std::fabs(du - fu)});
       }
     // Values: SiTU is bounded by b1 b2 and equals the formula; SwiGLU is g σ(g) u.
     const double g = 1.7, u = -3.2, sg = 1 / (1 + std::exp(-g));
-    const double ref = act == Activation::SiTU ? 4.0 * std::tanh(g / 4.0) * sg * 25.0 * std::tanh(u / 25.0) : g * sg * u;
+    const double ref =
+        act == Activation::SiTU ? 4.0 * std::tanh(g / 4.0) * sg * 25.0 * std::tanh(u / 25.0) : g * sg * u;
     EXPECT_NEAR(k3::glu_forward_backward(g, u, glu_params(c)), ref, 1e-14);
     std::printf("%s activation: max |analytic - FD| = %.2e\n", act == Activation::SiTU ? "SiTU" : "SwiGLU", worst);
   }
@@ -334,7 +339,9 @@ void dense_fd(Activation act) {
   std::vector<double> x(static_cast<size_t>(T * D)), R(x.size());
   for (double& v : x) v = rng.normal(1.0);
   for (double& v : R) v = rng.normal(1.0);
-  auto run = [&](std::vector<double>& y) { k3::train::dense_ffn_forward(P, pre, c, 0, x.data(), T, y.data(), nullptr); };
+  auto run = [&](std::vector<double>& y) {
+    k3::train::dense_ffn_forward(P, pre, c, 0, x.data(), T, y.data(), nullptr);
+  };
   auto grad = [&](std::vector<double>& dx) {
     GluTape tape;
     std::vector<double> y(R.size());
@@ -342,8 +349,8 @@ void dense_fd(Activation act) {
     k3::train::dense_ffn_backward(P, pre, c, 0, tape, R.data(), dx.data());
   };
   FdStats st;
-  fd_check(P, x, R, run, grad,
-           {pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight", pre + "mlp.down_proj.weight"}, {}, rng, st);
+  fd_check(P, x, R, run, grad, {pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight", pre + "mlp.down_proj.weight"},
+           {}, rng, st);
   // Gradients accumulate: a second backward doubles them.
   const std::vector<double> g1(P.grads());
   std::vector<double> dx(x.size());
@@ -390,9 +397,11 @@ void moe_fd(const MoeCase& mc) {
     add_random(P, rng, ep + "w2.weight", {L, I}, 0.5);
   }
   if (mc.shared) {
-    for (const char* n : {"gate_proj", "up_proj"}) add_random(P, rng, mp + "shared_experts." + n + ".weight", {SI, D}, 0.5);
+    for (const char* n : {"gate_proj", "up_proj"})
+      add_random(P, rng, mp + "shared_experts." + n + ".weight", {SI, D}, 0.5);
     add_random(P, rng, mp + "shared_experts.down_proj.weight", {D, SI}, 0.4);
-    for (const char* n : {"gate_proj", "up_proj", "down_proj"}) params.push_back(mp + "shared_experts." + n + ".weight");
+    for (const char* n : {"gate_proj", "up_proj", "down_proj"})
+      params.push_back(mp + "shared_experts." + n + ".weight");
   }
   std::vector<double> x(static_cast<size_t>(T * D)), R(x.size());
   for (double& v : x) v = rng.normal(1.0);

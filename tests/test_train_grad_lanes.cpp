@@ -12,10 +12,10 @@
 
 #include "core/error.h"
 #include "model/config.h"
-#include "model/training/ffn_block.h"
-#include "train/grad_lanes.h"
-#include "model/training/model_train.h"
 #include "model/params.h"
+#include "model/training/ffn_block.h"
+#include "model/training/model_train.h"
+#include "train/grad_lanes.h"
 #include "util/fixture.h"
 
 using namespace k3;
@@ -87,8 +87,9 @@ StepResult lanes_step(const std::vector<std::vector<int32_t>>& pieces, int64_t l
   StepResult r;
   {
     const OmpThreads n(threads);
-    r.loss = gl.step(cfg(), pieces, kScale, nullptr,
-                     [&](int64_t l, const double* s, int64_t N) { r.router.push_back({l, N, std::vector<double>(s, s + N * cfg().num_experts)}); });
+    r.loss = gl.step(cfg(), pieces, kScale, nullptr, [&](int64_t l, const double* s, int64_t N) {
+      r.router.push_back({l, N, std::vector<double>(s, s + N * cfg().num_experts)});
+    });
   }
   r.grads = P.grads();
   return r;
@@ -106,8 +107,9 @@ double max_rel(const std::vector<double>& a, const std::vector<double>& b) {
 }  // namespace
 
 TEST(GradLanes, AssignmentIsLongestFirstToTheLeastLoadedLane) {
-  const std::vector<std::vector<int32_t>> pieces = {std::vector<int32_t>(5), std::vector<int32_t>(9), std::vector<int32_t>(3),
-                                                    std::vector<int32_t>(9), std::vector<int32_t>(4)};
+  const std::vector<std::vector<int32_t>> pieces = {std::vector<int32_t>(5), std::vector<int32_t>(9),
+                                                    std::vector<int32_t>(3), std::vector<int32_t>(9),
+                                                    std::vector<int32_t>(4)};
   // Order by length (stable): 9 (#1), 9 (#3), 5 (#0), 4 (#4), 3 (#2).
   // #1 -> lane 0 (9 | 0), #3 -> lane 1 (9 | 9), #0 -> lane 0 (14 | 9), #4 -> lane 1 (14 | 13), #2 -> lane 1.
   EXPECT_EQ(assign_lanes(pieces, 2), (std::vector<int64_t>{0, 0, 1, 1, 1}));
@@ -170,7 +172,7 @@ TEST(GradLanes, ALaneReadsItsBaseAndCannotWriteIt) {
   P.p_mut("w")[1] = -1.0;
   EXPECT_EQ(lane.p("w")[1], -1.0);  // shared, not copied
   lane.g("w")[0] = 4.0;
-  EXPECT_EQ(P.g("w")[0], 0.0);      // gradients are its own
+  EXPECT_EQ(P.g("w")[0], 0.0);  // gradients are its own
   EXPECT_THROW(lane.p_mut("w"), Error);
   EXPECT_THROW(lane.add("v", {1}), Error);
   EXPECT_THROW(GradLanes(P, 0), Error);

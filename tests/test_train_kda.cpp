@@ -9,13 +9,13 @@
 #include <random>
 
 #include "core/error.h"
+#include "kernels/kda/kda_f64.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "kernels/kda/kda_f64.h"
-#include "model/training/kda_block.h"
 #include "model/params.h"
-#include "util/finite_diff.h"
+#include "model/training/kda_block.h"
 #include "util/compare.h"
+#include "util/finite_diff.h"
 #include "util/fixture.h"
 #include "util/kda_micro.h"
 #include "util/random.h"
@@ -29,15 +29,15 @@ namespace {
 
 std::string layer_prefix(int64_t l) { return "language_model.model.layers." + std::to_string(l) + "."; }
 
-
 // ---- micro model ------------------------------------------------------------------------------------
 constexpr int64_t kLayer = 1;  // layer 0 is declared MLA so that the layer index is really checked
 
 K3Config micro_config() { return k3test::kda_micro_config(8, 2, 4, {AttnKind::MLA, AttnKind::KDA}); }
 
-const char* kSuffixes[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
-                           "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight",
-                           "g_proj.weight", "o_proj.weight", "A_log", "dt_bias", "o_norm.weight"};
+const char* kSuffixes[] = {"q_proj.weight",   "k_proj.weight",   "v_proj.weight",   "q_conv1d.weight",
+                           "k_conv1d.weight", "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight",
+                           "b_proj.weight",   "g_proj.weight",   "o_proj.weight",   "A_log",
+                           "dt_bias",         "o_norm.weight"};
 
 // Random micro parameters. A_log is padded to H + 2 entries like the release checkpoint pads it.
 ParamStore micro_params(const K3Config& c, uint64_t seed) {
@@ -176,7 +176,8 @@ TEST(TrainKda, BackwardMatchesFiniteDifferences) {
       double* v = P.p_mut(n);
       const double* g = P.g(n);
       for (int64_t i = 0; i < P.numel(n); ++i) {
-        const double num = k3test::central_difference(&v[i], [&] { return loss(P, c, x, T, R); }, eps);
+        const double num = k3test::central_difference(
+            &v[i], [&] { return loss(P, c, x, T, R); }, eps);
         if (std::string(s) == "A_log" && i >= H) {
           EXPECT_EQ(g[i], 0.0) << n << "[" << i << "] is padding";
           EXPECT_EQ(num, 0.0) << n << "[" << i << "] is padding";
@@ -187,8 +188,8 @@ TEST(TrainKda, BackwardMatchesFiniteDifferences) {
       }
     }
     EXPECT_GT(max_grad, 1e-3);  // the check above is not vacuous
-    std::printf("T=%lld state_every=%lld: worst |a-b|/(1e-7+1e-5|b|) = %.3e\n", (long long)T,
-                (long long)fc.state_every, worst);
+    std::printf("T=%lld state_every=%lld: worst |a-b|/(1e-7+1e-5|b|) = %.3e\n", (long long)T, (long long)fc.state_every,
+                worst);
   }
 }
 

@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "core/error.h"
-#include "model/config.h"
-#include "model/training/kda_block.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_f64.h"
+#include "model/config.h"
 #include "model/params.h"
+#include "model/training/kda_block.h"
 #include "util/finite_diff.h"
 #include "util/kda_micro.h"
 #include "util/random.h"
@@ -76,8 +76,8 @@ struct Forward {
 Forward chunk_fwd(const Inputs& in, int64_t C) {
   Forward f{std::vector<double>(size_t(in.T * in.H * in.Dv)),
             std::vector<double>(size_t((in.T + C - 1) / C * in.H * in.Dk * in.Dv))};
-  kda_chunk_forward_f64(f.o.data(), f.states.data(), in.q.data(), in.k.data(), in.v.data(), in.g.data(),
-                        in.beta.data(), in.scale, in.T, in.H, in.Dk, in.Dv, C);
+  kda_chunk_forward_f64(f.o.data(), f.states.data(), in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
+                        in.scale, in.T, in.H, in.Dk, in.Dv, C);
   return f;
 }
 Forward recurrent_fwd(const Inputs& in, int64_t every) {
@@ -305,7 +305,8 @@ ParamStore block_params(const K3Config& c, uint64_t seed) {
   std::normal_distribution<double> nd(0.0, 1.0);
   for (const std::string& n : P.names()) {
     double* v = P.p_mut(n);
-    for (int64_t i = 0; i < P.numel(n); ++i) v[i] = n.find("o_norm") != std::string::npos ? 1.0 + 0.3 * nd(rng) : 0.5 * nd(rng);
+    for (int64_t i = 0; i < P.numel(n); ++i)
+      v[i] = n.find("o_norm") != std::string::npos ? 1.0 + 0.3 * nd(rng) : 0.5 * nd(rng);
   }
   return P;
 }

@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "core/error.h"
-#include "train/checkpoint.h"
 #include "model/params.h"
+#include "train/checkpoint.h"
 #include "util/cli.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
@@ -50,8 +50,23 @@ struct Corpus {
 };
 
 std::vector<std::string> train_args(const Corpus& c, const std::string& out) {
-  return {"train", "--config", fixture("k3-tiny-a/config.json"), "--data", c.shard, "--out", out, "--stages", "32:768,64:768",
-          "--tokens-per-step", "128", "--save-every", "1", "--lr", "3e-3", "--seed", "3"};
+  return {"train",
+          "--config",
+          fixture("k3-tiny-a/config.json"),
+          "--data",
+          c.shard,
+          "--out",
+          out,
+          "--stages",
+          "32:768,64:768",
+          "--tokens-per-step",
+          "128",
+          "--save-every",
+          "1",
+          "--lr",
+          "3e-3",
+          "--seed",
+          "3"};
 }
 
 std::vector<double> losses(const std::string& out) {
@@ -74,7 +89,8 @@ TEST(TrainLoop, LearnsAndCheckpointsLoadForInference) {
   EXPECT_LT(l.back(), l.front() - 0.5) << "loss did not fall: " << l.front() << " -> " << l.back();
   const std::string ckpt = k3::train::latest_checkpoint(out);
   EXPECT_EQ(fs::path(ckpt).filename(), "step-00000012");
-  const k3test::Outcome g = run_k3({"generate", "--model", ckpt, "--ids", "1,2,3", "--max-new-tokens", "3", "--print-ids"});
+  const k3test::Outcome g =
+      run_k3({"generate", "--model", ckpt, "--ids", "1,2,3", "--max-new-tokens", "3", "--print-ids"});
   EXPECT_EQ(g.status, 0) << g.output;
 }
 

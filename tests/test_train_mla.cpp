@@ -15,10 +15,10 @@
 #include "core/error.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "model/training/mla_block.h"
 #include "model/params.h"
-#include "util/finite_diff.h"
+#include "model/training/mla_block.h"
 #include "util/compare.h"
+#include "util/finite_diff.h"
 #include "util/fixture.h"
 
 using namespace k3;
@@ -30,7 +30,6 @@ using k3test::golden_rows;
 using k3test::tiny;
 
 namespace {
-
 
 TEST(TrainMla, ForwardMatchesGolden) {
   Model& m = tiny();
@@ -53,8 +52,8 @@ TEST(TrainMla, ForwardMatchesGolden) {
     ASSERT_EQ(attn_in[l].size(), size_t(T * D)) << "attn_in." << l;
     std::vector<double> x(attn_in[l].begin(), attn_in[l].end()), y(static_cast<size_t>(T * D));
     MlaBlockTape tape;
-    train::mla_block_forward(P, "language_model.model.layers." + std::to_string(l) + ".", c, l, x.data(), T,
-                             y.data(), &tape);
+    train::mla_block_forward(P, "language_model.model.layers." + std::to_string(l) + ".", c, l, x.data(), T, y.data(),
+                             &tape);
     // Two comparisons, because the input is the fp32 inference model's, which has already drifted
     // from the float64 reference by the deeper layers (its own attn_out.7 is ~1.1e-5 from golden):
     //  - against the golden: 1e-5, or, where the inference block's own output is already further
@@ -70,8 +69,8 @@ TEST(TrainMla, ForwardMatchesGolden) {
     EXPECT_LE(same_in, 1e-6) << "layer " << l;
     // Without a tape the output is the same.
     std::vector<double> y2(y.size());
-    train::mla_block_forward(P, "language_model.model.layers." + std::to_string(l) + ".", c, l, x.data(), T,
-                             y2.data(), nullptr);
+    train::mla_block_forward(P, "language_model.model.layers." + std::to_string(l) + ".", c, l, x.data(), T, y2.data(),
+                             nullptr);
     EXPECT_EQ(y, y2);
     ++checked;
   }
@@ -87,8 +86,8 @@ TEST(TrainMla, RejectsNonMlaLayerAndBadShapes) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     if (c.layer_kind[size_t(l)] == AttnKind::KDA) kda = l;
   ASSERT_GE(kda, 0);
-  EXPECT_THROW(train::mla_block_forward(P, "language_model.model.layers." + std::to_string(kda) + ".", c, kda,
-                                        x.data(), T, y.data(), nullptr),
+  EXPECT_THROW(train::mla_block_forward(P, "language_model.model.layers." + std::to_string(kda) + ".", c, kda, x.data(),
+                                        T, y.data(), nullptr),
                k3::Error);
   // Wrong head dims for the stored tensors: the size check names the tensor.
   K3Config bad = c;
@@ -154,7 +153,8 @@ void fd_check(const Micro& m, int64_t T, uint32_t seed) {
     const int64_t fan_in = P.shape(n).back();
     // Norm weights near 1 but not 1 (so their gradient matters); projections large enough that the
     // softmax is far from uniform and the gate far from 1/2.
-    for (int64_t i = 0; i < P.numel(n); ++i) v[i] = norm ? 1.0 + 0.3 * nd(rng) : 1.5 * nd(rng) / std::sqrt(double(fan_in));
+    for (int64_t i = 0; i < P.numel(n); ++i)
+      v[i] = norm ? 1.0 + 0.3 * nd(rng) : 1.5 * nd(rng) / std::sqrt(double(fan_in));
   }
   const size_t nx = static_cast<size_t>(T * m.D);
   std::vector<double> x(nx), Rw(nx), y(nx), dx(nx);
@@ -177,7 +177,9 @@ void fd_check(const Micro& m, int64_t T, uint32_t seed) {
   const double eps = 1e-6;
   auto close = [](double got, double fd) { return std::abs(got - fd) <= 1e-7 + 1e-5 * std::abs(fd); };
   double worst = 0;
-  auto note = [&](double got, double fd) { worst = std::max(worst, std::abs(got - fd) / (1e-7 + 1e-5 * std::abs(fd))); };
+  auto note = [&](double got, double fd) {
+    worst = std::max(worst, std::abs(got - fd) / (1e-7 + 1e-5 * std::abs(fd)));
+  };
 
   for (size_t i = 0; i < nx; ++i) {
     const double fd = k3test::central_difference(&x[i], loss, eps);

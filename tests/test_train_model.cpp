@@ -9,12 +9,12 @@
 #include <functional>
 #include <random>
 
-#include "model/config.h"
 #include "io/safetensors.h"
-#include "model/training/model_train.h"
+#include "model/config.h"
 #include "model/params.h"
-#include "util/finite_diff.h"
+#include "model/training/model_train.h"
 #include "util/cli.h"
+#include "util/finite_diff.h"
 #include "util/fixture.h"
 #include "util/temp_dir.h"
 
@@ -32,7 +32,6 @@ const K3Config& cfg() {
 }
 
 ParamStore fresh_params() { return ParamStore::from_model_dir(fixture("k3-tiny-a")); }
-
 
 }  // namespace
 
@@ -88,7 +87,8 @@ double ids_b_loss_and_grads(ParamStore& P) {
 // for each. A parameter `ref` has no gradient for (routed experts no token chose; the AttnRes query
 // of layer 0's attention, whose mix of one source the reference skips) must be exactly zero here.
 // Returns how many tensors were compared.
-int compare_grads(const ParamStore& P, const SafeTensors& ref, const std::function<void(const std::string&, double)>& check) {
+int compare_grads(const ParamStore& P, const SafeTensors& ref,
+                  const std::function<void(const std::string&, double)>& check) {
   int checked = 0;
   for (const std::string& n : trainable_names(P)) {
     const double* ours = P.g(n);
@@ -214,7 +214,8 @@ TEST(TrainModel, GradCliWritesLossAndGradients) {
     ASSERT_EQ(got.size(), size_t(P.numel(n))) << n;
     for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], float(P.g(n)[i])) << n << "[" << i << "]";
   }
-  const k3test::Outcome bad = k3test::run_k3({"grad", "--model", fixture("k3-tiny-a"), "--ids", "5", "--out", dir.file("x")});
+  const k3test::Outcome bad =
+      k3test::run_k3({"grad", "--model", fixture("k3-tiny-a"), "--ids", "5", "--out", dir.file("x")});
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.output.find("at least 2 tokens"), std::string::npos) << bad.output;
 }

@@ -7,9 +7,9 @@
 #include <random>
 
 #include "kernels/attnres/attnres.h"
-#include "kernels/norm/norm.h"
 #include "kernels/gemm/linear_f64.h"
 #include "kernels/loss/cross_entropy.h"
+#include "kernels/norm/norm.h"
 #include "util/finite_diff.h"
 
 using namespace k3;
@@ -24,7 +24,8 @@ std::vector<double> randn(size_t n, std::mt19937& rng, double scale = 1.0) {
 }
 
 // Central difference of f at every entry of v, against the analytic gradient `g`.
-void expect_fd(const std::function<double()>& f, std::vector<double>& v, const std::vector<double>& g, const char* what) {
+void expect_fd(const std::function<double()>& f, std::vector<double>& v, const std::vector<double>& g,
+               const char* what) {
   ASSERT_EQ(v.size(), g.size());
   const double eps = 1e-6;
   for (size_t i = 0; i < v.size(); ++i) {

@@ -96,7 +96,8 @@ TEST(XtmlChat, BadRequestsNameTheField) {
   EXPECT_NE(error_of(R"({"messages": [{"content": "x"}]})").find("messages[0] has no 'role'"), std::string::npos);
   EXPECT_NE(error_of(R"({"messages": [{"role": "developer", "content": "x"}]})").find("messages[0].role 'developer'"),
             std::string::npos);
-  EXPECT_NE(error_of(R"({"messages": [{"role": "user", "content": 5}]})").find("messages[0].content"), std::string::npos);
+  EXPECT_NE(error_of(R"({"messages": [{"role": "user", "content": 5}]})").find("messages[0].content"),
+            std::string::npos);
   EXPECT_NE(error_of(R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})")
                 .find("messages[0].tool_calls[0].function has no 'name'"),
             std::string::npos);
@@ -108,7 +109,8 @@ TEST(XtmlChat, SegmentIdsMatchReferenceTokenizer) {
   const ojson ids = load("xtml/ids.json");
   ASSERT_EQ(ids["num_ranks"].get<int64_t>(), o200k_k3().num_ranks());
   int n = 0;
-  for (const auto& [tag, rel] : {std::pair{"shared", "xtml/moonshot_goldens.json"}, std::pair{"extra", "xtml/goldens.json"}}) {
+  for (const auto& [tag, rel] :
+       {std::pair{"shared", "xtml/moonshot_goldens.json"}, std::pair{"extra", "xtml/goldens.json"}}) {
     const ojson g = load(rel);
     for (const auto& [name, c] : g["cases"].items()) {
       const std::vector<int32_t> want = ids["ids"][std::string(tag) + ":" + name].get<std::vector<int32_t>>();
@@ -129,7 +131,8 @@ TEST(XtmlChat, WholeStringEncodingWouldDiffer) {
   const std::vector<int32_t> one_pass = o200k_k3().encode(join_segments(segs), /*allow_special=*/true);
   EXPECT_NE(by_segment, one_pass);
   const int32_t open = o200k_k3().special_id(K3Special::kOpen);
-  EXPECT_EQ(std::count(one_pass.begin(), one_pass.end(), open) - std::count(by_segment.begin(), by_segment.end(), open), 1);
+  EXPECT_EQ(std::count(one_pass.begin(), one_pass.end(), open) - std::count(by_segment.begin(), by_segment.end(), open),
+            1);
   EXPECT_EQ(o200k_k3().decode(by_segment), join_segments(segs));
 }
 
@@ -182,7 +185,8 @@ TEST(PythonJson, DumpsMatchesPython) {
     EXPECT_EQ(python_json_dumps(v, true), d[1].get<std::string>());
     EXPECT_EQ(python_json_dumps(v, false), d[2].get<std::string>());
   }
-  EXPECT_EQ(python_json_dumps(deep_sorted(ojson::parse(R"({"b": {"d": 1, "c": 2}, "a": [{"z": 0, "é": 1, "y": 2}]})")), true),
+  EXPECT_EQ(python_json_dumps(deep_sorted(ojson::parse(R"({"b": {"d": 1, "c": 2}, "a": [{"z": 0, "é": 1, "y": 2}]})")),
+                              true),
             R"({"a":[{"y":2,"z":0,"é":1}],"b":{"c":2,"d":1}})");
 }
 
@@ -219,9 +223,9 @@ TEST(SpecialTokens, K3TableAndTokenizerConfig) {
   std::ofstream(cfg) << R"({"added_tokens_decoder": {"1003": {"content": "<|mine|>"}}})";
   EXPECT_EQ(load_special_tokens(cfg, 1000).at("<|mine|>"), 1003);
   EXPECT_EQ(load_special_tokens(cfg, 1000).at("<|reserved_token_1000|>"), 1000);
-  for (const char* bad : {R"({"added_tokens_decoder": {"999": {"content": "x"}}})",   // inside the ranks
-                          R"({"added_tokens_decoder": {"12a": {"content": "x"}}})",   // not an id
-                          R"({"added_tokens_decoder": {"1001": {}}})",                // no content
+  for (const char* bad : {R"({"added_tokens_decoder": {"999": {"content": "x"}}})",  // inside the ranks
+                          R"({"added_tokens_decoder": {"12a": {"content": "x"}}})",  // not an id
+                          R"({"added_tokens_decoder": {"1001": {}}})",               // no content
                           R"({"added_tokens_decoder": [1]})", "{not json"}) {
     std::ofstream(cfg) << bad;
     EXPECT_THROW(load_special_tokens(cfg, 1000), Error) << bad;

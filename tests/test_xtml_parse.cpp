@@ -37,11 +37,12 @@ ojson assistant_with_calls() {
           {"reasoning_content", "I need two tools; <|close|> is just text here."},
           {"content", "Calling them now."},
           {"tool_calls",
-           ojson::array({{{"id", "a"}, {"type", "function"}, {"function", {{"name", "search"}, {"arguments", kArgs}}}},
-                         {{"id", "b"},
-                          {"type", "function"},
-                          {"function", {{"name", "we\"ird&name"}, {"arguments", "{\"x\": -2.5e-07}"}}}},
-                         {{"id", "c"}, {"type", "function"}, {"function", {{"name", "raw"}, {"arguments", "{not json"}}}}})}};
+           ojson::array(
+               {{{"id", "a"}, {"type", "function"}, {"function", {{"name", "search"}, {"arguments", kArgs}}}},
+                {{"id", "b"},
+                 {"type", "function"},
+                 {"function", {{"name", "we\"ird&name"}, {"arguments", "{\"x\": -2.5e-07}"}}}},
+                {{"id", "c"}, {"type", "function"}, {"function", {{"name", "raw"}, {"arguments", "{not json"}}}}})}};
 }
 
 // The ids the model would generate after the generation prompt: the full rendering minus the
@@ -145,16 +146,15 @@ TEST(XtmlParse, FromRenderedText) {
 }
 
 TEST(XtmlParse, MalformedOutputIsKeptWithWarnings) {
-  auto parse_text = [](const std::string& s) {
-    return parse_assistant(xtml_pieces_from_text(s), XtmlStart::kThink);
-  };
+  auto parse_text = [](const std::string& s) { return parse_assistant(xtml_pieces_from_text(s), XtmlStart::kThink); };
   XtmlAssistantMessage m = parse_text("thinking<|open|>response<|sep|>answer<|end_of_msg|>");  // think never closed
   EXPECT_EQ(m.think, "thinking");
   EXPECT_EQ(m.response, "answer");
   EXPECT_TRUE(m.complete);
   EXPECT_FALSE(m.warnings.empty());
-  m = parse_text("t<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"x\"<|sep|>"
-                 "<|open|>argument key=\"n\" type=\"number\"<|sep|>1.5.2<|close|>argument<|sep|>");
+  m = parse_text(
+      "t<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"x\"<|sep|>"
+      "<|open|>argument key=\"n\" type=\"number\"<|sep|>1.5.2<|close|>argument<|sep|>");
   ASSERT_EQ(m.tool_calls.size(), 1u);
   EXPECT_FALSE(m.tool_calls[0].complete);
   EXPECT_EQ(m.tool_calls[0].arguments["n"], "1.5.2");  // not JSON: kept as text
@@ -168,9 +168,26 @@ TEST(XtmlParse, MalformedOutputIsKeptWithWarnings) {
 TEST(XtmlParse, RandomPiecesNeverThrow) {
   // The fuzz target does this at scale (fuzz/fuzz_chat_parse.cpp); here a quick seeded sample.
   std::mt19937 rng(11);
-  const char* words[] = {"<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "tools", "call",
-                         " tool=\"f\"", " index=\"2\"", "argument", " key=\"k\"", " type=\"number\"", "json", "message",
-                         "12", "{\"a\":", "\"", "x", " "};
+  const char* words[] = {"<|open|>",
+                         "<|close|>",
+                         "<|sep|>",
+                         "<|end_of_msg|>",
+                         "think",
+                         "response",
+                         "tools",
+                         "call",
+                         " tool=\"f\"",
+                         " index=\"2\"",
+                         "argument",
+                         " key=\"k\"",
+                         " type=\"number\"",
+                         "json",
+                         "message",
+                         "12",
+                         "{\"a\":",
+                         "\"",
+                         "x",
+                         " "};
   for (int trial = 0; trial < 2000; ++trial) {
     std::string s;
     for (int k = int(rng() % 40); k > 0; --k) s += words[rng() % (sizeof words / sizeof *words)];

@@ -32,8 +32,8 @@ void check_ids_in_vocab(const std::vector<std::vector<int32_t>>& rows, int64_t v
   for (size_t b = 0; b < rows.size(); ++b)
     for (size_t i = 0; i < rows[b].size(); ++i)
       if (rows[b][i] >= vocab_size)
-        fail(flag, ": token id ", rows[b][i], rows.size() > 1 ? " (row " + std::to_string(b) + ", " : " (",
-             "position ", i, ") is outside the vocabulary [0, ", vocab_size, ") of ", source);
+        fail(flag, ": token id ", rows[b][i], rows.size() > 1 ? " (row " + std::to_string(b) + ", " : " (", "position ",
+             i, ") is outside the vocabulary [0, ", vocab_size, ") of ", source);
 }
 
 GemmPrecision parse_gemm_precision(const std::string& text, const std::string& what) {
@@ -67,8 +67,7 @@ std::string strict_number(std::string& text, const std::string& kind) {
   if (kind == "FLOAT") {
     const double v = std::strtod(s, &end);
     if (text.empty() || *end != '\0') return "expected a number, got '" + text + "'";
-    if (!std::isfinite(v))
-      return "expected a finite number, got '" + text + "'";
+    if (!std::isfinite(v)) return "expected a finite number, got '" + text + "'";
     return "";
   }
   size_t i = 0;

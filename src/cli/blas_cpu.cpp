@@ -16,8 +16,7 @@ void reexec_with_fast_blas_kernels(char** argv) {
   const char* better = nullptr;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
     better = "SkylakeX";
-  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    better = "Haswell";
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) better = "Haswell";
   if (better == nullptr) return;
   if (setenv("OPENBLAS_CORETYPE", better, 1) != 0) return;
   execv("/proc/self/exe", argv);

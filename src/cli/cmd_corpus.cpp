@@ -65,10 +65,13 @@ void register_corpus_retrieval(CLI::App& parent) {
       "filler sentences from --filler, then the question) followed by its answer. Prompt lengths are drawn\n"
       "uniformly from [--min-tokens, --max-tokens] tokens of --tokenizer. Writes OUT/<task>-<n>.txt.");
   sub->add_option("--task", o->task, "passkey or multikey")->capture_default_str();
-  sub->add_option("--filler", o->filler, "directory (its *.txt) or file of plain-text documents, one sentence per line")->required();
+  sub->add_option("--filler", o->filler, "directory (its *.txt) or file of plain-text documents, one sentence per line")
+      ->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (lengths are counted in its tokens)")->required();
   sub->add_option("--out", o->out, "output directory")->required();
-  sub->add_option("--count", o->count, "number of documents")->check(CLI::Range(int64_t(1), int64_t(10000000)))->capture_default_str();
+  sub->add_option("--count", o->count, "number of documents")
+      ->check(CLI::Range(int64_t(1), int64_t(10000000)))
+      ->capture_default_str();
   sub->add_option("--min-tokens", o->min_tokens, "shortest prompt (default: the task's minimum)");
   sub->add_option("--max-tokens", o->max_tokens, "longest prompt")->capture_default_str();
   sub->add_option("--keys", o->keys, "key/value pairs per multikey document")->capture_default_str();

@@ -38,7 +38,8 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used == 0 || used != item.size() || v < 2) fail("--lengths: '", item, "' is not a token count >= 2 (e.g. 256,512,1024)");
+    if (used == 0 || used != item.size() || v < 2)
+      fail("--lengths: '", item, "' is not a token count >= 2 (e.g. 256,512,1024)");
     out.push_back(v);
   }
   if (out.empty()) fail("--lengths: no lengths given");
@@ -48,8 +49,9 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
 }
 
 nlohmann::ordered_json layer_json(const eval::ExpertLoad::LayerStats& s) {
-  return {{"layer", s.layer},         {"assignments", s.assignments}, {"max_vio", s.max_vio},
-          {"min_share", s.min_share}, {"max_share", s.max_share},     {"unused_experts", s.unused_experts},
+  return {{"layer", s.layer},         {"assignments", s.assignments},
+          {"max_vio", s.max_vio},     {"min_share", s.min_share},
+          {"max_share", s.max_share}, {"unused_experts", s.unused_experts},
           {"share", s.share},         {"counts", s.counts}};
 }
 
@@ -81,13 +83,18 @@ void register_eval(CLI::App& app) {
       "    the JSON, data and scripts are still written and the PNGs are skipped.\n"
       "--model may be a run directory (its `latest` checkpoint is used and it is also --run); for a\n"
       "RUN/step-N checkpoint, RUN is used as --run when it holds metrics.jsonl.");
-  sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors), or a run directory")->required();
-  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model. Needed for retrieval");
+  sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors), or a run directory")
+      ->required();
+  sub->add_option("--tokenizer", o->tokenizer,
+                  "tokenizer directory (tiktoken.model); default: --model. Needed for retrieval");
   sub->add_option("--heldout", o->heldout, "held-out token shard (`k3 data`) for loss/perplexity and expert load");
   sub->add_option("--heldout-tokens", o->heldout_tokens, "held-out tokens to evaluate at most")->capture_default_str();
-  sub->add_option("--filler", o->filler, "directory (its *.txt) or file of plain-text filler documents, one sentence per line, for retrieval");
-  sub->add_option("--run", o->run, "training run directory (RUN/metrics.jsonl): loss and MaxVio plots, training length");
-  sub->add_option("--lengths", o->lengths, "retrieval prompt lengths in tokens, e.g. 256,512,1024 (default: L/4,L/2,L,2L,4L)");
+  sub->add_option("--filler", o->filler,
+                  "directory (its *.txt) or file of plain-text filler documents, one sentence per line, for retrieval");
+  sub->add_option("--run", o->run,
+                  "training run directory (RUN/metrics.jsonl): loss and MaxVio plots, training length");
+  sub->add_option("--lengths", o->lengths,
+                  "retrieval prompt lengths in tokens, e.g. 256,512,1024 (default: L/4,L/2,L,2L,4L)");
   sub->add_option("--train-length", o->train_length, "the final training sequence length L (default: from --run)");
   sub->add_option("--samples", o->samples, "retrieval prompts per task and length")->capture_default_str();
   sub->add_option("--tasks", o->tasks, "retrieval tasks: passkey, multikey or both")->capture_default_str();
@@ -142,22 +149,26 @@ void register_eval(CLI::App& app) {
     std::string L_source = "--train-length";
     if (L <= 0 && run) {
       L = run->trained_length(step);
-      L_source = step >= 0 ? "longest seq_len in " + run->path + " up to step " + std::to_string(step) : "longest seq_len in " + run->path;
+      L_source = step >= 0 ? "longest seq_len in " + run->path + " up to step " + std::to_string(step)
+                           : "longest seq_len in " + run->path;
       if (run->last_seq_len() > L)
-        std::fprintf(stderr, "note: the run goes on to seq_len %lld after this checkpoint; lengths are relative to %lld, what step %lld trained at\n",
+        std::fprintf(stderr,
+                     "note: the run goes on to seq_len %lld after this checkpoint; lengths are relative to %lld, what "
+                     "step %lld trained at\n",
                      (long long)run->last_seq_len(), (long long)L, (long long)step);
     }
     if (L <= 0 && (!o->heldout.empty() || (!o->filler.empty() && o->lengths.empty())))
-      fail("the training length is unknown: give --train-length L (the final stage's sequence length), or --run RUN "
-           "whose metrics.jsonl records it");
+      fail(
+          "the training length is unknown: give --train-length L (the final stage's sequence length), or --run RUN "
+          "whose metrics.jsonl records it");
     if (L < 2 && L > 0) fail("--train-length must be >= 2, got ", L);
 
     nlohmann::ordered_json J;
     J["model"] = model_dir;
     J["step"] = step >= 0 ? nlohmann::ordered_json(step) : nlohmann::ordered_json(nullptr);
-    J["config"] = {{"source", cfg.source},       {"vocab_size", cfg.vocab_size},   {"hidden_size", cfg.hidden_size},
-                   {"num_hidden_layers", cfg.num_hidden_layers}, {"num_experts", cfg.num_experts},
-                   {"num_experts_per_token", cfg.num_experts_per_token}};
+    J["config"] = {{"source", cfg.source},           {"vocab_size", cfg.vocab_size},
+                   {"hidden_size", cfg.hidden_size}, {"num_hidden_layers", cfg.num_hidden_layers},
+                   {"num_experts", cfg.num_experts}, {"num_experts_per_token", cfg.num_experts_per_token}};
     J["train_length"] = L > 0 ? nlohmann::ordered_json(L) : nlohmann::ordered_json(nullptr);
     J["train_length_source"] = L > 0 ? L_source : "";
     fs::create_directories(o->out);
@@ -174,18 +185,23 @@ void register_eval(CLI::App& app) {
       std::fprintf(stderr, "[%.2fs] held-out: %lld of %lld tokens of %s in windows of %lld\n", elapsed_seconds(),
                    (long long)total, (long long)shard.size(), o->heldout.c_str(), (long long)L);
       int64_t next_report = total / 10;
-      heldout = std::make_unique<eval::HeldoutResult>(eval::heldout_loss(
-          *m, shard, o->heldout_tokens, L, &load, [&](int64_t done, int64_t all) {
+      heldout = std::make_unique<eval::HeldoutResult>(
+          eval::heldout_loss(*m, shard, o->heldout_tokens, L, &load, [&](int64_t done, int64_t all) {
             if (done >= next_report || done == all) {
-              std::fprintf(stderr, "[%.2fs] held-out: %lld/%lld tokens\n", elapsed_seconds(), (long long)done, (long long)all);
+              std::fprintf(stderr, "[%.2fs] held-out: %lld/%lld tokens\n", elapsed_seconds(), (long long)done,
+                           (long long)all);
               next_report = done + std::max<int64_t>(all / 10, 1);
             }
           }));
       load_stats = load.stats();
-      J["heldout"] = {{"shard", o->heldout},           {"tokens", heldout->tokens},
-                      {"window", heldout->window},     {"windows", heldout->windows},
-                      {"sequences", heldout->sequences}, {"predictions", heldout->predictions},
-                      {"loss", heldout->loss},         {"perplexity", heldout->perplexity},
+      J["heldout"] = {{"shard", o->heldout},
+                      {"tokens", heldout->tokens},
+                      {"window", heldout->window},
+                      {"windows", heldout->windows},
+                      {"sequences", heldout->sequences},
+                      {"predictions", heldout->predictions},
+                      {"loss", heldout->loss},
+                      {"perplexity", heldout->perplexity},
                       {"unigram_entropy", heldout->unigram_entropy},
                       {"unigram_perplexity", std::exp(heldout->unigram_entropy)},
                       {"seconds", heldout->seconds}};
@@ -218,16 +234,19 @@ void register_eval(CLI::App& app) {
         fail(tok_dir, ": no tiktoken.model; retrieval prompts are text, so give --tokenizer DIR (the run's tokenizer)");
       const Tokenizer tok = Tokenizer::load_dir(tok_dir);
       if (tok.vocab_size() > cfg.vocab_size)
-        fail(tok_dir, ": the tokenizer has ", tok.vocab_size(), " ids but the model's vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
+        fail(tok_dir, ": the tokenizer has ", tok.vocab_size(), " ids but the model's vocab_size is ", cfg.vocab_size,
+             " (", cfg.source, ")");
       const data::RetrievalTaskGenerator gen(tok, data::read_filler_documents(o->filler, "--filler"));
-      lengths = o->lengths.empty() ? std::vector<int64_t>{std::max<int64_t>(2, L / 4), std::max<int64_t>(2, L / 2), L, 2 * L, 4 * L}
-                                   : given_lengths;
+      lengths = o->lengths.empty()
+                    ? std::vector<int64_t>{std::max<int64_t>(2, L / 4), std::max<int64_t>(2, L / 2), L, 2 * L, 4 * L}
+                    : given_lengths;
       lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
       for (data::RetrievalTask task : tasks)
         for (int64_t len : lengths) {
           eval::RetrievalPoint p = eval::retrieval_accuracy(*m, tok, gen, task, len, o->samples, int(o->keys));
           if (p.skipped)
-            std::fprintf(stderr, "[%.2fs] %s @ %lld tokens: skipped (%s)\n", elapsed_seconds(), p.task.c_str(), (long long)len, p.note.c_str());
+            std::fprintf(stderr, "[%.2fs] %s @ %lld tokens: skipped (%s)\n", elapsed_seconds(), p.task.c_str(),
+                         (long long)len, p.note.c_str());
           else
             std::fprintf(stderr, "[%.2fs] %s @ %lld tokens: %lld/%lld correct (%.2f), mean depth %.2f, %.1f s\n",
                          elapsed_seconds(), p.task.c_str(), (long long)len, (long long)p.correct, (long long)p.samples,
@@ -238,11 +257,16 @@ void register_eval(CLI::App& app) {
       for (const auto& p : points) {
         nlohmann::ordered_json d = nlohmann::ordered_json::array();
         for (const auto& s : p.details)
-          d.push_back({{"seed", s.seed}, {"prompt_tokens", s.prompt_tokens}, {"depth", s.depth},
-                       {"answer", s.answer}, {"output", s.output}, {"correct", s.correct}});
+          d.push_back({{"seed", s.seed},
+                       {"prompt_tokens", s.prompt_tokens},
+                       {"depth", s.depth},
+                       {"answer", s.answer},
+                       {"output", s.output},
+                       {"correct", s.correct}});
         res.push_back({{"task", p.task},
                        {"length", p.length},
-                       {"length_over_train_length", L > 0 ? nlohmann::ordered_json(double(p.length) / double(L)) : nlohmann::ordered_json(nullptr)},
+                       {"length_over_train_length",
+                        L > 0 ? nlohmann::ordered_json(double(p.length) / double(L)) : nlohmann::ordered_json(nullptr)},
                        {"skipped", p.skipped},
                        {"note", p.note},
                        {"samples", p.samples},
@@ -253,9 +277,13 @@ void register_eval(CLI::App& app) {
                        {"seconds", p.seconds},
                        {"details", d}});
       }
-      J["retrieval"] = {{"tokenizer", tok_dir}, {"filler", o->filler}, {"samples", o->samples}, {"keys", o->keys},
+      J["retrieval"] = {{"tokenizer", tok_dir},
+                        {"filler", o->filler},
+                        {"samples", o->samples},
+                        {"keys", o->keys},
                         {"decoding", "greedy, as many tokens as the answer encodes to; exact text match"},
-                        {"lengths", lengths}, {"results", res}};
+                        {"lengths", lengths},
+                        {"results", res}};
     } else {
       J["retrieval"] = nullptr;
       std::fprintf(stderr, "note: no --filler: retrieval skipped\n");
@@ -288,8 +316,10 @@ void register_eval(CLI::App& app) {
     if (!o->no_plots) {
       gnuplot = eval::find_gnuplot();
       if (gnuplot.empty())
-        std::fprintf(stderr, "warning: gnuplot not found: PNG plots skipped (install it: apt-get install gnuplot-nox); "
-                             "data and scripts are written to %s/plot-data/\n", o->out.c_str());
+        std::fprintf(stderr,
+                     "warning: gnuplot not found: PNG plots skipped (install it: apt-get install gnuplot-nox); "
+                     "data and scripts are written to %s/plot-data/\n",
+                     o->out.c_str());
       std::fprintf(stderr, "[%.2fs] plots\n", elapsed_seconds());
       plot_results = eval::write_plots(o->out, run.get(), heldout.get(), step, points, L, load_stats, gnuplot);
       for (const auto& p : plot_results)
@@ -302,7 +332,8 @@ void register_eval(CLI::App& app) {
     write_file_atomic(json_path, J.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
 
     // 5. Summary.
-    std::printf("k3 eval: %s%s\n", model_dir.c_str(), step >= 0 ? (" (step " + std::to_string(step) + ")").c_str() : "");
+    std::printf("k3 eval: %s%s\n", model_dir.c_str(),
+                step >= 0 ? (" (step " + std::to_string(step) + ")").c_str() : "");
     if (L > 0) std::printf("training length L = %lld (%s)\n", (long long)L, L_source.c_str());
     if (heldout) {
       std::printf("\nheld-out: %lld tokens, %lld predictions in %lld windows of %lld\n", (long long)heldout->tokens,

@@ -22,12 +22,13 @@ namespace {
 Tokenizer load_tokenizer(const std::string& model_dir, const std::string& tokenizer_dir, const K3Config& cfg) {
   const std::string dir = tokenizer_dir.empty() ? model_dir : tokenizer_dir;
   if (!Tokenizer::dir_has_tokenizer(dir))
-    fail(dir, ": no tiktoken.model, so text cannot be tokenised; give --ids, or --tokenizer DIR (e.g. one written by "
-              "`k3 tokenizer train`)");
+    fail(dir,
+         ": no tiktoken.model, so text cannot be tokenised; give --ids, or --tokenizer DIR (e.g. one written by "
+         "`k3 tokenizer train`)");
   Tokenizer tok = Tokenizer::load_dir(dir);
   if (tok.vocab_size() > cfg.vocab_size)
-    fail(dir, ": the tokenizer has ", tok.vocab_size(), " ids (", tok.num_ranks(), " ranks + 256 specials) but the model's ",
-         "vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
+    fail(dir, ": the tokenizer has ", tok.vocab_size(), " ids (", tok.num_ranks(),
+         " ranks + 256 specials) but the model's ", "vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
   return tok;
 }
 
@@ -56,18 +57,23 @@ void register_generate(CLI::App& app) {
       "Text prompts stream the generated text to stdout; a chat request ends with the parsed assistant\n"
       "message (think, response, tool calls) as JSON. With --print-ids the last line of stdout is the\n"
       "generated ids separated by spaces.");
-  sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->capture_default_str();
+  sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")
+      ->capture_default_str();
   auto* ids_opt = sub->add_option("--ids", o->ids, "prompt: comma-separated token ids")->capture_default_str();
   auto* prompt_opt = sub->add_option("--prompt", o->prompt, "prompt text (tokenised with the model's tokenizer)");
-  auto* request_opt = sub->add_option("--request", o->request, "chat request JSON file (rendered as XTML, then tokenised)");
-  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model [+ tokenizer_config.json]); default: --model");
-  auto* allow = sub->add_flag("--allow-special", o->allow_special,
-                              "with --prompt: special-token text such as <|open|> becomes its id (default: plain text)");
+  auto* request_opt =
+      sub->add_option("--request", o->request, "chat request JSON file (rendered as XTML, then tokenised)");
+  sub->add_option("--tokenizer", o->tokenizer,
+                  "tokenizer directory (tiktoken.model [+ tokenizer_config.json]); default: --model");
+  auto* allow =
+      sub->add_flag("--allow-special", o->allow_special,
+                    "with --prompt: special-token text such as <|open|> becomes its id (default: plain text)");
   sub->add_option("--max-new-tokens", o->max_new, "tokens to generate at most")->capture_default_str();
   auto* greedy = sub->add_flag("--greedy", o->greedy, "pick the most likely token (the default)");
   auto* temp = sub->add_option("--temperature", o->temperature, "sampling temperature (> 0)");
   auto* topk = sub->add_option("--top-k", o->top_k, "sample among the K most likely tokens (0: all)");
-  auto* topp = sub->add_option("--top-p", o->top_p, "sample from the smallest set with this probability mass, in (0, 1]");
+  auto* topp =
+      sub->add_option("--top-p", o->top_p, "sample from the smallest set with this probability mass, in (0, 1]");
   sub->add_option("--seed", o->seed, "random seed for sampling")->capture_default_str();
   add_device_options(sub, o->device);
   sub->add_flag("--print-ids", o->print_ids, "print only the generated ids (the last line of stdout)");
@@ -103,7 +109,8 @@ void register_generate(CLI::App& app) {
       prompt = parse_ids(o->ids, "--ids");
       if (!o->tokenizer.empty()) tok = load_tokenizer(o->model, o->tokenizer, m.config());
     }
-    check_ids_in_vocab({prompt}, m.config().vocab_size, text_mode ? "the tokenised prompt" : "--ids", m.config().source);
+    check_ids_in_vocab({prompt}, m.config().vocab_size, text_mode ? "the tokenised prompt" : "--ids",
+                       m.config().source);
 
     // Stream the text as it is generated (bytes of a multi-byte character may arrive in two steps).
     std::vector<int32_t> so_far;

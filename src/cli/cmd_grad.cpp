@@ -9,10 +9,10 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/finite.h"
-#include "model/config.h"
 #include "io/safetensors.h"
-#include "model/training/model_train.h"
+#include "model/config.h"
 #include "model/params.h"
+#include "model/training/model_train.h"
 
 namespace k3::cli {
 
@@ -36,7 +36,8 @@ void register_grad(CLI::App& app) {
     int64_t count = 0;
     for (const std::string& r : o->ids) {
       rows.push_back(parse_ids(r, "--ids"));
-      if (rows.back().size() < 2) fail("--ids: a row needs at least 2 tokens (one prediction), got ", rows.back().size());
+      if (rows.back().size() < 2)
+        fail("--ids: a row needs at least 2 tokens (one prediction), got ", rows.back().size());
       count += int64_t(rows.back().size()) - 1;
     }
     check_output_path(o->out);

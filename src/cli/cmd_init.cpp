@@ -18,7 +18,8 @@ void register_init(CLI::App& app) {
       "init",
       "Write a randomly initialised K3 model directory (config.json + model.safetensors, release tensor\n"
       "names, BF16 weights) for the shapes of --config. For tests, benchmarks and training from scratch.");
-  sub->add_option("--config", o->config, "config.json to take the shapes from (e.g. configs/k3-small.json)")->required();
+  sub->add_option("--config", o->config, "config.json to take the shapes from (e.g. configs/k3-small.json)")
+      ->required();
   sub->add_option("--out", o->out, "output directory (created; files written atomically)")->required();
   sub->add_option("--seed", o->init.seed, "random seed")->capture_default_str();
   sub->add_flag("--mxfp4", o->init.mxfp4_experts, "store routed experts as MXFP4 (as the release does)");

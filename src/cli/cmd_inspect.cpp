@@ -56,14 +56,16 @@ void run_inspect(const std::string& path) {
   if (c.hidden_act == Activation::SiTU)
     std::printf(" (beta %s / %s)", num(c.situ_beta).c_str(), num(c.situ_linear_beta).c_str());
   std::printf("; dense (intermediate %lld) at 0-based layers %s\n", (long long)c.intermediate_size,
-              dense.empty() ? "(none)" : dense.size() <= 16 ? join(dense).c_str() : "(many)");
+              dense.empty()        ? "(none)"
+              : dense.size() <= 16 ? join(dense).c_str()
+                                   : "(many)");
   if (n_moe > 0)
-    std::printf("MoE: %lld LatentMoE layers, %lld routed experts, top-%lld, %lld shared (intermediate %lld), "
-                "latent %lld, expert intermediate %lld, sigmoid router, routed scaling %s\n",
-                (long long)n_moe, (long long)c.num_experts, (long long)c.num_experts_per_token,
-                (long long)c.num_shared_experts, (long long)c.shared_intermediate(),
-                (long long)c.routed_expert_hidden_size, (long long)c.moe_intermediate_size,
-                num(c.routed_scaling_factor).c_str());
+    std::printf(
+        "MoE: %lld LatentMoE layers, %lld routed experts, top-%lld, %lld shared (intermediate %lld), "
+        "latent %lld, expert intermediate %lld, sigmoid router, routed scaling %s\n",
+        (long long)n_moe, (long long)c.num_experts, (long long)c.num_experts_per_token, (long long)c.num_shared_experts,
+        (long long)c.shared_intermediate(), (long long)c.routed_expert_hidden_size, (long long)c.moe_intermediate_size,
+        num(c.routed_scaling_factor).c_str());
   std::printf("AttnRes: block size %lld, %zu blocks (boundaries at 0-based layers %s), %zu sources at the output\n",
               (long long)c.attn_res_block_size, boundaries.size(), join(boundaries).c_str(), boundaries.size() + 1);
   std::printf("vision_config: %s; routed experts MXFP4: %s\n", c.has_vision_config ? "present" : "absent",
@@ -71,8 +73,8 @@ void run_inspect(const std::string& path) {
 
   std::printf("\n%-22s %10s %17s %10s %17s\n", "component", "total", "(exact)", "active", "(exact)");
   auto row = [](const ParamGroup& g) {
-    std::printf("%-22s %10s %17lld %10s %17lld\n", g.name.c_str(), format_count(g.total).c_str(),
-                (long long)g.total, format_count(g.active).c_str(), (long long)g.active);
+    std::printf("%-22s %10s %17lld %10s %17lld\n", g.name.c_str(), format_count(g.total).c_str(), (long long)g.total,
+                format_count(g.active).c_str(), (long long)g.active);
   };
   for (const auto& g : text) row(g);
   const int64_t text_total = total_params(text), active = active_params(text);
@@ -82,8 +84,7 @@ void run_inspect(const std::string& path) {
   const int64_t total = text_total + total_params(vision);
 
   std::printf("\n");
-  if (vision.empty())
-    std::printf("total parameters: %s\n", format_count(total).c_str());
+  if (vision.empty()) std::printf("total parameters: %s\n", format_count(total).c_str());
   else
     std::printf("total parameters: %s (text model %s + vision %s)\n", format_count(total).c_str(),
                 format_count(text_total).c_str(), format_count(total_params(vision)).c_str());

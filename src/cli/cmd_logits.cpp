@@ -18,11 +18,11 @@ void register_logits(CLI::App& app) {
     DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
-  CLI::App* sub = app.add_subcommand(
-      "logits",
-      "Run the full forward pass over rows of token ids and write the logits.\n"
-      "Reads MODEL/config.json and its safetensors; writes OUT, a safetensors file with one F32\n"
-      "tensor 'logits' of shape [B, T, V] (B = number of --ids, all of the same length T).");
+  CLI::App* sub =
+      app.add_subcommand("logits",
+                         "Run the full forward pass over rows of token ids and write the logits.\n"
+                         "Reads MODEL/config.json and its safetensors; writes OUT, a safetensors file with one F32\n"
+                         "tensor 'logits' of shape [B, T, V] (B = number of --ids, all of the same length T).");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--ids", o->ids, "comma-separated token ids of one row; repeat for more rows")->required();
   sub->add_option("--out", o->out, "output .safetensors path (written atomically)")->required();

@@ -27,7 +27,6 @@ Tokenizer load_beside(const std::string& ranks, const std::string& pattern) {
   return Tokenizer::load(ranks, std::filesystem::is_regular_file(cfg) ? cfg.string() : "", pattern);
 }
 
-
 }  // namespace
 
 void register_tokenize(CLI::App& app) {

@@ -6,11 +6,11 @@
 #include <thread>
 #include <vector>
 
-#include "cli/args.h"                 // defines: elapsed_seconds
+#include "cli/args.h"  // defines: elapsed_seconds
 #include "cli/commands.h"
-#include "core/error.h"               // defines: fail
-#include "tokenizer/bpe_train.h"      // defines: train_bpe, check_corpus_files, prepare_output_dir, write_tokenizer_dir
-#include "tokenizer/pretokenizer.h"   // defines: pattern_by_name
+#include "core/error.h"              // defines: fail
+#include "tokenizer/bpe_train.h"     // defines: train_bpe, check_corpus_files, prepare_output_dir, write_tokenizer_dir
+#include "tokenizer/pretokenizer.h"  // defines: pattern_by_name
 
 namespace k3::cli {
 
@@ -41,18 +41,21 @@ void register_tokenizer(CLI::App& app) {
   train->add_option("--corpus", o->corpus, "text files to train on (one or more; each is one document)")
       ->required()
       ->expected(1, -1);
-  train->add_option("--vocab-size", o->vocab_size,
-                    "N: number of mergeable ranks, 256 or more (the special tokens take ids N..N+255)")
+  train
+      ->add_option("--vocab-size", o->vocab_size,
+                   "N: number of mergeable ranks, 256 or more (the special tokens take ids N..N+255)")
       ->required();
   train->add_option("--out", o->out, "output directory (created if missing)")->required();
   train->add_option("--pattern", o->pattern, "pre-tokenizer pattern (the one the encoder will use)")
       ->capture_default_str();
-  train->add_option("--min-pair-count", o->min_pair_count,
-                    "a pair is merged only if it occurs at least this often (counted over the whole corpus)")
+  train
+      ->add_option("--min-pair-count", o->min_pair_count,
+                   "a pair is merged only if it occurs at least this often (counted over the whole corpus)")
       ->capture_default_str();
-  train->add_option("--threads", o->threads,
-                    "threads for reading and pre-tokenizing the corpus (default: the hardware threads);\n"
-                    "merging uses one")
+  train
+      ->add_option("--threads", o->threads,
+                   "threads for reading and pre-tokenizing the corpus (default: the hardware threads);\n"
+                   "merging uses one")
       ->capture_default_str();
   train->callback([o] {
     if (o->vocab_size < 256 || o->vocab_size > kMaxTrainRanks)
@@ -77,7 +80,8 @@ void register_tokenizer(CLI::App& app) {
                    "(expected 0; please report)\n",
                    static_cast<long long>(r.encoder_mismatches));
     write_tokenizer_dir(o->out, r.tokens);
-    std::fprintf(stderr, "[%7.1f s] wrote %s/tiktoken.model (%lld ranks) and tokenizer_config.json (specials %lld..%lld)\n",
+    std::fprintf(stderr,
+                 "[%7.1f s] wrote %s/tiktoken.model (%lld ranks) and tokenizer_config.json (specials %lld..%lld)\n",
                  elapsed_seconds(), o->out.c_str(), static_cast<long long>(r.tokens.size()),
                  static_cast<long long>(r.tokens.size()), static_cast<long long>(r.tokens.size()) + 255);
   });

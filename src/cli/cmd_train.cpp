@@ -22,7 +22,8 @@ void register_data(CLI::App& app) {
       "Tokenise text files into a training shard (uint32 ids, memory-mapped by `k3 train`). Each file is\n"
       "one document, followed by the end-of-document id <|end_of_msg|>; special-token text in the files is\n"
       "plain text. Writes OUT atomically.");
-  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model [+ tokenizer_config.json])")->required();
+  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model [+ tokenizer_config.json])")
+      ->required();
   sub->add_option("--out", o->out, "output shard file")->required();
   sub->add_option("files", o->files, "text files (one document each)")->required();
   sub->callback([o] {
@@ -31,8 +32,8 @@ void register_data(CLI::App& app) {
     const uint32_t eod = uint32_t(tok.special_id(K3Special::kEndOfMsg));
     const std::vector<uint32_t> ids = train::tokenize_documents(tok, o->files, eod);
     train::write_token_shard(o->out, ids, eod);
-    std::printf("%zu documents, %zu tokens (vocabulary %lld, end-of-document id %u) -> %s\n", o->files.size(), ids.size(),
-                (long long)tok.vocab_size(), eod, o->out.c_str());
+    std::printf("%zu documents, %zu tokens (vocabulary %lld, end-of-document id %u) -> %s\n", o->files.size(),
+                ids.size(), (long long)tok.vocab_size(), eod, o->out.c_str());
   });
 }
 
@@ -88,7 +89,8 @@ void register_train(CLI::App& app) {
                   "sequences of a step run side by side on this many gradient buffers (one extra model-sized\n"
                   "float64 buffer each); 0 = the thread count, or the run's own count on --resume")
       ->capture_default_str();
-  sub->add_flag("--skip-nonfinite", o->skip_nonfinite, "skip steps with a NaN/Inf loss or gradient instead of stopping");
+  sub->add_flag("--skip-nonfinite", o->skip_nonfinite,
+                "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance, sequential] {
     o->shuffle = !*sequential;
     if (!stages->empty()) o->stages = train::parse_stages(*stages);
@@ -101,7 +103,8 @@ void register_train(CLI::App& app) {
       std::printf("trained %lld steps (%lld in this run); final loss %.4f; checkpoint %s\n", (long long)r.steps,
                   (long long)r.steps_run, r.last_loss, r.last_checkpoint.c_str());
     if (!o->eval_path.empty())
-      std::printf("held-out loss %.4f nats/token; unigram entropy %.4f nats/token\n", r.eval.loss, r.eval.unigram_entropy);
+      std::printf("held-out loss %.4f nats/token; unigram entropy %.4f nats/token\n", r.eval.loss,
+                  r.eval.unigram_entropy);
   });
 }
 

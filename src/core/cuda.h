@@ -29,7 +29,7 @@ void device_free(void* p) noexcept;
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_on_device(void* dst, const void* src, size_t bytes);  // device to device, queued on the stream
-void zero_on_device(void* dst, size_t bytes);                    // queued on the stream
+void zero_on_device(void* dst, size_t bytes);                   // queued on the stream
 void synchronize();
 
 // Times GPU work on the default stream with CUDA events (for benchmarks): start(), run kernels,

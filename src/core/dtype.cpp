@@ -24,7 +24,10 @@ float f16_to_f32(uint16_t h) {
       u = sign;
     } else {  // subnormal: renormalise
       int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400));
+      do {
+        man <<= 1;
+        ++e;
+      } while (!(man & 0x400));
       u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
     }
   } else if (exp == 31) {
@@ -40,9 +43,7 @@ float f16_to_f32(uint16_t h) {
 void widen_to_f32(float* dst, const void* src, DType t, size_t n) {
   if (n == 0) return;  // an empty tensor's pointers may be null (memcpy with null is UB even for 0 bytes)
   switch (t) {
-    case DType::F32:
-      std::memcpy(dst, src, n * 4);
-      return;
+    case DType::F32: std::memcpy(dst, src, n * 4); return;
     case DType::BF16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
@@ -53,8 +54,7 @@ void widen_to_f32(float* dst, const void* src, DType t, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
       return;
     }
-    default:
-      fail("internal error: widen_to_f32 called on ", dtype_name(t));
+    default: fail("internal error: widen_to_f32 called on ", dtype_name(t));
   }
 }
 

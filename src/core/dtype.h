@@ -45,7 +45,7 @@ inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                                         // round to nearest even
   return uint16_t(u >> 16);
 }
 

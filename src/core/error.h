@@ -23,12 +23,12 @@ template <class... A>
 
 }  // namespace k3
 
-#define K3_CHECK(cond, ...)                  \
-  do {                                       \
-    if (!(cond)) ::k3::fail(__VA_ARGS__);    \
+#define K3_CHECK(cond, ...)               \
+  do {                                    \
+    if (!(cond)) ::k3::fail(__VA_ARGS__); \
   } while (0)
 
-#define K3_ASSERT(cond)                                                                     \
-  do {                                                                                      \
+#define K3_ASSERT(cond)                                                                         \
+  do {                                                                                          \
     if (!(cond)) ::k3::fail("internal error: ", #cond, " failed at ", __FILE__, ":", __LINE__); \
   } while (0)

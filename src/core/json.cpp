@@ -62,7 +62,8 @@ void check_json_walk_depth(int depth, const char* what) {
 }
 
 template nlohmann::json parse_json<nlohmann::json>(std::string_view, const std::string&, const JsonLimits&);
-template nlohmann::ordered_json parse_json<nlohmann::ordered_json>(std::string_view, const std::string&, const JsonLimits&);
+template nlohmann::ordered_json parse_json<nlohmann::ordered_json>(std::string_view, const std::string&,
+                                                                   const JsonLimits&);
 template std::optional<nlohmann::json> try_parse_json<nlohmann::json>(std::string_view, int);
 template std::optional<nlohmann::ordered_json> try_parse_json<nlohmann::ordered_json>(std::string_view, int);
 

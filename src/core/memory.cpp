@@ -37,7 +37,8 @@ uint64_t available_memory_bytes() {
       break;
     }
   // cgroup v2, then v1: the limit less what the group already uses.
-  const uint64_t limit2 = read_number("/sys/fs/cgroup/memory.max"), used2 = read_number("/sys/fs/cgroup/memory.current");
+  const uint64_t limit2 = read_number("/sys/fs/cgroup/memory.max"),
+                 used2 = read_number("/sys/fs/cgroup/memory.current");
   if (limit2 != UINT64_MAX && used2 != UINT64_MAX) avail = std::min(avail, limit2 > used2 ? limit2 - used2 : 0);
   const uint64_t limit1 = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
                  used1 = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");

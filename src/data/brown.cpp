@@ -10,8 +10,8 @@ namespace k3::data {
 namespace {
 
 bool is_closing(std::string_view w) {
-  return w == "," || w == "." || w == ";" || w == ":" || w == "?" || w == "!" || w == ")" || w == "]" ||
-         w == "''" || w == "'";
+  return w == "," || w == "." || w == ";" || w == ":" || w == "?" || w == "!" || w == ")" || w == "]" || w == "''" ||
+         w == "'";
 }
 
 bool is_opening(std::string_view w) { return w == "``" || w == "(" || w == "["; }
@@ -50,16 +50,15 @@ std::string brown_plain_text(std::string_view tagged, const std::string& where) 
       // carry their own period before the sentence's ("Jr./np ./."): print one mark, not two.
       // (Tags may carry suffixes such as "-hl" for headlines: ".-hl".)
       const bool mark = tag[0] == '.';
-      if (mark && !sentence.empty() && (prev_mark ? word == prev_word : word == "." && sentence.back() == '.')) continue;
+      if (mark && !sentence.empty() && (prev_mark ? word == prev_word : word == "." && sentence.back() == '.'))
+        continue;
       prev_word = word;
       prev_mark = mark;
       const bool closing = is_closing(word);
       const bool opening = is_opening(word);
       if (!glue_next && !closing) sentence += ' ';
-      if (word == "``" || word == "''")
-        sentence += '"';
-      else
-        sentence += word;
+      if (word == "``" || word == "''") sentence += '"';
+      else sentence += word;
       glue_next = opening;
     }
     out += sentence;
@@ -75,7 +74,8 @@ std::vector<BrownDocument> read_brown_corpus(const std::string& dir) {
   size_t pos = 0, line_no = 0;
   while (pos < cats.size()) {
     const size_t nl = cats.find('\n', pos);
-    std::string_view line = trim(std::string_view(cats).substr(pos, nl == std::string::npos ? std::string::npos : nl - pos));
+    std::string_view line =
+        trim(std::string_view(cats).substr(pos, nl == std::string::npos ? std::string::npos : nl - pos));
     pos = nl == std::string::npos ? cats.size() : nl + 1;
     ++line_no;
     if (line.empty()) continue;
@@ -85,7 +85,8 @@ std::vector<BrownDocument> read_brown_corpus(const std::string& dir) {
     d.id = std::string(line.substr(0, sp));
     d.category = std::string(trim(line.substr(sp)));
     for (char ch : d.id)
-      if (!std::isalnum(static_cast<unsigned char>(ch))) fail(cats_path, ":", line_no, ": bad sample name '", d.id, "'");
+      if (!std::isalnum(static_cast<unsigned char>(ch)))
+        fail(cats_path, ":", line_no, ": bad sample name '", d.id, "'");
     const std::string path = dir + "/" + d.id;
     d.text = brown_plain_text(read_file(path, "Brown corpus sample"), path);
     if (d.text.empty()) fail(path, ": no text");

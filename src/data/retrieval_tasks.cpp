@@ -18,7 +18,7 @@ struct Rng {
 };
 
 // Key words for multi-key recall: short, common, distinct, each one or two tokens.
-const char* const kKeyWords[] = {"apple", "river",  "stone",  "cloud",  "tiger", "maple",  "silver", "garden",
+const char* const kKeyWords[] = {"apple",  "river",  "stone",  "cloud",  "tiger",  "maple",   "silver", "garden",
                                  "violet", "harbor", "falcon", "copper", "meadow", "lantern", "orange", "candle",
                                  "winter", "pepper", "forest", "marble", "rabbit", "thunder", "velvet", "island"};
 constexpr int kNumKeyWords = int(sizeof(kKeyWords) / sizeof(kKeyWords[0]));

@@ -24,14 +24,14 @@
 namespace k3::data {
 
 enum class RetrievalTask { Passkey, MultiKey };
-const char* retrieval_task_name(RetrievalTask t);        // "passkey", "multikey"
+const char* retrieval_task_name(RetrievalTask t);          // "passkey", "multikey"
 RetrievalTask parse_retrieval_task(const std::string& s);  // throws k3::Error on an unknown name
 
 struct RetrievalExample {
-  std::string prompt;      // ends just before the answer
-  std::string answer;      // starts with a space: " 71432"
+  std::string prompt;  // ends just before the answer
+  std::string answer;  // starts with a space: " 71432"
   int64_t prompt_tokens = 0;
-  double depth = 0.0;      // where the (queried) needle sits, as a fraction of the filler
+  double depth = 0.0;  // where the (queried) needle sits, as a fraction of the filler
 };
 
 // The filler documents at `path`: every *.txt file of a directory, sorted by name (what `k3 corpus

@@ -28,7 +28,8 @@ double nll_sum(const float* logits, int64_t rows, int64_t vocab, const int32_t* 
   double sum = 0.0;
   for (int64_t t = 0; t < rows; ++t) {
     const float* r = logits + t * vocab;
-    if (next[t] < 0 || next[t] >= vocab) fail("nll_sum: target id ", next[t], " is outside the vocabulary (", vocab, ")");
+    if (next[t] < 0 || next[t] >= vocab)
+      fail("nll_sum: target id ", next[t], " is outside the vocabulary (", vocab, ")");
     float mx = r[0];
     for (int64_t v = 1; v < vocab; ++v) mx = std::max(mx, r[v]);
     double z = 0.0;
@@ -53,7 +54,8 @@ void ExpertLoad::add(int64_t layer, const int32_t* idx, int64_t rows, int64_t k)
     fail("expert load: layer ", layer, " is not an MoE layer");
   std::vector<int64_t>& c = counts_[size_t(slot_[size_t(layer)])];
   for (int64_t i = 0; i < rows * k; ++i) {
-    if (idx[i] < 0 || idx[i] >= E_) fail("expert load: expert id ", idx[i], " outside 0..", E_ - 1, " at layer ", layer);
+    if (idx[i] < 0 || idx[i] >= E_)
+      fail("expert load: expert id ", idx[i], " outside 0..", E_ - 1, " at layer ", layer);
     ++c[size_t(idx[i])];
   }
 }

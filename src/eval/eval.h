@@ -32,13 +32,13 @@ class ExpertLoad {
   ForwardHooks hooks();
 
   struct LayerStats {
-    int64_t layer = 0;              // 0-based model layer
-    int64_t assignments = 0;        // tokens x k
-    std::vector<int64_t> counts;    // [E]
-    std::vector<double> share;      // [E] counts / assignments
-    double max_vio = 0.0;           // max count / mean count - 1 (mean = assignments / E)
+    int64_t layer = 0;            // 0-based model layer
+    int64_t assignments = 0;      // tokens x k
+    std::vector<int64_t> counts;  // [E]
+    std::vector<double> share;    // [E] counts / assignments
+    double max_vio = 0.0;         // max count / mean count - 1 (mean = assignments / E)
     double min_share = 0.0, max_share = 0.0;
-    int64_t unused_experts = 0;     // experts that got no assignment
+    int64_t unused_experts = 0;  // experts that got no assignment
   };
   std::vector<LayerStats> stats() const;  // one entry per MoE layer, in layer order
   const std::vector<int64_t>& moe_layers() const { return layers_; }
@@ -55,13 +55,13 @@ class ExpertLoad {
 ExpertLoad::LayerStats load_stats(int64_t layer, const std::vector<int64_t>& counts);
 
 struct HeldoutResult {
-  int64_t tokens = 0;        // shard tokens evaluated
-  int64_t window = 0;        // window length (the training length)
+  int64_t tokens = 0;  // shard tokens evaluated
+  int64_t window = 0;  // window length (the training length)
   int64_t windows = 0;
-  int64_t sequences = 0;     // document pieces run
-  int64_t predictions = 0;   // next-token predictions scored
-  double loss = 0.0;         // mean NLL, nats per predicted token
-  double perplexity = 0.0;   // exp(loss)
+  int64_t sequences = 0;         // document pieces run
+  int64_t predictions = 0;       // next-token predictions scored
+  double loss = 0.0;             // mean NLL, nats per predicted token
+  double perplexity = 0.0;       // exp(loss)
   double unigram_entropy = 0.0;  // nats per token of the evaluated tokens' own unigram distribution
   double seconds = 0.0;
 };
@@ -72,8 +72,7 @@ struct HeldoutResult {
 // counts the routed experts of every token. `progress` is called after each window with
 // (tokens done, tokens total).
 HeldoutResult heldout_loss(Engine& m, const train::TokenShard& shard, int64_t max_tokens, int64_t window,
-                           ExpertLoad* load = nullptr,
-                           const std::function<void(int64_t, int64_t)>& progress = {});
+                           ExpertLoad* load = nullptr, const std::function<void(int64_t, int64_t)>& progress = {});
 
 // Exact match of the decoded continuation against the answer (both taken verbatim).
 bool exact_match(const std::string& decoded, const std::string& answer);
@@ -87,14 +86,14 @@ struct RetrievalSample {
 };
 
 struct RetrievalPoint {
-  std::string task;          // "passkey" / "multikey"
-  int64_t length = 0;        // requested prompt length (tokens)
+  std::string task;    // "passkey" / "multikey"
+  int64_t length = 0;  // requested prompt length (tokens)
   int64_t samples = 0, correct = 0;
   double accuracy = 0.0;
   double mean_depth = 0.0;
   double mean_prompt_tokens = 0.0;
   double seconds = 0.0;
-  bool skipped = false;      // the length cannot hold the task's fixed text
+  bool skipped = false;  // the length cannot hold the task's fixed text
   std::string note;
   std::vector<RetrievalSample> details;
 };

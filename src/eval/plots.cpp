@@ -21,8 +21,8 @@ namespace fs = std::filesystem;
 namespace {
 
 const char kTerminal[] = "set terminal pngcairo size 1100,650 font 'sans,11' noenhanced\n";
-const char* const kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-                               "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+const char* const kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                               "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 
 std::string num(double v) {
   if (!std::isfinite(v)) return "NaN";
@@ -168,26 +168,35 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
       d << run->steps[i].step << ' ' << run->steps[i].tokens << ' ' << num(loss[i]) << ' ' << num(sm[i]) << '\n';
     std::ostringstream e;
     e << "# step eval_loss unigram_entropy\n";
-    for (const EvalRecord& r : run->evals) e << r.step << ' ' << num(r.eval_loss) << ' ' << num(r.unigram_entropy) << '\n';
+    for (const EvalRecord& r : run->evals)
+      e << r.step << ' ' << num(r.eval_loss) << ' ' << num(r.unigram_entropy) << '\n';
     std::ostringstream t;
     t << "# step eval_loss unigram_entropy (this eval)\n";
-    if (heldout && eval_step >= 0) t << eval_step << ' ' << num(heldout->loss) << ' ' << num(heldout->unigram_entropy) << '\n';
+    if (heldout && eval_step >= 0)
+      t << eval_step << ' ' << num(heldout->loss) << ' ' << num(heldout->unigram_entropy) << '\n';
     std::ostringstream g;
     g << "set title 'Training loss: " << run->path << "'\n"
-      << "set xlabel 'step (" << run->steps.back().tokens << " training tokens at step " << run->steps.back().step << ")'\n"
+      << "set xlabel 'step (" << run->steps.back().tokens << " training tokens at step " << run->steps.back().step
+      << ")'\n"
       << "set ylabel 'loss (nats / token)'\nset grid\nset key below\n"
       << "set datafile missing 'NaN'\n"
       << stage_markers(*run);
-    const double H = heldout ? heldout->unigram_entropy : (run->evals.empty() ? NAN : run->evals.back().unigram_entropy);
+    const double H =
+        heldout ? heldout->unigram_entropy : (run->evals.empty() ? NAN : run->evals.back().unigram_entropy);
     g << "plot 'loss.dat' using 1:3 with lines lw " << (sw > 1 ? "1 lc rgb '#a6c8e6'" : "2 lc rgb '#1f77b4'")
       << " title 'train loss (per step)'";
-    if (sw > 1) g << ", \\\n  'loss.dat' using 1:4 with lines lw 2.5 lc rgb '#1f77b4' title 'train loss (moving average, " << sw << " steps)'";
+    if (sw > 1)
+      g << ", \\\n  'loss.dat' using 1:4 with lines lw 2.5 lc rgb '#1f77b4' title 'train loss (moving average, " << sw
+        << " steps)'";
     if (!run->evals.empty())
       g << ", \\\n  'run_eval.dat' using 1:2 with points pt 7 ps 1.6 lc rgb '#d62728' title 'held-out loss (k3 train)'";
     if (heldout && eval_step >= 0)
-      g << ", \\\n  'this_eval.dat' using 1:2 with points pt 9 ps 2.2 lc rgb '#2ca02c' title 'held-out loss (this eval, "
+      g << ", \\\n  'this_eval.dat' using 1:2 with points pt 9 ps 2.2 lc rgb '#2ca02c' title 'held-out loss (this "
+           "eval, "
         << fixed4(heldout->loss) << ")'";
-    if (std::isfinite(H)) g << ", \\\n  " << num(H) << " with lines dt 3 lw 2 lc rgb 'gray40' title 'held-out unigram entropy (" << fixed4(H) << ")'";
+    if (std::isfinite(H))
+      g << ", \\\n  " << num(H) << " with lines dt 3 lw 2 lc rgb 'gray40' title 'held-out unigram entropy ("
+        << fixed4(H) << ")'";
     g << "\n";
     w.emit("loss", {{"loss.dat", d.str()}, {"run_eval.dat", e.str()}, {"this_eval.dat", t.str()}}, g.str());
   }
@@ -225,7 +234,8 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
       d << '\n';
     }
     std::ostringstream g;
-    g << "set title 'MaxVio per MoE layer (max expert load / mean load - 1, per training batch" << (sw > 1 ? ", moving average over " + std::to_string(sw) + " steps" : std::string()) << ")'\n"
+    g << "set title 'MaxVio per MoE layer (max expert load / mean load - 1, per training batch"
+      << (sw > 1 ? ", moving average over " + std::to_string(sw) + " steps" : std::string()) << ")'\n"
       << "set xlabel 'step'\nset ylabel 'MaxVio'\nset grid\nset key outside right top\nset datafile missing 'NaN'\n";
     if (hi > 0 && lo < INFINITY && hi / lo > 30) g << "set logscale y\n";
     else g << "set yrange [0:*]\n";
@@ -272,15 +282,20 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
     for (size_t i = 0; i < lengths.size(); ++i) g << (i ? ", " : "") << "'" << lengths[i] << "' " << lengths[i];
     g << ")\n";
     if (train_length > 0) {
-      g << "set object 1 rect from " << train_length << ", graph 0 to graph 1, graph 1 behind fc rgb '#f0f0f0' fs solid noborder\n"
-        << "set arrow from " << train_length << ", graph 0 to " << train_length << ", graph 1 nohead dt 2 lw 2 lc rgb 'black'\n"
-        << "set label 'train length L = " << train_length << "' at " << train_length << ", graph 0.97 right offset -0.7,0\n"
-        << "set label 'beyond the training length' at " << train_length << ", graph 0.97 left offset 0.7,0 tc rgb 'gray40'\n";
+      g << "set object 1 rect from " << train_length
+        << ", graph 0 to graph 1, graph 1 behind fc rgb '#f0f0f0' fs solid noborder\n"
+        << "set arrow from " << train_length << ", graph 0 to " << train_length
+        << ", graph 1 nohead dt 2 lw 2 lc rgb 'black'\n"
+        << "set label 'train length L = " << train_length << "' at " << train_length
+        << ", graph 0.97 right offset -0.7,0\n"
+        << "set label 'beyond the training length' at " << train_length
+        << ", graph 0.97 left offset 0.7,0 tc rgb 'gray40'\n";
     }
     g << "plot ";
     for (size_t i = 0; i < tasks.size(); ++i)
       g << (i ? ", \\\n  " : "") << "'retrieval.dat' using 1:" << i + 2 << " with linespoints lw 2 pt " << (i ? 4 : 7)
-        << (i ? " dt 2" : "") << " ps " << (i ? "2.2" : "1.5") << " lc rgb '" << kColors[i % 10] << "' title '" << tasks[i] << "'";
+        << (i ? " dt 2" : "") << " ps " << (i ? "2.2" : "1.5") << " lc rgb '" << kColors[i % 10] << "' title '"
+        << tasks[i] << "'";
     g << "\n";
     w.emit("retrieval", {{"retrieval.dat", d.str()}}, g.str());
   }
@@ -302,7 +317,8 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
       d << '\n';
     }
     std::ostringstream g;
-    g << "set title 'Expert load on the held-out tokens (" << load[0].assignments << " routed assignments per layer): load / mean load'\n"
+    g << "set title 'Expert load on the held-out tokens (" << load[0].assignments
+      << " routed assignments per layer): load / mean load'\n"
       << "set xlabel 'expert'\nset ylabel 'MoE layer (MaxVio)'\nset view map\nunset key\n"
       << "set xrange [-0.5:" << E - 0.5 << "]\nset yrange [" << N - 0.5 << ":-0.5]\n"
       << "set cbrange [0:" << num(mx) << "]\nset cblabel 'load / mean load'\n"

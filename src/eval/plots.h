@@ -19,7 +19,7 @@ struct PlotResult {
   std::string png;     // OUTDIR/loss.png ("" when not drawn)
   std::string script;  // OUTDIR/plot-data/loss.gp ("" when there was nothing to plot)
   bool drawn = false;
-  std::string note;    // why it was skipped, or gnuplot's complaint
+  std::string note;  // why it was skipped, or gnuplot's complaint
 };
 
 // The gnuplot executable (env K3_GNUPLOT, else "gnuplot" on PATH); "" when there is none.

@@ -47,35 +47,35 @@ RunMetrics read_run_metrics(const std::string& run_or_file) {
   std::map<int64_t, EvalRecord> evals;
   // A run in progress may be caught mid-write: read_jsonl drops a torn last line.
   for (const JsonlRecord& rec : read_jsonl(r.path, "run metrics").records) try {
-    const nlohmann::json& j = rec.value;
-    const int64_t lineno = rec.line;
-    if (!j.contains("step") || !j["step"].is_number_integer())
-      fail(r.path, ":", lineno, ": a record needs an integer \"step\"");
-    const int64_t step = j["step"].get<int64_t>();
-    if (j.contains("eval_loss")) {
-      EvalRecord e;
-      e.step = step;
-      e.eval_loss = number_or_nan(j, "eval_loss");
-      e.unigram_entropy = number_or_nan(j, "unigram_entropy");
-      e.predictions = j.value("eval_predictions", int64_t(0));
-      evals[step] = e;
-      continue;
+      const nlohmann::json& j = rec.value;
+      const int64_t lineno = rec.line;
+      if (!j.contains("step") || !j["step"].is_number_integer())
+        fail(r.path, ":", lineno, ": a record needs an integer \"step\"");
+      const int64_t step = j["step"].get<int64_t>();
+      if (j.contains("eval_loss")) {
+        EvalRecord e;
+        e.step = step;
+        e.eval_loss = number_or_nan(j, "eval_loss");
+        e.unigram_entropy = number_or_nan(j, "unigram_entropy");
+        e.predictions = j.value("eval_predictions", int64_t(0));
+        evals[step] = e;
+        continue;
+      }
+      StepRecord s;
+      s.step = step;
+      s.loss = number_or_nan(j, "loss");
+      if (j.value("skipped", false)) s.loss = std::numeric_limits<double>::quiet_NaN();
+      s.tokens = j.value("tokens", int64_t(0));
+      s.seq_len = j.value("seq_len", int64_t(0));
+      s.stage = j.value("stage", int64_t(0));
+      if (j.contains("max_vio")) {
+        if (!j["max_vio"].is_array()) fail(r.path, ":", lineno, ": \"max_vio\" is not an array");
+        for (const auto& v : j["max_vio"]) s.max_vio.push_back(v.is_number() ? v.get<double>() : std::nan(""));
+      }
+      steps[step] = std::move(s);
+    } catch (const nlohmann::json::exception& e) {  // a field of the wrong type, from value()
+      fail(r.path, ":", rec.line, ": ", e.what());
     }
-    StepRecord s;
-    s.step = step;
-    s.loss = number_or_nan(j, "loss");
-    if (j.value("skipped", false)) s.loss = std::numeric_limits<double>::quiet_NaN();
-    s.tokens = j.value("tokens", int64_t(0));
-    s.seq_len = j.value("seq_len", int64_t(0));
-    s.stage = j.value("stage", int64_t(0));
-    if (j.contains("max_vio")) {
-      if (!j["max_vio"].is_array()) fail(r.path, ":", lineno, ": \"max_vio\" is not an array");
-      for (const auto& v : j["max_vio"]) s.max_vio.push_back(v.is_number() ? v.get<double>() : std::nan(""));
-    }
-    steps[step] = std::move(s);
-  } catch (const nlohmann::json::exception& e) {  // a field of the wrong type, from value()
-    fail(r.path, ":", rec.line, ": ", e.what());
-  }
   for (auto& [k, s] : steps) r.steps.push_back(std::move(s));
   for (auto& [k, e] : evals) r.evals.push_back(e);
   return r;

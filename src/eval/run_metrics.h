@@ -10,8 +10,8 @@ namespace k3::eval {
 
 struct StepRecord {
   int64_t step = 0;
-  double loss = 0.0;            // NaN when the record has none (null / skipped step)
-  int64_t tokens = 0;           // cumulative training tokens
+  double loss = 0.0;   // NaN when the record has none (null / skipped step)
+  int64_t tokens = 0;  // cumulative training tokens
   int64_t seq_len = 0;
   int64_t stage = 0;
   std::vector<double> max_vio;  // per MoE layer

@@ -37,8 +37,10 @@ DirectoryLock::DirectoryLock(const std::string& dir, const std::string& purpose)
     ::close(fd_);
     fd_ = -1;
     if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) {  // a filesystem without locks (some NFS)
-      std::fprintf(stderr, "warning: %s: this filesystem cannot lock the %s (%s); make sure no other k3 process "
-                   "uses it at the same time\n", path.c_str(), purpose.c_str(), std::strerror(err));
+      std::fprintf(stderr,
+                   "warning: %s: this filesystem cannot lock the %s (%s); make sure no other k3 process "
+                   "uses it at the same time\n",
+                   path.c_str(), purpose.c_str(), std::strerror(err));
       return;
     }
     if (err != EWOULDBLOCK) fail(path, ": cannot lock the ", purpose, " (", std::strerror(err), ")");

@@ -64,9 +64,10 @@ void on_sigbus(int sig, siginfo_t* info, void*) {
     if (b && addr >= b && addr < b + s.len.load(std::memory_order_relaxed)) {
       write_stderr("error: ");
       write_stderr(s.path.load(std::memory_order_relaxed));
-      write_stderr(": the file was truncated or overwritten while k3 had it memory-mapped (its bytes are read on "
-                   "demand, so it must not change while in use; replace such a file by writing a new one and renaming "
-                   "it over the old)\n");
+      write_stderr(
+          ": the file was truncated or overwritten while k3 had it memory-mapped (its bytes are read on "
+          "demand, so it must not change while in use; replace such a file by writing a new one and renaming "
+          "it over the old)\n");
       _exit(1);
     }
   }
@@ -80,7 +81,7 @@ void on_sigbus(int sig, siginfo_t* info, void*) {
 void install_sigbus_handler() {
   static std::once_flag once;
   std::call_once(once, [] {
-    struct sigaction sa{};
+    struct sigaction sa {};
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO;
     sigemptyset(&sa.sa_mask);

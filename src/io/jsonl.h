@@ -10,8 +10,8 @@
 namespace k3 {
 
 struct JsonlRecord {
-  int64_t line = 0;    // 1-based line number
-  std::string text;    // the line as written
+  int64_t line = 0;  // 1-based line number
+  std::string text;  // the line as written
   nlohmann::json value;
 };
 

@@ -30,10 +30,10 @@ std::string parent_of(const std::string& path) {
 // The checks on an existing target; `st` is its lstat.
 void check_existing_target(const std::string& path, const struct stat& st) {
   if (S_ISLNK(st.st_mode))
-    fail(path, ": is a symbolic link; an output is written to a new file renamed into place, which would replace "
-               "the link rather than its target: give the target's own path");
-  if (!S_ISREG(st.st_mode))
-    fail(path, ": is ", file_kind(st.st_mode), "; k3 writes outputs only as regular files");
+    fail(path,
+         ": is a symbolic link; an output is written to a new file renamed into place, which would replace "
+         "the link rather than its target: give the target's own path");
+  if (!S_ISREG(st.st_mode)) fail(path, ": is ", file_kind(st.st_mode), "; k3 writes outputs only as regular files");
   if (std::optional<InputInfo> in = find_input(st))
     fail(path, ": is an input of this command (", in->what, in->path != path ? ", read as " + in->path : std::string(),
          "); writing the output there would destroy it: choose another path");
@@ -72,7 +72,8 @@ void check_output_path(const std::string& path) {
   else if (errno != ENOENT) fail(path, ": cannot write output (", std::strerror(errno), ")");
   const std::string dir = parent_of(path);
   if (::stat(dir.c_str(), &st) != 0)
-    fail(path, ": cannot write output: directory '", dir, "' ", errno == ENOENT ? "does not exist" : std::strerror(errno));
+    fail(path, ": cannot write output: directory '", dir, "' ",
+         errno == ENOENT ? "does not exist" : std::strerror(errno));
   if (!S_ISDIR(st.st_mode)) fail(path, ": cannot write output: '", dir, "' is not a directory");
 }
 
@@ -83,7 +84,8 @@ OutputFile::OutputFile(const std::string& path) : path_(path) {
   for (int attempt = 0; attempt < 16 && fd_ < 0; ++attempt) {
     tmp_ = (fs::path(parent_of(path)) / ("." + base + ".tmp." + random_suffix())).string();
     fd_ = create_new_file(tmp_);
-    if (fd_ < 0 && errno != EEXIST) fail(path, ": cannot create the temporary file ", tmp_, " (", std::strerror(errno), ")");
+    if (fd_ < 0 && errno != EEXIST)
+      fail(path, ": cannot create the temporary file ", tmp_, " (", std::strerror(errno), ")");
   }
   if (fd_ < 0) fail(path, ": cannot create a temporary file beside it (16 names taken)");
   // An output that replaces a file keeps that file's permissions.
@@ -126,7 +128,8 @@ void require_disk_space(const std::string& path, uint64_t bytes, const std::stri
   if (::statvfs(p.c_str(), &sv) != 0) return;  // cannot tell: the write will say
   const uint64_t free_bytes = uint64_t(sv.f_bavail) * uint64_t(sv.f_frsize);
   if (bytes > free_bytes)
-    fail(what, " needs ", format_bytes(bytes), " of disk at ", path, ", but only ", format_bytes(free_bytes), " is free");
+    fail(what, " needs ", format_bytes(bytes), " of disk at ", path, ", but only ", format_bytes(free_bytes),
+         " is free");
 }
 
 void write_file_atomic(const std::string& path, std::string_view bytes) {

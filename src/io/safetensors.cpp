@@ -80,7 +80,8 @@ SafeTensors SafeTensors::open(const std::string& path) {
     if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
   if (found.empty()) fail(path, ": no model.safetensors.index.json and no *.safetensors file");
   if (found.size() > 1)
-    fail(path, ": ", found.size(), " .safetensors files but no model.safetensors.index.json to say which tensor is where");
+    fail(path, ": ", found.size(),
+         " .safetensors files but no model.safetensors.index.json to say which tensor is where");
   st.add_file(found[0], nullptr);
   return st;
 }
@@ -92,10 +93,11 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
   uint64_t hlen;
   std::memcpy(&hlen, mf->data(), 8);
   if (hlen > kMaxHeaderBytes) fail(file, ": header length ", hlen, " exceeds the ", kMaxHeaderBytes, "-byte bound");
-  if (8 + hlen > size) fail(file, ": truncated: header says ", hlen, " bytes but the file has ", size - 8, " after the length");
+  if (8 + hlen > size)
+    fail(file, ": truncated: header says ", hlen, " bytes but the file has ", size - 8, " after the length");
   // Unique keys: a tensor named twice would be read as the last entry here and the first elsewhere.
-  const json h = parse_json(std::string_view(reinterpret_cast<const char*>(mf->data()) + 8, size_t(hlen)), file + ": header",
-                            {kMaxJsonDepth, /*unique_keys=*/true});
+  const json h = parse_json(std::string_view(reinterpret_cast<const char*>(mf->data()) + 8, size_t(hlen)),
+                            file + ": header", {kMaxJsonDepth, /*unique_keys=*/true});
   if (!h.is_object()) fail(file, ": header is not a JSON object");
   const size_t base = 8 + hlen;
   const size_t data_size = size - base;
@@ -104,7 +106,10 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
   MappedFile& m = *files_.back();
   file_name = &m.path();
 
-  struct Span { size_t b, e; std::string name; };
+  struct Span {
+    size_t b, e;
+    std::string name;
+  };
   std::vector<Span> spans;  // every tensor of the file, also those the index places elsewhere
   for (auto& [name, v] : h.items()) {
     if (name == "__metadata__") {
@@ -124,7 +129,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
     TensorView t;
     t.name = name;
     std::string dt = v["dtype"].get<std::string>();
-    if (!dtype_from_name(dt, &t.dtype)) fail(where, ": unsupported dtype ", dt, " (k3cpp reads F32, BF16, F16, U8, I64)");
+    if (!dtype_from_name(dt, &t.dtype))
+      fail(where, ": unsupported dtype ", dt, " (k3cpp reads F32, BF16, F16, U8, I64)");
     unsigned __int128 numel = 1;
     for (auto& d : v["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) fail(where, ": shape entries must be non-negative integers");
@@ -140,7 +146,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
     const uint64_t b = v["data_offsets"][0].get<uint64_t>(), e = v["data_offsets"][1].get<uint64_t>();
     if (b > e) fail(where, ": data_offsets begin ", b, " > end ", e);
     if (e > data_size)
-      fail(where, ": data_offsets end ", e, " is past the end of the data (", data_size, " bytes; file truncated or header lies)");
+      fail(where, ": data_offsets end ", e, " is past the end of the data (", data_size,
+           " bytes; file truncated or header lies)");
     const uint64_t want = uint64_t(numel) * dtype_size(t.dtype);
     if (e - b != want)
       fail(where, ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
@@ -163,7 +170,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
   // The tensors' bytes must tile the data section, as the safetensors format requires: no two
   // overlapping, and no byte that belongs to no tensor (a gap or a tail that other readers reject,
   // and where nothing checked would hide). Empty tensors occupy no bytes and may sit anywhere.
-  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.b < y.b || (x.b == y.b && x.e < y.e); });
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& x, const Span& y) { return x.b < y.b || (x.b == y.b && x.e < y.e); });
   size_t covered = 0;
   const Span* last = nullptr;
   for (const Span& s : spans) {
@@ -172,7 +180,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
       fail(file, ": tensors '", last->name, "' and '", s.name, "' overlap (bytes ", s.b, "..", std::min(s.e, covered),
            " of the data section)");
     if (s.b > covered)
-      fail(file, ": bytes ", covered, "..", s.b, " of the data section belong to no tensor (before tensor '", s.name, "')");
+      fail(file, ": bytes ", covered, "..", s.b, " of the data section belong to no tensor (before tensor '", s.name,
+           "')");
     covered = s.e;
     last = &s;
   }
@@ -188,7 +197,7 @@ const TensorView& SafeTensors::get(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     // Name the file to look in: the one checkpoint file, or the index of a sharded checkpoint.
-    const std::string where = files_.size() == 1 ? files_[0]->path()
+    const std::string where = files_.size() == 1  ? files_[0]->path()
                               : files_.size() > 1 ? (fs::path(path_) / "model.safetensors.index.json").string()
                                                   : path_;
     fail(where, ": missing tensor '", name, "'");

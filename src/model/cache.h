@@ -21,9 +21,9 @@ struct MlaLayerCache {
 };
 
 struct SequenceCache {
-  int64_t length = 0;                 // tokens consumed so far
-  std::vector<KdaLayerCache> kda;     // [num_layers] (used at KDA layers)
-  std::vector<MlaLayerCache> mla;     // [num_layers] (used at MLA layers)
+  int64_t length = 0;              // tokens consumed so far
+  std::vector<KdaLayerCache> kda;  // [num_layers] (used at KDA layers)
+  std::vector<MlaLayerCache> mla;  // [num_layers] (used at MLA layers)
 
   static SequenceCache fresh(const K3Config& c);
   size_t bytes() const;

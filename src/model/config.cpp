@@ -122,19 +122,22 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   c.num_attention_heads = f.positive("num_attention_heads");
   c.num_key_value_heads = f.integer("num_key_value_heads", c.num_attention_heads);
   if (c.num_key_value_heads != c.num_attention_heads)
-    fail(f.where("num_key_value_heads"), " = ", c.num_key_value_heads, " must equal num_attention_heads = ",
-         c.num_attention_heads, " (MLA expands every head from the shared latent)");
+    fail(f.where("num_key_value_heads"), " = ", c.num_key_value_heads,
+         " must equal num_attention_heads = ", c.num_attention_heads,
+         " (MLA expands every head from the shared latent)");
   c.hidden_act_name = f.string("hidden_act", "situ");
   if (c.hidden_act_name == "situ") c.hidden_act = Activation::SiTU;
   else if (c.hidden_act_name == "silu" || c.hidden_act_name == "swiglu") c.hidden_act = Activation::SiLU;
-  else fail(f.where("hidden_act"), ": unsupported activation \"", c.hidden_act_name, "\" (supported: \"situ\", \"silu\")");
+  else
+    fail(f.where("hidden_act"), ": unsupported activation \"", c.hidden_act_name, "\" (supported: \"situ\", \"silu\")");
   c.situ_beta = float(f.number_in("activation_situ_beta", 4.0, 0, 1e4, /*lo_open=*/true));
   c.situ_linear_beta = float(f.number_in("activation_situ_linear_beta", 25.0, 0, 1e4, /*lo_open=*/true));
   c.rms_norm_eps = f.number_in("rms_norm_eps", 1e-5, 0, 1, /*lo_open=*/true);
 
   // MLA.
   c.q_lora_rank = f.integer("q_lora_rank", 0);
-  if (c.q_lora_rank < 0 || c.q_lora_rank > (1 << 24)) fail(f.where("q_lora_rank"), " must be positive (at most 2^24) or null");
+  if (c.q_lora_rank < 0 || c.q_lora_rank > (1 << 24))
+    fail(f.where("q_lora_rank"), " must be positive (at most 2^24) or null");
   c.kv_lora_rank = f.positive("kv_lora_rank");
   c.qk_nope_head_dim = f.positive("qk_nope_head_dim");
   c.qk_rope_head_dim = f.integer("qk_rope_head_dim", 0);
@@ -158,9 +161,11 @@ K3Config parse_config(const std::string& text, const std::string& src) {
     if (c.num_experts_per_token > c.num_experts)
       fail(f.where("num_experts_per_token"), " = ", c.num_experts_per_token, " exceeds num_experts = ", c.num_experts);
     c.num_shared_experts = f.integer("num_shared_experts", 0);
-    if (c.num_shared_experts < 0 || c.num_shared_experts > 4096) fail(f.where("num_shared_experts"), " must be in 0..4096");
+    if (c.num_shared_experts < 0 || c.num_shared_experts > 4096)
+      fail(f.where("num_shared_experts"), " must be in 0..4096");
     c.moe_intermediate_size = f.positive("moe_intermediate_size");
-    c.routed_expert_hidden_size = f.has("routed_expert_hidden_size") ? f.positive("routed_expert_hidden_size") : c.hidden_size;
+    c.routed_expert_hidden_size =
+        f.has("routed_expert_hidden_size") ? f.positive("routed_expert_hidden_size") : c.hidden_size;
     c.latent_moe_use_norm = f.boolean("latent_moe_use_norm", true);
     const std::string act = f.string("moe_router_activation_func", "sigmoid");
     if (act != "sigmoid")
@@ -180,13 +185,15 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   }
 
   c.attn_res_block_size = f.positive("attn_res_block_size");
-  c.max_position_embeddings = f.has("max_position_embeddings") ? f.positive("max_position_embeddings", int64_t(1) << 40) : 1048576;
+  c.max_position_embeddings =
+      f.has("max_position_embeddings") ? f.positive("max_position_embeddings", int64_t(1) << 40) : 1048576;
   c.num_nextn_predict_layers = f.integer("num_nextn_predict_layers", 0);
   if (c.num_nextn_predict_layers < 0 || c.num_nextn_predict_layers > 64)
     fail(f.where("num_nextn_predict_layers"), " must be in 0..64, got ", c.num_nextn_predict_layers);
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", top.boolean("tie_word_embeddings", false));
   // The ids may sit in text_config or at the top level of the release's nested layout.
-  for (auto [key, dst] : {std::pair{"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id},
+  for (auto [key, dst] : {std::pair{"bos_token_id", &c.bos_token_id},
+                          {"eos_token_id", &c.eos_token_id},
                           {"pad_token_id", &c.pad_token_id}})
     *dst = f.has(key) ? f.token_id(key, -1, c.vocab_size) : top.token_id(key, -1, c.vocab_size);
   c.initializer_range = float(f.number_in("initializer_range", 0.02, 0, 1e3, /*lo_open=*/false));
@@ -201,7 +208,8 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   if (c.short_conv_kernel_size < 1 || c.short_conv_kernel_size > 64)
     fail(la.where("short_conv_kernel_size"), " must be in 1..64, got ", c.short_conv_kernel_size);
   if (!la.has("gate_lower_bound"))
-    fail(la.where("gate_lower_bound"), " is missing: K3's KDA uses the lower-bounded gate (-5); the unbounded Kimi Linear gate is not supported");
+    fail(la.where("gate_lower_bound"),
+         " is missing: K3's KDA uses the lower-bounded gate (-5); the unbounded Kimi Linear gate is not supported");
   c.gate_lower_bound = float(la.number_in("gate_lower_bound", 0, -1e4, 0, /*lo_open=*/false, /*hi_open=*/true));
   if (!la.boolean("use_full_rank_gate", true))
     fail(la.where("use_full_rank_gate"), " is false: only the full-rank (per-channel) gate of K3 is supported");
@@ -216,12 +224,14 @@ K3Config parse_config(const std::string& text, const std::string& src) {
                            H * double(c.q_head_dim()) * (hid + double(c.q_lora_rank)) +
                            H * double(c.qk_nope_head_dim + c.v_head_dim) * double(c.kv_lora_rank) +
                            2.0 * H * double(c.v_head_dim) * hid + 3.0 * double(c.intermediate_size) * hid +
-                           double(c.num_experts) * hid + 3.0 * double(c.moe_intermediate_size) * double(c.num_shared_experts) * hid +
+                           double(c.num_experts) * hid +
+                           3.0 * double(c.moe_intermediate_size) * double(c.num_shared_experts) * hid +
                            2.0 * double(c.routed_expert_hidden_size) * hid;
   const double other = double(c.num_hidden_layers) * per_layer + 2.0 * double(c.vocab_size) * hid;
   if (expert_params + other > 0x1p62)
-    fail(src, ": the sizes in this config imply more than 2^62 parameters (check num_experts, moe_intermediate_size, "
-              "hidden_size, vocab_size)");
+    fail(src,
+         ": the sizes in this config imply more than 2^62 parameters (check num_experts, moe_intermediate_size, "
+         "hidden_size, vocab_size)");
 
   // Quantisation: only the release's MXFP4 routed experts.
   if (f.has("quantization_config") || top.has("quantization_config")) {
@@ -236,8 +246,6 @@ K3Config parse_config(const std::string& text, const std::string& src) {
   return c;
 }
 
-K3Config load_config(const std::string& path) {
-  return parse_config(read_file(path, "config"), path);
-}
+K3Config load_config(const std::string& path) { return parse_config(read_file(path, "config"), path); }
 
 }  // namespace k3

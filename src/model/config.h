@@ -24,9 +24,9 @@ struct K3Config {
   int64_t num_key_value_heads = 0;
   Activation hidden_act = Activation::SiTU;
   std::string hidden_act_name = "situ";
-  float situ_beta = 4.0f;         // gate cap (activation_situ_beta)
-  float situ_linear_beta = 25.0f; // up cap (activation_situ_linear_beta)
-  double rms_norm_eps = 1e-5;  // double: the float64 training path uses it as the reference does (Python float)
+  float situ_beta = 4.0f;          // gate cap (activation_situ_beta)
+  float situ_linear_beta = 25.0f;  // up cap (activation_situ_linear_beta)
+  double rms_norm_eps = 1e-5;      // double: the float64 training path uses it as the reference does (Python float)
 
   // Gated MLA (NoPE).
   int64_t q_lora_rank = 0;  // 0: no q low-rank (q_proj directly)

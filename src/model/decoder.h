@@ -51,7 +51,7 @@ struct BlockTimings {
 template <class Act>
 struct DecoderTape {
   struct Layer {
-    bool new_block = false;       // the partial sum restarted at this layer's attention output
+    bool new_block = false;                        // the partial sum restarted at this layer's attention output
     Act before_attn{}, after_attn{}, after_ffn{};  // the partial sum's versions around the layer
   };
   Act embedding{};

@@ -66,7 +66,8 @@ class CpuEngine : public Engine {
     K3_CHECK(B >= 1, "new_sequences: need at least one sequence, got ", B);
     std::vector<std::unique_ptr<EngineSequence>> out;
     for (int64_t b = 0; b < B; ++b)
-      out.push_back(std::make_unique<SequenceOf<SequenceCache>>(this, std::make_unique<SequenceCache>(m_->new_cache())));
+      out.push_back(
+          std::make_unique<SequenceOf<SequenceCache>>(this, std::make_unique<SequenceCache>(m_->new_cache())));
     return out;
   }
   std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
@@ -91,7 +92,8 @@ class CudaEngine : public Engine {
   size_t weight_bytes() const override { return m_->weight_bytes(); }
   std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
     std::vector<std::unique_ptr<EngineSequence>> out;
-    for (auto& c : m_->new_caches(B)) out.push_back(std::make_unique<SequenceOf<CudaSequenceCache>>(this, std::move(c)));
+    for (auto& c : m_->new_caches(B))
+      out.push_back(std::make_unique<SequenceOf<CudaSequenceCache>>(this, std::move(c)));
     return out;
   }
   std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
@@ -109,7 +111,9 @@ class CudaEngine : public Engine {
 }  // namespace
 
 std::unique_ptr<Engine> Engine::on_cpu(std::shared_ptr<Model> m) { return std::make_unique<CpuEngine>(std::move(m)); }
-std::unique_ptr<Engine> Engine::on_gpu(std::shared_ptr<CudaModel> m) { return std::make_unique<CudaEngine>(std::move(m)); }
+std::unique_ptr<Engine> Engine::on_gpu(std::shared_ptr<CudaModel> m) {
+  return std::make_unique<CudaEngine>(std::move(m));
+}
 
 std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& o) {
   if (o.device == Device::CUDA)

@@ -56,7 +56,7 @@ class Engine {
 
   virtual const K3Config& config() const = 0;
   virtual EngineOptions options() const = 0;
-  std::string description() const;     // "cpu (f32)", "cuda (bf16)"
+  std::string description() const;          // "cpu (f32)", "cuda (bf16)"
   virtual size_t weight_bytes() const = 0;  // bytes the weights take on the device (mapped bytes on the CPU)
 
   // B sequences made together: a forward over all of them, in order and with equal token counts,

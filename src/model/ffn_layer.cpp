@@ -73,7 +73,8 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
     const int64_t ne = int64_t(rows.size());
     zin.resize(size_t(ne * lat));
     y.resize(size_t(ne * lat));
-    for (int64_t i = 0; i < ne; ++i) std::memcpy(&zin[size_t(i * lat)], &z[size_t(rows[size_t(i)].first * lat)], size_t(lat) * 4);
+    for (int64_t i = 0; i < ne; ++i)
+      std::memcpy(&zin[size_t(i * lat)], &z[size_t(rows[size_t(i)].first * lat)], size_t(lat) * 4);
     const ExpertWeights& ew = w.experts[size_t(e)];
     glu_mlp(y.data(), zin.data(), ne, ew.w1, ew.w3, ew.w2, gp, opt, /*fused=*/true);
     opt.bf16(y);

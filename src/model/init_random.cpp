@@ -113,7 +113,8 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   // Both outputs are checked before either is written (the config given may be OUT/config.json itself,
   // an input the writer will not replace): a refusal leaves the directory as it was.
   if (std::filesystem::is_directory(out_dir))
-    for (const char* f : {"model.safetensors", "config.json"}) check_output_path((std::filesystem::path(out_dir) / f).string());
+    for (const char* f : {"model.safetensors", "config.json"})
+      check_output_path((std::filesystem::path(out_dir) / f).string());
   if (opt.mxfp4_experts && c.num_experts > 0 &&
       (c.routed_expert_hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0))
     fail(config_path, ": MXFP4 experts need routed_expert_hidden_size and moe_intermediate_size divisible by 32");
@@ -125,7 +126,8 @@ void write_random_model(const std::string& config_path, const std::string& out_d
     int64_t params = 0;
     for (const TensorEntry& e : table.entries()) {
       params += e.params;
-      bytes += double(e.params) * (opt.mxfp4_experts && e.info().store == TensorStore::ExpertMatrix ? 17.0 / 32.0 : 2.0);
+      bytes +=
+          double(e.params) * (opt.mxfp4_experts && e.info().store == TensorStore::ExpertMatrix ? 17.0 / 32.0 : 2.0);
     }
     const uint64_t need = saturated_bytes(bytes);
     const std::string what = "k3 init: the model of " + config_path + " (" + format_count(params) + " parameters)";
@@ -146,18 +148,24 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   nlohmann::json j = parse_json(read_file(config_path, "config"), config_path);
   nlohmann::json& tj = j.contains("text_config") ? j["text_config"] : j;
   if (opt.mxfp4_experts) {
-    tj["quantization_config"] = {
-        {"quant_method", "compressed-tensors"},
-        {"format", "mxfp4-pack-quantized"},
-        {"quantization_status", "compressed"},
-        {"config_groups",
-         {{"group_0",
-           {{"targets", {"Linear"}},
-            {"weights", {{"num_bits", 4}, {"type", "float"}, {"group_size", 32}, {"strategy", "group"}, {"symmetric", true},
-                         {"scale_dtype", "torch.uint8"}, {"dynamic", false}}},
-            {"input_activations", nullptr}}}}},
-        {"ignore", {".*self_attn.*", ".*shared_experts.*", ".*mlp\\.(gate|up|gate_up|down)_proj.*", ".*lm_head.*", ".*gate$",
-                    ".*routed_expert_.*"}}};
+    tj["quantization_config"] = {{"quant_method", "compressed-tensors"},
+                                 {"format", "mxfp4-pack-quantized"},
+                                 {"quantization_status", "compressed"},
+                                 {"config_groups",
+                                  {{"group_0",
+                                    {{"targets", {"Linear"}},
+                                     {"weights",
+                                      {{"num_bits", 4},
+                                       {"type", "float"},
+                                       {"group_size", 32},
+                                       {"strategy", "group"},
+                                       {"symmetric", true},
+                                       {"scale_dtype", "torch.uint8"},
+                                       {"dynamic", false}}},
+                                     {"input_activations", nullptr}}}}},
+                                 {"ignore",
+                                  {".*self_attn.*", ".*shared_experts.*", ".*mlp\\.(gate|up|gate_up|down)_proj.*",
+                                   ".*lm_head.*", ".*gate$", ".*routed_expert_.*"}}};
   } else {
     tj.erase("quantization_config");
   }

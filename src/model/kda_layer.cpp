@@ -44,8 +44,8 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
   for (float& b : beta) b = sigmoidf_stable(b);
 
   std::vector<float> fa(size_t(N * D)), g(size_t(N * HD));
-  linear_forward(fa.data(), x, N, w.f_a_proj);   // [N, D]
-  opt.bf16(fa);  // (z stays fp32 on the GPU too)
+  linear_forward(fa.data(), x, N, w.f_a_proj);          // [N, D]
+  opt.bf16(fa);                                         // (z stays fp32 on the GPU too)
   linear_forward(qp.data(), fa.data(), N, w.f_b_proj);  // z: [N, HD] (reuses qp)
   kda::gate_forward(g.data(), qp.data(), w.A_log.data(), w.dt_bias.data(), c.gate_lower_bound, N, H, D);
 
@@ -58,10 +58,11 @@ void kda_attention_forward(float* out, const float* x, int64_t N, const std::vec
     const int64_t r = s.row0;
     const float *qs = q.data() + r * HD, *ks = k.data() + r * HD, *vs = v.data() + r * HD, *gs = g.data() + r * HD;
     if (opt.reference || s.n < 16)
-      kda::kda_recurrent_forward(o.data() + r * HD, qs, ks, vs, gs, beta.data() + r * H, scale, lc.state.data(), s.n, H, D, D);
+      kda::kda_recurrent_forward(o.data() + r * HD, qs, ks, vs, gs, beta.data() + r * H, scale, lc.state.data(), s.n, H,
+                                 D, D);
     else
-      kda::kda_chunk_forward(o.data() + r * HD, qs, ks, vs, gs, beta.data() + r * H, scale, lc.state.data(), s.n, H, D, D,
-                             opt.kda_chunk);
+      kda::kda_chunk_forward(o.data() + r * HD, qs, ks, vs, gs, beta.data() + r * H, scale, lc.state.data(), s.n, H, D,
+                             D, opt.kda_chunk);
   }
 
   opt.bf16(o);

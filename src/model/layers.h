@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "model/config.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "model/cache.h"
+#include "model/config.h"
 #include "model/decoder.h"
 #include "model/weights.h"
 

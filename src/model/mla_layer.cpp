@@ -30,7 +30,7 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
   }
   opt.bf16(q);
   std::vector<float> ckv(size_t(N * ldc));
-  linear_forward(ckv.data(), x, N, w.kv_a_proj_with_mqa);  // [N, R + Dr]
+  linear_forward(ckv.data(), x, N, w.kv_a_proj_with_mqa);                                         // [N, R + Dr]
   rmsnorm_forward(ckv.data(), ckv.data(), w.kv_a_layernorm.data(), c.mla_norm_eps, N, d.R, ldc);  // latent only
   opt.bf16(ckv);  // the GPU's cache rows are bf16
 
@@ -51,8 +51,8 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
       for (int64_t h = 0; h < H; ++h) {
         linear_forward_f64(kvh.data(), lat.data(), T, w.kv_b_proj.row_slice(h * dkv, dkv));  // [T, Dn+Dv]
         opt.bf16(kvh);
-        mla::attention_head_expanded(os + h * d.Dv, H * d.Dv, qs + h * dq, H * dq, kvh.data(), lc.rows.data(), ldc,
-                                     s.n, p0, d, scale);
+        mla::attention_head_expanded(os + h * d.Dv, H * d.Dv, qs + h * dq, H * dq, kvh.data(), lc.rows.data(), ldc, s.n,
+                                     p0, d, scale);
       }
     } else {
       const int64_t nR = s.n * d.R;
@@ -67,7 +67,7 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
       for (int64_t h = 0; h < H; ++h)
         mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
                                    ldc, s.n, p0, d, scale);
-      opt.bf16(olat);  // the latent output is fp32 in the kernel, bf16 into the W_vb product
+      opt.bf16(olat);                    // the latent output is fp32 in the kernel, bf16 into the W_vb product
       for (int64_t h = 0; h < H; ++h) {  // v_h = W_vb_h · o_lat_h   [n, Dv]
         linear_forward_f64(vh.data(), &olat[size_t(h * nR)], s.n, w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv));
         for (int64_t i = 0; i < s.n; ++i)

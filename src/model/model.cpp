@@ -36,8 +36,8 @@ void check_new_tokens(const K3Config& c, size_t b, const std::vector<int32_t>& t
   for (int32_t id : tokens)
     K3_CHECK(id >= 0 && id < V, "token id ", id, " in sequence ", b, " is outside the vocabulary [0, ", V, ")");
   K3_CHECK(cached_length + int64_t(tokens.size()) <= c.max_position_embeddings, "sequence ", b, " would reach ",
-           cached_length + int64_t(tokens.size()), " tokens, past max_position_embeddings = ",
-           c.max_position_embeddings, " of ", c.source);
+           cached_length + int64_t(tokens.size()),
+           " tokens, past max_position_embeddings = ", c.max_position_embeddings, " of ", c.source);
 }
 
 namespace {
@@ -52,8 +52,19 @@ class CpuBackend {
   CpuBackend(const K3Config& c, const SafeTensors& st, const ModelWeights& w, const PathOptions& opt,
              const std::vector<Segment>& segs, const std::vector<std::vector<int32_t>>& tokens, int64_t N,
              bool all_positions, const ForwardHooks* hooks)
-      : c_(c), st_(st), w_(w), opt_(opt), segs_(segs), tokens_(tokens), N_(N), D_(c.hidden_size),
-        all_positions_(all_positions), hooks_(hooks), h_(size_t(N * D_)), xn_(size_t(N * D_)), out_(size_t(N * D_)) {}
+      : c_(c),
+        st_(st),
+        w_(w),
+        opt_(opt),
+        segs_(segs),
+        tokens_(tokens),
+        N_(N),
+        D_(c.hidden_size),
+        all_positions_(all_positions),
+        hooks_(hooks),
+        h_(size_t(N * D_)),
+        xn_(size_t(N * D_)),
+        out_(size_t(N * D_)) {}
 
   bool profiling() const { return opt_.profile; }
   void synchronize() {}
@@ -69,8 +80,9 @@ class CpuBackend {
 
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
     const LayerWeights* L = l >= 0 ? &w_.layers[size_t(l)] : nullptr;
-    const std::vector<float>& query =
-        site == MixSite::AttnIn ? L->attn_res_query : site == MixSite::FfnIn ? L->mlp_res_query : w_.output_res_query;
+    const std::vector<float>& query = site == MixSite::AttnIn  ? L->attn_res_query
+                                      : site == MixSite::FfnIn ? L->mlp_res_query
+                                                               : w_.output_res_query;
     if (blocks.empty()) {
       std::copy_n(partial, N_ * D_, h_.data());
     } else {
@@ -152,8 +164,9 @@ class CpuBackend {
 
 }  // namespace
 
-std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
-                                  bool all_positions, const ForwardHooks* hooks) {
+std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches,
+                                  const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                  const ForwardHooks* hooks) {
   K3_CHECK(caches.size() == tokens.size(), "forward: ", caches.size(), " caches for ", tokens.size(), " sequences");
   std::vector<Segment> segs;
   int64_t N = 0;

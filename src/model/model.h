@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "io/safetensors.h"
-#include "model/config.h"
 #include "model/cache.h"
+#include "model/config.h"
 #include "model/layers.h"
 #include "model/weights.h"
 

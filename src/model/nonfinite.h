@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <string>
 
-#include "model/config.h"
 #include "io/safetensors.h"
+#include "model/config.h"
 
 namespace k3 {
 
@@ -25,8 +25,8 @@ std::string find_nonfinite_weight(const SafeTensors& st, int64_t layer);
 // Throws the error for a non-finite value (`value`) first seen in `block` ("embedding",
 // "attn_out", "ffn_out" or "logits") of `layer` (-1 for the embedding and the head) at token row
 // `row` of the forward, with the weight that explains it when find_nonfinite_weight finds one.
-[[noreturn]] void fail_nonfinite(const K3Config& c, const SafeTensors& st, const char* block, int64_t layer, int64_t row,
-                                 float value);
+[[noreturn]] void fail_nonfinite(const K3Config& c, const SafeTensors& st, const char* block, int64_t layer,
+                                 int64_t row, float value);
 
 // For a forward that checks only its logits (the GPU's): the error for a non-finite logit (`value`,
 // logits row `row`), naming the first non-finite weight in forward order (the tensors outside the

@@ -81,13 +81,13 @@ std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, co
   int64_t tower = w * 3 * p * p + (pe_bias ? w : 0);  // patch_embed.proj [w, 3, p, p]
   tower += ph * pw * w;                               // patch_embed.pos_emb [ph, pw, w] (time emb is fixed sin-cos)
   int64_t block = 3 * qkv * w + (attn_bias ? 3 * qkv : 0);   // wqkv
-  block += w * qkv + (attn_bias ? w : 0);                     // wo
-  block += 2 * w;                                             // norm0, norm1
-  block += inter * w + (lin_bias ? inter : 0);                // mlp.fc0
-  block += w * inter + (lin_bias ? w : 0);                    // mlp.fc1
-  tower += layers * block + w;                                // blocks + final_layernorm
-  const int64_t in = mm * mh * mw;                            // merged patch width
-  const int64_t projector = in * in + text_h * in + text_h;   // proj.0, proj.2, post_norm
+  block += w * qkv + (attn_bias ? w : 0);                    // wo
+  block += 2 * w;                                            // norm0, norm1
+  block += inter * w + (lin_bias ? inter : 0);               // mlp.fc0
+  block += w * inter + (lin_bias ? w : 0);                   // mlp.fc1
+  tower += layers * block + w;                               // blocks + final_layernorm
+  const int64_t in = mm * mh * mw;                           // merged patch width
+  const int64_t projector = in * in + text_h * in + text_h;  // proj.0, proj.2, post_norm
   return {{"vision tower", tower, 0}, {"vision projector", projector, 0}};
 }
 

@@ -47,7 +47,9 @@ const ParamStore::Entry& ParamStore::entry(const std::string& name, int64_t nume
 const double* ParamStore::p(const std::string& name, int64_t numel) const {
   return values().data() + entry(name, numel).offset;
 }
-double* ParamStore::p_mut(const std::string& name, int64_t numel) { return values().data() + entry(name, numel).offset; }
+double* ParamStore::p_mut(const std::string& name, int64_t numel) {
+  return values().data() + entry(name, numel).offset;
+}
 double* ParamStore::g(const std::string& name, int64_t numel) { return grads_.data() + entry(name, numel).offset; }
 const double* ParamStore::g(const std::string& name, int64_t numel) const {
   return grads_.data() + entry(name, numel).offset;
@@ -84,7 +86,8 @@ ParamStore ParamStore::from_model_dir(const std::string& dir) {
 }
 
 ParamStore ParamStore::random_init(const K3Config& c, const RandomInitOptions& opt) {
-  if (opt.mxfp4_experts) fail(c.source, ": training keeps routed experts in BF16; MXFP4 experts are for k3 init --mxfp4");
+  if (opt.mxfp4_experts)
+    fail(c.source, ": training keeps routed experts in BF16; MXFP4 experts are for k3 init --mxfp4");
   const TensorTable table(c);
   std::vector<std::string> names;
   names.reserve(table.entries().size());

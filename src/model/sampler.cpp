@@ -36,7 +36,9 @@ int32_t Sampler::sample(const float* logits, int64_t V) {
   // deterministic. Temperature does not change the order, so it is applied after the sort.
   cand_.resize(size_t(V));
   for (int64_t v = 0; v < V; ++v) cand_[size_t(v)] = {logits[v], int32_t(v)};
-  auto higher = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  auto higher = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   size_t keep = size_t(V);
   if (p_.top_k > 0 && p_.top_k < V) {
     keep = size_t(p_.top_k);

@@ -14,7 +14,7 @@ struct SamplingParams {
   int64_t top_k = 0;         // 0: no top-k cut
   float top_p = 1.0f;        // (0, 1]; 1: no nucleus cut
   uint64_t seed = 0;
-  void check() const;        // k3::Error naming the bad field
+  void check() const;  // k3::Error naming the bad field
 };
 
 class Sampler {

@@ -30,69 +30,91 @@ constexpr DType BF16 = DType::BF16, F32 = DType::F32;
 // One row per TensorKind, in enum order (checked below).
 //  module    leaf                                 scope     store            dtype init             component         heads          muon   train  optional
 constexpr std::array<TensorInfo, kTensorKinds> kInfo = {{
-    {"",       "embed_tokens.weight",               S::Model, St::Matrix,      BF16, In::Normal,      C::Embedding,     Hs::None,      false, true,  false},
-    {"",       "lm_head.weight",                    S::Head,  St::Matrix,      BF16, In::Normal,      C::LmHead,        Hs::None,      false, true,  false},
-    {"",       "norm.weight",                       S::Model, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "output_attn_res_norm.weight",       S::Model, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "output_attn_res_proj.weight",       S::Model, St::Vector,      BF16, In::AttnResProj, C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "input_layernorm.weight",            S::Layer, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "post_attention_layernorm.weight",   S::Layer, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "self_attention_res_norm.weight",    S::Layer, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "self_attention_res_proj.weight",    S::Layer, St::Vector,      BF16, In::AttnResProj, C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "mlp_res_norm.weight",               S::Layer, St::Vector,      BF16, In::One,         C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {"",       "mlp_res_proj.weight",               S::Layer, St::Vector,      BF16, In::AttnResProj, C::NormsAttnRes,  Hs::None,      false, true,  false},
-    {kAttn,    "q_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::KdaHeads,  true,  true,  false},
-    {kAttn,    "k_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::KdaHeads,  true,  true,  false},
-    {kAttn,    "v_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::KdaHeads,  true,  true,  false},
-    {kAttn,    "g_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "q_conv1d.weight",                   S::Layer, St::Conv,        F32,  In::ConvUniform, C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "k_conv1d.weight",                   S::Layer, St::Conv,        F32,  In::ConvUniform, C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "v_conv1d.weight",                   S::Layer, St::Conv,        F32,  In::ConvUniform, C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "f_a_proj.weight",                   S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "f_b_proj.weight",                   S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "b_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "A_log",                             S::Layer, St::HeadVector,  F32,  In::ALog,        C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "dt_bias",                           S::Layer, St::Vector,      F32,  In::DtBias,      C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "o_norm.weight",                     S::Layer, St::Vector,      F32,  In::One,         C::KdaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "o_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::KdaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "q_a_proj.weight",                   S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "q_a_layernorm.weight",              S::Layer, St::Vector,      BF16, In::One,         C::MlaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "q_b_proj.weight",                   S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::MlaQHeads, true,  true,  false},
-    {kAttn,    "q_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::MlaQHeads, true,  true,  false},
-    {kAttn,    "kv_a_proj_with_mqa.weight",         S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "kv_a_layernorm.weight",             S::Layer, St::Vector,      BF16, In::One,         C::MlaAttention,  Hs::None,      false, true,  false},
-    {kAttn,    "kv_b_proj.weight",                  S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::MlaKvHeads,true,  true,  false},
-    {kAttn,    "g_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::None,      true,  true,  false},
-    {kAttn,    "o_proj.weight",                     S::Layer, St::Matrix,      BF16, In::Normal,      C::MlaAttention,  Hs::None,      true,  true,  false},
-    {kMlp,     "gate_proj.weight",                  S::Layer, St::Matrix,      BF16, In::Normal,      C::DenseFfn,      Hs::None,      true,  true,  false},
-    {kMlp,     "up_proj.weight",                    S::Layer, St::Matrix,      BF16, In::Normal,      C::DenseFfn,      Hs::None,      true,  true,  false},
-    {kMlp,     "down_proj.weight",                  S::Layer, St::Matrix,      BF16, In::Normal,      C::DenseFfn,      Hs::None,      true,  true,  false},
-    {kMoe,     "gate.weight",                       S::Layer, St::Matrix,      BF16, In::Normal,      C::Router,        Hs::None,      true,  true,  false},
-    {kMoe,     "gate.e_score_correction_bias",      S::Layer, St::Vector,      F32,  In::RouterBias,  C::Router,        Hs::None,      false, false, true},
-    {kMoe,     "routed_expert_down_proj.weight",    S::Layer, St::Matrix,      BF16, In::Normal,      C::Latent,        Hs::None,      true,  true,  false},
-    {kMoe,     "routed_expert_up_proj.weight",      S::Layer, St::Matrix,      BF16, In::Normal,      C::Latent,        Hs::None,      true,  true,  false},
-    {kMoe,     "routed_expert_norm.weight",         S::Layer, St::Vector,      BF16, In::One,         C::Latent,        Hs::None,      false, true,  false},
-    {kExperts, "w1.weight",                         S::Expert,St::ExpertMatrix,BF16, In::Normal,      C::RoutedExperts, Hs::None,      true,  true,  false},
-    {kExperts, "w2.weight",                         S::Expert,St::ExpertMatrix,BF16, In::Normal,      C::RoutedExperts, Hs::None,      true,  true,  false},
-    {kExperts, "w3.weight",                         S::Expert,St::ExpertMatrix,BF16, In::Normal,      C::RoutedExperts, Hs::None,      true,  true,  false},
-    {kShared,  "gate_proj.weight",                  S::Layer, St::Matrix,      BF16, In::Normal,      C::SharedExperts, Hs::None,      true,  true,  false},
-    {kShared,  "up_proj.weight",                    S::Layer, St::Matrix,      BF16, In::Normal,      C::SharedExperts, Hs::None,      true,  true,  false},
-    {kShared,  "down_proj.weight",                  S::Layer, St::Matrix,      BF16, In::Normal,      C::SharedExperts, Hs::None,      true,  true,  false},
+    {"", "embed_tokens.weight", S::Model, St::Matrix, BF16, In::Normal, C::Embedding, Hs::None, false, true, false},
+    {"", "lm_head.weight", S::Head, St::Matrix, BF16, In::Normal, C::LmHead, Hs::None, false, true, false},
+    {"", "norm.weight", S::Model, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true, false},
+    {"", "output_attn_res_norm.weight", S::Model, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true,
+     false},
+    {"", "output_attn_res_proj.weight", S::Model, St::Vector, BF16, In::AttnResProj, C::NormsAttnRes, Hs::None, false,
+     true, false},
+    {"", "input_layernorm.weight", S::Layer, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true, false},
+    {"", "post_attention_layernorm.weight", S::Layer, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true,
+     false},
+    {"", "self_attention_res_norm.weight", S::Layer, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true,
+     false},
+    {"", "self_attention_res_proj.weight", S::Layer, St::Vector, BF16, In::AttnResProj, C::NormsAttnRes, Hs::None,
+     false, true, false},
+    {"", "mlp_res_norm.weight", S::Layer, St::Vector, BF16, In::One, C::NormsAttnRes, Hs::None, false, true, false},
+    {"", "mlp_res_proj.weight", S::Layer, St::Vector, BF16, In::AttnResProj, C::NormsAttnRes, Hs::None, false, true,
+     false},
+    {kAttn, "q_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::KdaHeads, true, true, false},
+    {kAttn, "k_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::KdaHeads, true, true, false},
+    {kAttn, "v_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::KdaHeads, true, true, false},
+    {kAttn, "g_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::None, true, true, false},
+    {kAttn, "q_conv1d.weight", S::Layer, St::Conv, F32, In::ConvUniform, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "k_conv1d.weight", S::Layer, St::Conv, F32, In::ConvUniform, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "v_conv1d.weight", S::Layer, St::Conv, F32, In::ConvUniform, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "f_a_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::None, true, true, false},
+    {kAttn, "f_b_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::None, true, true, false},
+    {kAttn, "b_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::None, true, true, false},
+    {kAttn, "A_log", S::Layer, St::HeadVector, F32, In::ALog, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "dt_bias", S::Layer, St::Vector, F32, In::DtBias, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "o_norm.weight", S::Layer, St::Vector, F32, In::One, C::KdaAttention, Hs::None, false, true, false},
+    {kAttn, "o_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::KdaAttention, Hs::None, true, true, false},
+    {kAttn, "q_a_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::None, true, true, false},
+    {kAttn, "q_a_layernorm.weight", S::Layer, St::Vector, BF16, In::One, C::MlaAttention, Hs::None, false, true, false},
+    {kAttn, "q_b_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::MlaQHeads, true, true,
+     false},
+    {kAttn, "q_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::MlaQHeads, true, true, false},
+    {kAttn, "kv_a_proj_with_mqa.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::None, true, true,
+     false},
+    {kAttn, "kv_a_layernorm.weight", S::Layer, St::Vector, BF16, In::One, C::MlaAttention, Hs::None, false, true,
+     false},
+    {kAttn, "kv_b_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::MlaKvHeads, true, true,
+     false},
+    {kAttn, "g_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::None, true, true, false},
+    {kAttn, "o_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::MlaAttention, Hs::None, true, true, false},
+    {kMlp, "gate_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::DenseFfn, Hs::None, true, true, false},
+    {kMlp, "up_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::DenseFfn, Hs::None, true, true, false},
+    {kMlp, "down_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::DenseFfn, Hs::None, true, true, false},
+    {kMoe, "gate.weight", S::Layer, St::Matrix, BF16, In::Normal, C::Router, Hs::None, true, true, false},
+    {kMoe, "gate.e_score_correction_bias", S::Layer, St::Vector, F32, In::RouterBias, C::Router, Hs::None, false, false,
+     true},
+    {kMoe, "routed_expert_down_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::Latent, Hs::None, true, true,
+     false},
+    {kMoe, "routed_expert_up_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::Latent, Hs::None, true, true,
+     false},
+    {kMoe, "routed_expert_norm.weight", S::Layer, St::Vector, BF16, In::One, C::Latent, Hs::None, false, true, false},
+    {kExperts, "w1.weight", S::Expert, St::ExpertMatrix, BF16, In::Normal, C::RoutedExperts, Hs::None, true, true,
+     false},
+    {kExperts, "w2.weight", S::Expert, St::ExpertMatrix, BF16, In::Normal, C::RoutedExperts, Hs::None, true, true,
+     false},
+    {kExperts, "w3.weight", S::Expert, St::ExpertMatrix, BF16, In::Normal, C::RoutedExperts, Hs::None, true, true,
+     false},
+    {kShared, "gate_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::SharedExperts, Hs::None, true, true,
+     false},
+    {kShared, "up_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::SharedExperts, Hs::None, true, true, false},
+    {kShared, "down_proj.weight", S::Layer, St::Matrix, BF16, In::Normal, C::SharedExperts, Hs::None, true, true,
+     false},
 }};
 
 // The rows above must follow the enum: a few spot checks that fail the build when a row is missing.
 constexpr bool leaf_is(TensorKind k, std::string_view leaf) { return std::string_view(kInfo[size_t(k)].leaf) == leaf; }
 static_assert(leaf_is(TensorKind::MlpResProj, "mlp_res_proj.weight"));
-static_assert(leaf_is(TensorKind::KdaO, "o_proj.weight") && kInfo[size_t(TensorKind::KdaO)].component == C::KdaAttention);
-static_assert(leaf_is(TensorKind::MlaO, "o_proj.weight") && kInfo[size_t(TensorKind::MlaO)].component == C::MlaAttention);
-static_assert(leaf_is(TensorKind::DenseDown, "down_proj.weight") && kInfo[size_t(TensorKind::DenseDown)].module == kMlp);
+static_assert(leaf_is(TensorKind::KdaO, "o_proj.weight") &&
+              kInfo[size_t(TensorKind::KdaO)].component == C::KdaAttention);
+static_assert(leaf_is(TensorKind::MlaO, "o_proj.weight") &&
+              kInfo[size_t(TensorKind::MlaO)].component == C::MlaAttention);
+static_assert(leaf_is(TensorKind::DenseDown, "down_proj.weight") &&
+              kInfo[size_t(TensorKind::DenseDown)].module == kMlp);
 static_assert(leaf_is(TensorKind::MoeLatentNorm, "routed_expert_norm.weight"));
 static_assert(leaf_is(TensorKind::ExpertUp, "w3.weight"));
-static_assert(leaf_is(TensorKind::SharedDown, "down_proj.weight") && kInfo[size_t(TensorKind::SharedDown)].module == kShared);
+static_assert(leaf_is(TensorKind::SharedDown, "down_proj.weight") &&
+              kInfo[size_t(TensorKind::SharedDown)].module == kShared);
 
 constexpr std::array<const char*, size_t(ParamComponent::kCount)> kComponentNames = {
-    "embedding", "lm_head", "KDA attention", "MLA attention", "dense FFN", "router", "latent down/up/norm",
-    "routed experts", "shared experts", "norms + AttnRes"};
+    "embedding",           "lm_head",        "KDA attention",  "MLA attention",  "dense FFN", "router",
+    "latent down/up/norm", "routed experts", "shared experts", "norms + AttnRes"};
 
 bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 bool ends_with(std::string_view s, std::string_view p) {
@@ -123,12 +145,24 @@ std::vector<int64_t> kind_shape(const K3Config& c, TensorKind k) {
   const int64_t hid = c.hidden_size, H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D, Hm = c.num_attention_heads;
   const int64_t E = c.num_experts, lat = c.routed_expert_hidden_size, I = c.moe_intermediate_size;
   switch (k) {
-    case K::TokenEmbd: case K::LmHead: return {c.vocab_size, hid};
-    case K::OutputNorm: case K::OutputAttnResNorm: case K::InputNorm: case K::PostAttnNorm: case K::AttnResNorm:
+    case K::TokenEmbd:
+    case K::LmHead: return {c.vocab_size, hid};
+    case K::OutputNorm:
+    case K::OutputAttnResNorm:
+    case K::InputNorm:
+    case K::PostAttnNorm:
+    case K::AttnResNorm:
     case K::MlpResNorm: return {hid};
-    case K::OutputAttnResProj: case K::AttnResProj: case K::MlpResProj: return {1, hid};
-    case K::KdaQ: case K::KdaK: case K::KdaV: case K::KdaG: return {HD, hid};
-    case K::KdaQConv: case K::KdaKConv: case K::KdaVConv: return {HD, 1, c.short_conv_kernel_size};
+    case K::OutputAttnResProj:
+    case K::AttnResProj:
+    case K::MlpResProj: return {1, hid};
+    case K::KdaQ:
+    case K::KdaK:
+    case K::KdaV:
+    case K::KdaG: return {HD, hid};
+    case K::KdaQConv:
+    case K::KdaKConv:
+    case K::KdaVConv: return {HD, 1, c.short_conv_kernel_size};
     case K::KdaFA: return {D, hid};
     case K::KdaFB: return {HD, D};
     case K::KdaB: return {H, hid};
@@ -145,16 +179,19 @@ std::vector<int64_t> kind_shape(const K3Config& c, TensorKind k) {
     case K::MlaKvB: return {Hm * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank};
     case K::MlaG: return {Hm * c.v_head_dim, hid};
     case K::MlaO: return {hid, Hm * c.v_head_dim};
-    case K::DenseGate: case K::DenseUp: return {c.intermediate_size, hid};
+    case K::DenseGate:
+    case K::DenseUp: return {c.intermediate_size, hid};
     case K::DenseDown: return {hid, c.intermediate_size};
     case K::MoeRouter: return {E, hid};
     case K::MoeRouterBias: return {E};
     case K::MoeLatentDown: return {lat, hid};
     case K::MoeLatentUp: return {hid, lat};
     case K::MoeLatentNorm: return {lat};
-    case K::ExpertGate: case K::ExpertUp: return {I, lat};
+    case K::ExpertGate:
+    case K::ExpertUp: return {I, lat};
     case K::ExpertDown: return {lat, I};
-    case K::SharedGate: case K::SharedUp: return {c.shared_intermediate(), hid};
+    case K::SharedGate:
+    case K::SharedUp: return {c.shared_intermediate(), hid};
     case K::SharedDown: return {hid, c.shared_intermediate()};
     case K::kCount: break;
   }
@@ -304,8 +341,8 @@ TensorTable::TensorTable(const K3Config& c) : cfg_(c) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     for (K k : {K::InputNorm, K::PostAttnNorm, K::AttnResNorm, K::AttnResProj, K::MlpResNorm, K::MlpResProj}) add(k, l);
     if (c.layer_kind.at(size_t(l)) == AttnKind::KDA) {
-      for (K k : {K::KdaQ, K::KdaK, K::KdaV, K::KdaG, K::KdaQConv, K::KdaKConv, K::KdaVConv, K::KdaFA, K::KdaFB, K::KdaB,
-                  K::KdaALog, K::KdaDtBias, K::KdaONorm, K::KdaO})
+      for (K k : {K::KdaQ, K::KdaK, K::KdaV, K::KdaG, K::KdaQConv, K::KdaKConv, K::KdaVConv, K::KdaFA, K::KdaFB,
+                  K::KdaB, K::KdaALog, K::KdaDtBias, K::KdaONorm, K::KdaO})
         add(k, l);
     } else {
       if (c.q_lora_rank > 0) {

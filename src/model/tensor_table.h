@@ -38,47 +38,53 @@ enum class TensorKind : uint8_t {
   OutputAttnResNorm,  // output_attn_res_norm.weight      [hid]
   OutputAttnResProj,  // output_attn_res_proj.weight      [1, hid]   (the output's AttnRes pseudo-query)
   // Every layer: pre-norms and Block AttnRes before the attention and before the MLP.
-  InputNorm,          // input_layernorm.weight           [hid]
-  PostAttnNorm,       // post_attention_layernorm.weight  [hid]
-  AttnResNorm,        // self_attention_res_norm.weight   [hid]
-  AttnResProj,        // self_attention_res_proj.weight   [1, hid]
-  MlpResNorm,         // mlp_res_norm.weight              [hid]
-  MlpResProj,         // mlp_res_proj.weight              [1, hid]
+  InputNorm,     // input_layernorm.weight           [hid]
+  PostAttnNorm,  // post_attention_layernorm.weight  [hid]
+  AttnResNorm,   // self_attention_res_norm.weight   [hid]
+  AttnResProj,   // self_attention_res_proj.weight   [1, hid]
+  MlpResNorm,    // mlp_res_norm.weight              [hid]
+  MlpResProj,    // mlp_res_proj.weight              [1, hid]
   // KDA layer (self_attn.).
-  KdaQ, KdaK, KdaV,   // {q,k,v}_proj.weight              [HD, hid]
-  KdaG,               // g_proj.weight                    [HD, hid]  (output gate)
-  KdaQConv, KdaKConv, KdaVConv,  // {q,k,v}_conv1d.weight [HD, 1, K]
-  KdaFA,              // f_a_proj.weight                  [D, hid]   (decay gate, rank D)
-  KdaFB,              // f_b_proj.weight                  [HD, D]
-  KdaB,               // b_proj.weight                    [H, hid]   (beta)
-  KdaALog,            // A_log                            [H]        (the release pads it to head_dim)
-  KdaDtBias,          // dt_bias                          [HD]
-  KdaONorm,           // o_norm.weight                    [D]        (shared by all heads)
-  KdaO,               // o_proj.weight                    [hid, HD]
+  KdaQ,
+  KdaK,
+  KdaV,  // {q,k,v}_proj.weight              [HD, hid]
+  KdaG,  // g_proj.weight                    [HD, hid]  (output gate)
+  KdaQConv,
+  KdaKConv,
+  KdaVConv,   // {q,k,v}_conv1d.weight [HD, 1, K]
+  KdaFA,      // f_a_proj.weight                  [D, hid]   (decay gate, rank D)
+  KdaFB,      // f_b_proj.weight                  [HD, D]
+  KdaB,       // b_proj.weight                    [H, hid]   (beta)
+  KdaALog,    // A_log                            [H]        (the release pads it to head_dim)
+  KdaDtBias,  // dt_bias                          [HD]
+  KdaONorm,   // o_norm.weight                    [D]        (shared by all heads)
+  KdaO,       // o_proj.weight                    [hid, HD]
   // Gated MLA layer (self_attn.). Dq = qk_nope + qk_rope, R = kv_lora_rank.
-  MlaQA,              // q_a_proj.weight                  [q_lora, hid]       (q_lora_rank > 0)
-  MlaQANorm,          // q_a_layernorm.weight             [q_lora]            (q_lora_rank > 0)
-  MlaQB,              // q_b_proj.weight                  [H*Dq, q_lora]      (q_lora_rank > 0)
-  MlaQ,               // q_proj.weight                    [H*Dq, hid]         (q_lora_rank == 0)
-  MlaKvA,             // kv_a_proj_with_mqa.weight        [R + qk_rope, hid]
-  MlaKvANorm,         // kv_a_layernorm.weight            [R]
-  MlaKvB,             // kv_b_proj.weight                 [H*(qk_nope + v), R]
-  MlaG,               // g_proj.weight                    [H*v, hid]          (mla_use_output_gate)
-  MlaO,               // o_proj.weight                    [hid, H*v]
+  MlaQA,       // q_a_proj.weight                  [q_lora, hid]       (q_lora_rank > 0)
+  MlaQANorm,   // q_a_layernorm.weight             [q_lora]            (q_lora_rank > 0)
+  MlaQB,       // q_b_proj.weight                  [H*Dq, q_lora]      (q_lora_rank > 0)
+  MlaQ,        // q_proj.weight                    [H*Dq, hid]         (q_lora_rank == 0)
+  MlaKvA,      // kv_a_proj_with_mqa.weight        [R + qk_rope, hid]
+  MlaKvANorm,  // kv_a_layernorm.weight            [R]
+  MlaKvB,      // kv_b_proj.weight                 [H*(qk_nope + v), R]
+  MlaG,        // g_proj.weight                    [H*v, hid]          (mla_use_output_gate)
+  MlaO,        // o_proj.weight                    [hid, H*v]
   // Dense FFN (layers below first_k_dense_replace; mlp.).
-  DenseGate, DenseUp,  // {gate,up}_proj.weight           [intermediate, hid]
-  DenseDown,           // down_proj.weight                [hid, intermediate]
+  DenseGate,
+  DenseUp,    // {gate,up}_proj.weight           [intermediate, hid]
+  DenseDown,  // down_proj.weight                [hid, intermediate]
   // Stable LatentMoE (block_sparse_moe.).
-  MoeRouter,          // gate.weight                      [E, hid]
-  MoeRouterBias,      // gate.e_score_correction_bias     [E]        (selection only; not trained)
-  MoeLatentDown,      // routed_expert_down_proj.weight   [lat, hid]
-  MoeLatentUp,        // routed_expert_up_proj.weight     [hid, lat]
-  MoeLatentNorm,      // routed_expert_norm.weight        [lat]      (latent_moe_use_norm)
-  ExpertGate,         // experts.<e>.w1.weight            [I, lat]
-  ExpertDown,         // experts.<e>.w2.weight            [lat, I]
-  ExpertUp,           // experts.<e>.w3.weight            [I, lat]
-  SharedGate, SharedUp,  // shared_experts.{gate,up}_proj.weight  [I*num_shared, hid]
-  SharedDown,            // shared_experts.down_proj.weight       [hid, I*num_shared]
+  MoeRouter,      // gate.weight                      [E, hid]
+  MoeRouterBias,  // gate.e_score_correction_bias     [E]        (selection only; not trained)
+  MoeLatentDown,  // routed_expert_down_proj.weight   [lat, hid]
+  MoeLatentUp,    // routed_expert_up_proj.weight     [hid, lat]
+  MoeLatentNorm,  // routed_expert_norm.weight        [lat]      (latent_moe_use_norm)
+  ExpertGate,     // experts.<e>.w1.weight            [I, lat]
+  ExpertDown,     // experts.<e>.w2.weight            [lat, I]
+  ExpertUp,       // experts.<e>.w3.weight            [I, lat]
+  SharedGate,
+  SharedUp,    // shared_experts.{gate,up}_proj.weight  [I*num_shared, hid]
+  SharedDown,  // shared_experts.down_proj.weight       [hid, I*num_shared]
   kCount
 };
 constexpr int kTensorKinds = int(TensorKind::kCount);
@@ -111,7 +117,16 @@ enum class TensorInit : uint8_t {
 
 // The `k3 inspect` components (param_count.h), in the order they are printed.
 enum class ParamComponent : uint8_t {
-  Embedding, LmHead, KdaAttention, MlaAttention, DenseFfn, Router, Latent, RoutedExperts, SharedExperts, NormsAttnRes,
+  Embedding,
+  LmHead,
+  KdaAttention,
+  MlaAttention,
+  DenseFfn,
+  Router,
+  Latent,
+  RoutedExperts,
+  SharedExperts,
+  NormsAttnRes,
   kCount
 };
 const char* component_name(ParamComponent c);  // "embedding", "lm_head", "KDA attention", ...
@@ -124,7 +139,7 @@ struct TensorInfo {
   const char* leaf;    // "f_a_proj.weight", "A_log", "w1.weight"
   TensorScope scope;
   TensorStore store;
-  DType dtype;         // as the release stores it and k3 init writes it (routed experts: BF16, or MXFP4 by choice)
+  DType dtype;  // as the release stores it and k3 init writes it (routed experts: BF16, or MXFP4 by choice)
   TensorInit init;
   ParamComponent component;
   HeadSplit heads;

@@ -29,8 +29,8 @@ class Binder {
   const TensorView& view(const std::string& name, const std::vector<int64_t>& shape) const {
     const TensorView& t = st_.get(name);
     if (t.shape != shape)
-      fail(*t.file, ": tensor '", name, "' has shape ", t.shape_str(), ", expected ", shape_str(shape),
-           " from ", cfg_.source);
+      fail(*t.file, ": tensor '", name, "' has shape ", t.shape_str(), ", expected ", shape_str(shape), " from ",
+           cfg_.source);
     return t;
   }
 
@@ -54,11 +54,13 @@ class Binder {
   WeightRef maybe_mxfp4(const std::string& name, int64_t rows, int64_t cols) const {
     const std::string packed = mxfp4_packed_name(name);
     if (!st_.has(packed)) return matrix(name, rows, cols);
-    if (cols % 32 != 0) fail(st_.path(), ": tensor '", packed, "': MXFP4 needs in-features divisible by 32, got ", cols);
+    if (cols % 32 != 0)
+      fail(st_.path(), ": tensor '", packed, "': MXFP4 needs in-features divisible by 32, got ", cols);
     const TensorView& p = view(packed, {rows, cols / 2});
     const TensorView& s = view(mxfp4_scale_name(name), {rows, cols / 32});
     for (const TensorView* t : {&p, &s})
-      if (t->dtype != DType::U8) fail(*t->file, ": tensor '", t->name, "' has dtype ", dtype_name(t->dtype), ", expected U8");
+      if (t->dtype != DType::U8)
+        fail(*t->file, ": tensor '", t->name, "' has dtype ", dtype_name(t->dtype), ", expected U8");
     WeightRef w;
     w.format = WeightRef::Format::MXFP4;
     w.rows = rows;

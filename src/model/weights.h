@@ -10,20 +10,20 @@
 #include <string>
 #include <vector>
 
-#include "model/config.h"
-#include "model/tensor_table.h"
 #include "io/safetensors.h"
 #include "kernels/gemm/linear.h"
+#include "model/config.h"
+#include "model/tensor_table.h"
 
 namespace k3 {
 
 struct KdaWeights {
-  WeightRef q_proj, k_proj, v_proj;  // [H*D, hidden]
-  WeightRef f_a_proj;                // [D, hidden]   (rank D bottleneck of the decay gate)
-  WeightRef f_b_proj;                // [H*D, D]
-  WeightRef b_proj;                  // [H, hidden]
-  WeightRef g_proj;                  // [H*D, hidden]
-  WeightRef o_proj;                  // [hidden, H*D]
+  WeightRef q_proj, k_proj, v_proj;           // [H*D, hidden]
+  WeightRef f_a_proj;                         // [D, hidden]   (rank D bottleneck of the decay gate)
+  WeightRef f_b_proj;                         // [H*D, D]
+  WeightRef b_proj;                           // [H, hidden]
+  WeightRef g_proj;                           // [H*D, hidden]
+  WeightRef o_proj;                           // [hidden, H*D]
   std::vector<float> q_conv, k_conv, v_conv;  // [H*D, K]
   std::vector<float> A_log;                   // [H] (checkpoint may pad it; the first H are used)
   std::vector<float> dt_bias;                 // [H*D]
@@ -53,12 +53,12 @@ struct ExpertWeights {
 };
 
 struct MoeWeights {
-  WeightRef router;                        // gate.weight [E, hidden]
-  std::vector<float> router_bias;          // gate.e_score_correction_bias [E] (zeros if absent)
-  WeightRef latent_down, latent_up;        // [latent, hidden], [hidden, latent]
-  std::vector<float> latent_norm;          // routed_expert_norm.weight [latent]
-  std::vector<ExpertWeights> experts;      // [E]
-  GluFfnWeights shared;                    // fused shared experts (empty if none)
+  WeightRef router;                    // gate.weight [E, hidden]
+  std::vector<float> router_bias;      // gate.e_score_correction_bias [E] (zeros if absent)
+  WeightRef latent_down, latent_up;    // [latent, hidden], [hidden, latent]
+  std::vector<float> latent_norm;      // routed_expert_norm.weight [latent]
+  std::vector<ExpertWeights> experts;  // [E]
+  GluFfnWeights shared;                // fused shared experts (empty if none)
 };
 
 struct LayerWeights {
@@ -73,10 +73,10 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  WeightRef embed_tokens;  // [V, hidden]
-  WeightRef lm_head;       // [V, hidden]
-  std::vector<float> norm;             // [hidden]
-  std::vector<float> output_res_query; // output_attn_res_norm ⊙ output_attn_res_proj
+  WeightRef embed_tokens;               // [V, hidden]
+  WeightRef lm_head;                    // [V, hidden]
+  std::vector<float> norm;              // [hidden]
+  std::vector<float> output_res_query;  // output_attn_res_norm ⊙ output_attn_res_proj
   std::vector<LayerWeights> layers;
 };
 
@@ -127,8 +127,10 @@ auto layer_vector(Layer& L, TensorKind k) -> decltype(&L.input_layernorm) {
   switch (k) {
     case K::InputNorm: return &L.input_layernorm;
     case K::PostAttnNorm: return &L.post_attention_layernorm;
-    case K::AttnResNorm: case K::AttnResProj: return &L.attn_res_query;
-    case K::MlpResNorm: case K::MlpResProj: return &L.mlp_res_query;
+    case K::AttnResNorm:
+    case K::AttnResProj: return &L.attn_res_query;
+    case K::MlpResNorm:
+    case K::MlpResProj: return &L.mlp_res_query;
     case K::KdaQConv: return &L.kda.q_conv;
     case K::KdaKConv: return &L.kda.k_conv;
     case K::KdaVConv: return &L.kda.v_conv;

@@ -261,7 +261,8 @@ void BpeTokenizer::merge_small(std::string_view piece, std::vector<int32_t>& out
 // by its first byte (which never changes); next/prev link the live parts. A heap entry is stale when
 // pair[start] no longer equals its rank: a pair's bytes only grow, so its rank never comes back.
 void BpeTokenizer::merge_large(std::string_view piece, std::vector<int32_t>& out) const {
-  if (piece.size() >= UINT32_MAX) fail("encode: a pre-tokenizer piece of ", piece.size(), " bytes (the limit is 4 GiB)");
+  if (piece.size() >= UINT32_MAX)
+    fail("encode: a pre-tokenizer piece of ", piece.size(), " bytes (the limit is 4 GiB)");
   const uint32_t n = uint32_t(piece.size());
   const char* p = piece.data();
   std::vector<uint32_t> next(n), prev(n), pair(n);
@@ -354,7 +355,8 @@ std::string BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
     } else if (auto it = special_text_.find(id); it != special_text_.end()) {
       out += it->second;
     } else {
-      fail("decode: token id ", id, " is not in the vocabulary (", num_ranks(), " ranks + ", specials_.size(), " specials)");
+      fail("decode: token id ", id, " is not in the vocabulary (", num_ranks(), " ranks + ", specials_.size(),
+           " specials)");
     }
   }
   return out;

@@ -5,11 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -19,12 +19,12 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "core/error.h"                 // defines: fail, K3_ASSERT
-#include "io/input_registry.h"          // defines: register_input
-#include "io/output_file.h"             // defines: write_file_atomic
-#include "tokenizer/pretokenizer.h"     // defines: PreTokenizer
-#include "tokenizer/special_tokens.h"   // defines: k3_tokenizer_config_json
-#include "tokenizer/tokenizer.h"        // defines: kimi_encode_parts
+#include "core/error.h"                // defines: fail, K3_ASSERT
+#include "io/input_registry.h"         // defines: register_input
+#include "io/output_file.h"            // defines: write_file_atomic
+#include "tokenizer/pretokenizer.h"    // defines: PreTokenizer
+#include "tokenizer/special_tokens.h"  // defines: k3_tokenizer_config_json
+#include "tokenizer/tokenizer.h"       // defines: kimi_encode_parts
 
 namespace k3 {
 
@@ -170,7 +170,8 @@ std::vector<int32_t> encode_piece_reference(std::string_view piece,
     if (at > 0) pr[at - 1] = rank_at(at - 1);
   }
   std::vector<int32_t> ids;
-  for (size_t i = 0; i + 1 < start.size(); ++i) ids.push_back(ranks.at(std::string(piece.substr(start[i], start[i + 1] - start[i]))));
+  for (size_t i = 0; i + 1 < start.size(); ++i)
+    ids.push_back(ranks.at(std::string(piece.substr(start[i], start[i + 1] - start[i]))));
   return ids;
 }
 
@@ -256,8 +257,9 @@ PieceCounts count_corpus_pieces(const std::vector<std::string>& corpus_paths, co
                            double(out.corpus_bytes) / 1e6 / std::max(s, 1e-9), threads));
   }
   if (out.corpus_bytes == 0)
-    fail("corpus is empty: ", corpus_paths.size() == 1 ? corpus_paths[0] + " holds"
-                                                       : "the " + std::to_string(corpus_paths.size()) + " files hold",
+    fail("corpus is empty: ",
+         corpus_paths.size() == 1 ? corpus_paths[0] + " holds"
+                                  : "the " + std::to_string(corpus_paths.size()) + " files hold",
          " no bytes");
   for (size_t w = 1; w < tables.size(); ++w) {
     for (auto& [piece, n] : tables[w]) tables[0][piece] += n;
@@ -390,19 +392,19 @@ BpeTrainResult train_bpe_on_pieces(const PieceCounts& counts, int64_t num_ranks,
     const int64_t done = int64_t(r.tokens.size()) - 256;
     if ((done & 255) == 0 && seconds_since(last_report) >= 2.0) {
       last_report = Clock::now();
-      report(options, format("merges %lld/%lld, pair count %lld, %.1f s", static_cast<long long>(done),
-                             static_cast<long long>(merges_wanted), static_cast<long long>(best.count),
-                             seconds_since(t0)));
+      report(options,
+             format("merges %lld/%lld, pair count %lld, %.1f s", static_cast<long long>(done),
+                    static_cast<long long>(merges_wanted), static_cast<long long>(best.count), seconds_since(t0)));
     }
   }
   if (int64_t(r.tokens.size()) < num_ranks)
     fail("corpus supports only ", r.tokens.size(), " ranks, vocab size ", num_ranks, " requested: after ",
          r.tokens.size() - 256, " merges no adjacent pair occurs at least ", options.min_pair_count, " times (",
-         counts.pieces.size(), " distinct pieces in ", counts.corpus_bytes,
-         " bytes); use a vocab size of at most ", r.tokens.size(), " or a larger corpus");
-  report(options, format("merged %lld pairs in %.1f s (last pair count %lld)", static_cast<long long>(merges_wanted),
-                         seconds_since(t0),
-                         static_cast<long long>(r.merge_counts.empty() ? 0 : r.merge_counts.back())));
+         counts.pieces.size(), " distinct pieces in ", counts.corpus_bytes, " bytes); use a vocab size of at most ",
+         r.tokens.size(), " or a larger corpus");
+  report(options,
+         format("merged %lld pairs in %.1f s (last pair count %lld)", static_cast<long long>(merges_wanted),
+                seconds_since(t0), static_cast<long long>(r.merge_counts.empty() ? 0 : r.merge_counts.back())));
 
   // The encoder check (header: "Why the encoder reproduces training"), and the corpus's token count.
   std::unordered_map<std::string, int32_t, ViewHash, ViewEq> ranks;
@@ -422,7 +424,8 @@ BpeTrainResult train_bpe_on_pieces(const PieceCounts& counts, int64_t num_ranks,
   }
   report(options, format("corpus encodes to %lld tokens (%.2f bytes/token); %lld distinct pieces encode "
                          "differently from training; %.1f s",
-                         static_cast<long long>(r.num_tokens), double(r.corpus_bytes) / double(std::max<int64_t>(r.num_tokens, 1)),
+                         static_cast<long long>(r.num_tokens),
+                         double(r.corpus_bytes) / double(std::max<int64_t>(r.num_tokens, 1)),
                          static_cast<long long>(r.encoder_mismatches), seconds_since(t0)));
   return r;
 }

@@ -56,10 +56,10 @@
 namespace k3 {
 
 struct BpeTrainOptions {
-  int threads = 0;                                     // pre-tokenise/count workers; 0 = hardware concurrency
-  int64_t min_pair_count = 2;                          // a merge needs a pair occurring at least this often
-  bool keep_segmentations = false;                     // fill BpeTrainResult::segmentations (for tests)
-  std::function<void(const std::string&)> progress;    // progress lines (no trailing newline); null = silent
+  int threads = 0;                                   // pre-tokenise/count workers; 0 = hardware concurrency
+  int64_t min_pair_count = 2;                        // a merge needs a pair occurring at least this often
+  bool keep_segmentations = false;                   // fill BpeTrainResult::segmentations (for tests)
+  std::function<void(const std::string&)> progress;  // progress lines (no trailing newline); null = silent
 };
 
 // Distinct pieces of a corpus with their frequencies, sorted by bytes.
@@ -70,11 +70,11 @@ struct PieceCounts {
 };
 
 struct BpeTrainResult {
-  std::vector<std::string> tokens;     // rank -> bytes; tokens[b] == std::string(1, char(b)) for b < 256
-  std::vector<int64_t> merge_counts;   // [r - 256]: the pair's count when rank r was made
+  std::vector<std::string> tokens;    // rank -> bytes; tokens[b] == std::string(1, char(b)) for b < 256
+  std::vector<int64_t> merge_counts;  // [r - 256]: the pair's count when rank r was made
   int64_t corpus_bytes = 0, num_pieces = 0, num_distinct_pieces = 0;
-  int64_t num_tokens = 0;              // tokens the corpus encodes to with the trained ranks
-  int64_t encoder_mismatches = 0;      // distinct pieces whose encoding differs from training (see above)
+  int64_t num_tokens = 0;          // tokens the corpus encodes to with the trained ranks
+  int64_t encoder_mismatches = 0;  // distinct pieces whose encoding differs from training (see above)
   // With keep_segmentations: each distinct piece (sorted by bytes) and its final token ids.
   std::vector<std::pair<std::string, std::vector<int32_t>>> segmentations;
 };

@@ -9,9 +9,11 @@ namespace k3 {
 
 const char* const kK3Pattern =
     "[\\p{Han}]+"
-    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+"
+    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]"
+    "]+"
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
+    "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]"
+    "]*"
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     "|\\p{N}{1,3}"
     "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
@@ -59,7 +61,8 @@ std::string translate_class_intersections(const std::string& p) {
       fail("pre-tokenizer pattern: only intersections of the form [A&&[^B]] are supported (at offset ", i, ")");
     size_t k = amp + 4;
     while (k < p.size() && p[k] != ']') k += p[k] == '\\' ? 2 : 1;
-    if (k + 1 >= p.size() || p[k + 1] != ']') fail("pre-tokenizer pattern: unterminated class intersection at offset ", i);
+    if (k + 1 >= p.size() || p[k + 1] != ']')
+      fail("pre-tokenizer pattern: unterminated class intersection at offset ", i);
     const std::string a = p.substr(i + 1, amp - i - 1), b = p.substr(amp + 4, k - amp - 4);
     out += "(?:(?![" + b + "])[" + a + "])";
     i = k + 2;
@@ -183,7 +186,7 @@ struct PreTokenizer::Impl {
       }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       if (ov[0] > pos) fn(text.substr(pos, ov[0] - pos));  // unmatched gap: keep it (see above)
-      if (ov[1] == ov[0]) {  // empty match: step over one character
+      if (ov[1] == ov[0]) {                                // empty match: step over one character
         const size_t n = utf8_sequence_length(text, ov[0]);
         if (ov[0] + n > pos) fn(text.substr(ov[0], n));
         pos = ov[0] + n;
@@ -200,8 +203,8 @@ PreTokenizer::PreTokenizer(const std::string& pattern) : impl_(std::make_unique<
   const std::string translated = translate_class_intersections(pattern);
   int err = 0;
   PCRE2_SIZE off = 0;
-  impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.c_str()), translated.size(), PCRE2_UTF | PCRE2_UCP,
-                              &err, &off, nullptr);
+  impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.c_str()), translated.size(),
+                              PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
   if (!impl_->code) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof msg);

@@ -90,7 +90,7 @@ std::unordered_map<std::string, int32_t> load_special_tokens(const std::string& 
 std::string k3_tokenizer_config_json(int64_t num_ranks) {
   nlohmann::ordered_json decoder = nlohmann::ordered_json::object();
   for (const auto& [off, name] : k3_named())
-    decoder[std::to_string(num_ranks + off)] = {{"content", name}, {"lstrip", false}, {"normalized", false},
+    decoder[std::to_string(num_ranks + off)] = {{"content", name}, {"lstrip", false},      {"normalized", false},
                                                 {"rstrip", false}, {"single_word", false}, {"special", true}};
   nlohmann::ordered_json j = {{"tokenizer_class", "TikTokenTokenizer"},
                               {"bos_token", "[BOS]"},

@@ -43,7 +43,8 @@ std::unordered_map<std::string, int32_t> k3_special_tokens(int64_t num_ranks);
 // text -> id for all 256 specials after num_ranks, named by a tokenizer_config.json's
 // `added_tokens_decoder` ({"163584": {"content": "[BOS]", ...}, ...}); ids it does not name get
 // `<|reserved_token_{id}|>`. Errors name the file and the entry.
-std::unordered_map<std::string, int32_t> load_special_tokens(const std::string& tokenizer_config_path, int64_t num_ranks);
+std::unordered_map<std::string, int32_t> load_special_tokens(const std::string& tokenizer_config_path,
+                                                             int64_t num_ranks);
 
 // tokenizer_config.json text naming the K3 specials after num_ranks (what `k3 tokenizer train`
 // writes beside its tiktoken.model).

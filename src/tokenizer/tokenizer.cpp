@@ -10,13 +10,25 @@ bool python_isspace(uint32_t c) {
   // Characters whose bidirectional class is WS, B or S, or whose category is Zs (CPython's
   // _PyUnicode_IsWhitespace table).
   switch (c) {
-    case 0x09: case 0x0a: case 0x0b: case 0x0c: case 0x0d:
-    case 0x1c: case 0x1d: case 0x1e: case 0x1f: case 0x20:
-    case 0x85: case 0xa0: case 0x1680:
-    case 0x2028: case 0x2029: case 0x202f: case 0x205f: case 0x3000:
-      return true;
-    default:
-      return c >= 0x2000 && c <= 0x200a;
+    case 0x09:
+    case 0x0a:
+    case 0x0b:
+    case 0x0c:
+    case 0x0d:
+    case 0x1c:
+    case 0x1d:
+    case 0x1e:
+    case 0x1f:
+    case 0x20:
+    case 0x85:
+    case 0xa0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202f:
+    case 0x205f:
+    case 0x3000: return true;
+    default: return c >= 0x2000 && c <= 0x200a;
   }
 }
 
@@ -58,7 +70,8 @@ std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text, 
   return parts;
 }
 
-Tokenizer Tokenizer::load(const std::string& ranks_path, const std::string& tokenizer_config, const std::string& pattern) {
+Tokenizer Tokenizer::load(const std::string& ranks_path, const std::string& tokenizer_config,
+                          const std::string& pattern) {
   Tokenizer t;
   t.bpe_ = BpeTokenizer::load(ranks_path, {}, pattern);
   const int64_t n = t.bpe_.num_ranks();
@@ -73,8 +86,9 @@ Tokenizer Tokenizer::load(const std::string& ranks_path, const std::string& toke
       const auto it = t.bpe_.specials().find(name);
       if (it == t.bpe_.specials().end() || it->second != want)
         fail(tokenizer_config, ": added_tokens_decoder must name ", name, " at id ", want, " (K3's layout: ranks + ",
-             int64_t(s), "), ", it == t.bpe_.specials().end() ? "but it does not name it at all"
-                                                                 : "but names it at id " + std::to_string(it->second),
+             int64_t(s), "), ",
+             it == t.bpe_.specials().end() ? "but it does not name it at all"
+                                           : "but names it at id " + std::to_string(it->second),
              "; K3's chat format and end-of-document id need it");
     }
   return t;
@@ -86,7 +100,8 @@ bool Tokenizer::dir_has_tokenizer(const std::string& dir) {
 
 Tokenizer Tokenizer::load_dir(const std::string& dir, const std::string& pattern) {
   const std::filesystem::path d(dir), ranks = d / "tiktoken.model", cfg = d / "tokenizer_config.json";
-  if (!std::filesystem::is_regular_file(ranks)) fail(dir, ": no tiktoken.model (the tokenizer's rank file) in this directory");
+  if (!std::filesystem::is_regular_file(ranks))
+    fail(dir, ": no tiktoken.model (the tokenizer's rank file) in this directory");
   return load(ranks.string(), std::filesystem::is_regular_file(cfg) ? cfg.string() : "", pattern);
 }
 

@@ -18,8 +18,8 @@
 
 namespace k3 {
 
-constexpr size_t kKimiMaxEncodeChars = 400000;     // TIKTOKEN_MAX_ENCODE_CHARS
-constexpr size_t kKimiMaxConsecutiveRun = 25000;   // MAX_NO_WHITESPACES_CHARS
+constexpr size_t kKimiMaxEncodeChars = 400000;    // TIKTOKEN_MAX_ENCODE_CHARS
+constexpr size_t kKimiMaxConsecutiveRun = 25000;  // MAX_NO_WHITESPACES_CHARS
 
 // Python's str.isspace() for one code point.
 bool python_isspace(uint32_t code_point);
@@ -29,8 +29,7 @@ bool python_isspace_at(std::string_view text, size_t i, size_t& len);
 
 // Kimi's cuts: the byte ranges [begin, end) of text that are encoded separately. Invalid UTF-8
 // bytes count as one non-space character each.
-std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text,
-                                                         size_t max_chars = kKimiMaxEncodeChars,
+std::vector<std::pair<size_t, size_t>> kimi_encode_parts(std::string_view text, size_t max_chars = kKimiMaxEncodeChars,
                                                          size_t max_run = kKimiMaxConsecutiveRun);
 
 class Tokenizer {

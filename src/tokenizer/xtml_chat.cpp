@@ -98,7 +98,8 @@ class SegmentWriter {
       text(c.get<std::string>());
       return;
     }
-    if (!c.is_array()) fail("chat request: ", field, ".content must be a string or a list of parts, not ", c.type_name());
+    if (!c.is_array())
+      fail("chat request: ", field, ".content must be a string or a list of parts, not ", c.type_name());
     for (size_t i = 0; i < c.size(); ++i) {
       const std::string pf = field + ".content[" + std::to_string(i) + "]";
       const ojson& part = c[i];
@@ -165,7 +166,8 @@ ToolArguments normalize_arguments(const ojson* args, const std::string& field) {
     out.object = *args;
     return out;
   }
-  if (!args->is_string()) fail("chat request: ", field, " must be a JSON object or a string holding one, not ", args->type_name());
+  if (!args->is_string())
+    fail("chat request: ", field, " must be a JSON object or a string holding one, not ", args->type_name());
   const std::string s = args->get<std::string>();
   if (python_strip(s).empty()) return out;
   if (const size_t at = json_depth_violation(s, kMaxJsonDepth); at != std::string::npos)
@@ -248,8 +250,9 @@ std::vector<ojson> reorder_tool_results(const ojson& messages) {
     for (size_t offset = 0; i < n && role_of(i) == "tool"; ++i, ++offset) {
       const ojson& m = messages[i];
       const ojson* id = m.contains("tool_call_id") ? &m["tool_call_id"] : m.contains("id") ? &m["id"] : nullptr;
-      auto it = id && !id->is_null() && (id->is_string() || id->is_number()) ? index.find(python_str(*id, "tool_call_id"))
-                                                                              : index.end();
+      auto it = id && !id->is_null() && (id->is_string() || id->is_number())
+                    ? index.find(python_str(*id, "tool_call_id"))
+                    : index.end();
       if (it == index.end()) {
         unresolved = true;
         run.push_back({0, offset, m, std::nullopt});
@@ -258,8 +261,9 @@ std::vector<ojson> reorder_tool_results(const ojson& messages) {
       }
     }
     if (!unresolved)
-      std::stable_sort(run.begin(), run.end(),
-                       [](const Item& a, const Item& b) { return std::tie(a.pos, a.offset) < std::tie(b.pos, b.offset); });
+      std::stable_sort(run.begin(), run.end(), [](const Item& a, const Item& b) {
+        return std::tie(a.pos, a.offset) < std::tie(b.pos, b.offset);
+      });
     for (Item& item : run) {
       if (!unresolved && item.name) {
         item.msg["tool"] = *item.name;
@@ -292,7 +296,8 @@ ojson response_schema(const ojson& rf) {
 
 std::vector<ChatSegment> render_chat(const ojson& req) {
   if (!req.is_object()) fail("chat request: expected a JSON object with 'messages'");
-  if (!req.contains("messages") || !req["messages"].is_array()) fail("chat request: 'messages' must be a list of messages");
+  if (!req.contains("messages") || !req["messages"].is_array())
+    fail("chat request: 'messages' must be a list of messages");
   const bool thinking = bool_field(req, "thinking", true);
   const bool add_generation_prompt = bool_field(req, "add_generation_prompt", true);
 
@@ -414,8 +419,9 @@ std::vector<ChatSegment> render_chat(const ojson& req) {
       w.internal_system("tool-choice",
                         "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.");
     else if (tc == "none")
-      w.internal_system("tool-choice",
-                        "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.");
+      w.internal_system(
+          "tool-choice",
+          "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.");
   }
 
   if (req.contains("response_format") && !req["response_format"].is_null()) {
@@ -459,6 +465,8 @@ std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<Cha
 
 ojson parse_chat_request(std::string_view text, const std::string& where) { return parse_json<ojson>(text, where); }
 
-ojson load_chat_request(const std::string& path) { return parse_chat_request(read_file(path, "the chat request"), path); }
+ojson load_chat_request(const std::string& path) {
+  return parse_chat_request(read_file(path, "the chat request"), path);
+}
 
 }  // namespace k3

@@ -164,9 +164,7 @@ class Parser {
           out_.warnings.push_back("stray <|sep|> inside " + tag);
           ++i_;
           break;
-        default:
-          out_.warnings.push_back(tag + " is not closed");
-          return false;
+        default: out_.warnings.push_back(tag + " is not closed"); return false;
       }
     }
     return false;
@@ -256,8 +254,7 @@ class Parser {
         case XtmlPieceKind::kText:
           ++i_;  // whitespace between calls, or junk: neither is a call
           break;
-        default:
-          return;  // <|end_of_msg|> or another special: the message body decides
+        default: return;  // <|end_of_msg|> or another special: the message body decides
       }
     }
   }

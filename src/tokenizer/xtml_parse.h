@@ -43,10 +43,10 @@ enum class XtmlStart { kThink, kResponse, kMessageBody };
 
 struct XtmlToolCall {
   std::string name;
-  int64_t index = 0;                                          // 1-based, as rendered
+  int64_t index = 0;                                                    // 1-based, as rendered
   nlohmann::ordered_json arguments = nlohmann::ordered_json::object();  // typed values
-  std::optional<std::string> raw_arguments;                   // a `json` block that was not parsed
-  bool complete = false;                                      // saw <|close|>call<|sep|>
+  std::optional<std::string> raw_arguments;                             // a `json` block that was not parsed
+  bool complete = false;                                                // saw <|close|>call<|sep|>
 };
 
 struct XtmlAssistantMessage {

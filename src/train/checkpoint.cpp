@@ -29,8 +29,8 @@ void append_doubles(std::string& out, const std::vector<double>& v) {
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json, const ParamStore& P,
-                            const TrainState& state) {
+std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json,
+                            const ParamStore& P, const TrainState& state) {
   fs::create_directories(out_dir);
   for (const auto& e : fs::directory_iterator(out_dir))  // leftovers of a killed save
     if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
@@ -53,7 +53,8 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
     f32.emplace_back(v, v + P.numel(n));
     tensors.push_back({n, DType::F32, P.shape(n), f32.back().data()});
   }
-  write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}, {"k3_train_step", std::to_string(step)}});
+  write_safetensors((tmp / "model.safetensors").string(), tensors,
+                    {{"format", "pt"}, {"k3_train_step", std::to_string(step)}});
 
   // train_state.bin: magic, u64 JSON length, JSON, then the doubles in the order the JSON lists.
   nlohmann::json header = {{"meta", state.meta}, {"optimizer_size", state.optimizer.size()}};
@@ -68,7 +69,8 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
   const uint64_t len = js.size();
   bytes.append(reinterpret_cast<const char*>(&len), 8);
   bytes += js;
-  for (const std::string& n : names) bytes.append(reinterpret_cast<const char*>(P.p(n)), size_t(P.numel(n)) * sizeof(double));
+  for (const std::string& n : names)
+    bytes.append(reinterpret_cast<const char*>(P.p(n)), size_t(P.numel(n)) * sizeof(double));
   append_doubles(bytes, state.optimizer);
   for (const auto& b : state.balancers) append_doubles(bytes, b);
   write_file_atomic((tmp / "train_state.bin").string(), bytes);
@@ -85,14 +87,16 @@ std::string latest_checkpoint(const std::string& out_dir) {
   std::string name = read_file(p.string(), "checkpoint pointer", InputRole::kOwnState);
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
   const fs::path dir = fs::path(out_dir) / name;
-  if (name.empty() || !fs::is_directory(dir)) fail(p.string(), ": names '", name, "', which is not a checkpoint directory");
+  if (name.empty() || !fs::is_directory(dir))
+    fail(p.string(), ": names '", name, "', which is not a checkpoint directory");
   return dir.string();
 }
 
 void load_checkpoint(const std::string& step_dir, ParamStore& P, TrainState& state) {
   const std::string path = (fs::path(step_dir) / "train_state.bin").string();
   const std::string bytes = read_file(path, "training state");
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0) fail(path, ": not a k3 training state (bad magic)");
+  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0)
+    fail(path, ": not a k3 training state (bad magic)");
   uint64_t len = 0;
   std::memcpy(&len, bytes.data() + 8, 8);
   if (len > bytes.size() - 16) fail(path, ": truncated header");
@@ -117,7 +121,8 @@ void load_checkpoint(const std::string& step_dir, ParamStore& P, TrainState& sta
     for (const auto& e : params) {
       const std::string n = e.at(0).get<std::string>();
       const int64_t numel = e.at(1).get<int64_t>();
-      if (!P.has(n) || P.numel(n) != numel) fail(path, ": parameter '", n, "' (", numel, " values) does not match the model");
+      if (!P.has(n) || P.numel(n) != numel)
+        fail(path, ": parameter '", n, "' (", numel, " values) does not match the model");
       take(P.p_mut(n), size_t(numel), n);
     }
     state.meta = header.at("meta");

@@ -23,9 +23,9 @@
 namespace k3::train {
 
 struct TrainState {
-  nlohmann::json meta;                          // step, data position, options... (caller's keys)
-  std::vector<double> optimizer;                // flat optimizer state
-  std::vector<std::vector<double>> balancers;   // flat state of each layer's balancer
+  nlohmann::json meta;                         // step, data position, options... (caller's keys)
+  std::vector<double> optimizer;               // flat optimizer state
+  std::vector<std::vector<double>> balancers;  // flat state of each layer's balancer
 };
 
 // Writes OUT/step-<step>/ and points OUT/latest at it. Returns the step directory.

@@ -5,10 +5,10 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "model/config.h"
 #include "io/file.h"
 #include "io/mapped_file.h"
 #include "io/safetensors.h"
+#include "model/config.h"
 #include "tokenizer/tokenizer.h"
 
 namespace k3::train {
@@ -67,8 +67,8 @@ void check_shard_for_model(const TokenShard& shard, const std::string& path, con
     fail(path, ": the end-of-document id ", shard.eod_id(), " is outside the model's vocabulary [0, ", c.vocab_size,
          ") of ", c.source);
   if (int64_t(shard.max_id()) >= c.vocab_size)
-    fail(path, ": token id ", shard.max_id(), " is outside the model's vocabulary [0, ", c.vocab_size, ") of ", c.source,
-         ": the shard was made with another tokenizer");
+    fail(path, ": token id ", shard.max_id(), " is outside the model's vocabulary [0, ", c.vocab_size, ") of ",
+         c.source, ": the shard was made with another tokenizer");
   // A prediction needs a token that is not an end of document followed by any token (windows wrap).
   const uint32_t* t = shard.tokens();
   const int64_t n = shard.size();

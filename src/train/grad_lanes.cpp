@@ -103,7 +103,9 @@ double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::v
                       const TrainHooks* hooks) {
   const int64_t n = int64_t(pieces.size());
   std::vector<double> loss(static_cast<size_t>(n), 0.0);
-  parallel_for_rethrow(n, [&](int64_t i) { loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks); });
+  parallel_for_rethrow(n, [&](int64_t i) {
+    loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks);
+  });
   double sum = 0.0;
   for (double l : loss) sum += l;
   return sum;

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "model/config.h"
-#include "model/training/model_train.h"
 #include "model/params.h"
+#include "model/training/model_train.h"
 
 namespace k3::train {
 

@@ -93,14 +93,14 @@ void newton_schulz(const double* G, double* out, int64_t rows, int64_t cols, int
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) X[size_t(tr ? j * rows + i : i * cols + j)] = G[i * cols + j] / norm;
   for (int s = 0; s < steps; ++s) {
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(r), int(r), int(w), 1.0, X.data(), int(w), X.data(), int(w),
-                0.0, A.data(), int(r));
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(r), int(r), int(w), 1.0, X.data(), int(w), X.data(),
+                int(w), 0.0, A.data(), int(r));
     B = A;  // B = b·A + c·A·A
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(r), int(r), int(r), c, A.data(), int(r), A.data(), int(r),
-                b, B.data(), int(r));
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(r), int(r), int(r), c, A.data(), int(r), A.data(),
+                int(r), b, B.data(), int(r));
     Y = X;  // Y = a·X + B·X
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(r), int(w), int(r), 1.0, B.data(), int(r), X.data(), int(w),
-                a, Y.data(), int(w));
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(r), int(w), int(r), 1.0, B.data(), int(r), X.data(),
+                int(w), a, Y.data(), int(w));
     X.swap(Y);
   }
   for (int64_t i = 0; i < rows; ++i)
@@ -232,8 +232,7 @@ void Optimizer::load_state(const OptimizerState& s) {
     if (h.at("format").get<std::string>() != "k3-optimizer-v1")
       fail("optimizer state: unknown format '", h.at("format").get<std::string>(), "'");
     const nlohmann::json& ts = h.at("tensors");
-    if (ts.size() != plan_.size())
-      fail("optimizer state: ", ts.size(), " tensors, this optimizer has ", plan_.size());
+    if (ts.size() != plan_.size()) fail("optimizer state: ", ts.size(), " tensors, this optimizer has ", plan_.size());
     for (size_t i = 0; i < plan_.size(); ++i) {
       const ParamPlan& p = plan_[i];
       const nlohmann::json& t = ts[i];
@@ -245,8 +244,7 @@ void Optimizer::load_state(const OptimizerState& s) {
              t.at("heads").get<int64_t>(), " heads), expected '", p.name, "' (", param_group_name(p.group), ", ",
              p.numel, ", ", p.heads, ")");
     }
-    if (s.data.size() != state_.size())
-      fail("optimizer state: ", s.data.size(), " values, expected ", state_.size());
+    if (s.data.size() != state_.size()) fail("optimizer state: ", s.data.size(), " values, expected ", state_.size());
     const int64_t t = h.at("step").get<int64_t>();
     if (t < 0) fail("optimizer state: negative step");
     state_ = s.data;

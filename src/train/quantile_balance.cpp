@@ -54,8 +54,8 @@ const char* balance_method_name(BalanceMethod m) {
 }
 
 BalanceMethod parse_balance_method(const std::string& s) {
-  for (BalanceMethod m : {BalanceMethod::None, BalanceMethod::QuantileExact, BalanceMethod::QuantileHistogram,
-                          BalanceMethod::Sign})
+  for (BalanceMethod m :
+       {BalanceMethod::None, BalanceMethod::QuantileExact, BalanceMethod::QuantileHistogram, BalanceMethod::Sign})
     if (s == balance_method_name(m)) return m;
   fail("unknown balancing method '", s, "' (none, qb-exact, qb-histogram, sign)");
 }
@@ -84,7 +84,8 @@ QuantileBalancer::QuantileBalancer(int64_t num_experts, int64_t top_k, BalanceOp
                                    std::vector<double> initial_bias)
     : E_(num_experts), K_(top_k), opt_(opt), bias_(std::move(initial_bias)) {
   if (E_ < 2) fail("quantile balancer: need at least 2 experts, got ", E_);
-  if (K_ < 1 || K_ >= E_) fail("quantile balancer: top-k ", K_, " must be in 1..", E_ - 1, " (α is the (k+1)-th score)");
+  if (K_ < 1 || K_ >= E_)
+    fail("quantile balancer: top-k ", K_, " must be in 1..", E_ - 1, " (α is the (k+1)-th score)");
   if (opt_.num_bins < 1) fail("quantile balancer: num_bins must be >= 1, got ", opt_.num_bins);
   if (!(opt_.ema_decay >= 0.0 && opt_.ema_decay < 1.0)) fail("quantile balancer: ema_decay must be in [0, 1)");
   if (!(opt_.sign_rate >= 0.0)) fail("quantile balancer: sign_rate must be >= 0");
@@ -193,8 +194,7 @@ const BalanceStepStats& QuantileBalancer::finish_step() {
       case BalanceMethod::None: break;
       case BalanceMethod::QuantileExact:
       case BalanceMethod::QuantileHistogram: {
-        std::vector<double> bh =
-            opt_.method == BalanceMethod::QuantileExact ? estimate_exact() : estimate_histogram();
+        std::vector<double> bh = opt_.method == BalanceMethod::QuantileExact ? estimate_exact() : estimate_histogram();
         if (opt_.ema_decay > 0)
           for (int64_t e = 0; e < E_; ++e)
             bh[size_t(e)] = (1.0 - opt_.ema_decay) * bh[size_t(e)] + opt_.ema_decay * bias_[size_t(e)];

@@ -78,8 +78,7 @@ struct BalanceStepStats {
 class QuantileBalancer {
  public:
   // initial_bias: [E] or empty (zeros). Needs 1 <= top_k < num_experts (α is the (k+1)-th score).
-  QuantileBalancer(int64_t num_experts, int64_t top_k, BalanceOptions opt = {},
-                   std::vector<double> initial_bias = {});
+  QuantileBalancer(int64_t num_experts, int64_t top_k, BalanceOptions opt = {}, std::vector<double> initial_bias = {});
 
   int64_t num_experts() const { return E_; }
   int64_t top_k() const { return K_; }
@@ -118,9 +117,9 @@ class QuantileBalancer {
   int64_t steps_ = 0;
   // Pending step.
   int64_t tokens_ = 0;
-  std::vector<int64_t> loads_;     // [E]
-  std::vector<double> r_;          // exact: [m, E] required biases r_ij = α_i − s_ij
-  std::vector<int64_t> hist_;      // histogram: [E, B] counts
+  std::vector<int64_t> loads_;  // [E]
+  std::vector<double> r_;       // exact: [m, E] required biases r_ij = α_i − s_ij
+  std::vector<int64_t> hist_;   // histogram: [E, B] counts
   double hist_lo_ = 0, hist_w_ = 0;
   BalanceStepStats last_;
 };

@@ -14,23 +14,23 @@
 #include "core/finite.h"
 #include "core/json.h"
 #include "core/memory.h"
+#include "core/splitmix.h"
 #include "core/validate.h"
 #include "io/dir_lock.h"
+#include "io/file.h"
 #include "io/jsonl.h"
 #include "io/output_file.h"
-#include "core/splitmix.h"
-#include "model/config.h"
-#include "io/file.h"
 #include "io/safetensors.h"
+#include "model/config.h"
+#include "model/params.h"
 #include "model/tensor_init.h"
 #include "model/tensor_table.h"
+#include "model/training/ffn_block.h"
+#include "model/training/model_train.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "model/training/ffn_block.h"
 #include "train/grad_lanes.h"
-#include "model/training/model_train.h"
 #include "train/optimizer.h"
-#include "model/params.h"
 
 namespace k3::train {
 
@@ -148,8 +148,10 @@ void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now,
   const std::string plan = recipe_diff(saved.value("plan", nlohmann::json::object()), now["plan"]);
   if (plan.empty()) return;
   if (!change_plan)
-    fail(state_file, ": --resume with another plan than the run's (repeat the run's own, or pass --change-plan to "
-         "continue on the new one): ", plan);
+    fail(state_file,
+         ": --resume with another plan than the run's (repeat the run's own, or pass --change-plan to "
+         "continue on the new one): ",
+         plan);
   std::fprintf(stderr, "note: --change-plan: continuing on a new plan: %s\n", plan.c_str());
 }
 
@@ -175,13 +177,15 @@ TrainResult train(const TrainOptions& opt) {
   std::vector<int64_t> stage_end;  // cumulative steps
   for (const Stage& s : stages) {
     if (s.seq_len > c.max_position_embeddings)
-      fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", c.source);
+      fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ",
+           c.source);
     if (s.seq_len > opt.tokens_per_step)
       fail("stage sequence length ", s.seq_len, " exceeds --tokens-per-step ", opt.tokens_per_step);
     total_steps += std::max<int64_t>(1, s.tokens / opt.tokens_per_step);
     stage_end.push_back(total_steps);
   }
-  const int64_t warmup = std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
+  const int64_t warmup =
+      std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
 
   // Parameters: a fresh random init, made in memory from the tensor table (what `k3 init --seed`
   // would write), or the latest checkpoint.
@@ -227,11 +231,14 @@ TrainResult train(const TrainOptions& opt) {
       const int64_t saved_lanes = st.meta.value("grad_lanes", int64_t(1));  // runs before lanes summed serially
       if (lanes == 0) lanes = saved_lanes;
       else if (lanes != saved_lanes)
-        std::fprintf(stderr, "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
-                     "different order, so losses will not repeat bit for bit\n", (long long)lanes, (long long)saved_lanes);
+        std::fprintf(stderr,
+                     "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
+                     "different order, so losses will not repeat bit for bit\n",
+                     (long long)lanes, (long long)saved_lanes);
       optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
       for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-        if (bal[size_t(l)]) *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
+        if (bal[size_t(l)])
+          *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
     } catch (const nlohmann::json::exception& e) {
       fail(state_file, ": corrupt training state (", e.what(), ")");
     }
@@ -254,8 +261,8 @@ TrainResult train(const TrainOptions& opt) {
     res.steps = step;
     res.last_checkpoint = resume_dir;
     if (step >= total_steps)
-      std::fprintf(stderr, "%s: the run is already complete (step %lld of %lld); nothing to train\n", opt.out_dir.c_str(),
-                   (long long)step, (long long)total_steps);
+      std::fprintf(stderr, "%s: the run is already complete (step %lld of %lld); nothing to train\n",
+                   opt.out_dir.c_str(), (long long)step, (long long)total_steps);
     else
       std::fprintf(stderr, "resumed from %s at step %lld (data position %lld)\n", resume_dir.c_str(), (long long)step,
                    (long long)data_pos);
@@ -286,7 +293,7 @@ TrainResult train(const TrainOptions& opt) {
 
   auto save = [&]() {
     TrainState st;
-    st.meta = {{"step", step},         {"data_pos", data_pos}, {"total_steps", total_steps},
+    st.meta = {{"step", step},           {"data_pos", data_pos}, {"total_steps", total_steps},
                {"shuffle", opt.shuffle}, {"grad_lanes", lanes},  {"recipe", recipe}};
     const OptimizerState os = optimizer.save_state();
     st.meta["optimizer"] = os.header;
@@ -346,26 +353,36 @@ TrainResult train(const TrainOptions& opt) {
              "); stopping before it is saved; ", saved);
     }
     if (count == 0)
-      std::fprintf(stderr, "warning: step %lld: its windows hold no prediction (only end-of-document ids); "
-                   "nothing was learned\n", (long long)step + 1);
+      std::fprintf(stderr,
+                   "warning: step %lld: its windows hold no prediction (only end-of-document ids); "
+                   "nothing was learned\n",
+                   (long long)step + 1);
     ++step;
     ++res.steps_run;
 
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double done_tokens = double((step - first_step) * windows * L);
-    nlohmann::json rec = {{"step", step},           {"stage", si},        {"seq_len", L},
-                          {"loss", loss},           {"lr", lr},           {"grad_norm", gnorm},
-                          {"tokens", step * windows * L}, {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
-                          {"max_vio", maxvio},      {"skipped", !finite}};
+    nlohmann::json rec = {{"step", step},
+                          {"stage", si},
+                          {"seq_len", L},
+                          {"loss", loss},
+                          {"lr", lr},
+                          {"grad_norm", gnorm},
+                          {"tokens", step * windows * L},
+                          {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
+                          {"max_vio", maxvio},
+                          {"skipped", !finite}};
     const std::string line = rec.dump();
     append_metrics(line);
     if (opt.log_every > 0 && (step % opt.log_every == 0 || step == total_steps)) {
       double mv = 0;
       for (double v : maxvio) mv = std::max(mv, v);
       const double eta = secs / double(step - first_step) * double(total_steps - step);
-      std::fprintf(stderr, "step %lld/%lld  stage %zu (len %lld)  loss %.4f  lr %.2e  |g| %.3f  MaxVio %.3f  %.0f tok/s  ETA %.0fs\n",
-                   (long long)step, (long long)total_steps, si, (long long)L, loss, lr, gnorm, mv,
-                   done_tokens / std::max(secs, 1e-9), eta);
+      std::fprintf(
+          stderr,
+          "step %lld/%lld  stage %zu (len %lld)  loss %.4f  lr %.2e  |g| %.3f  MaxVio %.3f  %.0f tok/s  ETA %.0fs\n",
+          (long long)step, (long long)total_steps, si, (long long)L, loss, lr, gnorm, mv,
+          done_tokens / std::max(secs, 1e-9), eta);
     }
     res.steps = step;
     res.last_loss = loss;
@@ -381,8 +398,10 @@ TrainResult train(const TrainOptions& opt) {
            " although every parameter is finite");
     std::fprintf(stderr, "held-out: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
                  res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
-    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss}, {"unigram_entropy", res.eval.unigram_entropy},
-                                   {"eval_predictions", res.eval.predictions}, {"step", step}})
+    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss},
+                                   {"unigram_entropy", res.eval.unigram_entropy},
+                                   {"eval_predictions", res.eval.predictions},
+                                   {"step", step}})
                        .dump());
   }
   return res;

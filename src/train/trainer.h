@@ -28,12 +28,12 @@ std::vector<Stage> parse_stages(const std::string& text);
 
 struct TrainOptions {
   std::string config_path, data_path, out_dir;
-  std::vector<Stage> stages;       // empty: one stage of seq_len 256 (capped by the config) and `tokens`
-  int64_t tokens = 200000;         // total when stages are not given
+  std::vector<Stage> stages;  // empty: one stage of seq_len 256 (capped by the config) and `tokens`
+  int64_t tokens = 200000;    // total when stages are not given
   int64_t tokens_per_step = 2048;
   double lr = 3e-3, min_lr_ratio = 0.1, warmup_fraction = 0.01, weight_decay = 0.1, clip = 1.0;
-  double router_lr_scale = 1.0;    // OptimizerConfig::router_lr_scale
-  BalanceOptions balance;          // method none / qb-exact / qb-histogram / sign
+  double router_lr_scale = 1.0;  // OptimizerConfig::router_lr_scale
+  BalanceOptions balance;        // method none / qb-exact / qb-histogram / sign
   uint64_t seed = 0;
   // Window order: shuffled (each window starts at a position drawn from (seed, window number), so a
   // resumed run draws the same windows), or sequential through the shard.
@@ -46,8 +46,8 @@ struct TrainOptions {
   // buffers. 0: the OpenMP thread count for a new run, the saved count for a resumed one (so that it
   // sums in the same order and resumes exactly).
   int64_t grad_lanes = 0;
-  bool skip_nonfinite = false;     // skip a step with a NaN/Inf loss or gradient (default: stop)
-  int64_t save_every = 50;         // steps; a checkpoint is also written at the end
+  bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
+  int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;
   // Held-out evaluation at the end (and at every checkpoint): mean next-token loss over the first
   // eval_tokens of this shard, in windows of the last stage's length, beside the shard's unigram
@@ -59,16 +59,16 @@ struct TrainOptions {
 };
 
 struct EvalResult {
-  double loss = 0.0;              // nats per predicted token
-  double unigram_entropy = 0.0;   // nats per token, of the evaluated tokens' own frequencies
+  double loss = 0.0;             // nats per predicted token
+  double unigram_entropy = 0.0;  // nats per token, of the evaluated tokens' own frequencies
   int64_t predictions = 0;
 };
 
 struct TrainResult {
-  int64_t steps = 0;              // the run's step count at the end (resumed steps included)
-  int64_t steps_run = 0;          // steps taken by this call (0: a resumed run that was already complete)
+  int64_t steps = 0;      // the run's step count at the end (resumed steps included)
+  int64_t steps_run = 0;  // steps taken by this call (0: a resumed run that was already complete)
   double last_loss = 0.0;
-  EvalResult eval;                // when eval_path was given
+  EvalResult eval;  // when eval_path was given
   std::string last_checkpoint;
 };
 

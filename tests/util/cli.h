@@ -47,8 +47,9 @@ inline Outcome run_shell(const std::string& command, const std::string& redirect
 // to see a test fail there).
 inline std::string k3_command(const std::vector<std::string>& args, const std::string& env = "") {
   const char* other = std::getenv("K3_TEST_BINARY");
-  std::string cmd = "env -u K3_GEMM " + (env.empty() ? "" : env + " ") + "OPENBLAS_CORETYPE=" +
-                    shell_quote(openblas_get_corename()) + " " + shell_quote(other && *other ? other : K3_BINARY);
+  std::string cmd = "env -u K3_GEMM " + (env.empty() ? "" : env + " ") +
+                    "OPENBLAS_CORETYPE=" + shell_quote(openblas_get_corename()) + " " +
+                    shell_quote(other && *other ? other : K3_BINARY);
   for (const auto& a : args) cmd.append(" ").append(shell_quote(a));
   return cmd;
 }

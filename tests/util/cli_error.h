@@ -35,7 +35,8 @@ inline std::string error_line(const Outcome& r) {
   }
   std::printf("  %s\n", lines.back().c_str());
   EXPECT_THAT(lines.back(), ::testing::StartsWith("error: ")) << r.command << "\n" << r.output;
-  EXPECT_EQ(std::count_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("error:", 0) == 0; }), 1)
+  EXPECT_EQ(std::count_if(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("error:", 0) == 0; }),
+            1)
       << r.output;
   return lines.back();
 }

@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
+#include "compare.h"
 #include "io/safetensors.h"
 #include "model/engine.h"
 #include "model/model.h"
-#include "compare.h"
 
 namespace k3test {
 

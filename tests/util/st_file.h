@@ -55,7 +55,8 @@ inline bool erase_tensor(StFile& f, const std::string& name) {
   f.data.erase(size_t(b), size_t(e - b));
   for (auto& [k, v] : f.header.items())
     if (k != "__metadata__" && v["data_offsets"][0].get<uint64_t>() >= e)
-      v["data_offsets"] = {v["data_offsets"][0].get<uint64_t>() - (e - b), v["data_offsets"][1].get<uint64_t>() - (e - b)};
+      v["data_offsets"] = {v["data_offsets"][0].get<uint64_t>() - (e - b),
+                           v["data_offsets"][1].get<uint64_t>() - (e - b)};
   return true;
 }
 
@@ -69,6 +70,8 @@ inline void edit_tensor(const std::filesystem::path& file, const std::string& na
   write_bytes(file, read_bytes(file).substr(0, 8 + f.header_len) + f.data);
 }
 
-inline void write_st(const std::filesystem::path& p, const StFile& f) { write_bytes(p, st_bytes(f.header.dump(), f.data)); }
+inline void write_st(const std::filesystem::path& p, const StFile& f) {
+  write_bytes(p, st_bytes(f.header.dump(), f.data));
+}
 
 }  // namespace k3test

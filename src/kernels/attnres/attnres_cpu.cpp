@@ -60,7 +60,8 @@ void attnres_row(std::vector<double>& score, std::vector<double>& rms, std::vect
 
 }  // namespace
 
-void attnres_forward(double* out, const std::vector<const double*>& src, const double* q, double eps, int64_t N, int64_t D) {
+void attnres_forward(double* out, const std::vector<const double*>& src, const double* q, double eps, int64_t N,
+                     int64_t D) {
   const size_t S = src.size();
   std::vector<double> score(S), rms(S), alpha(S);
   for (int64_t n = 0; n < N; ++n) {
@@ -73,8 +74,8 @@ void attnres_forward(double* out, const std::vector<const double*>& src, const d
   }
 }
 
-void attnres_backward(const std::vector<double*>& dsrc, double* dq, const double* dout, const std::vector<const double*>& src,
-                 const double* q, double eps, int64_t N, int64_t D) {
+void attnres_backward(const std::vector<double*>& dsrc, double* dq, const double* dout,
+                      const std::vector<const double*>& src, const double* q, double eps, int64_t N, int64_t D) {
   const size_t S = src.size();
   std::vector<double> score(S), rms(S), alpha(S), dalpha(S);
   for (int64_t n = 0; n < N; ++n) {

@@ -29,15 +29,15 @@ struct AttnResParams {
   const void* sources[kMaxSources] = {};  // S device pointers, each [N, ld_src]; the partial sum last
   int S = 0;
   DType src_type = DType::F32;
-  int64_t ld_src = 0;              // row stride of every source, elements (0: D)
+  int64_t ld_src = 0;  // row stride of every source, elements (0: D)
   int64_t N = 0, D = 0;
-  const float* query = nullptr;    // [D]
-  float eps = 1e-5f;               // key RMS eps (rms_norm_eps)
+  const float* query = nullptr;  // [D]
+  float eps = 1e-5f;             // key RMS eps (rms_norm_eps)
 
-  DType out_type = DType::F32;     // of `out` and `normed`
-  int64_t ld_out = 0;              // row stride of out and normed, elements (0: D)
-  void* out = nullptr;             // [N, ld_out] h, or null when only the normed rows are wanted
-  void* normed = nullptr;          // [N, ld_out] RMSNorm(h), or null for no fused norm
+  DType out_type = DType::F32;         // of `out` and `normed`
+  int64_t ld_out = 0;                  // row stride of out and normed, elements (0: D)
+  void* out = nullptr;                 // [N, ld_out] h, or null when only the normed rows are wanted
+  void* normed = nullptr;              // [N, ld_out] RMSNorm(h), or null for no fused norm
   const float* norm_weight = nullptr;  // [D] or null (plain RMS normalisation)
   float norm_eps = 1e-5f;
 };

@@ -26,7 +26,8 @@ __global__ void sigmoid_kernel(float* __restrict__ x, int64_t n) {
 
 template <class T>
 __global__ void mul_sigmoid_kernel(T* __restrict__ x, const T* __restrict__ g, int64_t n) {
-  K3_GRID_STRIDE(i, n) x[i] = rowwise::from_f32<T>(rowwise::to_f32(x[i]) * rowwise::sigmoid_stable(rowwise::to_f32(g[i])));
+  K3_GRID_STRIDE(i, n)
+  x[i] = rowwise::from_f32<T>(rowwise::to_f32(x[i]) * rowwise::sigmoid_stable(rowwise::to_f32(g[i])));
 }
 
 template <class Tout, class Tin>
@@ -99,23 +100,23 @@ void copy_rows(void* dst, DType dst_type, int64_t ld_dst, const void* src, DType
                int64_t cols) {
   K3_CHECK(rows >= 0 && cols >= 0 && ld_dst >= cols && ld_src >= cols, "copy_rows (cuda): bad shape rows=", rows,
            " cols=", cols, " ld_dst=", ld_dst, " ld_src=", ld_src);
-  const bool ok_types = (dst_type == DType::F32 || dst_type == DType::BF16) &&
-                        (src_type == DType::F32 || src_type == DType::BF16);
+  const bool ok_types =
+      (dst_type == DType::F32 || dst_type == DType::BF16) && (src_type == DType::F32 || src_type == DType::BF16);
   K3_CHECK(ok_types, "copy_rows (cuda): F32/BF16 only, got ", dtype_name(src_type), " -> ", dtype_name(dst_type));
   if (rows == 0 || cols == 0) return;
   const unsigned grid = rowwise::grid_for(rows * cols);
   if (dst_type == DType::F32 && src_type == DType::F32)
-    copy_rows_kernel<float, float><<<grid, 256>>>(static_cast<float*>(dst), ld_dst, static_cast<const float*>(src),
-                                                  ld_src, rows, cols);
+    copy_rows_kernel<float, float>
+        <<<grid, 256>>>(static_cast<float*>(dst), ld_dst, static_cast<const float*>(src), ld_src, rows, cols);
   else if (dst_type == DType::BF16 && src_type == DType::F32)
-    copy_rows_kernel<bf16, float><<<grid, 256>>>(static_cast<bf16*>(dst), ld_dst, static_cast<const float*>(src),
-                                                 ld_src, rows, cols);
+    copy_rows_kernel<bf16, float>
+        <<<grid, 256>>>(static_cast<bf16*>(dst), ld_dst, static_cast<const float*>(src), ld_src, rows, cols);
   else if (dst_type == DType::F32 && src_type == DType::BF16)
-    copy_rows_kernel<float, bf16><<<grid, 256>>>(static_cast<float*>(dst), ld_dst, static_cast<const bf16*>(src),
-                                                 ld_src, rows, cols);
+    copy_rows_kernel<float, bf16>
+        <<<grid, 256>>>(static_cast<float*>(dst), ld_dst, static_cast<const bf16*>(src), ld_src, rows, cols);
   else
-    copy_rows_kernel<bf16, bf16><<<grid, 256>>>(static_cast<bf16*>(dst), ld_dst, static_cast<const bf16*>(src),
-                                                ld_src, rows, cols);
+    copy_rows_kernel<bf16, bf16>
+        <<<grid, 256>>>(static_cast<bf16*>(dst), ld_dst, static_cast<const bf16*>(src), ld_src, rows, cols);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -126,7 +127,8 @@ void gather_rows(float* dst, const float* src, const int32_t* index, int64_t n, 
   K3_CUDA_LAUNCH_CHECK();
 }
 
-void scatter_add_rows(float* dst, const float* src, const int32_t* index, const float* weight, int64_t n, int64_t cols) {
+void scatter_add_rows(float* dst, const float* src, const int32_t* index, const float* weight, int64_t n,
+                      int64_t cols) {
   check_n(n * cols, "scatter_add_rows");
   if (n == 0 || cols == 0) return;
   scatter_add_kernel<<<rowwise::grid_for(n * cols), 256>>>(dst, src, index, weight, n, cols);

@@ -10,8 +10,8 @@ namespace k3 {
 
 struct GluParams {
   bool situ = true;
-  float beta_gate = 4.0f;   // activation_situ_beta
-  float beta_up = 25.0f;    // activation_situ_linear_beta
+  float beta_gate = 4.0f;  // activation_situ_beta
+  float beta_up = 25.0f;   // activation_situ_linear_beta
 };
 
 // out[i] = act(gate[i], up[i]) for n elements; out may alias gate or up.

@@ -15,8 +15,8 @@ void glu_forward(float* out, const float* gate, const float* up, int64_t n, cons
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i], u = up[i];
     const float s = sigmoidf_stable(g);
-    out[i] = p.situ ? (p.beta_gate * std::tanh(g / p.beta_gate) * s) * (p.beta_up * std::tanh(u / p.beta_up))
-                    : g * s * u;
+    out[i] =
+        p.situ ? (p.beta_gate * std::tanh(g / p.beta_gate) * s) * (p.beta_up * std::tanh(u / p.beta_up)) : g * s * u;
   }
 }
 

@@ -24,8 +24,8 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
-#include "kernels/ffn/glu_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
+#include "kernels/ffn/glu_cuda.h"
 
 namespace k3::ffn::cuda {
 
@@ -94,9 +94,9 @@ __device__ __forceinline__ void div_beta(float (&q)[VEC], const float (&x)[VEC],
 }
 
 template <class Tin, class Tout, int VEC, bool SITU, int F1, int F2>
-__global__ void __launch_bounds__(256) glu_kernel(Tout* out, int64_t ld_out, const Tin* gate, const Tin* up,
-                                                  int64_t ld_in, int64_t rows, int64_t vecs_per_row, Beta be1,
-                                                  Beta be2) {
+__global__ void __launch_bounds__(256)
+    glu_kernel(Tout* out, int64_t ld_out, const Tin* gate, const Tin* up, int64_t ld_in, int64_t rows,
+               int64_t vecs_per_row, Beta be1, Beta be2) {
   const int64_t c_stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const Tin* gr = gate + r * ld_in;
@@ -187,7 +187,8 @@ std::string can_run(const GluLaunch& p) {
     return std::string("glu (cuda): gate/up and out must be F32 or BF16, got ") + dtype_name(p.in_type) + " -> " +
            dtype_name(p.out_type);
   if (p.rows < 0 || p.cols < 0) return "glu (cuda): negative shape";
-  if ((p.ld_in && p.ld_in < p.cols) || (p.ld_out && p.ld_out < p.cols)) return "glu (cuda): row stride smaller than cols";
+  if ((p.ld_in && p.ld_in < p.cols) || (p.ld_out && p.ld_out < p.cols))
+    return "glu (cuda): row stride smaller than cols";
   if (p.rows > 0 && p.cols > 0 && (!p.out || !p.gate || !p.up)) return "glu (cuda): null pointer";
   if ((p.out == p.gate || p.out == p.up) && p.out &&
       (p.out_type != p.in_type || (p.ld_out ? p.ld_out : p.cols) != (p.ld_in ? p.ld_in : p.cols)))

@@ -19,15 +19,15 @@
 namespace k3::ffn::cuda {
 
 struct GluLaunch {
-  void* out = nullptr;        // [rows, ld_out] of out_type; may alias gate or up (same type and stride)
+  void* out = nullptr;  // [rows, ld_out] of out_type; may alias gate or up (same type and stride)
   DType out_type = DType::F32;
-  int64_t ld_out = 0;         // elements (0: cols)
-  const void* gate = nullptr; // [rows, ld_in] of in_type
-  const void* up = nullptr;   // [rows, ld_in] of in_type
+  int64_t ld_out = 0;          // elements (0: cols)
+  const void* gate = nullptr;  // [rows, ld_in] of in_type
+  const void* up = nullptr;    // [rows, ld_in] of in_type
   DType in_type = DType::F32;
-  int64_t ld_in = 0;          // elements (0: cols)
+  int64_t ld_in = 0;  // elements (0: cols)
   int64_t rows = 0, cols = 0;
-  GluParams act;              // situ on/off, beta_gate, beta_up
+  GluParams act;  // situ on/off, beta_gate, beta_up
 };
 
 std::string can_run(const GluLaunch& p);

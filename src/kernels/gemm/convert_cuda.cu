@@ -4,8 +4,8 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
-#include "kernels/gemm/convert_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
+#include "kernels/gemm/convert_cuda.h"
 
 namespace k3::gemm::cuda {
 
@@ -42,8 +42,8 @@ void launch_convert(Tout* dst, const Tin* src, int64_t n) {
 
 // out[t, c..c+VEC) = table[ids[t], c..c+VEC) over a grid-stride loop of (token, pack) pairs.
 template <int VEC>
-__global__ void embedding_kernel(float* __restrict__ out, const bf16* __restrict__ table, const int32_t* __restrict__ ids,
-                                 int64_t T, int64_t V, int64_t D) {
+__global__ void embedding_kernel(float* __restrict__ out, const bf16* __restrict__ table,
+                                 const int32_t* __restrict__ ids, int64_t T, int64_t V, int64_t D) {
   const int64_t packs = D / VEC, total = T * packs;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / packs, c = (i - t * packs) * VEC;

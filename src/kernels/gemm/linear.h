@@ -30,8 +30,8 @@ void set_gemm_precision(GemmPrecision p);
 struct WeightRef {
   enum class Format { F32, BF16, F16, MXFP4 };
   Format format = Format::F32;
-  int64_t rows = 0, cols = 0;     // logical [Out, In]
-  const void* data = nullptr;     // F32/BF16/F16: rows*cols elements; MXFP4: packed [rows, cols/2] bytes
+  int64_t rows = 0, cols = 0;       // logical [Out, In]
+  const void* data = nullptr;       // F32/BF16/F16: rows*cols elements; MXFP4: packed [rows, cols/2] bytes
   const uint8_t* scales = nullptr;  // MXFP4 only: E8M0 [rows, cols/32]
 
   bool empty() const { return data == nullptr; }

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.h"
@@ -176,7 +176,8 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
 
 }  // namespace
 
-void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, const WeightRef& W, bool accumulate) {
+void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, const WeightRef& W,
+                    bool accumulate) {
   K3_ASSERT(!W.empty());
   if (N <= 0 || W.rows == 0) return;
   if (W.cols == 0) {

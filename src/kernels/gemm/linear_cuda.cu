@@ -36,7 +36,8 @@ struct Plan {
   bool has_algo = false;
 };
 
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, uint32_t, uint32_t, uint32_t>;
+using PlanKey =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, uint32_t, uint32_t, uint32_t>;
 
 }  // namespace
 
@@ -78,8 +79,17 @@ struct GemmContext::Impl {
   }
 
   const Plan& plan(const LinearParams& p, int64_t ld_x, int64_t ld_y, int64_t ld_w) {
-    const PlanKey key{p.M,    p.N,         p.K,         ld_x, ld_y, ld_w, int(p.in_type), int(p.y_type),
-                      alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)};
+    const PlanKey key{p.M,
+                      p.N,
+                      p.K,
+                      ld_x,
+                      ld_y,
+                      ld_w,
+                      int(p.in_type),
+                      int(p.y_type),
+                      alignment_of(p.x),
+                      alignment_of(p.w),
+                      alignment_of(p.y)};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
     Plan pl;
@@ -148,11 +158,13 @@ std::string can_run(const LinearParams& p) {
            ", " + std::to_string(p.K);
   const int64_t ld_x = p.ld_x ? p.ld_x : p.K, ld_w = p.ld_w ? p.ld_w : (p.w_in_out ? p.N : p.K),
                 ld_y = p.ld_y ? p.ld_y : p.N;
-  if (ld_x < p.K || (!p.w_in_out && ld_w < p.K) || ld_y < p.N) return "linear (cuda): a row stride is smaller than its row";
+  if (ld_x < p.K || (!p.w_in_out && ld_w < p.K) || ld_y < p.N)
+    return "linear (cuda): a row stride is smaller than its row";
   if (ld_x > INT_MAX || ld_w > INT_MAX || ld_y > INT_MAX) return "linear (cuda): row strides must be <= 2^31-1";
   if (p.M > 0 && p.N > 0 && (!p.y || (p.K > 0 && (!p.x || !p.w)))) return "linear (cuda): null pointer";
   if (f32 && p.backend == GemmBackend::Lt) return "linear (cuda): the F32 exact mode runs on cublasGemmEx, not Lt";
-  if (p.batch < 1 || p.batch > INT_MAX) return "linear (cuda): batch must be in [1, 2^31-1], got " + std::to_string(p.batch);
+  if (p.batch < 1 || p.batch > INT_MAX)
+    return "linear (cuda): batch must be in [1, 2^31-1], got " + std::to_string(p.batch);
   if (p.w_in_out && ld_w < p.N) return "linear (cuda): W is [K, N] (w_in_out) but ld_w < N";
   if ((p.batch > 1 || p.w_in_out) && p.backend == GemmBackend::Lt)
     return "linear (cuda): batched and [K, N] products run on cublasGemmStridedBatchedEx, not Lt";
@@ -179,11 +191,12 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
 
   if (p.batch > 1 || p.w_in_out) {  // column-major: yᵀ[N, M] = op(W)·xᵀ, op = T for [N, K], N for [K, N]
     const bool exact = p.in_type == DType::F32;
-    K3_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        exact ? c.blas_exact : c.blas, p.w_in_out ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, p.w,
-        cuda_type(p.in_type), int(ld_w), p.stride_w, p.x, cuda_type(p.in_type), int(ld_x), p.stride_x, &beta, p.y,
-        cuda_type(p.y_type), int(ld_y), p.stride_y, int(p.batch),
-        exact ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    K3_CUBLAS_CHECK(cublasGemmStridedBatchedEx(exact ? c.blas_exact : c.blas, p.w_in_out ? CUBLAS_OP_N : CUBLAS_OP_T,
+                                               CUBLAS_OP_N, m, n, k, &alpha, p.w, cuda_type(p.in_type), int(ld_w),
+                                               p.stride_w, p.x, cuda_type(p.in_type), int(ld_x), p.stride_x, &beta, p.y,
+                                               cuda_type(p.y_type), int(ld_y), p.stride_y, int(p.batch),
+                                               exact ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
     return;
   }
 
@@ -239,15 +252,17 @@ namespace {
 
 __global__ void widen_rows_kernel(double* __restrict__ dst, const float* __restrict__ src, int64_t ld_src, int64_t rows,
                                   int64_t cols) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
     dst[i] = double(src[r * ld_src + c]);
   }
 }
 
-__global__ void narrow_rows_kernel(float* __restrict__ dst, int64_t ld_dst, const double* __restrict__ src, int64_t rows,
-                                   int64_t cols) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+__global__ void narrow_rows_kernel(float* __restrict__ dst, int64_t ld_dst, const double* __restrict__ src,
+                                   int64_t rows, int64_t cols) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
     dst[r * ld_dst + c] = float(src[i]);
   }

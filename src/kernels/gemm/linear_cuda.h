@@ -41,13 +41,13 @@ class GemmContext {
 };
 
 struct LinearParams {
-  void* y = nullptr;        // [M, ld_y] of y_type
+  void* y = nullptr;  // [M, ld_y] of y_type
   DType y_type = DType::F32;
-  int64_t ld_y = 0;         // elements (0: N)
-  const void* x = nullptr;  // [M, ld_x] of in_type
-  int64_t ld_x = 0;         // elements (0: K)
-  const void* w = nullptr;  // [N, ld_w] of in_type
-  int64_t ld_w = 0;         // elements (0: K)
+  int64_t ld_y = 0;             // elements (0: N)
+  const void* x = nullptr;      // [M, ld_x] of in_type
+  int64_t ld_x = 0;             // elements (0: K)
+  const void* w = nullptr;      // [N, ld_w] of in_type
+  int64_t ld_w = 0;             // elements (0: K)
   DType in_type = DType::BF16;  // of x and W
   int64_t M = 0, N = 0, K = 0;
   bool accumulate = false;  // y += x·Wᵀ (y is read in y_type) instead of y = x·Wᵀ
@@ -68,8 +68,8 @@ void linear_forward(GemmContext& ctx, const LinearParams& p);
 // Shorthands for dense operands (ld = K for x and W, N for y).
 void linear_bf16(GemmContext& ctx, float* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
                  bool accumulate = false);
-void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N,
-                 int64_t K, bool accumulate = false);
+void linear_bf16(GemmContext& ctx, uint16_t* y, const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K,
+                 bool accumulate = false);
 void linear_f32_exact(GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
                       bool accumulate = false);
 

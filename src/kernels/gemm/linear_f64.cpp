@@ -24,8 +24,8 @@ void linear_backward(double* dx, double* dW, const double* dy, const double* x, 
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(N), int(in), int(out), 1.0, dy, int(out), W, int(in),
                 accumulate_dx ? 1.0 : 0.0, dx, int(in));
   if (dW && in > 0 && out > 0)
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(N), 1.0, dy, int(out), x, int(in), 1.0, dW,
-                int(in));
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(N), 1.0, dy, int(out), x, int(in), 1.0,
+                dW, int(in));
 }
 
 }  // namespace k3

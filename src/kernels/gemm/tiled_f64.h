@@ -23,8 +23,8 @@ namespace k3 {
 constexpr int64_t kTiledF64Rows = 8, kTiledF64Cols = 16;
 
 template <bool kTransA>
-inline void gemm_acc_f64(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb,
-                         int64_t m, int64_t nn, int64_t kk, double alpha) {
+inline void gemm_acc_f64(double* C, int64_t ldc, const double* A, int64_t lda, const double* B, int64_t ldb, int64_t m,
+                         int64_t nn, int64_t kk, double alpha) {
   constexpr int64_t kMR = kTiledF64Rows, kNR = kTiledF64Cols;
   auto a_at = [&](int64_t i, int64_t p) { return kTransA ? A[p * lda + i] : A[i * lda + p]; };
   for (int64_t i0 = 0; i0 < m; i0 += kMR) {

@@ -29,8 +29,7 @@ namespace k3::kda {
 // tail holds the previous K-1 PRE-conv inputs (oldest first); nullptr means zeros (fresh sequence).
 // If tail != nullptr it is updated in place to the last K-1 inputs after these T tokens (also when
 // T < K-1, in which case part of the old tail survives, shifted). out must not alias x or tail.
-void short_conv_silu_forward(float* out, const float* x, int64_t T, int64_t C, const float* weight, int K,
-                             float* tail);
+void short_conv_silu_forward(float* out, const float* x, int64_t T, int64_t C, const float* weight, int K, float* tail);
 
 // In place per-head L2 normalisation, x: [T][H][D]:  x <- x / sqrt(sum_d x^2 + eps).  (K3: eps = 1e-6)
 void l2norm_heads(float* x, int64_t T, int64_t H, int64_t D, float eps);
@@ -48,9 +47,8 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
 //   q, k, g: [T][H][Dk]    v, o: [T][H][Dv]    beta: [T][H]    state: [H][Dk][Dv] fp64, in/out
 // The caller zero-initialises state for a fresh sequence; calls can be chained to continue a sequence.
 // K3: scale = Dk^-0.5.
-void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g,
-                           const float* beta, float scale, double* state, int64_t T, int64_t H, int64_t Dk,
-                           int64_t Dv);
+void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g, const float* beta,
+                           float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv);
 
 // Same contract and result as kda_recurrent_forward, computed chunk by chunk (chunk_size >= 1; the last
 // chunk may be shorter). Within a chunk, Gamma_t = sum of g from the chunk start through t (per key

@@ -79,8 +79,7 @@ struct Inputs {
 
 void check_args(const char* fn, const Inputs& in, int64_t chunk) {
   K3_CHECK(in.T >= 0, fn, ": T must be >= 0, got ", in.T);
-  K3_CHECK(in.H >= 1 && in.Dk >= 1 && in.Dv >= 1, fn, ": H, Dk, Dv must be >= 1, got ", in.H, ", ", in.Dk, ", ",
-           in.Dv);
+  K3_CHECK(in.H >= 1 && in.Dk >= 1 && in.Dv >= 1, fn, ": H, Dk, Dv must be >= 1, got ", in.H, ", ", in.Dk, ", ", in.Dv);
   K3_CHECK(chunk >= 1, fn, ": chunk must be >= 1, got ", chunk);
 }
 
@@ -96,8 +95,21 @@ struct ChunkForward {
   std::vector<double> dec;   // [Dk] running decay product
 
   ChunkForward(int64_t C_, int64_t Dk_, int64_t Dv_)
-      : C(C_), Dk(Dk_), Dv(Dv_), Q(size_t(C * Dk)), K(Q.size()), alpha(Q.size()), E(Q.size()), Qt(Q.size()),
-        Kt(Q.size()), P(Q.size()), Kd(Q.size()), A(size_t(C * C)), M(A.size()), X(size_t(C * Dv)), U(X.size()),
+      : C(C_),
+        Dk(Dk_),
+        Dv(Dv_),
+        Q(size_t(C * Dk)),
+        K(Q.size()),
+        alpha(Q.size()),
+        E(Q.size()),
+        Qt(Q.size()),
+        Kt(Q.size()),
+        P(Q.size()),
+        Kd(Q.size()),
+        A(size_t(C * C)),
+        M(A.size()),
+        X(size_t(C * Dv)),
+        U(X.size()),
         dec(size_t(Dk)) {}
 
   // Tokens t0 .. t0+n-1 of head h, entering state S0 [Dk, Dv].

@@ -123,9 +123,8 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
 //   pass 1 (row c): S[c,:] *= alpha[c];  u += k[c] * S[c,:]
 //   pass 2 (row c): S[c,:] += (beta k[c]) * (v - u);  o += (scale q[c]) * S[c,:]
 // Rows are contiguous, so every inner loop runs over contiguous Dv floats.
-void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g,
-                           const float* beta, float scale, double* state, int64_t T, int64_t H, int64_t Dk,
-                           int64_t Dv) {
+void kda_recurrent_forward(float* o, const float* q, const float* k, const float* v, const float* g, const float* beta,
+                           float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
   check_dims("kda_recurrent_forward", T, H, Dk, "Dk");
   K3_CHECK(Dv >= 1, "kda_recurrent_forward: Dv must be >= 1, got ", Dv);
 #pragma omp parallel for schedule(static)
@@ -211,14 +210,14 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
     // Per-head scratch, reused by every chunk of this head.
     std::vector<double> alpha(Cs * Dk);  // alpha_i[c] = exp(g_i[c]), in double for the running products
     std::vector<double> dec(Dk);         // a running decay product (see the pair loop)
-    std::vector<double> Kt(Cs * Dk);      // Ktilde_i = exp(Gamma_i) * k_i
-    std::vector<double> Qt(Cs * Dk);      // Qtilde_i = exp(Gamma_i) * q_i
-    std::vector<double> KrT(Dk * Cs);     // KrT[c][j] = exp(Gamma_last[c] - Gamma_j[c]) * k_j[c]
-    std::vector<double> A(Cs * Cs);       // A[i][j], j < i
-    std::vector<double> M(Cs * Cs);       // M[i][j] = q_i . (k_j * exp(Gamma_i - Gamma_j)), j <= i; 0 above
-    std::vector<double> W(Cs * Dv);       // Ktilde S0, then overwritten by delta
-    std::vector<double> O(Cs * Dv);       // Qtilde S0, then the unscaled output
-    std::vector<double> Pl(Dk);           // exp(Gamma_last)
+    std::vector<double> Kt(Cs * Dk);     // Ktilde_i = exp(Gamma_i) * k_i
+    std::vector<double> Qt(Cs * Dk);     // Qtilde_i = exp(Gamma_i) * q_i
+    std::vector<double> KrT(Dk * Cs);    // KrT[c][j] = exp(Gamma_last[c] - Gamma_j[c]) * k_j[c]
+    std::vector<double> A(Cs * Cs);      // A[i][j], j < i
+    std::vector<double> M(Cs * Cs);      // M[i][j] = q_i . (k_j * exp(Gamma_i - Gamma_j)), j <= i; 0 above
+    std::vector<double> W(Cs * Dv);      // Ktilde S0, then overwritten by delta
+    std::vector<double> O(Cs * Dv);      // Qtilde S0, then the unscaled output
+    std::vector<double> Pl(Dk);          // exp(Gamma_last)
 
     for (int64_t t0 = 0; t0 < T; t0 += Cs) {
       const int64_t n = std::min<int64_t>(Cs, T - t0);

@@ -114,10 +114,10 @@ void gate_forward(float* g, const uint16_t* z, const float* A_log, const float* 
 
 // Gated output norm: y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(gate), per head row of Dv.
 //   y, o, gate: [rows][H][Dv]    weight: [Dv] fp32    y may alias o.
-void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows,
+void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows, int64_t H,
+                   int64_t Dv);
+void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps, int64_t rows,
                    int64_t H, int64_t Dv);
-void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps,
-                   int64_t rows, int64_t H, int64_t Dv);
 
 // ---------------------------------------------------------------------------------------------------------
 // KDA core. Dk = Dv = D in {32, 64, 128} (KdaParams::D).
@@ -126,14 +126,14 @@ constexpr int kChunk = 16;
 
 struct KdaParams {
   int64_t B = 0, T = 0, H = 0;
-  float scale = 0.0f;           // K3: D^-0.5
-  DType in_dtype = DType::BF16;  // q, k, v: BF16 (fast path) or F32 (parity path)
-  DType out_dtype = DType::BF16; // o: BF16 or F32
-  const void* q = nullptr;      // [B][T][H][D], L2-normalised per head
-  const void* k = nullptr;      // [B][T][H][D], L2-normalised per head
-  const void* v = nullptr;      // [B][T][H][D]
-  const float* g = nullptr;     // [B][T][H][D], log-decay in [-5, 0]
-  const float* beta = nullptr;  // [B][T][H]
+  float scale = 0.0f;               // K3: D^-0.5
+  DType in_dtype = DType::BF16;     // q, k, v: BF16 (fast path) or F32 (parity path)
+  DType out_dtype = DType::BF16;    // o: BF16 or F32
+  const void* q = nullptr;          // [B][T][H][D], L2-normalised per head
+  const void* k = nullptr;          // [B][T][H][D], L2-normalised per head
+  const void* v = nullptr;          // [B][T][H][D]
+  const float* g = nullptr;         // [B][T][H][D], log-decay in [-5, 0]
+  const float* beta = nullptr;      // [B][T][H]
   const float* state_in = nullptr;  // [B][H][D key][D value] fp32, key-major like the CPU twin; nullptr = zeros
   float* state_out = nullptr;       // same layout; nullptr = not written; may equal state_in
   void* o = nullptr;                // [B][T][H][D]

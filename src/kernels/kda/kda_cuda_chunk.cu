@@ -96,7 +96,9 @@ struct Args {
 // shift of 8 banks, so the float2 fragment reads of 8 rows x 4 lanes hit 32 distinct banks): Qd, Kd, Ki
 // [16][D+8]; L, M, Aw, Mw [16][17]. All MMAs use split operands (3 products).
 template <int D>
-constexpr int prep_threads() { return D < 64 ? 64 : D; }
+constexpr int prep_threads() {
+  return D < 64 ? 64 : D;
+}
 
 struct FragF {  // builds bf16 fragments (hi, lo) from fp32 shared memory
   // A operand from row-major X[16][ld], k-step at column k0.
@@ -150,7 +152,9 @@ __device__ __forceinline__ void mma_split(float (&d)[4], const uint32_t (&ah)[4]
 // the fastest of 6, 7 and 8 (docs/CUDA.md, "The prepare kernel's occupancy").
 // KdaParams::prepare_cap keeps the other two for the comparison in bench_cuda_kda.
 template <int D>
-constexpr int prep_min_blocks() { return D == 128 ? 8 : 1; }
+constexpr int prep_min_blocks() {
+  return D == 128 ? 8 : 1;
+}
 
 template <class TI, int P, int D, int MinBlocks>
 __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kernel(Args a) {
@@ -205,8 +209,8 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
       const int64_t off = base + i * tstride;
       const float qv = i < nv ? to_f(qp[off]) : 0.0f;
       const float kv = i < nv ? to_f(kp[off]) : 0.0f;
-      const float e = expf(gam[i]);      // in [e^-80, 1]
-      const float ei = expf(-gam[i]);    // in [1, e^80]
+      const float e = expf(gam[i]);       // in [e^-80, 1]
+      const float ei = expf(-gam[i]);     // in [1, e^80]
       const float er = expf(G - gam[i]);  // in [e^-80, 1]
       sQd[i][c] = a.scale * qv * e;
       sKd[i][c] = kv * e;
@@ -246,10 +250,8 @@ __global__ void __launch_bounds__(prep_threads<D>(), MinBlocks) kda_prepare_kern
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = r + (e >> 1) * 8, j = nt * 8 + 2 * q + (e & 1);
-        if (warp == 0)
-          sL[i][j] = i > j ? sBeta[i] * acc[nt][e] : 0.0f;
-        else
-          sM[i][j] = i >= j ? acc[nt][e] : 0.0f;
+        if (warp == 0) sL[i][j] = i > j ? sBeta[i] * acc[nt][e] : 0.0f;
+        else sM[i][j] = i >= j ? acc[nt][e] : 0.0f;
       }
   }
   __syncthreads();
@@ -366,15 +368,18 @@ __device__ __forceinline__ void store_o(float* o, float x) { *o = x; }
 __device__ __forceinline__ void store_o(bf16* o, float x) { *o = __float2bfloat16_rn(x); }
 
 template <int P, int NW, int KW, class TO, int D>
+// (clang-format would write `NW* KW`: it reads a product inside the attribute as a pointer type)
+// clang-format off
 __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a) {
+  // clang-format on
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
   using W = Ws<P, D>;
   using L = Smem2<P, NW, KW, D>;
   constexpr int NV = L::NV, kSlices = D / NV, kStages = L::kStages;
   constexpr int kThreads = NW * KW * 32;
-  constexpr int DK = D / KW;         // key columns per warp
-  constexpr int kNT = DK / 8;        // 16x8 state tiles per warp (key columns / 8)
-  constexpr int kKS = DK / 16;       // 16-wide k-steps over the warp's key columns
+  constexpr int DK = D / KW;    // key columns per warp
+  constexpr int kNT = DK / 8;   // 16x8 state tiles per warp (key columns / 8)
+  constexpr int kKS = DK / 16;  // 16-wide k-steps over the warp's key columns
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t smem_u = ptx::smem_u32(smem);
 
@@ -383,9 +388,9 @@ __global__ void __launch_bounds__(NW * KW * 32, 1) kda_recurrence_kernel(Args a)
   const int64_t b = blockIdx.x / (kSlices * a.H);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   const int vw = warp / KW, kw = warp % KW;  // value group, key warp within it
-  const int vs = slice * NV;       // the CTA's first value column
-  const int v0 = vs + vw * 16;     // the warp's first value column
-  const int k0 = kw * DK;          // the warp's first key column
+  const int vs = slice * NV;                 // the CTA's first value column
+  const int v0 = vs + vw * 16;               // the warp's first value column
+  const int k0 = kw * DK;                    // the warp's first key column
   const int64_t NC = a.NC;
 
   // The head's first workspace item and (bf16 path) first V row (token 0, column vs).
@@ -745,7 +750,6 @@ void launch_recurrence_shape(const Args& a, RecShape s) {
   }
 }
 
-
 template <int D>
 void chunk_forward_d(const KdaParams& p, const Args& a) {
   const unsigned items = static_cast<unsigned>(a.B * a.NC * a.H);
@@ -769,15 +773,11 @@ void chunk_forward_d(const KdaParams& p, const Args& a) {
   if (p.stage == KdaParams::Stage::kPrepareOnly) return;
   const RecShape s = rec_shape(a.B, a.H, p.in_dtype, D);
   if (f32_in) {
-    if (p.out_dtype == DType::F32)
-      launch_recurrence_shape<2, float, D>(a, s);
-    else
-      launch_recurrence_shape<2, bf16, D>(a, s);
+    if (p.out_dtype == DType::F32) launch_recurrence_shape<2, float, D>(a, s);
+    else launch_recurrence_shape<2, bf16, D>(a, s);
   } else {
-    if (p.out_dtype == DType::F32)
-      launch_recurrence_shape<1, float, D>(a, s);
-    else
-      launch_recurrence_shape<1, bf16, D>(a, s);
+    if (p.out_dtype == DType::F32) launch_recurrence_shape<1, float, D>(a, s);
+    else launch_recurrence_shape<1, bf16, D>(a, s);
   }
 }
 
@@ -817,7 +817,8 @@ std::string kda_chunk_can_run(const KdaParams& p) {
   if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_chunk_forward: q/k/v and o must be BF16 or F32";
   if (p.B * ((p.T + C - 1) / C) * p.H >= (int64_t(1) << 31)) return "kda_chunk_forward: B * chunks * H exceeds 2^31";
   if (p.T > 0) {
-    if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o) return "kda_chunk_forward: q, k, v, g, beta and o are required";
+    if (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o)
+      return "kda_chunk_forward: q, k, v, g, beta and o are required";
     if (!p.workspace) return "kda_chunk_forward: no workspace (kda_chunk_workspace_bytes)";
     const size_t need = kda_chunk_workspace_bytes(p.B, p.T, p.H, p.in_dtype, p.D);
     if (p.workspace_bytes < need)
@@ -837,15 +838,13 @@ void kda_chunk_forward(const KdaParams& p) {
     // No tokens: the state passes through.
     if (p.state_out && p.state_out != p.state_in) {
       const size_t bytes = static_cast<size_t>(p.B * p.H) * p.D * p.D * sizeof(float);
-      if (p.state_in)
-        K3_CUDA_CHECK(cudaMemcpy(p.state_out, p.state_in, bytes, cudaMemcpyDeviceToDevice));
-      else
-        K3_CUDA_CHECK(cudaMemset(p.state_out, 0, bytes));
+      if (p.state_in) K3_CUDA_CHECK(cudaMemcpy(p.state_out, p.state_in, bytes, cudaMemcpyDeviceToDevice));
+      else K3_CUDA_CHECK(cudaMemset(p.state_out, 0, bytes));
     }
     return;
   }
-  Args a{p.B, p.T, p.H, (p.T + C - 1) / C, p.scale, p.q, p.k, p.v, p.g, p.beta, p.state_in, p.state_out, p.o,
-         static_cast<unsigned char*>(p.workspace)};
+  Args a{p.B, p.T, p.H,    (p.T + C - 1) / C, p.scale,     p.q, p.k,
+         p.v, p.g, p.beta, p.state_in,        p.state_out, p.o, static_cast<unsigned char*>(p.workspace)};
   switch (p.D) {
     case 32: chunk_forward_d<32>(p, a); break;
     case 64: chunk_forward_d<64>(p, a); break;

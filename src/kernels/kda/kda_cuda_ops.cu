@@ -42,12 +42,9 @@ __global__ void conv_silu_kernel(T* out, const T* x, int64_t B, int64_t Tn, int6
   for (int j = 0; j < K; ++j) {
     const int64_t s = t - P + j;
     float in;
-    if (s >= 0)
-      in = ld(x, (b * Tn + s) * C + c);
-    else if (tail != nullptr)
-      in = tail[(b * P + P + s) * C + c];
-    else
-      continue;
+    if (s >= 0) in = ld(x, (b * Tn + s) * C + c);
+    else if (tail != nullptr) in = tail[(b * P + P + s) * C + c];
+    else continue;
     acc = fmaf(w[c * K + j], in, acc);
   }
   st(out, i, acc * sigmoidf_(acc));
@@ -70,8 +67,7 @@ __global__ void conv_tail_kernel(const T* x, int64_t B, int64_t Tn, int64_t C, i
 
 template <class T>
 void conv_launch(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K, float* tail) {
-  K3_CHECK(B >= 1 && Tn >= 0 && C >= 1, "short_conv_silu: need B >= 1, T >= 0, C >= 1; got B=", B, " T=", Tn,
-           " C=", C);
+  K3_CHECK(B >= 1 && Tn >= 0 && C >= 1, "short_conv_silu: need B >= 1, T >= 0, C >= 1; got B=", B, " T=", Tn, " C=", C);
   K3_CHECK(K >= 1 && K <= 8, "short_conv_silu: K must be in [1, 8], got ", K);
   if (Tn == 0) return;
   conv_silu_kernel<T><<<blocks_for(B * Tn * C, 256), 256>>>(out, x, B, Tn, C, w, K, tail);
@@ -134,7 +130,9 @@ __global__ void gate_kernel(float* g, const T* z, const float* A_log, const floa
 //   S <- Diag(alpha) S;  u = S^T k;  S <- S + beta k (v - u)^T;  o = S^T (scale q)
 // u and o are reduced over the 4 row groups through shared memory.
 template <int D>
-constexpr int rec_threads() { return 4 * D; }
+constexpr int rec_threads() {
+  return 4 * D;
+}
 template <class TI, class TO, int D>
 __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParams p) {
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
@@ -240,12 +238,12 @@ static void rmsnorm_launch(T* y, const T* o, const T* gate, const float* w, floa
   gated_rmsnorm_kernel<T><<<blocks_for(n, 8), 256>>>(y, o, gate, w, eps, n, D);
   K3_CUDA_LAUNCH_CHECK();
 }
-void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows,
-                   int64_t H, int64_t Dv) {
+void gated_rmsnorm(float* y, const float* o, const float* gate, const float* weight, float eps, int64_t rows, int64_t H,
+                   int64_t Dv) {
   rmsnorm_launch(y, o, gate, weight, eps, rows, H, Dv);
 }
-void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps,
-                   int64_t rows, int64_t H, int64_t Dv) {
+void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const float* weight, float eps, int64_t rows,
+                   int64_t H, int64_t Dv) {
   rmsnorm_launch(reinterpret_cast<bf16*>(y), reinterpret_cast<const bf16*>(o), reinterpret_cast<const bf16*>(gate),
                  weight, eps, rows, H, Dv);
 }
@@ -271,22 +269,16 @@ void kda_recurrent_forward(const KdaParams& p) {
   const bool f32 = p.in_dtype == DType::F32;
   switch (p.D) {
     case 32:
-      if (f32)
-        recurrent_kernel<float, float, 32><<<grid, rec_threads<32>()>>>(p);
-      else
-        recurrent_kernel<bf16, bf16, 32><<<grid, rec_threads<32>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 32><<<grid, rec_threads<32>()>>>(p);
+      else recurrent_kernel<bf16, bf16, 32><<<grid, rec_threads<32>()>>>(p);
       break;
     case 64:
-      if (f32)
-        recurrent_kernel<float, float, 64><<<grid, rec_threads<64>()>>>(p);
-      else
-        recurrent_kernel<bf16, bf16, 64><<<grid, rec_threads<64>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 64><<<grid, rec_threads<64>()>>>(p);
+      else recurrent_kernel<bf16, bf16, 64><<<grid, rec_threads<64>()>>>(p);
       break;
     default:
-      if (f32)
-        recurrent_kernel<float, float, 128><<<grid, rec_threads<128>()>>>(p);
-      else
-        recurrent_kernel<bf16, bf16, 128><<<grid, rec_threads<128>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 128><<<grid, rec_threads<128>()>>>(p);
+      else recurrent_kernel<bf16, bf16, 128><<<grid, rec_threads<128>()>>>(p);
       break;
   }
   K3_CUDA_LAUNCH_CHECK();

@@ -83,8 +83,7 @@ void l2norm_forward(double* out, double* inv, const double* in, int64_t rows, in
 
 // d_in = inv (d_out - out (out . d_out)): d inv / d in_i = -inv^3 in_i, and in * inv^3 (in . d_out) =
 // inv out (out . d_out).
-void l2norm_backward(double* d_in, const double* d_out, const double* out, const double* inv, int64_t rows,
-                     int64_t D) {
+void l2norm_backward(double* d_in, const double* d_out, const double* out, const double* inv, int64_t rows, int64_t D) {
   for (int64_t r = 0; r < rows; ++r) {
     double dot = 0.0;
     for (int64_t d = 0; d < D; ++d) dot += out[r * D + d] * d_out[r * D + d];
@@ -130,8 +129,8 @@ void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, 
                                 const double* states, const double* q, const double* k, const double* v,
                                 const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
                                 int64_t Dv, int64_t every) {
-  K3_CHECK(T >= 0 && H >= 1 && Dk >= 1 && Dv >= 1 && every >= 1, "kda_recurrent_backward_f64: bad sizes T ", T,
-           ", H ", H, ", Dk ", Dk, ", Dv ", Dv, ", state_every ", every);
+  K3_CHECK(T >= 0 && H >= 1 && Dk >= 1 && Dv >= 1 && every >= 1, "kda_recurrent_backward_f64: bad sizes T ", T, ", H ",
+           H, ", Dk ", Dk, ", Dv ", Dv, ", state_every ", every);
   if (T == 0) return;
   K3_CHECK(states != nullptr, "kda_recurrent_backward_f64: states is null (the forward must save them)");
   const int64_t HDk = H * Dk, HDv = H * Dv, DD = Dk * Dv;
@@ -171,7 +170,8 @@ void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, 
         }
         for (int64_t j = 0; j < Dv; ++j) delta[size_t(j)] = bt * (vt[j] - u[size_t(j)]);
         for (int64_t cc = 0; cc < Dk; ++cc)
-          for (int64_t j = 0; j < Dv; ++j) St[size_t(cc * Dv + j)] = Sp[size_t(cc * Dv + j)] + kt[cc] * delta[size_t(j)];
+          for (int64_t j = 0; j < Dv; ++j)
+            St[size_t(cc * Dv + j)] = Sp[size_t(cc * Dv + j)] + kt[cc] * delta[size_t(j)];
         // Output read: o = S_t^T (scale q).
         for (int64_t cc = 0; cc < Dk; ++cc) {
           double acc = 0.0;

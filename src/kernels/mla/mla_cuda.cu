@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
 #pragma unroll
   for (int j = 0; j < 2 * DP; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
-  const int row_w = m0 + warp * 16;             // first query row (index within the n) of this warp
+  const int row_w = m0 + warp * 16;                    // first query row (index within the n) of this warp
   const int pos0 = a.p0 + row_w + g, pos1 = pos0 + 8;  // positions of this thread's two rows
 
   for (int tile = 0; tile < n_tiles; ++tile) {
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
         for (int np = 0; np < 4; ++np) {
           uint32_t bf[4];
           ptx::ldmatrix_x4(bf, ptx::smem_u32(k_st + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LQ + kk * 16 +
-                                ((lane >> 3) & 1) * 8));
+                                             ((lane >> 3) & 1) * 8));
           ptx::mma_bf16_16816(s[2 * np], qf[kk], bf[0], bf[1]);
           ptx::mma_bf16_16816(s[2 * np + 1], qf[kk], bf[2], bf[3]);
         }
@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
       for (int dp = 0; dp < DP; ++dp) {
         if (kExact || dp < ndp) {
           uint32_t bf[4];
-          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(v_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LV + dp * 16 +
-                                      (lane >> 4) * 8));
+          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(v_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LV +
+                                                   dp * 16 + (lane >> 4) * 8));
           ptx::mma_bf16_16816(o[2 * dp], pa, bf[0], bf[1]);
           ptx::mma_bf16_16816(o[2 * dp + 1], pa, bf[2], bf[3]);
         }
@@ -242,10 +242,8 @@ __global__ void __launch_bounds__(kPfThreads, 2) mla_prefill_kernel(const Prefil
       const int col = j * 8 + 2 * t;
       if (!kExact && col >= dv) continue;
       const float x0 = o[j][2 * r] * inv, x1 = o[j][2 * r + 1] * inv;
-      if (a.o_f32)
-        *reinterpret_cast<float2*>(static_cast<float*>(a.o) + base + col) = make_float2(x0, x1);
-      else
-        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + base + col) = ptx::pack_bf16x2(x0, x1);
+      if (a.o_f32) *reinterpret_cast<float2*>(static_cast<float*>(a.o) + base + col) = make_float2(x0, x1);
+      else *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + base + col) = ptx::pack_bf16x2(x0, x1);
     }
   }
 }
@@ -255,8 +253,8 @@ void launch_prefill(const PrefillArgs& a, int B) {
   constexpr size_t smem = PrefillSmem<DQK, DV>::bytes;
   static bool configured = false;  // once per instantiation (one device)
   if (!configured) {
-    K3_CUDA_CHECK(cudaFuncSetAttribute(mla_prefill_kernel<DQK, DV, kExact>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    K3_CUDA_CHECK(cudaFuncSetAttribute(mla_prefill_kernel<DQK, DV, kExact>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(smem)));
     configured = true;
   }
   const dim3 grid((a.n + kPfBM - 1) / kPfBM, a.H, B);
@@ -356,7 +354,8 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
       if (a.q_f32) {
         const float4 x0 = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + off);
         const float4 x1 = *reinterpret_cast<const float4*>(static_cast<const float*>(src) + off + 4);
-        val = make_uint4(ptx::pack_bf16x2(x0.x, x0.y), ptx::pack_bf16x2(x0.z, x0.w), ptx::pack_bf16x2(x1.x, x1.y), ptx::pack_bf16x2(x1.z, x1.w));
+        val = make_uint4(ptx::pack_bf16x2(x0.x, x0.y), ptx::pack_bf16x2(x0.z, x0.w), ptx::pack_bf16x2(x1.x, x1.y),
+                         ptx::pack_bf16x2(x1.z, x1.w));
       } else {
         val = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(src) + off);
       }
@@ -371,7 +370,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
     for (int u = 0; u < 2; ++u) o[jd][u][0] = o[jd][u][1] = o[jd][u][2] = o[jd][u][3] = 0.0f;
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
   const int lrow0 = rg * 16 + g;  // this thread's rows in the tile: lrow0, lrow0 + 8
-  int lim[2];                      // causal limit (last visible key) of each row; -1 for absent rows
+  int lim[2];                     // causal limit (last visible key) of each row; -1 for absent rows
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r0 + lrow0 + 8 * r;
@@ -394,7 +393,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
         uint32_t qa[4], bf[4];
         ptx::ldmatrix_x4(qa, ptx::smem_u32(sQ + (rg * 16 + (lane & 15)) * S::LD + kk * 16 + (lane >> 4) * 8));
         ptx::ldmatrix_x4(bf, ptx::smem_u32(c_st + (half * 16 + (lane & 7) + ((lane >> 4) << 3)) * S::LD + kk * 16 +
-                              ((lane >> 3) & 1) * 8));
+                                           ((lane >> 3) & 1) * 8));
         ptx::mma_bf16_16816(s[0], qa, bf[0], bf[1]);
         ptx::mma_bf16_16816(s[1], qa, bf[2], bf[3]);
       }
@@ -451,8 +450,8 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
         const int dp = 2 * jd + half;
         if (kExact || dp * 16 < R) {
           uint32_t bf[4];
-          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(c_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LD + dp * 16 +
-                                      (lane >> 4) * 8));
+          ptx::ldmatrix_x4_trans(bf, ptx::smem_u32(c_st + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S::LD +
+                                                   dp * 16 + (lane >> 4) * 8));
           ptx::mma_bf16_16816(o[jd][0], pa, bf[0], bf[1]);
           ptx::mma_bf16_16816(o[jd][1], pa, bf[2], bf[3]);
         }
@@ -573,11 +572,13 @@ SplitPlan plan_splits(const DecodeParams& p) {
 std::string can_run(const PrefillParams& p) {
   const Dims& d = p.d;
   if (d.H <= 0 || d.H > 65535) return "H = " + std::to_string(d.H) + ": must be in 1..65535";
-  if (d.Dn < 0 || d.Dr < 0 || d.Dn + d.Dr <= 0) return "Dn = " + std::to_string(d.Dn) + ", Dr = " + std::to_string(d.Dr) + ": need Dn + Dr > 0";
+  if (d.Dn < 0 || d.Dr < 0 || d.Dn + d.Dr <= 0)
+    return "Dn = " + std::to_string(d.Dn) + ", Dr = " + std::to_string(d.Dr) + ": need Dn + Dr > 0";
   if (d.Dn % 16 != 0) return "Dn = " + std::to_string(d.Dn) + ": the CUDA prefill needs a multiple of 16";
   if (d.Dr % 16 != 0) return "Dr = " + std::to_string(d.Dr) + ": the CUDA prefill needs a multiple of 16";
   if (d.Dn + d.Dr > 256) return "Dn + Dr = " + std::to_string(d.Dn + d.Dr) + ": the CUDA prefill takes at most 256";
-  if (d.Dv <= 0 || d.Dv % 16 != 0) return "Dv = " + std::to_string(d.Dv) + ": the CUDA prefill needs a positive multiple of 16";
+  if (d.Dv <= 0 || d.Dv % 16 != 0)
+    return "Dv = " + std::to_string(d.Dv) + ": the CUDA prefill needs a positive multiple of 16";
   if (d.Dv > 128) return "Dv = " + std::to_string(d.Dv) + ": the CUDA prefill takes at most 128";
   if (p.B <= 0 || p.B > 65535) return "B = " + std::to_string(p.B) + ": must be in 1..65535";
   if (p.n < 0 || p.p0 < 0) return "n = " + std::to_string(p.n) + ", p0 = " + std::to_string(p.p0) + ": must be >= 0";
@@ -610,28 +611,28 @@ void prefill(const PrefillParams& p) {
   a.dv = int(d.Dv);
   a.scale_log2 = float(double(kLog2e) / std::sqrt(double(a.dqk)));
   const int B = int(p.B);
-  if (a.dqk == 192 && a.dv == 128)
-    launch_prefill<192, 128, true>(a, B);
-  else if (a.dqk <= 64 && a.dv <= 64)
-    launch_prefill<64, 64, false>(a, B);
-  else if (a.dqk <= 128)
-    launch_prefill<128, 128, false>(a, B);
-  else
-    launch_prefill<256, 128, false>(a, B);
+  if (a.dqk == 192 && a.dv == 128) launch_prefill<192, 128, true>(a, B);
+  else if (a.dqk <= 64 && a.dv <= 64) launch_prefill<64, 64, false>(a, B);
+  else if (a.dqk <= 128) launch_prefill<128, 128, false>(a, B);
+  else launch_prefill<256, 128, false>(a, B);
 }
 
 std::string can_run(const DecodeParams& p) {
   const Dims& d = p.d;
   if (d.H <= 0) return "H = " + std::to_string(d.H) + ": must be positive";
-  if (d.R <= 0 || d.R % 16 != 0) return "R = " + std::to_string(d.R) + ": the CUDA decode needs a positive multiple of 16";
+  if (d.R <= 0 || d.R % 16 != 0)
+    return "R = " + std::to_string(d.R) + ": the CUDA decode needs a positive multiple of 16";
   if (d.R > 512) return "R = " + std::to_string(d.R) + ": the CUDA decode takes at most 512";
   if (d.Dr < 0 || d.Dr % 16 != 0) return "Dr = " + std::to_string(d.Dr) + ": the CUDA decode needs a multiple of 16";
   if (d.Dr > 64) return "Dr = " + std::to_string(d.Dr) + ": the CUDA decode takes at most 64";
-  if (d.Dn < 0 || d.Dn + d.Dr <= 0) return "Dn = " + std::to_string(d.Dn) + ": the scale 1/sqrt(Dn + Dr) needs Dn + Dr > 0";
+  if (d.Dn < 0 || d.Dn + d.Dr <= 0)
+    return "Dn = " + std::to_string(d.Dn) + ": the scale 1/sqrt(Dn + Dr) needs Dn + Dr > 0";
   if (p.ldc < d.R + d.Dr || p.ldc % 8 != 0)
-    return "ldc = " + std::to_string(p.ldc) + ": must be >= R + Dr = " + std::to_string(d.R + d.Dr) + " and a multiple of 8";
+    return "ldc = " + std::to_string(p.ldc) + ": must be >= R + Dr = " + std::to_string(d.R + d.Dr) +
+           " and a multiple of 8";
   if (p.B <= 0 || p.B > 65535) return "B = " + std::to_string(p.B) + ": must be in 1..65535";
-  if (p.n <= 0 || p.p0 < 0) return "n = " + std::to_string(p.n) + ", p0 = " + std::to_string(p.p0) + ": need n >= 1, p0 >= 0";
+  if (p.n <= 0 || p.p0 < 0)
+    return "n = " + std::to_string(p.n) + ", p0 = " + std::to_string(p.p0) + ": need n >= 1, p0 >= 0";
   const int64_t T = p.p0 + p.n;
   if (T > kIntMax / 2) return "T = p0 + n = " + std::to_string(T) + ": too long";
   if (p.n * d.H > kIntMax / 2) return "n * H = " + std::to_string(p.n * d.H) + ": too many rows";
@@ -675,7 +676,8 @@ void decode(const DecodeParams& p) {
   if (need > 0 && (p.workspace == nullptr || p.workspace_bytes < need))
     fail("mla::cuda::decode: workspace of ", p.workspace_bytes, " bytes given, ", need, " needed for ", sp.splits,
          " splits (decode_workspace_bytes)");
-  if (need > 0 && reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) fail("mla::cuda::decode: workspace is not 16-byte aligned");
+  if (need > 0 && reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0)
+    fail("mla::cuda::decode: workspace is not 16-byte aligned");
   DecodeArgs a{};
   a.q_lat = p.q_lat;
   a.q_rot = d.Dr > 0 ? p.q_rot : p.q_lat;
@@ -696,12 +698,9 @@ void decode(const DecodeParams& p) {
   a.chunk = sp.chunk;
   a.scale_log2 = float(double(kLog2e) / std::sqrt(double(d.Dn + d.Dr)));
   const int m_tiles = int((p.n * d.H + kDcBM - 1) / kDcBM), B = int(p.B);
-  if (d.R == 512 && d.Dr == 64)
-    launch_decode<512, 64, true>(a, m_tiles, B);
-  else if (d.R <= 128)
-    launch_decode<128, 64, false>(a, m_tiles, B);
-  else
-    launch_decode<512, 64, false>(a, m_tiles, B);
+  if (d.R == 512 && d.Dr == 64) launch_decode<512, 64, true>(a, m_tiles, B);
+  else if (d.R <= 128) launch_decode<128, 64, false>(a, m_tiles, B);
+  else launch_decode<512, 64, false>(a, m_tiles, B);
   if (sp.splits > 1) {
     mla_decode_combine<<<unsigned(all_rows), 128>>>(a.ws_o, a.ws_ml, p.o_lat, all_rows, a.R, sp.splits);
     K3_CUDA_LAUNCH_CHECK();

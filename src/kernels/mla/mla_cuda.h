@@ -42,7 +42,7 @@ struct PrefillParams {
   const uint16_t* v = nullptr;  // [B, T, H, Dv] bf16
   void* o = nullptr;            // [B, n, H, Dv], o_type
   Dtype o_type = Dtype::F32;
-  Dims d{};                     // H, Dn, Dr, Dv used (R ignored)
+  Dims d{};                      // H, Dn, Dr, Dv used (R ignored)
   int64_t B = 1, n = 0, p0 = 0;  // T = p0 + n
 };
 
@@ -66,13 +66,13 @@ struct DecodeParams {
 // the only difference is the order of the softmax (online, over tiles of keys, rather than two passes),
 // which changes fp64 roundings only. One CTA per (query, head); not a fast kernel.
 struct ExactParams {
-  float* o = nullptr;          // [n, H, Dv] fp32
-  const float* q = nullptr;    // [n, H, Dn+Dr] fp32: per head [q_nope | q_rot]
-  const double* kvh = nullptr; // [T, H, Dn+Dv] fp64: per head [k_nope | v] (kv_b applied to the cached latents)
+  float* o = nullptr;            // [n, H, Dv] fp32
+  const float* q = nullptr;      // [n, H, Dn+Dr] fp32: per head [q_nope | q_rot]
+  const double* kvh = nullptr;   // [T, H, Dn+Dv] fp64: per head [k_nope | v] (kv_b applied to the cached latents)
   const float* cache = nullptr;  // [T, ldc] fp32 cache rows: k_rot at columns R..R+Dr
   int64_t ldc = 0;
   Dims d{};
-  int64_t n = 0, p0 = 0;       // T = p0 + n
+  int64_t n = 0, p0 = 0;  // T = p0 + n
 };
 
 #ifdef K3_HAVE_CUDA

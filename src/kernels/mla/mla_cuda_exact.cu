@@ -63,7 +63,8 @@ __global__ void attention_exact_kernel(ExactParams a, double scale) {
 
 std::string can_run(const ExactParams& p) {
   if (!p.o || !p.q || !p.kvh || !p.cache) return "mla exact attention: null pointer";
-  if (p.n < 0 || p.p0 < 0 || p.d.H < 1 || p.d.Dv < 1 || p.d.Dn < 0 || p.d.Dr < 0) return "mla exact attention: bad shape";
+  if (p.n < 0 || p.p0 < 0 || p.d.H < 1 || p.d.Dv < 1 || p.d.Dn < 0 || p.d.Dr < 0)
+    return "mla exact attention: bad shape";
   if (p.d.Dv > 1024) return "mla exact attention: v_head_dim > 1024";
   if (p.d.Dn + p.d.Dr > 4096) return "mla exact attention: qk head dim > 4096";
   if (p.ldc < p.d.R + p.d.Dr) return "mla exact attention: cache row stride < R + Dr";

@@ -97,9 +97,7 @@ struct Best {
   float v;
   int i;
 };
-__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
-  return va > vb || (va == vb && ia < ib);
-}
+__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) { return va > vb || (va == vb && ia < ib); }
 
 __device__ Best block_argmax(Best b, Best* red) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -117,13 +115,13 @@ __device__ Best block_argmax(Best b, Best* red) {
   return r;
 }
 
-__global__ void __launch_bounds__(kRouterThreads) router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight,
-                                                                const float* __restrict__ logits,
-                                                                const float* __restrict__ bias, int E, int K, int G,
-                                                                int topk_groups, bool renormalize, float scaling) {
+__global__ void __launch_bounds__(kRouterThreads)
+    router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight, const float* __restrict__ logits,
+                  const float* __restrict__ bias, int E, int K, int G, int topk_groups, bool renormalize,
+                  float scaling) {
   extern __shared__ unsigned char router_smem[];
-  float* s = reinterpret_cast<float*>(router_smem);  // [E] unbiased scores
-  float* sel = s + E;                                // [E] biased selection scores; -INF = masked
+  float* s = reinterpret_cast<float*>(router_smem);                  // [E] unbiased scores
+  float* sel = s + E;                                                // [E] biased selection scores; -INF = masked
   unsigned char* taken = reinterpret_cast<unsigned char*>(sel + E);  // [E]
   __shared__ Best red[kRouterThreads / 32];
   __shared__ float gscore[64];
@@ -250,8 +248,8 @@ __global__ void scatter_kernel(int32_t* __restrict__ slot_of, int32_t* __restric
 // grouped GEMM
 
 struct GemmArgs {
-  const bf16* x;          // A rows: x + row * K
-  const int32_t* x_rows;  // optional gather: sorted row -> row of x
+  const bf16* x;            // A rows: x + row * K
+  const int32_t* x_rows;    // optional gather: sorted row -> row of x
   const unsigned char* w0;  // weight (gate for Glu): bf16 [N, K] or packed [N, K/2], expert stride bytes
   const unsigned char* w1;  // up weight (Glu only)
   int64_t w_stride;
@@ -262,8 +260,8 @@ struct GemmArgs {
   const int32_t* offsets;
   const int32_t* tiles;
   const int32_t* num_tiles;
-  bf16* y;  // [S, N] in sorted order
-  GluConsts glu;  // the SiTU/SwiGLU epilogue's constants (Glu only; moe_glu)
+  bf16* y;             // [S, N] in sorted order
+  GluConsts glu;       // the SiTU/SwiGLU epilogue's constants (Glu only; moe_glu)
   bool raster_expert;  // 1-D grid, expert-major, row tiles innermost (see grouped_gemm_kernel)
   int col_tiles;       // column tiles per row tile
   bool skip_rows;      // skip the MMAs of m16 row blocks past the tile's valid rows
@@ -308,11 +306,11 @@ __device__ __forceinline__ void mma_stage(float (&acc)[MI][NI][4], uint32_t a_s,
 // (44 MB for K3's gate/up) went through L2.
 template <int TM, int BNT, bool Glu, bool Mx>
 __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) grouped_gemm_kernel(const GemmArgs a) {
-  constexpr int MI = TM / 32;               // m16 tiles per warp (warp tile (TM/2) × WN)
-  constexpr int WN = BNT / 4;               // weight rows (combined output columns) per warp
-  constexpr int NI = WN / 8;                // n8 tiles per warp
-  constexpr int BR = BNT / 32;              // weight rows each thread loads per stage (bf16)
-  constexpr int kATileBytes = TM * BK * 2;  // one bf16 TM × 64 A tile
+  constexpr int MI = TM / 32;                // m16 tiles per warp (warp tile (TM/2) × WN)
+  constexpr int WN = BNT / 4;                // weight rows (combined output columns) per warp
+  constexpr int NI = WN / 8;                 // n8 tiles per warp
+  constexpr int BR = BNT / 32;               // weight rows each thread loads per stage (bf16)
+  constexpr int kATileBytes = TM * BK * 2;   // one bf16 TM × 64 A tile
   constexpr int kBTileBytes = BNT * BK * 2;  // one bf16 BNT × 64 weight tile
   constexpr int kPStage = BNT * BK / 2;      // one packed MXFP4 BNT × 64 stage
   constexpr int MXC = BNT / 128;             // packed 16-byte chunks (32-element groups) per thread
@@ -327,17 +325,17 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
     if (tile >= *a.num_tiles) return;
   }
   const int e = a.tiles[2 * tile], m0 = a.tiles[2 * tile + 1];
-  const int row_base = a.offsets[e] + m0;                        // first sorted row of this tile
+  const int row_base = a.offsets[e] + m0;                          // first sorted row of this tile
   const int rows = min(TM, a.offsets[e + 1] - a.offsets[e] - m0);  // valid rows in the tile
-  const int n0 = ct * (Glu ? BNT / 2 : BNT);                     // first weight row (output column)
+  const int n0 = ct * (Glu ? BNT / 2 : BNT);                       // first weight row (output column)
   const int K = a.K, N = a.N;
   const int KT = (K + BK - 1) / BK;
 
   extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* sA = smem;                            // kStages × TM × 128 bytes
-  unsigned char* sB = smem + kStages * kATileBytes;    // bf16: kStages × BNT × 128 B; Mx: kStages × 4 KB packed
-  unsigned char* sBdec = sB + kStages * kPStage;  // Mx: the decoded bf16 tile
-  unsigned char* sScale = sBdec + kBTileBytes;    // Mx: [BNT][K/32]
+  unsigned char* sA = smem;                          // kStages × TM × 128 bytes
+  unsigned char* sB = smem + kStages * kATileBytes;  // bf16: kStages × BNT × 128 B; Mx: kStages × 4 KB packed
+  unsigned char* sBdec = sB + kStages * kPStage;     // Mx: the decoded bf16 tile
+  unsigned char* sScale = sBdec + kBTileBytes;       // Mx: [BNT][K/32]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 2, wn = warp & 3;
@@ -393,8 +391,9 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
     // plain byte loads, published by the first k-loop barrier. Rows past N read as scale 0 (their
     // packed bytes are zero-filled too, so they decode to 0, never NaN).
     const int KS = K / 32;
-    const bool vec4 = KS % 4 == 0 && ((reinterpret_cast<uintptr_t>(a.s0) | reinterpret_cast<uintptr_t>(a.s1) |
-                                       uintptr_t(a.s_stride)) & 3u) == 0;
+    const bool vec4 =
+        KS % 4 == 0 &&
+        ((reinterpret_cast<uintptr_t>(a.s0) | reinterpret_cast<uintptr_t>(a.s1) | uintptr_t(a.s_stride)) & 3u) == 0;
     if (vec4) {
       const int words = KS / 4;
       for (int i = tid; i < BNT * words; i += kThreads) {
@@ -528,8 +527,7 @@ __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) gr
           if (c >= N) continue;
           float v[2];
 #pragma unroll
-          for (int q = 0; q < 2; ++q)
-            v[q] = moe_glu(acc[mi][2 * p][2 * h + q], acc[mi][2 * p + 1][2 * h + q], a.glu);
+          for (int q = 0; q < 2; ++q) v[q] = moe_glu(acc[mi][2 * p][2 * h + q], acc[mi][2 * p + 1][2 * h + q], a.glu);
           *reinterpret_cast<uint32_t*>(yrow + c) = pack_bf16x2(v[0], v[1]);
         }
       } else {
@@ -553,16 +551,16 @@ size_t gemm_smem_bytes(int tm, int bn, bool mx, int K) {
 template <int TM, int BNT, bool Glu, bool Mx>
 void launch_gemm_tm(GemmArgs a, const Dispatch& d, const GemmConfig& cfg) {
   const size_t smem = gemm_smem_bytes(TM, BNT, Mx, a.K);
-  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, BNT, Glu, Mx>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  K3_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<TM, BNT, Glu, Mx>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(smem)));
   const int cols_per_tile = Glu ? BNT / 2 : BNT;
   a.col_tiles = (a.N + cols_per_tile - 1) / cols_per_tile;
   a.raster_expert = cfg.expert_raster;
   a.skip_rows = cfg.skip_empty_rows;
   dim3 grid;
   if (a.raster_expert) {
-    K3_CHECK(int64_t(a.col_tiles) * d.max_tiles() < (int64_t(1) << 31), "moe::cuda: ", d.max_tiles(),
-             " row tiles × ", a.col_tiles, " column tiles exceed the grid limit");
+    K3_CHECK(int64_t(a.col_tiles) * d.max_tiles() < (int64_t(1) << 31), "moe::cuda: ", d.max_tiles(), " row tiles × ",
+             a.col_tiles, " column tiles exceed the grid limit");
     grid = dim3(unsigned(int64_t(a.col_tiles) * d.max_tiles()));
   } else {
     K3_CHECK(d.max_tiles() <= 65535, "moe::cuda: ", d.max_tiles(), " row tiles exceed the grid limit 65535");
@@ -675,7 +673,8 @@ int grid_for(int64_t n, int threads) { return int(std::min<int64_t>((n + threads
 
 std::string router_can_run(const RouterParams& p) {
   if (p.num_experts < 1 || p.num_experts > kRouterMaxExperts)
-    return "num_experts must be in [1, " + std::to_string(kRouterMaxExperts) + "], got " + std::to_string(p.num_experts);
+    return "num_experts must be in [1, " + std::to_string(kRouterMaxExperts) + "], got " +
+           std::to_string(p.num_experts);
   if (p.top_k < 1 || p.top_k > p.num_experts || p.top_k > 64)
     return "top_k must be in [1, min(num_experts, 64)], got " + std::to_string(p.top_k);
   if (p.num_groups < 1 || p.num_groups > 64 || p.num_experts % p.num_groups != 0)
@@ -693,8 +692,7 @@ void router_forward(int32_t* idx, float* weight, const float* logits, const floa
   const size_t smem = size_t(p.num_experts) * 9;
   K3_CUDA_CHECK(cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   router_kernel<<<unsigned(T), kRouterThreads, smem>>>(idx, weight, logits, bias, int(p.num_experts), int(p.top_k),
-                                                       int(p.num_groups), int(p.topk_groups), p.renormalize,
-                                                       p.scaling);
+                                                       int(p.num_groups), int(p.topk_groups), p.renormalize, p.scaling);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -778,15 +776,19 @@ ExpertLinear ExpertLinear::mxfp4_stacked(const uint8_t* packed, const uint8_t* s
 
 std::string gemm_can_run(const ExpertLinear& w) {
   if (w.data == nullptr) return "the weight is empty";
-  if (w.rows < 1 || w.rows % 8 != 0) return "weight rows must be a positive multiple of 8, got " + std::to_string(w.rows);
+  if (w.rows < 1 || w.rows % 8 != 0)
+    return "weight rows must be a positive multiple of 8, got " + std::to_string(w.rows);
   if (w.rows >= (int64_t(1) << 30) || w.cols >= (int64_t(1) << 30)) return "weight too large";
   if (w.format == ExpertLinear::Format::BF16) {
-    if (w.cols < 8 || w.cols % 8 != 0) return "bf16 weight cols must be a positive multiple of 8, got " + std::to_string(w.cols);
+    if (w.cols < 8 || w.cols % 8 != 0)
+      return "bf16 weight cols must be a positive multiple of 8, got " + std::to_string(w.cols);
     if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.expert_stride % 16 != 0)
       return "bf16 weight data and expert stride must be 16-byte aligned";
   } else {
-    if (w.cols < 32 || w.cols % 32 != 0) return "MXFP4 weight cols must be a positive multiple of 32, got " + std::to_string(w.cols);
-    if (w.cols > kMaxMxCols) return "MXFP4 weight cols above " + std::to_string(kMaxMxCols) + " (scales kept in shared memory)";
+    if (w.cols < 32 || w.cols % 32 != 0)
+      return "MXFP4 weight cols must be a positive multiple of 32, got " + std::to_string(w.cols);
+    if (w.cols > kMaxMxCols)
+      return "MXFP4 weight cols above " + std::to_string(kMaxMxCols) + " (scales kept in shared memory)";
     if (w.scales == nullptr) return "MXFP4 weight has no scales";
     if (reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.expert_stride % 16 != 0)
       return "MXFP4 packed data and expert stride must be 16-byte aligned";

@@ -71,10 +71,10 @@ class Dispatch {
 
   int64_t num_experts() const { return E_; }
   int64_t top_k() const { return K_; }
-  int64_t tokens() const { return T_; }            // T of the last build()
-  int64_t slots() const { return T_ * K_; }        // S
+  int64_t tokens() const { return T_; }             // T of the last build()
+  int64_t slots() const { return T_ * K_; }         // S
   int64_t max_tiles() const { return max_tiles_; }  // grid bound for the last build()
-  int tile_m() const { return tile_m_; }             // TM of the last build()
+  int tile_m() const { return tile_m_; }            // TM of the last build()
   const int32_t* counts() const { return counts_.data(); }
   const int32_t* offsets() const { return offsets_.data(); }
   const int32_t* slot_token() const { return slot_token_.data(); }
@@ -193,7 +193,9 @@ inline void router_forward(int32_t*, float*, const float*, const float*, int64_t
 inline Dispatch::Dispatch(int64_t, int64_t, int64_t) : E_(0), K_(0), max_tokens_(0) {
   fail("moe::cuda::Dispatch: this build has no CUDA backend");
 }
-inline void Dispatch::build(const int32_t*, int64_t, int) { fail("moe::cuda::Dispatch::build: this build has no CUDA backend"); }
+inline void Dispatch::build(const int32_t*, int64_t, int) {
+  fail("moe::cuda::Dispatch::build: this build has no CUDA backend");
+}
 inline ExpertLinear ExpertLinear::bf16_stacked(const bf16* w, int64_t rows, int64_t cols) {
   return ExpertLinear{Format::BF16, rows, cols, w, rows * cols * 2, nullptr, 0};
 }
@@ -201,8 +203,7 @@ inline ExpertLinear ExpertLinear::mxfp4_stacked(const uint8_t* p, const uint8_t*
   return ExpertLinear{Format::MXFP4, rows, cols, p, rows * cols / 2, s, rows * cols / 32};
 }
 inline std::string gemm_can_run(const ExpertLinear&) { return "this build has no CUDA backend"; }
-inline void grouped_gemm(bf16*, const bf16*, const int32_t*, const Dispatch&, const ExpertLinear&,
-                         const GemmConfig&) {
+inline void grouped_gemm(bf16*, const bf16*, const int32_t*, const Dispatch&, const ExpertLinear&, const GemmConfig&) {
   fail("moe::cuda::grouped_gemm: this build has no CUDA backend");
 }
 inline void expert_gate_up(bf16*, const bf16*, const Dispatch&, const ExpertLinear&, const ExpertLinear&,
@@ -223,6 +224,8 @@ inline void glu_eval(float*, const float*, const float*, int64_t, const GluParam
   fail("moe::cuda::glu_eval: this build has no CUDA backend");
 }
 inline void fill_random_bf16(bf16*, int64_t, float, uint64_t) { fail("moe::cuda::fill_random_bf16: no CUDA backend"); }
-inline void fill_random_u8(uint8_t*, int64_t, int, int, uint64_t) { fail("moe::cuda::fill_random_u8: no CUDA backend"); }
+inline void fill_random_u8(uint8_t*, int64_t, int, int, uint64_t) {
+  fail("moe::cuda::fill_random_u8: no CUDA backend");
+}
 }  // namespace k3::moe::cuda
 #endif

@@ -34,8 +34,7 @@ GemmConfig parse_gemm_config(const std::string& name) {
     if (j == std::string::npos) j = name.size();
     const std::string part = name.substr(i, j - i);
     const std::string key = part.rfind("ctas=", 0) == 0 ? "ctas=" : part;
-    if (seen.find("+" + key + "+") != std::string::npos)
-      fail("GEMM variant '", name, "': '", key, "' given twice");
+    if (seen.find("+" + key + "+") != std::string::npos) fail("GEMM variant '", name, "': '", key, "' given twice");
     seen += key + "+";
     if (part == "mma.sync") {
       c.kernel = GemmConfig::Kernel::kMmaSync;

@@ -48,8 +48,8 @@
 // same order, but nothing documents that wgmma and mma.sync round alike, so the tests compare the two
 // kernels to a tolerance only.
 #include <cuda.h>
-#include <cuda_runtime.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime.h>
 
 #include <algorithm>
 
@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                              const Params p) {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sA = base;                             // kStages × 128 rows × 128 B
-  const uint32_t sB = sA + kStages * kATileBytes;       // kStages × 256 rows × 128 B
-  const uint32_t full = sB + kStages * kBTileBytes;     // kStages mbarriers, 8 B each
+  const uint32_t sA = base;                          // kStages × 128 rows × 128 B
+  const uint32_t sB = sA + kStages * kATileBytes;    // kStages × 256 rows × 128 B
+  const uint32_t full = sB + kStages * kBTileBytes;  // kStages mbarriers, 8 B each
   const uint32_t empty = full + kStages * 8;
   // Dynamic schedule: work item j of this CTA in slot j % kItemSlots (written by producer thread 0).
   volatile int* items = reinterpret_cast<volatile int*>(smem_raw + (empty + kStages * 8 - ptx::smem_u32(smem_raw)));
@@ -369,8 +369,8 @@ void launch(const GroupedGemmArgs& a, Params p) {
 }  // namespace
 
 void grouped_gemm(const GroupedGemmArgs& a) {
-  K3_CHECK(a.K % 8 == 0 && a.K > 0 && a.N > 0 && a.w_stride % 16 == 0 &&
-               reinterpret_cast<uintptr_t>(a.w0) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w1) % 16 == 0,
+  K3_CHECK(a.K % 8 == 0 && a.K > 0 && a.N > 0 && a.w_stride % 16 == 0 && reinterpret_cast<uintptr_t>(a.w0) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(a.w1) % 16 == 0,
            "moe::cuda::sm90::grouped_gemm: needs K % 8 == 0 and 16-byte aligned weights");
   Params p{};
   p.x = a.x;

@@ -19,8 +19,8 @@ struct RouterParams {
 
 // logits [N, E] -> idx [N, K] (in selection order), weight [N, K]. bias may be null.
 // scores_out (optional) [N, E] receives the sigmoid scores.
-void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias,
-                    int64_t N, const RouterParams& p);
+void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias, int64_t N,
+                    const RouterParams& p);
 
 // Float64, for training: the same routing with the sigmoid scores [N, E] and, per token, the sum of
 // the selected scores (sel_sum [N], optional: the renormalisation's denominator, for the backward).

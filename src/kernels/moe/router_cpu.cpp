@@ -9,8 +9,8 @@
 
 namespace k3::moe {
 
-void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias,
-                    int64_t N, const RouterParams& p) {
+void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias, int64_t N,
+                    const RouterParams& p) {
   const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
   K3_ASSERT(K >= 1 && K <= E && G >= 1 && E % G == 0);
   const int64_t per_group = E / G;
@@ -30,7 +30,9 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
         sel[size_t(e)] = std::isnan(v) ? -INFINITY : v;
       }
       if (scores_out) std::copy(s.begin(), s.end(), scores_out + n * E);
-      auto better = [&](int32_t a, int32_t b) { return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b); };
+      auto better = [&](int32_t a, int32_t b) {
+        return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
+      };
       if (G > 1 && p.topk_groups < G) {
         // DeepSeek-V3 group limit: a group's score is the sum of its two best biased scores;
         // experts outside the best topk_groups groups cannot be selected.
@@ -38,12 +40,18 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
           float b1 = -INFINITY, b2 = -INFINITY;
           for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
             const float v = sel[size_t(e)];
-            if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+            if (v > b1) {
+              b2 = b1;
+              b1 = v;
+            } else if (v > b2) {
+              b2 = v;
+            }
           }
           gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
         }
         std::iota(gorder.begin(), gorder.end(), 0);
-        std::stable_sort(gorder.begin(), gorder.end(), [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+        std::stable_sort(gorder.begin(), gorder.end(),
+                         [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
         for (int64_t r = p.topk_groups; r < G; ++r)
           for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
             sel[size_t(e)] = -INFINITY;
@@ -62,8 +70,8 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
   }
 }
 
-void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits, const double* bias,
-                    int64_t N, const RouterParams& p) {
+void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,
+                    const double* bias, int64_t N, const RouterParams& p) {
   const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups, TG = p.topk_groups;
   K3_CHECK(K >= 1 && K <= E, "router: top-k ", K, " must be in 1..num_experts (", E, ")");
   K3_CHECK(G >= 1 && E % G == 0, "router: num_expert_group ", G, " must divide num_experts ", E);

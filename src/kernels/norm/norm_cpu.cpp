@@ -30,7 +30,7 @@ void rmsnorm_forward(double* y, const double* x, const double* w, double eps, in
 }
 
 void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x, const double* w, double eps, int64_t N,
-                 int64_t D) {
+                      int64_t D) {
   // y_i = w_i x_i r with r = (mean(x²) + eps)^(-1/2), so ∂r/∂x_j = -r³ x_j / D and
   // dx_j = r (w ⊙ dy)_j - r³ x_j Σ_i (w ⊙ dy)_i x_i / D.
   for (int64_t n = 0; n < N; ++n) {

@@ -4,8 +4,8 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
-#include "kernels/norm/norm_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
+#include "kernels/norm/norm_cuda.h"
 
 namespace k3::norm::cuda {
 
@@ -14,8 +14,9 @@ namespace {
 using rowwise::bf16;
 
 template <class Tin, class Tout, int VEC>
-__global__ void __launch_bounds__(rowwise::kRowMaxThreads) rmsnorm_row_kernel(Tout* y, int64_t ld_y, const Tin* x, int64_t ld_x,  // may alias (in place)
-                                   const float* __restrict__ w, float eps, int D, int nv) {
+__global__ void __launch_bounds__(rowwise::kRowMaxThreads)
+    rmsnorm_row_kernel(Tout* y, int64_t ld_y, const Tin* x, int64_t ld_x,  // may alias (in place)
+                       const float* __restrict__ w, float eps, int D, int nv) {
   constexpr int NVMAX = rowwise::kRowElemsPerThread / VEC;
   __shared__ float sh[32][1];
   const int64_t row = blockIdx.x;

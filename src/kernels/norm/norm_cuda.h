@@ -15,10 +15,10 @@
 namespace k3::norm::cuda {
 
 struct RmsNormParams {
-  void* y = nullptr;              // [N, ld_y] of y_type; may equal x (in place) when the types match
+  void* y = nullptr;  // [N, ld_y] of y_type; may equal x (in place) when the types match
   DType y_type = DType::F32;
-  int64_t ld_y = 0;               // row stride in elements (0: D)
-  const void* x = nullptr;        // [N, ld_x] of x_type
+  int64_t ld_y = 0;         // row stride in elements (0: D)
+  const void* x = nullptr;  // [N, ld_x] of x_type
   DType x_type = DType::F32;
   int64_t ld_x = 0;               // row stride in elements (0: D)
   const float* weight = nullptr;  // [D] or null

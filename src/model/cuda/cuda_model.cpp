@@ -7,13 +7,13 @@
 
 #include "core/error.h"
 #include "core/finite.h"
-#include "model/nonfinite.h"
 #include "kernels/attnres/attnres_cuda.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
 #include "model/decoder.h"
+#include "model/nonfinite.h"
 
 namespace k3 {
 
@@ -185,7 +185,7 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
   pool->mla.resize(L);
   const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
   for (size_t l = 0; l < L; ++l) {
-    if (c.layer_kind[l] != AttnKind::KDA) continue;  // MLA rows are allocated as tokens arrive
+    if (c.layer_kind[l] != AttnKind::KDA) continue;          // MLA rows are allocated as tokens arrive
     pool->kda[l].q_tail = gpu::DevVector(tail * size_t(B));  // zero-initialised
     pool->kda[l].k_tail = gpu::DevVector(tail * size_t(B));
     pool->kda[l].v_tail = gpu::DevVector(tail * size_t(B));
@@ -269,7 +269,8 @@ void CudaModel::Impl::validate(const std::vector<CudaSequenceCache*>& caches,
     K3_CHECK(caches[b] != nullptr, "forward (cuda): cache ", b, " is null");
     const CudaSequenceCache::Impl& ci = caches[b]->impl();
     K3_CHECK(ci.owner == id, "forward (cuda): cache ", b, " was made by another model");
-    K3_CHECK(!ci.broken, "forward (cuda): cache ", b, " is in an undefined state after a failed forward; make a new one");
+    K3_CHECK(!ci.broken, "forward (cuda): cache ", b,
+             " is in an undefined state after a failed forward; make a new one");
     check_new_tokens(c, b, tokens[b], ci.length);
     for (size_t j = 0; j < b; ++j)
       K3_CHECK(caches[j] != caches[b], "forward (cuda): sequences ", j, " and ", b, " share one cache");
@@ -289,8 +290,15 @@ class CudaBackend {
 
   CudaBackend(Run& run, const WeightsDev& w, const std::vector<SegmentDev>& segs, const int32_t* ids_dev, int64_t N,
               bool all_positions, bool profile)
-      : r_(run), c_(run.c), w_(w), segs_(segs), ids_(ids_dev), N_(N), D_(run.c.hidden_size),
-        all_positions_(all_positions), profile_(profile) {
+      : r_(run),
+        c_(run.c),
+        w_(w),
+        segs_(segs),
+        ids_(ids_dev),
+        N_(N),
+        D_(run.c.hidden_size),
+        all_positions_(all_positions),
+        profile_(profile) {
     xn_ = r_.arena.take<T>(N_ * D_);
     out_ = r_.arena.take<float>(N_ * D_);
   }
@@ -303,22 +311,23 @@ class CudaBackend {
     if constexpr (std::is_same_v<T, float>)
       elementwise::cuda::embedding_gather_f32(e, reinterpret_cast<const float*>(w_.embed.data()), ids_, N_,
                                               c_.vocab_size, D_);
-    else
-      gemm::cuda::embedding_gather(e, reinterpret_cast<const bf16*>(w_.embed.data()), ids_, N_, c_.vocab_size, D_);
+    else gemm::cuda::embedding_gather(e, reinterpret_cast<const bf16*>(w_.embed.data()), ids_, N_, c_.vocab_size, D_);
     return e;
   }
 
   // x̂ <- RMSNorm(AttnRes(blocks, partial; query)) in one kernel; before the first block, RMSNorm alone.
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
     const LayerDev* L = l >= 0 ? &w_.layers[size_t(l)] : nullptr;
-    const DevVector& norm_w =
-        site == MixSite::AttnIn ? L->input_layernorm : site == MixSite::FfnIn ? L->post_attention_layernorm : w_.norm;
+    const DevVector& norm_w = site == MixSite::AttnIn  ? L->input_layernorm
+                              : site == MixSite::FfnIn ? L->post_attention_layernorm
+                                                       : w_.norm;
     if (blocks.empty()) {
       norm::cuda::rmsnorm_forward(xn_, partial, norm_w.data(), float(c_.rms_norm_eps), N_, D_);
       return;
     }
-    const DevVector& query =
-        site == MixSite::AttnIn ? L->attn_res_query : site == MixSite::FfnIn ? L->mlp_res_query : w_.output_res_query;
+    const DevVector& query = site == MixSite::AttnIn  ? L->attn_res_query
+                             : site == MixSite::FfnIn ? L->mlp_res_query
+                                                      : w_.output_res_query;
     attnres::cuda::AttnResParams p;
     K3_CHECK(int(blocks.size()) + 1 <= attnres::cuda::kMaxSources, "forward (cuda): ", blocks.size() + 1,
              " AttnRes sources, more than the kernel's ", attnres::cuda::kMaxSources);
@@ -394,8 +403,8 @@ class CudaBackend {
   const int32_t* ids_;
   const int64_t N_, D_;
   const bool all_positions_, profile_;
-  T* xn_ = nullptr;      // the last mix's output: the next block's input
-  float* out_ = nullptr; // a block output
+  T* xn_ = nullptr;       // the last mix's output: the next block's input
+  float* out_ = nullptr;  // a block output
 };
 
 }  // namespace gpu

@@ -137,7 +137,7 @@ struct Run {
   moe::cuda::Dispatch* dispatch;  // BF16 path
   int64_t mla_ldc;                // cache row stride (elements)
   const ForwardHooks* hooks;
-  bool reference;                 // the specification forms: KDA recurrence, expanded MLA (CudaModel::set_reference)
+  bool reference;  // the specification forms: KDA recurrence, expanded MLA (CudaModel::set_reference)
 };
 
 // A run of rows [row0, row0 + n) of one sequence, with that sequence's device state.
@@ -170,11 +170,11 @@ void linear_f32_out(Run& r, float* y, const T* x, int64_t M, const DevMatrix& W)
 
 // The blocks (CUDA twins of model/layers.h): x̂ [N, hidden] of the activation type in, fp32 [N, hidden] out.
 template <class T>
-void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
-                           const KdaDev& w);
+void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs,
+                           int64_t layer, const KdaDev& w);
 template <class T>
-void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
-                           const MlaDev& w);
+void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs,
+                           int64_t layer, const MlaDev& w);
 template <class T>
 void dense_ffn_forward(Run& r, float* out, const T* x, int64_t N, const GluDev& w);
 template <class T>

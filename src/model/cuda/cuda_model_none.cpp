@@ -5,7 +5,6 @@
 
 namespace k3 {
 
-
 struct CudaSequenceCache::Impl {};
 CudaSequenceCache::~CudaSequenceCache() = default;
 int64_t CudaSequenceCache::length() const { return 0; }
@@ -16,10 +15,13 @@ CudaModel::CudaModel() = default;
 CudaModel::~CudaModel() = default;
 
 std::unique_ptr<CudaModel> CudaModel::load(const std::string&, GpuPrecision) {
-  fail("the GPU model cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
-       "-DK3_CUDA=OFF)");
+  fail(
+      "the GPU model cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
+      "-DK3_CUDA=OFF)");
 }
-std::unique_ptr<CudaModel> CudaModel::load(const std::string& c, const std::string&, GpuPrecision p) { return load(c, p); }
+std::unique_ptr<CudaModel> CudaModel::load(const std::string& c, const std::string&, GpuPrecision p) {
+  return load(c, p);
+}
 const K3Config& CudaModel::config() const { fail("CudaModel: no CUDA backend"); }
 GpuPrecision CudaModel::precision() const { fail("CudaModel: no CUDA backend"); }
 size_t CudaModel::weight_bytes() const { return 0; }

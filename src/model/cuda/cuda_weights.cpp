@@ -50,7 +50,9 @@ void upload_rows(uint8_t* dst, const WeightRef& w, Store store) {
   }
 }
 
-size_t matrix_bytes(const WeightRef& w, GpuPrecision p) { return size_t(w.rows * w.cols) * store_size(matrix_store(p)); }
+size_t matrix_bytes(const WeightRef& w, GpuPrecision p) {
+  return size_t(w.rows * w.cols) * store_size(matrix_store(p));
+}
 
 class Uploader {
  public:

@@ -114,8 +114,7 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     r.dispatch->build(idx, N);
     bf16* h = r.arena.take<bf16>(N * K * w.w1.rows);
     bf16* y = r.arena.take<bf16>(N * K * lat);
-    moe::cuda::experts_forward(u, h, y, z, wt, *r.dispatch, w.w1.linear(), w.w3.linear(), w.w2.linear(),
-                               glu_params(c));
+    moe::cuda::experts_forward(u, h, y, z, wt, *r.dispatch, w.w1.linear(), w.w3.linear(), w.w2.linear(), glu_params(c));
   }
   if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
   if constexpr (std::is_same_v<T, float>) {

@@ -29,13 +29,14 @@ std::string gpu_config_problem(const K3Config& c, GpuPrecision p) {
     any_moe = any_moe || c.is_moe_layer(l);
   }
   constexpr int64_t kRowMax = 16384;  // the row kernels (RMSNorm, AttnRes) hold a row in registers
-  need(c.hidden_size <= kRowMax, "hidden_size " + std::to_string(c.hidden_size) + " (the row kernels take up to 16384)");
+  need(c.hidden_size <= kRowMax,
+       "hidden_size " + std::to_string(c.hidden_size) + " (the row kernels take up to 16384)");
   if (c.attn_res_block_size > 0) {
     const int64_t sources = (c.num_hidden_layers + c.attn_res_block_size - 1) / c.attn_res_block_size + 1;
     need(sources <= attnres::cuda::kMaxSources,
-         "attn_res_block_size " + std::to_string(c.attn_res_block_size) + " with " + std::to_string(c.num_hidden_layers) +
-             " layers mixes " + std::to_string(sources) + " AttnRes sources; the fused kernel takes " +
-             std::to_string(attnres::cuda::kMaxSources));
+         "attn_res_block_size " + std::to_string(c.attn_res_block_size) + " with " +
+             std::to_string(c.num_hidden_layers) + " layers mixes " + std::to_string(sources) +
+             " AttnRes sources; the fused kernel takes " + std::to_string(attnres::cuda::kMaxSources));
   }
   if (any_kda) {
     const int64_t D = c.kda_head_dim;
@@ -67,8 +68,8 @@ std::string gpu_config_problem(const K3Config& c, GpuPrecision p) {
          "routed_expert_hidden_size " + std::to_string(c.routed_expert_hidden_size) +
              " (the combine and latent norm take multiples of 8 up to 16384)");
     if (bf16)
-      need(c.moe_intermediate_size % 8 == 0,
-           "moe_intermediate_size " + std::to_string(c.moe_intermediate_size) + " (the grouped GEMM takes multiples of 8)");
+      need(c.moe_intermediate_size % 8 == 0, "moe_intermediate_size " + std::to_string(c.moe_intermediate_size) +
+                                                 " (the grouped GEMM takes multiples of 8)");
   }
   std::string all;
   for (const auto& w : why) {

@@ -10,8 +10,8 @@
 namespace k3::gpu {
 
 template <class T>
-void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
-                           const KdaDev& w) {
+void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs,
+                           int64_t layer, const KdaDev& w) {
   const K3Config& c = r.c;
   const int64_t H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D, K = c.short_conv_kernel_size;
   const bool exact = r.precision == GpuPrecision::F32;

@@ -47,8 +47,8 @@ void per_head_linear(Run& r, bf16* y, int64_t ld_y, int64_t stride_y, const bf16
 }  // namespace
 
 template <class T>
-void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs, int64_t layer,
-                           const MlaDev& w) {
+void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std::vector<SegmentDev>& segs,
+                           int64_t layer, const MlaDev& w) {
   const K3Config& c = r.c;
   const mla::Dims d{c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank};
   const int64_t H = d.H, dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv, lrow = d.R + d.Dr, ldc = r.mla_ldc;
@@ -119,7 +119,7 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
         pp.d = d, pp.B = 1, pp.n = g.n, pp.p0 = p0;
         mla::cuda::prefill(pp);
       }
-    } else {  // BF16 absorbed (decode), the whole group at once
+    } else {                             // BF16 absorbed (decode), the whole group at once
       const int64_t rows_n = g.B * g.n;  // query tokens of the group, consecutive from g.row0
       const bf16* qs = q + g.row0 * H * dq;
       const bf16* kvb = w.kv_b_proj.as<bf16>();

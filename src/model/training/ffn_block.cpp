@@ -25,7 +25,8 @@ struct GluNames {
 
 // The GLUs of a layer (its prefix, "...layers.<l>."): the dense FFN, the shared experts, routed expert e.
 GluNames glu_at(const std::string& prefix, TensorKind gate, TensorKind up, TensorKind down, int64_t expert) {
-  return {tensor_name_at(prefix, gate, expert), tensor_name_at(prefix, up, expert), tensor_name_at(prefix, down, expert)};
+  return {tensor_name_at(prefix, gate, expert), tensor_name_at(prefix, up, expert),
+          tensor_name_at(prefix, down, expert)};
 }
 GluNames dense_glu(const std::string& prefix) {
   return glu_at(prefix, TensorKind::DenseGate, TensorKind::DenseUp, TensorKind::DenseDown, -1);
@@ -98,7 +99,6 @@ void glu_backward_named(ParamStore& P, const GluNames& n, const K3Config& c, con
 
 }  // namespace
 
-
 void glu_mlp_forward(const ParamStore& P, const std::string& mlp_prefix, const K3Config& c, const double* x, int64_t N,
                      int64_t D, double* y, GluTape* tape) {
   glu_forward_named(P, glu_names(P, mlp_prefix), c, x, N, D, y, tape);
@@ -117,13 +117,13 @@ void dense_ffn_forward(const ParamStore& P, const std::string& prefix, const K3C
 void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/,
                         const GluTape& tape, const double* dy, double* dx) {
   if (tape.D != c.hidden_size)
-    fail("dense FFN tape for '", prefix + tensor_info(TensorKind::DenseGate).module, "' has width ", tape.D, ", expected ",
-         c.hidden_size);
+    fail("dense FFN tape for '", prefix + tensor_info(TensorKind::DenseGate).module, "' has width ", tape.D,
+         ", expected ", c.hidden_size);
   glu_backward_named(P, dense_glu(prefix), c, tape, dy, dx);
 }
 
-void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/, const double* x,
-                     int64_t N, double* y, MoeTape* tape, const double* router_bias) {
+void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/,
+                     const double* x, int64_t N, double* y, MoeTape* tape, const double* router_bias) {
   const int64_t D = c.hidden_size, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
   if (E <= 0) fail(c.source, ": moe_ffn_forward needs num_experts > 0");
 
@@ -164,8 +164,7 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
     if (rows.empty()) continue;
     const int64_t ne = int64_t(rows.size());
     zin.resize(static_cast<size_t>(ne * L));
-    for (int64_t i = 0; i < ne; ++i)
-      std::copy_n(&t.z[size_t(rows[size_t(i)].first * L)], L, &zin[size_t(i * L)]);
+    for (int64_t i = 0; i < ne; ++i) std::copy_n(&t.z[size_t(rows[size_t(i)].first * L)], L, &zin[size_t(i * L)]);
     std::vector<double>& ye = t.expert_out[size_t(e)];
     ye.resize(static_cast<size_t>(ne * L));
     const GluNames names = expert_glu(prefix, e);
@@ -181,7 +180,8 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
   // RMSNorm of the aggregate (not per expert): normed = γ ⊙ u / sqrt(mean(u²) + eps).
   t.normed = t.agg;
   if (c.latent_moe_use_norm)
-    rmsnorm_forward(t.normed.data(), t.agg.data(), P.p(tensor_name_at(prefix, TensorKind::MoeLatentNorm), L), c.rms_norm_eps, N, L);
+    rmsnorm_forward(t.normed.data(), t.agg.data(), P.p(tensor_name_at(prefix, TensorKind::MoeLatentNorm), L),
+                    c.rms_norm_eps, N, L);
 
   // 5. Up-projection r = W↑ normed, plus the shared experts on x̂ (added with no weight).
   linear_forward(y, t.normed.data(), P.p(tensor_name_at(prefix, TensorKind::MoeLatentUp), D * L), N, L, D);
@@ -268,8 +268,8 @@ void moe_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& 
     for (int64_t k = 0; k < K; ++k) dot += dw[size_t(n * K + k)] * s[t.topk[size_t(n * K + k)]];
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = t.topk[size_t(n * K + k)];
-      const double ds = c.moe_renormalize ? scale * (dw[size_t(n * K + k)] / den - dot / (den * den))
-                                          : scale * dw[size_t(n * K + k)];
+      const double ds =
+          c.moe_renormalize ? scale * (dw[size_t(n * K + k)] / den - dot / (den * den)) : scale * dw[size_t(n * K + k)];
       dlogits[size_t(n * E + e)] = ds * s[e] * (1.0 - s[e]);
     }
   }

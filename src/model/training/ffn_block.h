@@ -40,18 +40,18 @@ void glu_mlp_backward(ParamStore& P, const std::string& mlp_prefix, const K3Conf
 // ---- Dense FFN (layers < first_k_dense_replace): DenseGate/DenseUp/DenseDown under the layer prefix ----
 void dense_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
                        const double* x, int64_t T, double* y, GluTape* tape);
-void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
-                        const GluTape& tape, const double* dy, double* dx);
+void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer, const GluTape& tape,
+                        const double* dy, double* dx);
 
 // ---- Stable LatentMoE: the Moe*, Expert* and Shared* kinds under the layer prefix ----
 struct MoeTape {
   int64_t N = 0, E = 0, K = 0, D = 0, L = 0;  // rows, experts, top-k, hidden, latent
-  std::vector<double> x;       // [N, D] input
-  std::vector<double> scores;  // [N, E] unbiased sigmoid router scores s (for Quantile Balancing)
-  std::vector<int32_t> topk;   // [N, K] selected experts, in selection order (best s + bias first)
-  std::vector<double> weight;  // [N, K] mixture weights (renormalised, scaled)
-  std::vector<double> sel_sum; // [N] Σ_selected s (the renormalisation denominator, without 1e-20)
-  std::vector<double> z;       // [N, L] latent x̂ (routed_expert_down_proj x)
+  std::vector<double> x;                      // [N, D] input
+  std::vector<double> scores;                 // [N, E] unbiased sigmoid router scores s (for Quantile Balancing)
+  std::vector<int32_t> topk;                  // [N, K] selected experts, in selection order (best s + bias first)
+  std::vector<double> weight;                 // [N, K] mixture weights (renormalised, scaled)
+  std::vector<double> sel_sum;                // [N] Σ_selected s (the renormalisation denominator, without 1e-20)
+  std::vector<double> z;                      // [N, L] latent x̂ (routed_expert_down_proj x)
   // Per expert: the (token, slot) pairs routed to it, its GLU tape on the gathered latent rows and
   // its output rows y_e [rows, L] (needed for the gradient of the mixture weights).
   std::vector<std::vector<std::pair<int64_t, int32_t>>> rows;

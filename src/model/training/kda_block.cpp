@@ -39,8 +39,8 @@ Dims dims_of(const K3Config& c, int64_t layer) {
   d.D = c.kda_head_dim;
   d.HD = d.H * d.D;
   d.K = c.short_conv_kernel_size;
-  K3_CHECK(d.hid >= 1 && d.H >= 1 && d.D >= 1 && d.K >= 1, "kda_block: bad dimensions in ", c.source,
-           ": hidden ", d.hid, ", heads ", d.H, ", head_dim ", d.D, ", short_conv_kernel_size ", d.K);
+  K3_CHECK(d.hid >= 1 && d.H >= 1 && d.D >= 1 && d.K >= 1, "kda_block: bad dimensions in ", c.source, ": hidden ",
+           d.hid, ", heads ", d.H, ", head_dim ", d.D, ", short_conv_kernel_size ", d.K);
   K3_CHECK(std::isfinite(c.gate_lower_bound) && c.gate_lower_bound < 0.0f, "kda_block: gate_lower_bound must be ",
            "finite and negative, got ", c.gate_lower_bound, " in ", c.source);
   d.lower_bound = double(c.gate_lower_bound);
@@ -141,9 +141,11 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   // states entering every state_every-th token (= every chunk) are saved for the backward.
   double* states = n_ckpt > 0 ? tp.states.data() : nullptr;
   if (tp.recurrent_reference)
-    kda::kda_recurrent_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D, tp.state_every);
+    kda::kda_recurrent_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(),
+                                   tp.beta.data(), d.scale, T, H, D, D, tp.state_every);
   else
-    kda::kda_chunk_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D, tp.state_every);
+    kda::kda_chunk_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(),
+                               d.scale, T, H, D, D, tp.state_every);
 
   // 6. Gated RMSNorm per head (weight shared by heads): on = o * inv * o_norm * sigmoid(g_proj x); y = o_proj on.
   linear_forward(tp.gp.data(), x, W.g, T, hid, HD);
@@ -168,7 +170,8 @@ void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config
   const int64_t T = tp.T, hid = d.hid, H = d.H, D = d.D, HD = d.HD;
   K3_CHECK(int64_t(tp.x.size()) == T * hid && int64_t(tp.q.size()) == T * HD && int64_t(tp.fa.size()) == T * D &&
                int64_t(tp.beta.size()) == T * H,
-           "kda_block_backward: the tape (T = ", T, ") does not match the config of layer ", layer, " (", c.source, ")");
+           "kda_block_backward: the tape (T = ", T, ") does not match the config of layer ", layer, " (", c.source,
+           ")");
   const int64_t every = tp.state_every;
   K3_CHECK(every >= 1 && int64_t(tp.states.size()) == (T + every - 1) / every * H * D * D,
            "kda_block_backward: the tape holds no recurrent states (was kda_block_forward given this tape?)");
@@ -206,9 +209,13 @@ void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config
   // 5. The recurrence, in the form the forward used (the saved states mean the same in both).
   std::vector<double> dq = buf(T * HD), dk = buf(T * HD), dv = buf(T * HD), dg = buf(T * HD), dbeta = buf(T * H);
   if (tp.recurrent_reference)
-    kda::kda_recurrent_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(), tp.states.data(), tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D, every);
+    kda::kda_recurrent_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(),
+                                    tp.states.data(), tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(),
+                                    tp.beta.data(), d.scale, T, H, D, D, every);
   else
-    kda::kda_chunk_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(), tp.states.data(), tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D, every);
+    kda::kda_chunk_backward_f64(dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), d_o.data(), tp.states.data(),
+                                tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D,
+                                every);
 
   // 4. Gate: g = lb * s, s = sigmoid(m), m = A (z + dt_bias), A = exp(A_log[h]).
   //   dm = lb dg s (1 - s);  dz = A dm;  d dt_bias += A dm;  dA_log[h] += sum dm (z + dt_bias) A  (dA/dA_log = A).

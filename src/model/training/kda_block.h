@@ -48,22 +48,22 @@ struct KdaBlockTape {
 
   // Filled by kda_block_forward.
   int64_t T = 0;
-  std::vector<double> x;                  // [T, hidden] block input
-  std::vector<double> qp, kp, vp;         // [T, HD] projections (conv inputs)
-  std::vector<double> qc, kc, vc;         // [T, HD] conv outputs (SiLU inputs)
-  std::vector<double> qs, ks;             // [T, HD] SiLU outputs of q, k (L2-norm inputs)
-  std::vector<double> q_inv, k_inv;       // [T, H] 1/sqrt(sum^2 + 1e-6) per head
-  std::vector<double> q, k, v;            // [T, HD] recurrence inputs (q, k normalised)
-  std::vector<double> beta;               // [T, H]
-  std::vector<double> fa;                 // [T, D] the decay gate's first projection (rank D)
-  std::vector<double> z;                  // [T, HD] f_b_proj output (gate pre-activation before dt_bias)
-  std::vector<double> sg;                 // [T, HD] sigmoid(exp(A_log) (z + dt_bias)); g = lower_bound * sg
-  std::vector<double> g;                  // [T, HD] log decay
-  std::vector<double> o;                  // [T, HD] recurrence output (before the gated norm)
-  std::vector<double> o_inv;              // [T, H] 1/sqrt(mean(o^2) + eps) per head
-  std::vector<double> gp;                 // [T, HD] output-gate pre-activation (g_proj x)
-  std::vector<double> on;                 // [T, HD] o_proj input (normalised, gated)
-  std::vector<double> states;             // [ceil(T/state_every), H, D, D] S_{t-1} at t = 0, state_every, ...
+  std::vector<double> x;             // [T, hidden] block input
+  std::vector<double> qp, kp, vp;    // [T, HD] projections (conv inputs)
+  std::vector<double> qc, kc, vc;    // [T, HD] conv outputs (SiLU inputs)
+  std::vector<double> qs, ks;        // [T, HD] SiLU outputs of q, k (L2-norm inputs)
+  std::vector<double> q_inv, k_inv;  // [T, H] 1/sqrt(sum^2 + 1e-6) per head
+  std::vector<double> q, k, v;       // [T, HD] recurrence inputs (q, k normalised)
+  std::vector<double> beta;          // [T, H]
+  std::vector<double> fa;            // [T, D] the decay gate's first projection (rank D)
+  std::vector<double> z;             // [T, HD] f_b_proj output (gate pre-activation before dt_bias)
+  std::vector<double> sg;            // [T, HD] sigmoid(exp(A_log) (z + dt_bias)); g = lower_bound * sg
+  std::vector<double> g;             // [T, HD] log decay
+  std::vector<double> o;             // [T, HD] recurrence output (before the gated norm)
+  std::vector<double> o_inv;         // [T, H] 1/sqrt(mean(o^2) + eps) per head
+  std::vector<double> gp;            // [T, HD] output-gate pre-activation (g_proj x)
+  std::vector<double> on;            // [T, HD] o_proj input (normalised, gated)
+  std::vector<double> states;        // [ceil(T/state_every), H, D, D] S_{t-1} at t = 0, state_every, ...
 };
 
 // x: [T, hidden] (the normalised block input); y: [T, hidden] (overwritten). tape may be nullptr.

@@ -37,8 +37,9 @@ Dims dims_of(const K3Config& c) {
   d.ldc = d.R + d.Dr;
   d.gated = c.mla_use_output_gate;
   if (d.D <= 0 || d.H <= 0 || d.Dn < 0 || d.Dr < 0 || d.Dv <= 0 || d.R <= 0 || d.Qr < 0 || d.dq <= 0)
-    fail(c.source, ": MLA training block needs positive hidden_size, num_attention_heads, v_head_dim, kv_lora_rank "
-                   "and qk head dims");
+    fail(c.source,
+         ": MLA training block needs positive hidden_size, num_attention_heads, v_head_dim, kv_lora_rank "
+         "and qk head dims");
   return d;
 }
 
@@ -49,8 +50,8 @@ struct Names {
 Names names_of(const std::string& prefix) {
   using K = TensorKind;
   auto n = [&](K kind) { return tensor_name_at(prefix, kind); };
-  return {n(K::MlaQA),  n(K::MlaQANorm), n(K::MlaQB), n(K::MlaQ), n(K::MlaKvA),
-          n(K::MlaKvANorm), n(K::MlaKvB), n(K::MlaG), n(K::MlaO)};
+  return {n(K::MlaQA),      n(K::MlaQANorm), n(K::MlaQB), n(K::MlaQ), n(K::MlaKvA),
+          n(K::MlaKvANorm), n(K::MlaKvB),    n(K::MlaG),  n(K::MlaO)};
 }
 
 void check_layer(const K3Config& c, int64_t layer) {
@@ -61,8 +62,8 @@ void check_layer(const K3Config& c, int64_t layer) {
 // y[T, out] = x[T, in] Wᵀ   (W [out, in]); ldx/ldy are row strides.
 void linear_fwd(double* y, int64_t ldy, const double* x, int64_t ldx, const double* W, int64_t T, int64_t out,
                 int64_t in) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(T), int(out), int(in), 1.0, x, int(ldx), W, int(in), 0.0,
-              y, int(ldy));
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(T), int(out), int(in), 1.0, x, int(ldx), W, int(in), 0.0, y,
+              int(ldy));
 }
 // dx[T, in] (= or +=, by beta) dy[T, out] W   — gradient of the input of y = x Wᵀ.
 void linear_bwd_x(double* dx, int64_t lddx, const double* dy, int64_t lddy, const double* W, int64_t T, int64_t out,
@@ -73,8 +74,8 @@ void linear_bwd_x(double* dx, int64_t lddx, const double* dy, int64_t lddy, cons
 // dW[out, in] += dy[T, out]ᵀ x[T, in]   — gradient of the weight of y = x Wᵀ.
 void linear_bwd_w(double* dW, const double* dy, int64_t lddy, const double* x, int64_t ldx, int64_t T, int64_t out,
                   int64_t in) {
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(T), 1.0, dy, int(lddy), x, int(ldx),
-              1.0, dW, int(in));
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(T), 1.0, dy, int(lddy), x, int(ldx), 1.0,
+              dW, int(in));
 }
 
 // RMSNorm of row t (n columns of x with stride ldx): xhat = x * r, r = 1/sqrt(mean(x²) + eps),
@@ -116,8 +117,8 @@ void rmsnorm_bwd(double* dx, int64_t lddx, double* dw, const double* dy, const d
 
 // Scaled causal scores of query row t of head h: out[s] = scale·(q_nope·k_nope(s) + q_rot·k_rot(s)),
 // s = 0..t. Keys: k_nope from kv (per head), k_rot from columns R..R+Dr of ckv (shared by all heads).
-void head_scores(double* out, const double* q, const double* kv, const double* ckv, const Dims& d, int64_t h,
-                 int64_t t, double scale) {
+void head_scores(double* out, const double* q, const double* kv, const double* ckv, const Dims& d, int64_t h, int64_t t,
+                 double scale) {
   const double* qt = q + t * d.H * d.dq + h * d.dq;  // [q_nope | q_rot]
   for (int64_t s = 0; s <= t; ++s) {
     const double* kn = kv + s * d.H * d.dkv + h * d.dkv;
@@ -224,7 +225,8 @@ void mla_block_backward(ParamStore& P, const std::string& prefix, const K3Config
   const Dims d = dims_of(c);
   const Names n = names_of(prefix);
   const int64_t T = tp.T;
-  if (T <= 0 || int64_t(tp.x.size()) != T * d.D || int64_t(tp.lse.size()) != d.H * T) fail("mla_block_backward: tape is empty or from another config");
+  if (T <= 0 || int64_t(tp.x.size()) != T * d.D || int64_t(tp.lse.size()) != d.H * T)
+    fail("mla_block_backward: tape is empty or from another config");
   const double scale = 1.0 / std::sqrt(double(d.dq));
   const size_t sT = static_cast<size_t>(T);
   const int64_t ldq = d.H * d.dq, ldkv = d.H * d.dkv, ldo = d.H * d.Dv;

@@ -29,21 +29,21 @@ namespace k3::train {
 // Activations saved by mla_block_forward for mla_block_backward (all row-major, T rows).
 struct MlaBlockTape {
   int64_t T = 0;
-  std::vector<double> x;       // [T, hidden] block input
-  std::vector<double> qa_hat;  // [T, q_lora] q_a x / rms (before the norm weight); empty without q_lora
-  std::vector<double> qa_rs;   // [T] 1/rms of q_a x
-  std::vector<double> qa;      // [T, q_lora] normed and weighted: the input of q_b
-  std::vector<double> q;       // [T, H*(Dn+Dr)]
-  std::vector<double> ckv;     // [T, R+Dr] kv_a output (raw; k_rot = columns R..R+Dr)
-  std::vector<double> lat_hat; // [T, R] c_lat / rms
-  std::vector<double> lat_rs;  // [T] 1/rms of c_lat
-  std::vector<double> lat;     // [T, R] normed and weighted latent: the input of kv_b
-  std::vector<double> kv;      // [T, H*(Dn+Dv)]
-  std::vector<double> lse;     // [H, T] log Σ_s exp(score) per query row: the backward recomputes the
-                               // probabilities from it instead of saving [H, T, T] (memory O(H·T))
-  std::vector<double> o;       // [T, H*Dv] attention output before the gate
-  std::vector<double> gate;    // [T, H*Dv] sigmoid(g_proj x); empty when not gated
-  std::vector<double> og;      // [T, H*Dv] gated output: the input of o_proj
+  std::vector<double> x;        // [T, hidden] block input
+  std::vector<double> qa_hat;   // [T, q_lora] q_a x / rms (before the norm weight); empty without q_lora
+  std::vector<double> qa_rs;    // [T] 1/rms of q_a x
+  std::vector<double> qa;       // [T, q_lora] normed and weighted: the input of q_b
+  std::vector<double> q;        // [T, H*(Dn+Dr)]
+  std::vector<double> ckv;      // [T, R+Dr] kv_a output (raw; k_rot = columns R..R+Dr)
+  std::vector<double> lat_hat;  // [T, R] c_lat / rms
+  std::vector<double> lat_rs;   // [T] 1/rms of c_lat
+  std::vector<double> lat;      // [T, R] normed and weighted latent: the input of kv_b
+  std::vector<double> kv;       // [T, H*(Dn+Dv)]
+  std::vector<double> lse;      // [H, T] log Σ_s exp(score) per query row: the backward recomputes the
+                                // probabilities from it instead of saving [H, T, T] (memory O(H·T))
+  std::vector<double> o;        // [T, H*Dv] attention output before the gate
+  std::vector<double> gate;     // [T, H*Dv] sigmoid(g_proj x); empty when not gated
+  std::vector<double> og;       // [T, H*Dv] gated output: the input of o_proj
 };
 
 // x: [T, hidden], the already-RMS-normalised block input; y: [T, hidden] (overwritten).

@@ -69,8 +69,16 @@ class TrainBackend {
   static constexpr Act kOut = -1;
 
   TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks)
-      : P_(P), c_(c), ids_(ids), hooks_(hooks), tn_{param_naming(P)}, lm_head_(lm_head_name(P, c, tn_)), T_(int64_t(ids.size())), D_(c.hidden_size),
-        tape_(size_t(c.num_hidden_layers)), out_(size_t(T_ * D_)) {}
+      : P_(P),
+        c_(c),
+        ids_(ids),
+        hooks_(hooks),
+        tn_{param_naming(P)},
+        lm_head_(lm_head_name(P, c, tn_)),
+        T_(int64_t(ids.size())),
+        D_(c.hidden_size),
+        tape_(size_t(c.num_hidden_layers)),
+        out_(size_t(T_ * D_)) {}
 
   bool profiling() const { return false; }
   void synchronize() {}
@@ -80,7 +88,8 @@ class TrainBackend {
     const double* E = P_.p(tn_(TensorKind::TokenEmbd), V * D_);
     node_.emplace_back(static_cast<size_t>(T_ * D_));
     for (int64_t t = 0; t < T_; ++t) {
-      if (ids_[size_t(t)] < 0 || ids_[size_t(t)] >= V) fail("training: token id ", ids_[size_t(t)], " outside [0, ", V, ")");
+      if (ids_[size_t(t)] < 0 || ids_[size_t(t)] >= V)
+        fail("training: token id ", ids_[size_t(t)], " outside [0, ", V, ")");
       std::copy_n(E + int64_t(ids_[size_t(t)]) * D_, D_, &node_[0][size_t(t * D_)]);
     }
     return 0;
@@ -134,8 +143,8 @@ class TrainBackend {
       L.moe_tape = std::make_unique<MoeTape>();
       const std::string bias_name = tn_(TensorKind::MoeRouterBias, l);
       const double* bias = hooks_ && hooks_->router_bias ? hooks_->router_bias(l)
-                           : P_.has(bias_name)          ? P_.p(bias_name)
-                                                        : nullptr;
+                           : P_.has(bias_name)           ? P_.p(bias_name)
+                                                         : nullptr;
       moe_ffn_forward(P_, p, c_, l, L.ffn_in.xn.data(), T_, out_.data(), L.moe_tape.get(), bias);
       if (hooks_ && hooks_->on_moe) hooks_->on_moe(l, *L.moe_tape);
     } else {
@@ -184,13 +193,14 @@ class TrainBackend {
     dh_.resize(size_t(T_ * D_)), dxn_.resize(size_t(T_ * D_)), dq_.resize(size_t(D_));
     const int64_t V = c_.vocab_size;
     linear_backward(dxn_.data(), P_.g(lm_head_, V * D_), dlogits_.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_,
-               D_, V);
+                    D_, V);
   }
 
   // Back through RMSNorm and AttnRes (or the skipped AttnRes) into the node gradients.
   void mix_backward(MixSite site, int64_t l) {
     const ResUse& u = use(site, l);
-    rmsnorm_backward(dh_.data(), P_.g(u.ln_name, D_), dxn_.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_, D_);
+    rmsnorm_backward(dh_.data(), P_.g(u.ln_name, D_), dxn_.data(), u.h.data(), P_.p(u.ln_name, D_), c_.rms_norm_eps, T_,
+                     D_);
     if (u.srcs.empty()) {
       for (int64_t i = 0; i < T_ * D_; ++i) dnode_[size_t(u.direct)][size_t(i)] += dh_[size_t(i)];
       return;
@@ -263,8 +273,8 @@ class TrainBackend {
 
 }  // namespace
 
-double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward, double grad_scale,
-                     std::vector<double>* logits_out, const TrainHooks* hooks) {
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward,
+                     double grad_scale, std::vector<double>* logits_out, const TrainHooks* hooks) {
   if (ids.empty()) fail("training: empty sequence");
   TrainBackend be(P, c, ids, hooks);
   be.set_head(backward, grad_scale, logits_out);

@@ -19,7 +19,6 @@ namespace k3::train {
 
 struct MoeTape;
 
-
 struct TrainHooks {
   // Called after each MoE layer's forward with its tape (router scores and selections).
   std::function<void(int64_t layer, const MoeTape& tape)> on_moe;
@@ -33,8 +32,8 @@ struct TrainHooks {
 // next-token cross-entropy over its T-1 positions. When `backward`, parameter gradients of
 // grad_scale * (that sum) are ACCUMULATED into P's gradient buffer. `logits` (optional) receives
 // [T, V].
-double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward, double grad_scale,
-                     std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward,
+                     double grad_scale, std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
 
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);

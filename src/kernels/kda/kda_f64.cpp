@@ -72,6 +72,77 @@ void conv_silu_backward(double* d_in, double* dw, const double* d_act, const dou
     }
 }
 
+void gate_forward(double* g, double* sg, const double* z, const double* A_log, const double* dt_bias,
+                  double lower_bound, int64_t T, int64_t H, int64_t D) {
+  const int64_t HD = H * D;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const double a = std::exp(A_log[h]);
+      for (int64_t e = 0; e < D; ++e) {
+        const int64_t i = t * HD + h * D + e;
+        sg[i] = sigmoid(a * (z[i] + dt_bias[h * D + e]));
+        g[i] = lower_bound * sg[i];
+      }
+    }
+}
+
+// g = lb * s, s = sigmoid(m), m = A (z + dt_bias), A = exp(A_log[h]):
+//   dm = lb dg s (1 - s);  dz = A dm;  d dt_bias += A dm;  dA_log[h] += sum dm (z + dt_bias) A  (dA/dA_log = A).
+void gate_backward(double* dz, double* dA_log, double* ddt_bias, const double* dg, const double* sg, const double* z,
+                   const double* A_log, const double* dt_bias, double lower_bound, int64_t T, int64_t H, int64_t D) {
+  const int64_t HD = H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    const double A = std::exp(A_log[h]);
+    double dalog = 0.0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < D; ++e) {
+        const int64_t i = t * HD + h * D + e;
+        const double s = sg[i];
+        const double dm = lower_bound * dg[i] * s * (1.0 - s);
+        dz[i] = A * dm;
+        ddt_bias[h * D + e] += A * dm;
+        dalog += dm * (z[i] + dt_bias[h * D + e]) * A;
+      }
+    dA_log[h] += dalog;  // entries >= H (the release's padding) are unused and get no gradient
+  }
+}
+
+void gated_rmsnorm_forward(double* on, double* inv, const double* o, const double* gp, const double* w, double eps,
+                           int64_t rows, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* orow = o + r * D;
+    double ss = 0.0;
+    for (int64_t e = 0; e < D; ++e) ss += orow[e] * orow[e];
+    const double v = 1.0 / std::sqrt(ss / double(D) + eps);
+    inv[r] = v;
+    for (int64_t e = 0; e < D; ++e) on[r * D + e] = orow[e] * v * w[e] * sigmoid(gp[r * D + e]);
+  }
+}
+
+// on = n * w * s, n = o * inv, s = sigmoid(gp):
+//   dw += don n s;  dgp = don n w s (1 - s);  dn = don w s;  do = inv (dn - n mean(dn n)).
+void gated_rmsnorm_backward(double* d_o, double* dgp, double* dw, const double* don, const double* o, const double* inv,
+                            const double* gp, const double* w, int64_t rows, int64_t D) {
+  std::vector<double> dn(static_cast<size_t>(D));
+  for (int64_t r = 0; r < rows; ++r) {
+    const double v = inv[r];
+    double mean_dn_n = 0.0;
+    for (int64_t e = 0; e < D; ++e) {
+      const int64_t i = r * D + e;
+      const double n = o[i] * v, s = sigmoid(gp[i]), dd = don[i];
+      dw[e] += dd * n * s;
+      dgp[i] = dd * n * w[e] * s * (1.0 - s);
+      dn[size_t(e)] = dd * w[e] * s;
+      mean_dn_n += dn[size_t(e)] * n;
+    }
+    mean_dn_n /= double(D);
+    for (int64_t e = 0; e < D; ++e) {
+      const int64_t i = r * D + e;
+      d_o[i] = v * (dn[size_t(e)] - o[i] * v * mean_dn_n);
+    }
+  }
+}
+
 void l2norm_forward(double* out, double* inv, const double* in, int64_t rows, int64_t D, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     double ss = 0.0;

@@ -1,6 +1,6 @@
 // The KDA ops of the training model in float64 (K3-ARCHITECTURE.md §5.3), each forward beside its
-// backward: the short causal conv with SiLU, the per-head L2 norm, and the delta-rule recurrence in
-// its token-by-token form (the reference twin of the chunked form, kda_chunk_f64.h). The fp32
+// backward: the short causal conv with SiLU, the decay gate, the output's gated RMSNorm, the
+// per-head L2 norm, and the delta-rule recurrence in its token-by-token form (the reference twin of the chunked form, kda_chunk_f64.h). The fp32
 // inference forms are in kda.h. Layouts are token-major, head-major inside a token.
 #pragma once
 #include <cstdint>
@@ -13,6 +13,22 @@ void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, in
 // d_in [T, C] OVERWRITTEN; dw [C, K] ACCUMULATED.
 void conv_silu_backward(double* d_in, double* dw, const double* d_act, const double* pre, const double* in, int64_t T,
                         int64_t C, const double* w, int64_t K);
+
+// The lower-bounded decay gate per token and head (T tokens, H heads of D channels, [T, H*D]):
+// sg = sigmoid(exp(A_log[h]) (z + dt_bias)), g = lower_bound * sg. A_log [>= H], dt_bias [H*D].
+void gate_forward(double* g, double* sg, const double* z, const double* A_log, const double* dt_bias,
+                  double lower_bound, int64_t T, int64_t H, int64_t D);
+// From dg: dz OVERWRITTEN; dA_log (first H entries) and ddt_bias ACCUMULATED.
+void gate_backward(double* dz, double* dA_log, double* ddt_bias, const double* dg, const double* sg, const double* z,
+                   const double* A_log, const double* dt_bias, double lower_bound, int64_t T, int64_t H, int64_t D);
+
+// The output's gated RMSNorm over rows of D (one per token and head, the weight shared by the heads):
+// on = o * inv * w * sigmoid(gp), inv = 1/sqrt(mean(o^2) + eps), saved per row for the backward.
+void gated_rmsnorm_forward(double* on, double* inv, const double* o, const double* gp, const double* w, double eps,
+                           int64_t rows, int64_t D);
+// From don: d_o and dgp OVERWRITTEN; dw ACCUMULATED.
+void gated_rmsnorm_backward(double* d_o, double* dgp, double* dw, const double* don, const double* o, const double* inv,
+                            const double* gp, const double* w, int64_t rows, int64_t D);
 
 // L2 norm of rows of D (one per token and head): out = in * inv, inv = 1/sqrt(sum in^2 + eps).
 void l2norm_forward(double* out, double* inv, const double* in, int64_t rows, int64_t D, double eps);

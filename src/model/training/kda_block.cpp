@@ -124,18 +124,10 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   linear_forward(tp.beta.data(), x, W.b, T, hid, H);
   for (double& b : tp.beta) b = sigmoid(b);
 
-  // 4. Gate: z = f_b(f_a x); g = lower_bound * sigmoid(exp(A_log[h]) (z + dt_bias)) (kernels/kda gate_forward).
+  // 4. Gate: z = f_b(f_a x); g = lower_bound * sigmoid(exp(A_log[h]) (z + dt_bias)) (kernels/kda/kda_f64.h).
   linear_forward(tp.fa.data(), x, W.fa, T, hid, D);
   linear_forward(tp.z.data(), tp.fa.data(), W.fb, T, D, HD);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const double a = std::exp(W.alog[h]);
-      for (int64_t e = 0; e < D; ++e) {
-        const int64_t i = t * HD + h * D + e;
-        tp.sg[size_t(i)] = sigmoid(a * (tp.z[size_t(i)] + W.dt[h * D + e]));
-        tp.g[size_t(i)] = d.lower_bound * tp.sg[size_t(i)];
-      }
-    }
+  kda::gate_forward(tp.g.data(), tp.sg.data(), tp.z.data(), W.alog, W.dt, d.lower_bound, T, H, D);
 
   // 5. The recurrence (kernels/kda/kda_chunk_f64.h), chunked unless the tape asks for the recurrent reference twin. The
   // states entering every state_every-th token (= every chunk) are saved for the backward.
@@ -149,15 +141,7 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
 
   // 6. Gated RMSNorm per head (weight shared by heads): on = o * inv * o_norm * sigmoid(g_proj x); y = o_proj on.
   linear_forward(tp.gp.data(), x, W.g, T, hid, HD);
-  for (int64_t r = 0; r < T * H; ++r) {
-    const double* o = &tp.o[size_t(r * D)];
-    double ss = 0.0;
-    for (int64_t e = 0; e < D; ++e) ss += o[e] * o[e];
-    const double inv = 1.0 / std::sqrt(ss / double(D) + d.norm_eps);
-    tp.o_inv[size_t(r)] = inv;
-    for (int64_t e = 0; e < D; ++e)
-      tp.on[size_t(r * D + e)] = o[e] * inv * W.onorm[e] * sigmoid(tp.gp[size_t(r * D + e)]);
-  }
+  kda::gated_rmsnorm_forward(tp.on.data(), tp.o_inv.data(), tp.o.data(), tp.gp.data(), W.onorm, d.norm_eps, T * H, D);
   linear_forward(y, tp.on.data(), W.o, T, HD, hid);
 }
 
@@ -183,27 +167,9 @@ void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config
   // 6. Output projection: y = on Wo^T.
   std::vector<double> don = buf(T * HD);
   linear_backward(don.data(), G.o, dy, tp.on.data(), W.o, T, HD, hid);  // don = dy Wo; dWo += dy^T on
-  // Gated RMSNorm: on = n * w * s, n = o * inv, s = sigmoid(gp).
-  //   dw += don n s;  dgp = don n w s (1 - s);  dn = don w s;  do = inv (dn - n mean(dn n)).
   std::vector<double> dgp = buf(T * HD), d_o = buf(T * HD);
-  for (int64_t r = 0; r < T * H; ++r) {
-    const double inv = tp.o_inv[size_t(r)];
-    std::vector<double> dn(static_cast<size_t>(D));
-    double mean_dn_n = 0.0;
-    for (int64_t e = 0; e < D; ++e) {
-      const int64_t i = r * D + e;
-      const double n = tp.o[size_t(i)] * inv, s = sigmoid(tp.gp[size_t(i)]), dd = don[size_t(i)];
-      G.onorm[e] += dd * n * s;
-      dgp[size_t(i)] = dd * n * W.onorm[e] * s * (1.0 - s);
-      dn[size_t(e)] = dd * W.onorm[e] * s;
-      mean_dn_n += dn[size_t(e)] * n;
-    }
-    mean_dn_n /= double(D);
-    for (int64_t e = 0; e < D; ++e) {
-      const int64_t i = r * D + e;
-      d_o[size_t(i)] = inv * (dn[size_t(e)] - tp.o[size_t(i)] * inv * mean_dn_n);
-    }
-  }
+  kda::gated_rmsnorm_backward(d_o.data(), dgp.data(), G.onorm, don.data(), tp.o.data(), tp.o_inv.data(), tp.gp.data(),
+                              W.onorm, T * H, D);
   linear_backward(dx, G.g, dgp.data(), x, W.g, T, hid, HD, true);  // gp = g_proj x
 
   // 5. The recurrence, in the form the forward used (the saved states mean the same in both).
@@ -217,24 +183,10 @@ void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config
                                 tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(), d.scale, T, H, D, D,
                                 every);
 
-  // 4. Gate: g = lb * s, s = sigmoid(m), m = A (z + dt_bias), A = exp(A_log[h]).
-  //   dm = lb dg s (1 - s);  dz = A dm;  d dt_bias += A dm;  dA_log[h] += sum dm (z + dt_bias) A  (dA/dA_log = A).
+  // 4. Gate (kernels/kda/kda_f64.h), then z = fa Wfb^T, fa = x Wfa^T.
   std::vector<double> dz = buf(T * HD), dfa = buf(T * D);
-  for (int64_t h = 0; h < H; ++h) {
-    const double A = std::exp(W.alog[h]);
-    double dalog = 0.0;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t e = 0; e < D; ++e) {
-        const int64_t i = t * HD + h * D + e;
-        const double s = tp.sg[size_t(i)];
-        const double dm = d.lower_bound * dg[size_t(i)] * s * (1.0 - s);
-        dz[size_t(i)] = A * dm;
-        G.dt[h * D + e] += A * dm;
-        dalog += dm * (tp.z[size_t(i)] + W.dt[h * D + e]) * A;
-      }
-    G.alog[h] += dalog;  // entries >= H (padding) are unused and get no gradient
-  }
-  // z = fa Wfb^T, fa = x Wfa^T.
+  kda::gate_backward(dz.data(), G.alog, G.dt, dg.data(), tp.sg.data(), tp.z.data(), W.alog, W.dt, d.lower_bound, T, H,
+                     D);
   linear_backward(dfa.data(), G.fb, dz.data(), tp.fa.data(), W.fb, T, D, HD, true);
   linear_backward(dx, G.fa, dfa.data(), x, W.fa, T, hid, D, true);
 

@@ -6,26 +6,44 @@
 
 namespace k3 {
 
-void linear_forward(double* y, const double* x, const double* W, int64_t N, int64_t in, int64_t out) {
+void linear_forward_strided(double* y, int64_t ldy, const double* x, int64_t ldx, const double* W, int64_t N,
+                            int64_t in, int64_t out) {
   if (N == 0 || out == 0) return;
   if (in == 0) {  // an empty sum (BLAS leaves y alone when k = 0 only with beta 0 on some builds)
-    std::fill(y, y + N * out, 0.0);
+    for (int64_t n = 0; n < N; ++n) std::fill(y + n * ldy, y + n * ldy + out, 0.0);
     return;
   }
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(N), int(out), int(in), 1.0, x, int(in), W, int(in), 0.0, y,
-              int(out));
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(N), int(out), int(in), 1.0, x, int(ldx), W, int(in), 0.0, y,
+              int(ldy));
+}
+
+void linear_backward_x_strided(double* dx, int64_t lddx, const double* dy, int64_t lddy, const double* W, int64_t N,
+                               int64_t in, int64_t out, bool accumulate_dx) {
+  if (N == 0 || in == 0) return;
+  if (out == 0) {  // an empty sum: dx = 0, or unchanged when accumulating
+    if (!accumulate_dx)
+      for (int64_t n = 0; n < N; ++n) std::fill(dx + n * lddx, dx + n * lddx + in, 0.0);
+    return;
+  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(N), int(in), int(out), 1.0, dy, int(lddy), W, int(in),
+              accumulate_dx ? 1.0 : 0.0, dx, int(lddx));
+}
+
+void linear_backward_w_strided(double* dW, const double* dy, int64_t lddy, const double* x, int64_t ldx, int64_t N,
+                               int64_t in, int64_t out) {
+  if (N == 0 || in == 0 || out == 0) return;
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(N), 1.0, dy, int(lddy), x, int(ldx), 1.0,
+              dW, int(in));
+}
+
+void linear_forward(double* y, const double* x, const double* W, int64_t N, int64_t in, int64_t out) {
+  linear_forward_strided(y, out, x, in, W, N, in, out);
 }
 
 void linear_backward(double* dx, double* dW, const double* dy, const double* x, const double* W, int64_t N, int64_t in,
                      int64_t out, bool accumulate_dx) {
-  if (N == 0) return;
-  if (dx && in > 0 && out == 0 && !accumulate_dx) std::fill(dx, dx + N * in, 0.0);
-  if (dx && in > 0 && out > 0)
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(N), int(in), int(out), 1.0, dy, int(out), W, int(in),
-                accumulate_dx ? 1.0 : 0.0, dx, int(in));
-  if (dW && in > 0 && out > 0)
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(N), 1.0, dy, int(out), x, int(in), 1.0,
-                dW, int(in));
+  if (dx) linear_backward_x_strided(dx, in, dy, out, W, N, in, out, accumulate_dx);
+  if (dW) linear_backward_w_strided(dW, dy, out, x, in, N, in, out);
 }
 
 }  // namespace k3

@@ -12,4 +12,16 @@ void linear_forward(double* y, const double* x, const double* W, int64_t N, int6
 void linear_backward(double* dx, double* dW, const double* dy, const double* x, const double* W, int64_t N, int64_t in,
                      int64_t out, bool accumulate_dx = false);
 
+// The same over rows with strides (ldy >= out, ldx >= in, ...), for operands that are column blocks
+// of wider rows (the MLA layer's [c_lat | k_rot]). The contiguous forms above call these.
+// y[N, out] (row stride ldy) = x[N, in] (row stride ldx) · W^T.
+void linear_forward_strided(double* y, int64_t ldy, const double* x, int64_t ldx, const double* W, int64_t N,
+                            int64_t in, int64_t out);
+// dx[N, in] (row stride lddx) = dy[N, out] (row stride lddy) · W, overwritten or added to with accumulate_dx.
+void linear_backward_x_strided(double* dx, int64_t lddx, const double* dy, int64_t lddy, const double* W, int64_t N,
+                               int64_t in, int64_t out, bool accumulate_dx = false);
+// dW[out, in] += dy[N, out]^T (row stride lddy) · x[N, in] (row stride ldx).
+void linear_backward_w_strided(double* dW, const double* dy, int64_t lddy, const double* x, int64_t ldx, int64_t N,
+                               int64_t in, int64_t out);
+
 }  // namespace k3

@@ -18,4 +18,14 @@ void rmsnorm_forward(double* y, const double* x, const double* w, double eps, in
 void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x, const double* w, double eps, int64_t N,
                       int64_t D);
 
+// Float64 with saved statistics, for a layer's backward (the MLA norms). Rows of x have stride ldx;
+// xhat = x r with r = 1/sqrt(mean(x²) + eps) per row, y = w ⊙ xhat; y and xhat are [N, D], rs [N]
+// holds r. w may be null (ones).
+void rmsnorm_forward_saved(double* y, double* xhat, double* rs, const double* x, int64_t ldx, const double* w,
+                           double eps, int64_t N, int64_t D);
+// Its backward from xhat and rs: with g = dy ⊙ w, dx = r (g - xhat · mean(g ⊙ xhat)) (∂r/∂x_k = -r³ x_k / D).
+// dx OVERWRITTEN in rows of stride lddx (other columns left alone); dw += Σ_rows dy ⊙ xhat (skipped when null).
+void rmsnorm_backward_saved(double* dx, int64_t lddx, double* dw, const double* dy, const double* xhat,
+                            const double* rs, const double* w, int64_t N, int64_t D);
+
 }  // namespace k3

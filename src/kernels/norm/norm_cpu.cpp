@@ -1,4 +1,5 @@
 #include <cmath>
+#include <vector>
 
 #include "kernels/norm/norm.h"
 
@@ -44,6 +45,40 @@ void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x,
       dx[n * D + i] = r * (w ? w[i] : 1.0) * g[i] - r * r * r * xr[i] * dot / double(D);
       if (w && dw) dw[i] += g[i] * xr[i] * r;
     }
+  }
+}
+
+void rmsnorm_forward_saved(double* y, double* xhat, double* rs, const double* x, int64_t ldx, const double* w,
+                           double eps, int64_t N, int64_t D) {
+  for (int64_t n = 0; n < N; ++n) {
+    const double* xr = x + n * ldx;
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    rs[n] = r;
+    for (int64_t i = 0; i < D; ++i) {
+      xhat[n * D + i] = xr[i] * r;
+      y[n * D + i] = (w ? w[i] : 1.0) * xhat[n * D + i];
+    }
+  }
+}
+
+void rmsnorm_backward_saved(double* dx, int64_t lddx, double* dw, const double* dy, const double* xhat,
+                            const double* rs, const double* w, int64_t N, int64_t D) {
+  // y = w ⊙ x r: dw += dy ⊙ xhat; with g = dy ⊙ w,
+  //   dx_k = r g_k - r³ x_k / D Σ_i g_i x_i = r (g_k - xhat_k · mean(g ⊙ xhat)).
+  std::vector<double> g(static_cast<size_t>(D));
+  for (int64_t n = 0; n < N; ++n) {
+    const double* dyr = dy + n * D;
+    const double* xh = xhat + n * D;
+    double dot = 0.0;
+    for (int64_t i = 0; i < D; ++i) {
+      if (dw) dw[i] += dyr[i] * xh[i];
+      g[size_t(i)] = dyr[i] * (w ? w[i] : 1.0);
+      dot += g[size_t(i)] * xh[i];
+    }
+    const double m = dot / double(D);
+    for (int64_t i = 0; i < D; ++i) dx[n * lddx + i] = rs[n] * (g[size_t(i)] - xh[i] * m);
   }
 }
 

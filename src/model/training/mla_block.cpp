@@ -3,15 +3,17 @@
 // Notation: T tokens, hidden D, H heads, Dn/Dr/Dv head dims, R = kv_lora_rank, Qr = q_lora_rank,
 // dq = Dn + Dr (q/k width per head), dkv = Dn + Dv (kv_b output per head), ldc = R + Dr.
 // A linear layer is y = x Wᵀ with W [out, in] (the release's layout), so its backward is
-// dx = dy W and dW += dyᵀ x.
+// dx = dy W and dW += dyᵀ x. The ops are kernels/ ops: strided linears (gemm/linear_f64.h), RMSNorm
+// with saved statistics (norm/norm.h), the attention core and output gate (mla/mla_f64.h); this file
+// only composes them.
 #include "model/training/mla_block.h"
 
-#include <cblas.h>
-
-#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/gemm/linear_f64.h"
+#include "kernels/mla/mla_f64.h"
+#include "kernels/norm/norm.h"
 #include "model/tensor_table.h"
 
 namespace k3::train {
@@ -59,82 +61,7 @@ void check_layer(const K3Config& c, int64_t layer) {
     fail(c.source, ": layer ", layer, " is not an MLA layer");
 }
 
-// y[T, out] = x[T, in] Wᵀ   (W [out, in]); ldx/ldy are row strides.
-void linear_fwd(double* y, int64_t ldy, const double* x, int64_t ldx, const double* W, int64_t T, int64_t out,
-                int64_t in) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(T), int(out), int(in), 1.0, x, int(ldx), W, int(in), 0.0, y,
-              int(ldy));
-}
-// dx[T, in] (= or +=, by beta) dy[T, out] W   — gradient of the input of y = x Wᵀ.
-void linear_bwd_x(double* dx, int64_t lddx, const double* dy, int64_t lddy, const double* W, int64_t T, int64_t out,
-                  int64_t in, double beta) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(T), int(in), int(out), 1.0, dy, int(lddy), W, int(in),
-              beta, dx, int(lddx));
-}
-// dW[out, in] += dy[T, out]ᵀ x[T, in]   — gradient of the weight of y = x Wᵀ.
-void linear_bwd_w(double* dW, const double* dy, int64_t lddy, const double* x, int64_t ldx, int64_t T, int64_t out,
-                  int64_t in) {
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(T), 1.0, dy, int(lddy), x, int(ldx), 1.0,
-              dW, int(in));
-}
-
-// RMSNorm of row t (n columns of x with stride ldx): xhat = x * r, r = 1/sqrt(mean(x²) + eps),
-// y = w ⊙ xhat. Saves xhat and r for the backward.
-void rmsnorm_fwd(double* y, double* xhat, double* rs, const double* x, int64_t ldx, const double* w, double eps,
-                 int64_t T, int64_t n) {
-  for (int64_t t = 0; t < T; ++t) {
-    const double* xr = x + t * ldx;
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const double r = 1.0 / std::sqrt(ss / double(n) + eps);
-    rs[t] = r;
-    for (int64_t i = 0; i < n; ++i) {
-      xhat[t * n + i] = xr[i] * r;
-      y[t * n + i] = w[i] * xhat[t * n + i];
-    }
-  }
-}
-
-// Backward of y = w ⊙ (x r): dw += Σ_t dy ⊙ xhat; with g = dy ⊙ w,
-//   dx_k = r g_k - r³ x_k / n Σ_i g_i x_i = r (g_k - xhat_k · mean(g ⊙ xhat))
-// (dr/dx_k = -r³ x_k / n). dx is written (not accumulated) into rows of stride lddx.
-void rmsnorm_bwd(double* dx, int64_t lddx, double* dw, const double* dy, const double* xhat, const double* rs,
-                 const double* w, int64_t T, int64_t n) {
-  std::vector<double> g(static_cast<size_t>(n));
-  for (int64_t t = 0; t < T; ++t) {
-    const double* dyr = dy + t * n;
-    const double* xh = xhat + t * n;
-    double dot = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      dw[i] += dyr[i] * xh[i];
-      g[size_t(i)] = dyr[i] * w[i];
-      dot += g[size_t(i)] * xh[i];
-    }
-    const double m = dot / double(n);
-    for (int64_t i = 0; i < n; ++i) dx[t * lddx + i] = rs[t] * (g[size_t(i)] - xh[i] * m);
-  }
-}
-
-// Scaled causal scores of query row t of head h: out[s] = scale·(q_nope·k_nope(s) + q_rot·k_rot(s)),
-// s = 0..t. Keys: k_nope from kv (per head), k_rot from columns R..R+Dr of ckv (shared by all heads).
-void head_scores(double* out, const double* q, const double* kv, const double* ckv, const Dims& d, int64_t h, int64_t t,
-                 double scale) {
-  const double* qt = q + t * d.H * d.dq + h * d.dq;  // [q_nope | q_rot]
-  for (int64_t s = 0; s <= t; ++s) {
-    const double* kn = kv + s * d.H * d.dkv + h * d.dkv;
-    const double* kr = ckv + s * d.ldc + d.R;
-    double acc = 0.0;
-    for (int64_t j = 0; j < d.Dn; ++j) acc += qt[j] * kn[j];
-    for (int64_t j = 0; j < d.Dr; ++j) acc += qt[d.Dn + j] * kr[j];
-    out[s] = acc * scale;
-  }
-}
-
-double sigmoid(double z) {
-  if (z >= 0) return 1.0 / (1.0 + std::exp(-z));
-  const double e = std::exp(z);
-  return e / (1.0 + e);
-}
+mla::Dims core_dims(const Dims& d) { return {d.H, d.Dn, d.Dr, d.Dv, d.R}; }
 
 }  // namespace
 
@@ -158,65 +85,49 @@ void mla_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   tp.q.assign(sT * size_t(d.H * d.dq), 0.0);
   if (d.Qr > 0) {
     std::vector<double> qa_raw(sT * size_t(d.Qr));
-    linear_fwd(qa_raw.data(), d.Qr, x, d.D, P.p(n.q_a, d.Qr * d.D), T, d.Qr, d.D);
+    linear_forward_strided(qa_raw.data(), d.Qr, x, d.D, P.p(n.q_a, d.Qr * d.D), T, d.D, d.Qr);
     tp.qa_hat.assign(qa_raw.size(), 0.0);
     tp.qa.assign(qa_raw.size(), 0.0);
     tp.qa_rs.assign(sT, 0.0);
-    rmsnorm_fwd(tp.qa.data(), tp.qa_hat.data(), tp.qa_rs.data(), qa_raw.data(), d.Qr, P.p(n.q_a_norm, d.Qr), eps, T,
-                d.Qr);
-    linear_fwd(tp.q.data(), d.H * d.dq, tp.qa.data(), d.Qr, P.p(n.q_b, d.H * d.dq * d.Qr), T, d.H * d.dq, d.Qr);
+    rmsnorm_forward_saved(tp.qa.data(), tp.qa_hat.data(), tp.qa_rs.data(), qa_raw.data(), d.Qr, P.p(n.q_a_norm, d.Qr),
+                          eps, T, d.Qr);
+    linear_forward_strided(tp.q.data(), d.H * d.dq, tp.qa.data(), d.Qr, P.p(n.q_b, d.H * d.dq * d.Qr), T, d.Qr,
+                           d.H * d.dq);
   } else {
-    linear_fwd(tp.q.data(), d.H * d.dq, x, d.D, P.p(n.q, d.H * d.dq * d.D), T, d.H * d.dq, d.D);
+    linear_forward_strided(tp.q.data(), d.H * d.dq, x, d.D, P.p(n.q, d.H * d.dq * d.D), T, d.D, d.H * d.dq);
   }
 
   // 2. c = kv_a x = [c_lat | k_rot]; lat = RMSNorm(c_lat). k_rot stays raw (no norm, no rotation).
   tp.ckv.assign(sT * size_t(d.ldc), 0.0);
-  linear_fwd(tp.ckv.data(), d.ldc, x, d.D, P.p(n.kv_a, d.ldc * d.D), T, d.ldc, d.D);
+  linear_forward_strided(tp.ckv.data(), d.ldc, x, d.D, P.p(n.kv_a, d.ldc * d.D), T, d.D, d.ldc);
   tp.lat_hat.assign(sT * size_t(d.R), 0.0);
   tp.lat.assign(sT * size_t(d.R), 0.0);
   tp.lat_rs.assign(sT, 0.0);
-  rmsnorm_fwd(tp.lat.data(), tp.lat_hat.data(), tp.lat_rs.data(), tp.ckv.data(), d.ldc, P.p(n.kv_a_norm, d.R), eps, T,
-              d.R);
+  rmsnorm_forward_saved(tp.lat.data(), tp.lat_hat.data(), tp.lat_rs.data(), tp.ckv.data(), d.ldc, P.p(n.kv_a_norm, d.R),
+                        eps, T, d.R);
 
   // 3. kv = kv_b(lat): per head [k_nope (Dn) | v (Dv)].   [T, H*dkv]
   tp.kv.assign(sT * size_t(d.H * d.dkv), 0.0);
-  linear_fwd(tp.kv.data(), d.H * d.dkv, tp.lat.data(), d.R, P.p(n.kv_b, d.H * d.dkv * d.R), T, d.H * d.dkv, d.R);
+  linear_forward_strided(tp.kv.data(), d.H * d.dkv, tp.lat.data(), d.R, P.p(n.kv_b, d.H * d.dkv * d.R), T, d.R,
+                         d.H * d.dkv);
 
-  // 4-5. Per head: causal softmax of scaled scores, o = P v.
+  // 4-5. Per head: causal softmax of scaled scores, o = P v (k_rot: columns R..R+Dr of ckv).
   const int64_t ldkv = d.H * d.dkv, ldo = d.H * d.Dv;
   tp.lse.assign(size_t(d.H) * sT, 0.0);
   tp.o.assign(sT * size_t(ldo), 0.0);
-  std::vector<double> pr(sT);
-  for (int64_t h = 0; h < d.H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      head_scores(pr.data(), tp.q.data(), tp.kv.data(), tp.ckv.data(), d, h, t, scale);
-      double mx = -INFINITY;  // max-subtracted softmax over s = 0..t (causal)
-      for (int64_t s = 0; s <= t; ++s) mx = std::max(mx, pr[size_t(s)]);
-      double z = 0.0;
-      for (int64_t s = 0; s <= t; ++s) z += (pr[size_t(s)] = std::exp(pr[size_t(s)] - mx));
-      tp.lse[size_t(h * T + t)] = mx + std::log(z);
-      double* orow = tp.o.data() + t * ldo + h * d.Dv;
-      for (int64_t s = 0; s <= t; ++s) {
-        const double w = pr[size_t(s)] / z;
-        const double* v = tp.kv.data() + s * ldkv + h * d.dkv + d.Dn;
-        for (int64_t j = 0; j < d.Dv; ++j) orow[j] += w * v[j];
-      }
-    }
-  }
+  mla::attention_forward_f64(tp.o.data(), ldo, tp.lse.data(), tp.q.data(), d.H * d.dq, tp.kv.data(), ldkv,
+                             tp.ckv.data() + d.R, d.ldc, T, core_dims(d), scale);
 
   // Output gate: og = o ⊙ sigmoid(g_proj x) (full rank, per channel), then y = o_proj og.
   if (d.gated) {
     tp.gate.assign(sT * size_t(ldo), 0.0);
-    linear_fwd(tp.gate.data(), ldo, x, d.D, P.p(n.g, ldo * d.D), T, ldo, d.D);
+    linear_forward_strided(tp.gate.data(), ldo, x, d.D, P.p(n.g, ldo * d.D), T, d.D, ldo);
     tp.og.resize(tp.o.size());
-    for (size_t i = 0; i < tp.o.size(); ++i) {
-      tp.gate[i] = sigmoid(tp.gate[i]);
-      tp.og[i] = tp.o[i] * tp.gate[i];
-    }
+    mla::output_gate_forward_f64(tp.og.data(), tp.gate.data(), tp.o.data(), int64_t(tp.o.size()));
   } else {
     tp.og = tp.o;
   }
-  linear_fwd(y, d.D, tp.og.data(), ldo, P.p(n.o, d.D * ldo), T, d.D, ldo);
+  linear_forward_strided(y, d.D, tp.og.data(), ldo, P.p(n.o, d.D * ldo), T, ldo, d.D);
 }
 
 void mla_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
@@ -234,97 +145,54 @@ void mla_block_backward(ParamStore& P, const std::string& prefix, const K3Config
 
   // y = og Woᵀ:  dWo += dyᵀ og;  dog = dy Wo.
   std::vector<double> dog(sT * size_t(ldo));
-  linear_bwd_w(P.g(n.o, d.D * ldo), dy, d.D, tp.og.data(), ldo, T, d.D, ldo);
-  linear_bwd_x(dog.data(), ldo, dy, d.D, P.p(n.o, d.D * ldo), T, d.D, ldo, 0.0);
+  linear_backward_w_strided(P.g(n.o, d.D * ldo), dy, d.D, tp.og.data(), ldo, T, ldo, d.D);
+  linear_backward_x_strided(dog.data(), ldo, dy, d.D, P.p(n.o, d.D * ldo), T, ldo, d.D, false);
 
   // Gate: og = o ⊙ σ(zg), zg = x Wgᵀ.  do = dog ⊙ σ;  dzg = dog ⊙ o ⊙ σ(1-σ);  dWg += dzgᵀ x; dx = dzg Wg.
-  // dx is first written here (beta 0) or by the first input-gradient term below.
+  // dx is first written (overwritten) here or by the first input-gradient term below.
   std::vector<double> dO(sT * size_t(ldo));
   bool dx_written = false;
   if (d.gated) {
     std::vector<double> dz(dO.size());
-    for (size_t i = 0; i < dO.size(); ++i) {
-      const double s = tp.gate[i];
-      dO[i] = dog[i] * s;
-      dz[i] = dog[i] * tp.o[i] * s * (1.0 - s);
-    }
-    linear_bwd_w(P.g(n.g, ldo * d.D), dz.data(), ldo, x, d.D, T, ldo, d.D);
-    linear_bwd_x(dx, d.D, dz.data(), ldo, P.p(n.g, ldo * d.D), T, ldo, d.D, 0.0);
+    mla::output_gate_backward_f64(dO.data(), dz.data(), dog.data(), tp.o.data(), tp.gate.data(), int64_t(dO.size()));
+    linear_backward_w_strided(P.g(n.g, ldo * d.D), dz.data(), ldo, x, d.D, T, d.D, ldo);
+    linear_backward_x_strided(dx, d.D, dz.data(), ldo, P.p(n.g, ldo * d.D), T, d.D, ldo, false);
     dx_written = true;
   } else {
     dO = dog;
   }
 
-  // Attention, per head. With S = scale·(q·k), P = softmax_causal(S), o_t = Σ_s P_ts v_s:
-  //   dP_ts = do_t · v_s;  dv_s += Σ_t P_ts do_t;
-  //   dS_ts = P_ts (dP_ts - Σ_s' P_ts' dP_ts')          (softmax Jacobian; 0 where masked)
-  //   dq_t += scale Σ_s dS_ts k_s;  dk_s += scale Σ_t dS_ts q_t
-  // with k_s = [k_nope_h(s) | k_rot(s)]; k_rot is shared by the heads, so its gradient sums over h.
-  std::vector<double> dq(sT * size_t(ldq), 0.0), dkv(sT * size_t(ldkv), 0.0), dckv(sT * size_t(d.ldc), 0.0);
-  std::vector<double> dProw(sT), prow(sT);
-  for (int64_t h = 0; h < d.H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      // P_ts = exp(S_ts - lse_t), recomputed from the saved log-sum-exp.
-      double* pr = prow.data();
-      head_scores(pr, tp.q.data(), tp.kv.data(), tp.ckv.data(), d, h, t, scale);
-      for (int64_t s = 0; s <= t; ++s) pr[s] = std::exp(pr[s] - tp.lse[size_t(h * T + t)]);
-      const double* dot = dO.data() + t * ldo + h * d.Dv;
-      double sum = 0.0;  // Σ_s P_ts dP_ts
-      for (int64_t s = 0; s <= t; ++s) {
-        const double* v = tp.kv.data() + s * ldkv + h * d.dkv + d.Dn;
-        double* dv = dkv.data() + s * ldkv + h * d.dkv + d.Dn;
-        double a = 0.0;
-        for (int64_t j = 0; j < d.Dv; ++j) {
-          a += dot[j] * v[j];
-          dv[j] += pr[s] * dot[j];
-        }
-        dProw[size_t(s)] = a;
-        sum += pr[s] * a;
-      }
-      const double* qt = tp.q.data() + t * ldq + h * d.dq;
-      double* dqt = dq.data() + t * ldq + h * d.dq;
-      for (int64_t s = 0; s <= t; ++s) {
-        const double ds = pr[s] * (dProw[size_t(s)] - sum) * scale;
-        const double* kn = tp.kv.data() + s * ldkv + h * d.dkv;
-        const double* kr = tp.ckv.data() + s * d.ldc + d.R;
-        double* dkn = dkv.data() + s * ldkv + h * d.dkv;
-        double* dkr = dckv.data() + s * d.ldc + d.R;
-        for (int64_t j = 0; j < d.Dn; ++j) {
-          dqt[j] += ds * kn[j];
-          dkn[j] += ds * qt[j];
-        }
-        for (int64_t j = 0; j < d.Dr; ++j) {
-          dqt[d.Dn + j] += ds * kr[j];
-          dkr[j] += ds * qt[d.Dn + j];
-        }
-      }
-    }
-  }
+  // Attention (mla/mla_f64.h): dq, dkv = [dk_nope | dv] per head, and the k_rot columns R..R+Dr of
+  // dckv (summed over the heads); the RMSNorm below fills columns 0..R.
+  std::vector<double> dq(sT * size_t(ldq)), dkv(sT * size_t(ldkv)), dckv(sT * size_t(d.ldc));
+  mla::attention_backward_f64(dq.data(), ldq, dkv.data(), ldkv, dckv.data() + d.R, d.ldc, dO.data(), ldo, tp.q.data(),
+                              ldq, tp.kv.data(), ldkv, tp.ckv.data() + d.R, d.ldc, tp.lse.data(), T, core_dims(d),
+                              scale);
 
   // kv = lat Wkvbᵀ:  dWkvb += dkvᵀ lat;  dlat = dkv Wkvb.
   std::vector<double> dlat(sT * size_t(d.R));
-  linear_bwd_w(P.g(n.kv_b, ldkv * d.R), dkv.data(), ldkv, tp.lat.data(), d.R, T, ldkv, d.R);
-  linear_bwd_x(dlat.data(), d.R, dkv.data(), ldkv, P.p(n.kv_b, ldkv * d.R), T, ldkv, d.R, 0.0);
+  linear_backward_w_strided(P.g(n.kv_b, ldkv * d.R), dkv.data(), ldkv, tp.lat.data(), d.R, T, d.R, ldkv);
+  linear_backward_x_strided(dlat.data(), d.R, dkv.data(), ldkv, P.p(n.kv_b, ldkv * d.R), T, d.R, ldkv, false);
   // lat = RMSNorm(c_lat): its input gradient fills columns 0..R of dckv (k_rot columns hold the attention term).
-  rmsnorm_bwd(dckv.data(), d.ldc, P.g(n.kv_a_norm, d.R), dlat.data(), tp.lat_hat.data(), tp.lat_rs.data(),
-              P.p(n.kv_a_norm, d.R), T, d.R);
+  rmsnorm_backward_saved(dckv.data(), d.ldc, P.g(n.kv_a_norm, d.R), dlat.data(), tp.lat_hat.data(), tp.lat_rs.data(),
+                         P.p(n.kv_a_norm, d.R), T, d.R);
   // ckv = x Wkvaᵀ.
-  linear_bwd_w(P.g(n.kv_a, d.ldc * d.D), dckv.data(), d.ldc, x, d.D, T, d.ldc, d.D);
-  linear_bwd_x(dx, d.D, dckv.data(), d.ldc, P.p(n.kv_a, d.ldc * d.D), T, d.ldc, d.D, dx_written ? 1.0 : 0.0);
+  linear_backward_w_strided(P.g(n.kv_a, d.ldc * d.D), dckv.data(), d.ldc, x, d.D, T, d.D, d.ldc);
+  linear_backward_x_strided(dx, d.D, dckv.data(), d.ldc, P.p(n.kv_a, d.ldc * d.D), T, d.D, d.ldc, dx_written);
 
   // q path.
   if (d.Qr > 0) {
     // q = qa Wqbᵀ;  qa = RMSNorm(qa_raw);  qa_raw = x Wqaᵀ.
     std::vector<double> dqa(sT * size_t(d.Qr)), dqa_raw(sT * size_t(d.Qr));
-    linear_bwd_w(P.g(n.q_b, ldq * d.Qr), dq.data(), ldq, tp.qa.data(), d.Qr, T, ldq, d.Qr);
-    linear_bwd_x(dqa.data(), d.Qr, dq.data(), ldq, P.p(n.q_b, ldq * d.Qr), T, ldq, d.Qr, 0.0);
-    rmsnorm_bwd(dqa_raw.data(), d.Qr, P.g(n.q_a_norm, d.Qr), dqa.data(), tp.qa_hat.data(), tp.qa_rs.data(),
-                P.p(n.q_a_norm, d.Qr), T, d.Qr);
-    linear_bwd_w(P.g(n.q_a, d.Qr * d.D), dqa_raw.data(), d.Qr, x, d.D, T, d.Qr, d.D);
-    linear_bwd_x(dx, d.D, dqa_raw.data(), d.Qr, P.p(n.q_a, d.Qr * d.D), T, d.Qr, d.D, 1.0);
+    linear_backward_w_strided(P.g(n.q_b, ldq * d.Qr), dq.data(), ldq, tp.qa.data(), d.Qr, T, d.Qr, ldq);
+    linear_backward_x_strided(dqa.data(), d.Qr, dq.data(), ldq, P.p(n.q_b, ldq * d.Qr), T, d.Qr, ldq, false);
+    rmsnorm_backward_saved(dqa_raw.data(), d.Qr, P.g(n.q_a_norm, d.Qr), dqa.data(), tp.qa_hat.data(), tp.qa_rs.data(),
+                           P.p(n.q_a_norm, d.Qr), T, d.Qr);
+    linear_backward_w_strided(P.g(n.q_a, d.Qr * d.D), dqa_raw.data(), d.Qr, x, d.D, T, d.D, d.Qr);
+    linear_backward_x_strided(dx, d.D, dqa_raw.data(), d.Qr, P.p(n.q_a, d.Qr * d.D), T, d.D, d.Qr, true);
   } else {
-    linear_bwd_w(P.g(n.q, ldq * d.D), dq.data(), ldq, x, d.D, T, ldq, d.D);
-    linear_bwd_x(dx, d.D, dq.data(), ldq, P.p(n.q, ldq * d.D), T, ldq, d.D, 1.0);
+    linear_backward_w_strided(P.g(n.q, ldq * d.D), dq.data(), ldq, x, d.D, T, d.D, ldq);
+    linear_backward_x_strided(dx, d.D, dq.data(), ldq, P.p(n.q, ldq * d.D), T, d.D, ldq, true);
   }
 }
 

@@ -9,11 +9,49 @@
 
 namespace k3::moe {
 
+namespace {
+
+// The selection of one token from its biased scores `sel` [E] (changed: experts the group limit
+// excludes become -inf): the DeepSeek-V3 group limit when groups > 1 (a group scores the sum of its
+// two best biased scores; experts outside the best topk_groups groups cannot be selected), then the
+// top K, ties to the lower expert index (deterministic). order[0..K) receives them, best first.
+template <class T>
+void select_experts(std::vector<int32_t>& order, std::vector<T>& sel, std::vector<T>& gscore,
+                    std::vector<int32_t>& gorder, const RouterParams& p) {
+  const int64_t E = p.num_experts, G = p.num_groups, per_group = E / G;
+  if (G > 1 && p.topk_groups < G) {
+    for (int64_t g = 0; g < G; ++g) {
+      T b1 = -INFINITY, b2 = -INFINITY;
+      for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+        const T v = sel[size_t(e)];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
+    }
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::stable_sort(gorder.begin(), gorder.end(),
+                     [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
+    for (int64_t r = p.topk_groups; r < G; ++r)
+      for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
+        sel[size_t(e)] = -INFINITY;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + p.top_k, order.end(), [&](int32_t a, int32_t b) {
+    return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
+  });
+}
+
+}  // namespace
+
 void router_forward(int32_t* idx, float* weight, float* scores_out, const float* logits, const float* bias, int64_t N,
                     const RouterParams& p) {
   const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
   K3_ASSERT(K >= 1 && K <= E && G >= 1 && E % G == 0);
-  const int64_t per_group = E / G;
 #pragma omp parallel
   {
     std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
@@ -25,39 +63,12 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
       for (int64_t e = 0; e < E; ++e) {
         s[size_t(e)] = sigmoidf_stable(logits[n * E + e]);
         // A NaN selection score (NaN input or weight) is never selected before a number: without
-        // this, `better` is no ordering at all, and the GPU's argmax would return no expert.
+        // this, the selection has no ordering at all, and the GPU's argmax would return no expert.
         const float v = s[size_t(e)] + (bias ? bias[e] : 0.0f);
         sel[size_t(e)] = std::isnan(v) ? -INFINITY : v;
       }
       if (scores_out) std::copy(s.begin(), s.end(), scores_out + n * E);
-      auto better = [&](int32_t a, int32_t b) {
-        return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
-      };
-      if (G > 1 && p.topk_groups < G) {
-        // DeepSeek-V3 group limit: a group's score is the sum of its two best biased scores;
-        // experts outside the best topk_groups groups cannot be selected.
-        for (int64_t g = 0; g < G; ++g) {
-          float b1 = -INFINITY, b2 = -INFINITY;
-          for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-            const float v = sel[size_t(e)];
-            if (v > b1) {
-              b2 = b1;
-              b1 = v;
-            } else if (v > b2) {
-              b2 = v;
-            }
-          }
-          gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
-        }
-        std::iota(gorder.begin(), gorder.end(), 0);
-        std::stable_sort(gorder.begin(), gorder.end(),
-                         [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-        for (int64_t r = p.topk_groups; r < G; ++r)
-          for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
-            sel[size_t(e)] = -INFINITY;
-      }
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + K, order.end(), better);
+      select_experts(order, sel, gscore, gorder, p);
       double sum = 0.0;
       for (int64_t k = 0; k < K; ++k) sum += s[size_t(order[size_t(k)])];
       for (int64_t k = 0; k < K; ++k) {
@@ -72,10 +83,9 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
 
 void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,
                     const double* bias, int64_t N, const RouterParams& p) {
-  const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups, TG = p.topk_groups;
+  const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
   K3_CHECK(K >= 1 && K <= E, "router: top-k ", K, " must be in 1..num_experts (", E, ")");
   K3_CHECK(G >= 1 && E % G == 0, "router: num_expert_group ", G, " must divide num_experts ", E);
-  const int64_t per_group = E / G;
   std::vector<double> sel(static_cast<size_t>(E)), gscore(static_cast<size_t>(G));
   std::vector<int32_t> order(static_cast<size_t>(E)), gorder(static_cast<size_t>(G));
   for (int64_t n = 0; n < N; ++n) {
@@ -84,34 +94,7 @@ void router_forward(int32_t* idx, double* weight, double* scores, double* sel_su
       s[e] = sigmoid_stable(logits[n * E + e]);
       sel[size_t(e)] = s[e] + (bias ? bias[e] : 0.0);  // the bias steers selection only
     }
-    if (G > 1 && TG < G) {
-      // DeepSeek-V3 group limit (as the fp32 router): a group scores the sum of its two best
-      // biased scores; experts outside the best TG groups cannot be selected.
-      for (int64_t g = 0; g < G; ++g) {
-        double b1 = -INFINITY, b2 = -INFINITY;
-        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-          const double v = sel[size_t(e)];
-          if (v > b1) {
-            b2 = b1;
-            b1 = v;
-          } else if (v > b2) {
-            b2 = v;
-          }
-        }
-        gscore[size_t(g)] = per_group >= 2 ? b1 + b2 : b1;
-      }
-      std::iota(gorder.begin(), gorder.end(), 0);
-      std::stable_sort(gorder.begin(), gorder.end(),
-                       [&](int32_t a, int32_t b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-      for (int64_t r = TG; r < G; ++r)
-        for (int64_t e = gorder[size_t(r)] * per_group; e < (gorder[size_t(r)] + 1) * per_group; ++e)
-          sel[size_t(e)] = -INFINITY;
-    }
-    // Top-K of the biased scores; ties go to the lower expert index (deterministic).
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
-      return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
-    });
+    select_experts(order, sel, gscore, gorder, p);
     double sum = 0.0;
     for (int64_t k = 0; k < K; ++k) sum += s[order[size_t(k)]];
     if (sel_sum) sel_sum[n] = sum;

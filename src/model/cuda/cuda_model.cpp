@@ -1,8 +1,7 @@
-// The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass, the
-// CUDA twin of model/model.cpp (the same block order, AttnRes sources and row selection).
+// The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass: the
+// GPU backend of the decoder schedule (model/decoder.h), which model/model.cpp's CPU backend runs too.
 #ifdef K3_HAVE_CUDA
 #include <atomic>
-#include <chrono>
 #include <filesystem>
 
 #include "core/error.h"

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/norm/norm.h"
 
 namespace k3::kda {
 namespace {
@@ -111,9 +112,7 @@ void gated_rmsnorm_forward(double* on, double* inv, const double* o, const doubl
                            int64_t rows, int64_t D) {
   for (int64_t r = 0; r < rows; ++r) {
     const double* orow = o + r * D;
-    double ss = 0.0;
-    for (int64_t e = 0; e < D; ++e) ss += orow[e] * orow[e];
-    const double v = 1.0 / std::sqrt(ss / double(D) + eps);
+    const double v = inv_rms_f64(orow, D, eps);
     inv[r] = v;
     for (int64_t e = 0; e < D; ++e) on[r * D + e] = orow[e] * v * w[e] * sigmoid(gp[r * D + e]);
   }

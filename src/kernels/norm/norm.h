@@ -2,6 +2,7 @@
 // normalisation, as AttnRes keys use). The sum of squares is accumulated in double (ggml's habit):
 // cheap, and it makes the reduction order irrelevant at fp32 output precision.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 namespace k3 {
@@ -10,6 +11,14 @@ namespace k3 {
 void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D, int64_t ld);
 inline void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D) {
   rmsnorm_forward(y, x, weight, eps, N, D, D);
+}
+
+// 1 / sqrt(mean(x²) + eps) of one row of D, the sum of squares in order: the one definition every
+// float64 RMS normalisation here uses (plain, with saved statistics, KDA's gated output norm).
+inline double inv_rms_f64(const double* x, int64_t D, double eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  return 1.0 / std::sqrt(ss / double(D) + eps);
 }
 
 // Float64, for training: y = w ⊙ x / sqrt(mean(x²) + eps) ([N, D], w may be null), and its backward:

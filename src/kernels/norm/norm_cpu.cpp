@@ -23,9 +23,7 @@ void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, i
 void rmsnorm_forward(double* y, const double* x, const double* w, double eps, int64_t N, int64_t D) {
   for (int64_t n = 0; n < N; ++n) {
     const double* xr = x + n * D;
-    double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    const double r = inv_rms_f64(xr, D, eps);
     for (int64_t i = 0; i < D; ++i) y[n * D + i] = (w ? w[i] : 1.0) * xr[i] * r;
   }
 }
@@ -36,9 +34,7 @@ void rmsnorm_backward(double* dx, double* dw, const double* dy, const double* x,
   // dx_j = r (w ⊙ dy)_j - r³ x_j Σ_i (w ⊙ dy)_i x_i / D.
   for (int64_t n = 0; n < N; ++n) {
     const double *xr = x + n * D, *g = dy + n * D;
-    double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    const double r = inv_rms_f64(xr, D, eps);
     double dot = 0.0;
     for (int64_t i = 0; i < D; ++i) dot += (w ? w[i] : 1.0) * g[i] * xr[i];
     for (int64_t i = 0; i < D; ++i) {
@@ -52,9 +48,7 @@ void rmsnorm_forward_saved(double* y, double* xhat, double* rs, const double* x,
                            double eps, int64_t N, int64_t D) {
   for (int64_t n = 0; n < N; ++n) {
     const double* xr = x + n * ldx;
-    double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-    const double r = 1.0 / std::sqrt(ss / double(D) + eps);
+    const double r = inv_rms_f64(xr, D, eps);
     rs[n] = r;
     for (int64_t i = 0; i < D; ++i) {
       xhat[n * D + i] = xr[i] * r;

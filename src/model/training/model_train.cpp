@@ -68,7 +68,9 @@ class TrainBackend {
   using Act = int;
   static constexpr Act kOut = -1;
 
-  TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks)
+  // head() computes dlogits for head_backward when `backward`; `logits_out` (optional) gets [T, V].
+  TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks,
+               bool backward, double grad_scale, std::vector<double>* logits_out)
       : P_(P),
         c_(c),
         ids_(ids),
@@ -78,7 +80,10 @@ class TrainBackend {
         T_(int64_t(ids.size())),
         D_(c.hidden_size),
         tape_(size_t(c.num_hidden_layers)),
-        out_(size_t(T_ * D_)) {}
+        out_(size_t(T_ * D_)),
+        backward_(backward),
+        grad_scale_(grad_scale),
+        logits_out_(logits_out) {}
 
   bool profiling() const { return false; }
   void synchronize() {}
@@ -169,10 +174,6 @@ class TrainBackend {
     partial = int(node_.size()) - 1;
   }
 
-  // What head() computes: with `backward`, dlogits for head_backward; `logits_out` (optional) gets [T, V].
-  void set_head(bool backward, double grad_scale, std::vector<double>* logits_out) {
-    backward_ = backward, grad_scale_ = grad_scale, logits_out_ = logits_out;
-  }
   // The head: lm_head on every position and the next-token cross-entropy over T-1 of them.
   double head() {
     const int64_t V = c_.vocab_size;
@@ -266,9 +267,9 @@ class TrainBackend {
   std::vector<std::vector<double>> node_, dnode_;  // versions of the block sum and their gradients
   std::vector<double> out_;                        // the last block output
   std::vector<double> dlogits_, dh_, dxn_, dq_;
-  bool backward_ = false;
-  double grad_scale_ = 0;
-  std::vector<double>* logits_out_ = nullptr;
+  const bool backward_;
+  const double grad_scale_;
+  std::vector<double>* const logits_out_;
 };
 
 }  // namespace
@@ -276,8 +277,7 @@ class TrainBackend {
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward,
                      double grad_scale, std::vector<double>* logits_out, const TrainHooks* hooks) {
   if (ids.empty()) fail("training: empty sequence");
-  TrainBackend be(P, c, ids, hooks);
-  be.set_head(backward, grad_scale, logits_out);
+  TrainBackend be(P, c, ids, hooks, backward, grad_scale, logits_out);
   DecoderTape<TrainBackend::Act> tape;
   const double loss = decoder_forward(be, c, nullptr, &tape);
   if (backward) decoder_backward(be, c, tape);

@@ -56,6 +56,7 @@ const double* ParamStore::g(const std::string& name, int64_t numel) const {
 }
 const std::vector<int64_t>& ParamStore::shape(const std::string& name) const { return entry(name, -1).shape; }
 int64_t ParamStore::numel(const std::string& name) const { return entry(name, -1).numel; }
+int64_t ParamStore::offset(const std::string& name) const { return entry(name, -1).offset; }
 
 std::vector<std::string> ParamStore::names() const {
   std::vector<std::string> out;

@@ -48,6 +48,9 @@ class ParamStore {
   const double* g(const std::string& name, int64_t numel = -1) const;
   const std::vector<int64_t>& shape(const std::string& name) const;
   int64_t numel(const std::string& name) const;
+  // Where the tensor starts in values() and grads() (a device mirror of the flat buffers uses the same
+  // layout: model/cuda/training).
+  int64_t offset(const std::string& name) const;
 
   std::vector<std::string> names() const;  // sorted
   void zero_grads();

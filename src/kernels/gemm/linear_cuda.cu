@@ -303,4 +303,48 @@ void lm_head_forward(GemmContext& ctx, float* logits, const uint16_t* x, const u
   linear_bf16(ctx, logits, x, lm_head, M, V, D, false);
 }
 
+std::string can_run(const WeightGradParams& p) {
+  if (p.in_type != DType::F32 && p.in_type != DType::BF16)
+    return std::string("linear weight gradient (cuda): dy and x must be F32 or BF16, got ") + dtype_name(p.in_type);
+  if (p.M < 0 || p.N < 0 || p.K < 0) return "linear weight gradient (cuda): negative shape";
+  if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
+    return "linear weight gradient (cuda): M, N, K must each be <= 2^31-1, got " + std::to_string(p.M) + ", " +
+           std::to_string(p.N) + ", " + std::to_string(p.K);
+  const int64_t ld_dw = p.ld_dw ? p.ld_dw : p.K, ld_dy = p.ld_dy ? p.ld_dy : p.N, ld_x = p.ld_x ? p.ld_x : p.K;
+  if (ld_dw < p.K || ld_dy < p.N || ld_x < p.K)
+    return "linear weight gradient (cuda): a row stride is smaller than its row";
+  if (ld_dw > INT_MAX || ld_dy > INT_MAX || ld_x > INT_MAX)
+    return "linear weight gradient (cuda): row strides must be <= 2^31-1";
+  if (p.batch < 1 || p.batch > INT_MAX)
+    return "linear weight gradient (cuda): batch must be in [1, 2^31-1], got " + std::to_string(p.batch);
+  if (p.N > 0 && p.K > 0 && (!p.dw || (p.M > 0 && (!p.dy || !p.x))))
+    return "linear weight gradient (cuda): null pointer";
+  return {};
+}
+
+void linear_weight_grad(GemmContext& ctx, const WeightGradParams& p) {
+  const std::string why = can_run(p);
+  if (!why.empty()) fail(why);
+  if (p.N == 0 || p.K == 0) return;
+  const int64_t ld_dw = p.ld_dw ? p.ld_dw : p.K, ld_dy = p.ld_dy ? p.ld_dy : p.N, ld_x = p.ld_x ? p.ld_x : p.K;
+  if (p.M == 0) {  // empty sum
+    if (!p.accumulate)
+      for (int64_t b = 0; b < p.batch; ++b)
+        K3_CUDA_CHECK(cudaMemset2D(p.dw + b * p.stride_dw, size_t(ld_dw) * sizeof(float), 0,
+                                   size_t(p.K) * sizeof(float), size_t(p.N)));
+    return;
+  }
+  GemmContext::Impl& c = ctx.impl();
+  const bool exact = p.in_type == DType::F32;
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  // Column-major dWᵀ[K, N] = xᵀ[K, M] · dy[M, N]: x row-major is xᵀ column-major (op N), dy row-major is
+  // dyᵀ column-major (op T).
+  K3_CUBLAS_CHECK(cublasGemmStridedBatchedEx(exact ? c.blas_exact : c.blas, CUBLAS_OP_N, CUBLAS_OP_T, int(p.K),
+                                             int(p.N), int(p.M), &alpha, p.x, cuda_type(p.in_type), int(ld_x),
+                                             p.stride_x, p.dy, cuda_type(p.in_type), int(ld_dy), p.stride_dy, &beta,
+                                             p.dw, CUDA_R_32F, int(ld_dw), p.stride_dw, int(p.batch),
+                                             exact ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F,
+                                             CUBLAS_GEMM_DEFAULT));
+}
+
 }  // namespace k3::gemm::cuda

@@ -87,4 +87,26 @@ void linear_exact_f64(GemmContext& ctx, double* y, int64_t ld_y, const float* x,
 void lm_head_forward(GemmContext& ctx, float* logits, const uint16_t* x, const uint16_t* lm_head, int64_t M, int64_t V,
                      int64_t D);
 
+// The weight gradient of y = x·Wᵀ (training): dW[N, K] (+)= dyᵀ·x, summed over the M rows.
+//   dy [M, N] (ld_dy), x [M, K] (ld_x), both F32 (pedantic fp32, TF32 off: the f32 training mode) or
+//   both BF16 (tensor cores, fp32 accumulation: the bf16 mode); dW is always F32 (the fp32 gradient
+//   buffer). Column-major this is dWᵀ[K, N] = xᵀ·dy, one cublasGemmEx "NT" with no copies.
+//   The input gradient dx = dy·W is linear_forward with w_in_out = true (W read as [N, K] = "[K, N]").
+struct WeightGradParams {
+  float* dw = nullptr;  // [N, ld_dw] fp32
+  int64_t ld_dw = 0;    // elements (0: K)
+  const void* dy = nullptr;
+  int64_t ld_dy = 0;  // elements (0: N)
+  const void* x = nullptr;
+  int64_t ld_x = 0;            // elements (0: K)
+  DType in_type = DType::F32;  // of dy and x
+  int64_t M = 0, N = 0, K = 0;
+  bool accumulate = true;  // dW += (the usual: gradients of one step accumulate); false: dW =
+  // `batch` independent products at dw + b·stride_dw, dy + b·stride_dy, x + b·stride_x (elements).
+  int64_t batch = 1;
+  int64_t stride_dw = 0, stride_dy = 0, stride_x = 0;
+};
+std::string can_run(const WeightGradParams& p);
+void linear_weight_grad(GemmContext& ctx, const WeightGradParams& p);
+
 }  // namespace k3::gemm::cuda

@@ -43,8 +43,9 @@ void register_train(CLI::App& app) {
   auto balance = std::make_shared<std::string>("qb-exact");
   CLI::App* sub = app.add_subcommand(
       "train",
-      "Train a K3 model from CONFIG on a token shard (see `k3 data`), in float64 on the CPU: explicit\n"
-      "forward/backward of every block, AdamW for vectors/embeddings/lm_head and Per-Head Muon for\n"
+      "Train a K3 model from CONFIG on a token shard (see `k3 data`): in float64 on the CPU, or on one\n"
+      "Hopper GPU (--device cuda) in bf16 mixed precision or fp32. Explicit forward/backward of every block, AdamW for "
+      "vectors/embeddings/lm_head and Per-Head Muon for\n"
       "matrices, cosine schedule with linear warmup, gradient clipping, Quantile Balancing of the MoE\n"
       "routers. Curriculum stages SEQ_LEN:TOKENS run in order with constant tokens per step.\n"
       "Writes OUT/step-N/ checkpoints (config.json + model.safetensors, loadable by `k3 generate`, +\n"
@@ -89,10 +90,27 @@ void register_train(CLI::App& app) {
                   "sequences of a step run side by side on this many gradient buffers (one extra model-sized\n"
                   "float64 buffer each); 0 = the thread count, or the run's own count on --resume")
       ->capture_default_str();
+  auto device = std::make_shared<std::string>("cpu");
+  auto precision = std::make_shared<std::string>();
+  sub->add_option("--device", *device,
+                  "where the steps run: cpu (float64) or cuda (one Hopper GPU; needs a CUDA build). A checkpoint "
+                  "of either resumes on either")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  sub->add_option("--precision", *precision,
+                  "cuda only: bf16 (the default; bf16 GEMM operands on tensor cores, fp32 master weights, "
+                  "gradients, optimizer state, norms, softmaxes, router and KDA state) or f32 (everything fp32, "
+                  "TF32 off: the parity mode). The CPU trains in float64")
+      ->check(CLI::IsMember({"bf16", "f32"}));
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite,
                 "skip steps with a NaN/Inf loss or gradient instead of stopping");
-  sub->callback([o, stages, balance, sequential] {
+  sub->callback([o, stages, balance, sequential, device, precision] {
     o->shuffle = !*sequential;
+    o->gpu = *device == "cuda";
+    if (!precision->empty()) {
+      if (!o->gpu) fail("--precision ", *precision, ": the CPU trains in float64; --precision is for --device cuda");
+      o->gpu_precision = parse_gpu_precision(*precision, "--precision");
+    }
     if (!stages->empty()) o->stages = train::parse_stages(*stages);
     o->balance.method = train::parse_balance_method(*balance);
     const train::TrainResult r = train::train(*o);

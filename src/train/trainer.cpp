@@ -29,8 +29,8 @@
 #include "model/training/model_train.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "train/grad_lanes.h"
 #include "train/optimizer.h"
+#include "train/train_device.h"
 
 namespace k3::train {
 
@@ -66,8 +66,7 @@ namespace {
 
 // Mean loss over the first `tokens` of the shard, windows of `len`, documents cut as in training;
 // and the entropy of those tokens' unigram distribution.
-EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, int64_t tokens, int64_t len,
-                    const TrainHooks* hooks) {
+EvalResult evaluate(TrainDevice& device, const TokenShard& shard, int64_t tokens, int64_t len) {
   EvalResult r;
   tokens = std::min(tokens, shard.size());
   std::vector<std::vector<int32_t>> pieces;
@@ -76,7 +75,7 @@ EvalResult evaluate(ParamStore& P, const K3Config& c, const TokenShard& shard, i
       r.predictions += int64_t(p.size()) - 1;
       pieces.push_back(std::move(p));
     }
-  r.loss = forward_losses(P, c, pieces, hooks) / double(std::max<int64_t>(r.predictions, 1));
+  r.loss = device.forward_loss(pieces) / double(std::max<int64_t>(r.predictions, 1));
   r.unigram_entropy = unigram_entropy(shard.tokens(), tokens);
   return r;
 }
@@ -199,24 +198,17 @@ TrainResult train(const TrainOptions& opt) {
   } else {
     P = ParamStore::from_model_dir(resume_dir);
   }
-  const TensorNames tn{param_naming(P)};
-
   OptimizerConfig oc;
   oc.weight_decay = opt.weight_decay;
   oc.router_lr_scale = opt.router_lr_scale;
   Optimizer optimizer(P, oc, k3_head_splits(P, c));
-  std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    if (c.is_moe_layer(l)) {
-      const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
-      bal[size_t(l)] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, opt.balance,
-                                                          std::vector<double>(b, b + c.num_experts));
-    }
 
   int64_t step = 0, data_pos = 0, lanes = opt.grad_lanes;
   const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
   const nlohmann::json recipe = run_recipe(opt, config_text, stages);
   TrainResult res;
+  OptimizerState resume_optimizer;
+  nlohmann::json resume_balancers;
   if (!resume_dir.empty()) {
     TrainState st;
     load_checkpoint(resume_dir, P, st);
@@ -235,10 +227,8 @@ TrainResult train(const TrainOptions& opt) {
                      "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
                      "different order, so losses will not repeat bit for bit\n",
                      (long long)lanes, (long long)saved_lanes);
-      optimizer.load_state({st.meta.at("optimizer"), st.optimizer});
-      for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-        if (bal[size_t(l)])
-          *bal[size_t(l)] = QuantileBalancer::from_json(st.meta.at("balancers").at(std::to_string(l)));
+      resume_optimizer = {st.meta.at("optimizer"), st.optimizer};
+      resume_balancers = st.meta.at("balancers");
     } catch (const nlohmann::json::exception& e) {
       fail(state_file, ": corrupt training state (", e.what(), ")");
     }
@@ -281,30 +271,32 @@ TrainResult train(const TrainOptions& opt) {
     lanes = std::max<int64_t>(1, fit);
   }
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
-  GradLanes grad_lanes(P, lanes);
+  const std::unique_ptr<TrainDevice> device =
+      opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.gpu_precision)
+              : make_cpu_train_device(P, c, optimizer, opt.balance, lanes);
+  if (!resume_dir.empty()) {
+    try {
+      device->load_state(resume_optimizer, resume_balancers);
+    } catch (const nlohmann::json::exception& e) {
+      fail((fs::path(resume_dir) / "train_state.bin").string(), ": corrupt training state (", e.what(), ")");
+    }
+  }
+  std::fprintf(stderr, "training on %s\n", device->describe().c_str());
   struct Appender {  // metrics.jsonl, one record per line
     int fd;
     ~Appender() { ::close(fd); }
   } metrics{open_append(metrics_path)};
   auto append_metrics = [&](const std::string& line) { append_all(metrics.fd, line + "\n", metrics_path); };
 
-  // Routing uses each balancer's current bias (selection only; the checkpoint carries it too).
-  const std::function<const double*(int64_t)> router_bias = [&](int64_t l) { return bal[size_t(l)]->bias().data(); };
-
   auto save = [&]() {
     TrainState st;
     st.meta = {{"step", step},           {"data_pos", data_pos}, {"total_steps", total_steps},
                {"shuffle", opt.shuffle}, {"grad_lanes", lanes},  {"recipe", recipe}};
-    const OptimizerState os = optimizer.save_state();
+    OptimizerState os;
+    nlohmann::json bj;
+    device->save_state(P, os, bj);
     st.meta["optimizer"] = os.header;
-    st.optimizer = os.data;
-    nlohmann::json bj = nlohmann::json::object();
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      if (bal[size_t(l)]) {
-        bj[std::to_string(l)] = bal[size_t(l)]->to_json();
-        const std::vector<double>& b = bal[size_t(l)]->bias();
-        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c.num_experts));
-      }
+    st.optimizer = std::move(os.data);
     st.meta["balancers"] = bj;
     return save_checkpoint(opt.out_dir, step, config_text, P, st);
   };
@@ -327,16 +319,12 @@ TrainResult train(const TrainOptions& opt) {
     }
     int64_t count = 0;
     for (const auto& p : pieces) count += int64_t(p.size()) - 1;
-    P.zero_grads();
-    double loss = grad_lanes.step(c, pieces, 1.0 / double(std::max<int64_t>(count, 1)), router_bias,
-                                  [&](int64_t l, const double* s, int64_t N) { bal[size_t(l)]->accumulate(s, N); });
+    double loss = device->gradients(pieces, 1.0 / double(std::max<int64_t>(count, 1)));
     loss /= double(std::max<int64_t>(count, 1));
     const double lr = cosine_lr(step, warmup, total_steps, opt.lr, opt.lr * opt.min_lr_ratio);
-    const double gnorm = clip_grad_norm(P, opt.clip);
-    std::vector<double> maxvio;
-    for (auto& b : bal)
-      if (b) maxvio.push_back(b->finish_step().max_vio);
-    const std::string bad_gradient = first_nonfinite_tensor(P, /*gradients=*/true);
+    std::string bad_gradient;
+    const double gnorm = device->clip(opt.clip, &bad_gradient);
+    const std::vector<double> maxvio = device->finish_balance();
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && bad_gradient.empty();
     // Steps are numbered from 1, as in the progress lines and metrics.jsonl.
     const std::string saved = res.last_checkpoint.empty() ? "no checkpoint has been written yet"
@@ -346,9 +334,8 @@ TrainResult train(const TrainOptions& opt) {
            ", gradient norm ", gnorm, bad_gradient.empty() ? "" : ", first in the gradient of " + bad_gradient,
            "); stopping. Lower --lr, or pass --skip-nonfinite to skip such steps; ", saved);
     if (finite) {
-      optimizer.step(P, lr);
       // The update itself can overflow (a huge lr, a broken optimizer state): never save that.
-      if (const std::string bad = first_nonfinite_tensor(P, /*gradients=*/false); !bad.empty())
+      if (const std::string bad = device->update(lr); !bad.empty())
         fail("step ", step + 1, ": the optimizer update made parameter ", bad, " (lr ", lr,
              "); stopping before it is saved; ", saved);
     }
@@ -390,9 +377,7 @@ TrainResult train(const TrainOptions& opt) {
     if (opt.on_step && !opt.on_step(line)) break;
   }
   if (!opt.eval_path.empty()) {
-    TrainHooks eval_hooks;  // route with the current biases; nothing is accumulated
-    eval_hooks.router_bias = router_bias;
-    res.eval = evaluate(P, c, eval_shard, opt.eval_tokens, stages.back().seq_len, &eval_hooks);
+    res.eval = evaluate(*device, eval_shard, opt.eval_tokens, stages.back().seq_len);
     if (!std::isfinite(res.eval.loss))
       fail(opt.eval_path, ": the held-out loss after step ", step, " is ", nonfinite_name(res.eval.loss),
            " although every parameter is finite");

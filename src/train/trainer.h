@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "model/cuda/cuda_model.h"
 #include "train/quantile_balance.h"
 
 namespace k3::train {
@@ -46,6 +47,10 @@ struct TrainOptions {
   // buffers. 0: the OpenMP thread count for a new run, the saved count for a resumed one (so that it
   // sums in the same order and resumes exactly).
   int64_t grad_lanes = 0;
+  // Where the steps run: the CPU in float64 (default), or one GPU (train/train_device.h) in
+  // gpu_precision (BF16: bf16 GEMM operands, fp32 everything else; F32: the parity mode).
+  bool gpu = false;
+  GpuPrecision gpu_precision = GpuPrecision::BF16;
   bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;

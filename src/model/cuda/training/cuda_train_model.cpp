@@ -1,0 +1,393 @@
+// The GPU training backend of the decoder schedule (model/decoder.h) and CudaTrainModel
+// (cuda_train_model.h). The twin of model/training/model_train.cpp's TrainBackend: the same handles
+// (node ids: every version of the running block sum is a node with its own gradient buffer, because
+// AttnRes mixes snapshots of that sum) over device buffers from the step's arena.
+#ifdef K3_HAVE_CUDA
+#include "model/cuda/training/cuda_train_model.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "core/error.h"
+#include "kernels/attnres/attnres_train_cuda.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/embed/embedding_cuda.h"
+#include "kernels/loss/cross_entropy_cuda.h"
+#include "kernels/moe/moe_train_cuda.h"
+#include "kernels/norm/norm_train_cuda.h"
+#include "model/cuda/training/train_context.h"
+#include "model/decoder.h"
+#include "model/tensor_table.h"
+
+namespace k3 {
+
+struct CudaTrainModel::Impl {
+  K3Config c;
+  GpuPrecision precision;
+  gemm::cuda::GemmContext gemm;
+  gpu::DeviceParams params;
+  gpu::DeviceArena arena;
+  std::vector<std::unique_ptr<moe::cuda::TrainDispatch>> dispatch;  // per MoE layer, reused across steps
+  std::vector<int64_t> dispatch_rows;
+  // The packed batch's index arrays (grown as needed).
+  cuda::DeviceBuffer<int32_t> cu_seqlens, chunk_offsets, ids, targets, emb_order, emb_run_start, emb_run_id;
+  cuda::DeviceBuffer<double> loss_sum;
+
+  Impl(const K3Config& cfg, const train::ParamStore& P, GpuPrecision p)
+      : c(cfg),
+        precision(p),
+        params(P, p),
+        dispatch(size_t(cfg.num_hidden_layers)),
+        dispatch_rows(size_t(cfg.num_hidden_layers), 0),
+        loss_sum(1) {}
+};
+
+namespace gpu {
+namespace {
+
+void upload_ints(cuda::DeviceBuffer<int32_t>& buf, const std::vector<int32_t>& v) {
+  if (buf.size() < v.size()) buf = cuda::DeviceBuffer<int32_t>(std::max<size_t>(v.size(), 1));
+  if (!v.empty()) buf.upload(v.data(), v.size());
+}
+
+// One AttnRes + RMSNorm use: the nodes it mixed and what it computed.
+struct ResUse {
+  std::vector<int> srcs;  // node ids; empty: AttnRes skipped (h is node `direct`)
+  int direct = -1;
+  TrainParam norm, proj, ln;
+  float *h = nullptr, *xn = nullptr, *rstd = nullptr, *alpha = nullptr, *rinv = nullptr, *q = nullptr;
+};
+
+struct LayerTape {
+  ResUse attn_in, ffn_in;
+  bool kda = false, moe = false;
+  KdaTrainTape kda_tape;
+  MlaTrainTape mla_tape;
+  GluTrainTape dense_tape;
+  std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_tape;
+};
+
+class CudaTrainBackend {
+ public:
+  using Act = int;
+  static constexpr Act kOut = -1;
+
+  CudaTrainBackend(CudaTrainModel::Impl& m, TrainCtx& t, const GpuStepHooks* hooks, double grad_scale)
+      : m_(m),
+        t_(t),
+        c_(m.c),
+        hooks_(hooks),
+        tn_{param_naming(m.params.layout())},
+        N_(t.batch.rows),
+        D_(m.c.hidden_size),
+        tape_(size_t(m.c.num_hidden_layers)),
+        grad_scale_(grad_scale) {
+    const std::string head = tn_(TensorKind::LmHead);
+    if (m.params.has(head)) lm_head_ = m.params.at(head);
+    else if (c_.tie_word_embeddings) lm_head_ = m.params.at(tn_(TensorKind::TokenEmbd));
+    else fail("GPU training: ", head, " is missing and the config does not tie embeddings");
+  }
+
+  bool profiling() const { return false; }
+  void synchronize() {}
+
+  Act embed() {
+    float* x = t_.take<float>(N_ * D_);
+    embed::cuda::embedding_forward(x, m_.params.at(tn_(TensorKind::TokenEmbd)).w, t_.batch.ids, N_, D_);
+    node_.push_back(x);
+    return 0;
+  }
+
+  void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
+    ResUse& u = use(site, l);
+    if (site == MixSite::AttnIn) {
+      u.norm = param(TensorKind::AttnResNorm, l), u.proj = param(TensorKind::AttnResProj, l);
+      u.ln = param(TensorKind::InputNorm, l);
+    } else if (site == MixSite::FfnIn) {
+      u.norm = param(TensorKind::MlpResNorm, l), u.proj = param(TensorKind::MlpResProj, l);
+      u.ln = param(TensorKind::PostAttnNorm, l);
+    } else {
+      u.norm = param(TensorKind::OutputAttnResNorm), u.proj = param(TensorKind::OutputAttnResProj);
+      u.ln = param(TensorKind::OutputNorm);
+    }
+    if (blocks.empty()) {
+      u.direct = partial;
+      u.h = node_[size_t(partial)];
+    } else {
+      u.srcs = blocks;
+      u.srcs.push_back(partial);
+      K3_CHECK(int(u.srcs.size()) <= attnres::cuda::kMaxSources, "GPU training: AttnRes over ", u.srcs.size(),
+               " sources; the kernel takes at most ", attnres::cuda::kMaxSources);
+      const int S = int(u.srcs.size());
+      u.q = t_.take<float>(D_);
+      attnres::cuda::attnres_query_forward(u.q, u.norm.w, u.proj.w, D_);
+      attnres::cuda::AttnResTrainParams p;
+      for (int s = 0; s < S; ++s) p.sources[s] = node_[size_t(u.srcs[size_t(s)])];
+      p.S = S, p.N = N_, p.D = D_, p.query = u.q, p.eps = float(c_.rms_norm_eps);
+      u.h = p.h = t_.take<float>(N_ * D_);
+      u.alpha = p.alpha = t_.take<float>(N_ * S);
+      u.rinv = p.rinv = t_.take<float>(N_ * S);
+      attnres::cuda::attnres_forward_train(p);
+    }
+    u.xn = t_.take<float>(N_ * D_), u.rstd = t_.take<float>(N_);
+    norm::cuda::rmsnorm_forward_train(u.xn, D_, u.rstd, u.h, D_, u.ln.w, float(c_.rms_norm_eps), N_, D_);
+  }
+
+  Act attention(int64_t l) {
+    LayerTape& L = tape_[size_t(l)];
+    out_ = t_.take<float>(N_ * D_);
+    L.kda = c_.layer_kind[size_t(l)] == AttnKind::KDA;
+    if (L.kda) kda_train_forward(t_, l, L.attn_in.xn, out_, L.kda_tape);
+    else mla_train_forward(t_, l, L.attn_in.xn, out_, L.mla_tape);
+    return kOut;
+  }
+
+  Act ffn(int64_t l) {
+    LayerTape& L = tape_[size_t(l)];
+    out_ = t_.take<float>(N_ * D_);
+    L.moe = c_.is_moe_layer(l);
+    if (L.moe) {
+      const float* bias = nullptr;
+      if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
+      else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
+      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out_, bias, dispatch(l));
+      if (hooks_ && hooks_->on_router_scores) hooks_->on_router_scores(l, moe_router_scores(*L.moe_tape), N_);
+    } else {
+      dense_train_forward(t_, l, L.ffn_in.xn, out_, L.dense_tape);
+    }
+    return kOut;
+  }
+
+  void block_output(const char*, int64_t, Act) {}
+  Act start_partial(Act) {
+    node_.push_back(out_);  // the block output becomes the node (it is never written again)
+    return int(node_.size()) - 1;
+  }
+  void add_partial(Act& partial, Act) {
+    float* sum = t_.take<float>(N_ * D_);
+    cuda::copy_on_device(sum, node_[size_t(partial)], size_t(N_ * D_) * sizeof(float));
+    elementwise::cuda::add_inplace(sum, out_, N_ * D_);
+    node_.push_back(sum);
+    partial = int(node_.size()) - 1;
+  }
+
+  // The head: lm_head over vocabulary chunks with an online log-sum-exp; the [rows, V] logits are
+  // never held. Returns the summed loss, on the device.
+  const double* head() {
+    const int64_t V = c_.vocab_size;
+    chunk_ = std::max<int64_t>(1, std::min<int64_t>(V, kLogitBudget / std::max<int64_t>(N_, 1)));
+    lse_ = t_.take<float>(N_);
+    const DeviceArena::Mark m = t_.arena.mark();
+    float *mx = t_.take<float>(N_), *sm = t_.take<float>(N_), *tl = t_.take<float>(N_);
+    float* logits = t_.take<float>(N_ * chunk_);
+    loss::cuda::ce_init(mx, sm, tl, N_);
+    for (int64_t v0 = 0; v0 < V; v0 += chunk_) {
+      const int64_t vc = std::min(chunk_, V - v0);
+      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, head_rows(v0, vc));
+      loss::cuda::ce_chunk_update(mx, sm, tl, logits, chunk_, t_.batch.targets, N_, v0, vc);
+    }
+    void* ws = t_.arena.take_bytes(loss::cuda::ce_finish_workspace_bytes(N_));
+    loss::cuda::ce_finish(lse_, m_.loss_sum.data(), mx, sm, tl, t_.batch.targets, N_, ws);
+    t_.arena.rewind(m);
+    return m_.loss_sum.data();
+  }
+
+  // ---- backward ----
+  void head_backward() {
+    for (float* n : node_) {
+      (void)n;
+      float* d = t_.take<float>(N_ * D_);
+      cuda::zero_on_device(d, size_t(N_ * D_) * sizeof(float));
+      dnode_.push_back(d);
+    }
+    dxn_ = t_.take<float>(N_ * D_), dh_ = t_.take<float>(N_ * D_), dq_ = t_.take<float>(D_);
+    const int64_t V = c_.vocab_size;
+    const DeviceArena::Mark m = t_.arena.mark();
+    float* logits = t_.take<float>(N_ * chunk_);
+    for (int64_t v0 = 0; v0 < V; v0 += chunk_) {
+      const int64_t vc = std::min(chunk_, V - v0);
+      const TrainParam W = head_rows(v0, vc);
+      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, W);
+      loss::cuda::ce_chunk_grad(logits, chunk_, lse_, t_.batch.targets, float(grad_scale_), N_, v0, vc);
+      train_linear_backward(t_, dxn_, D_, v0 > 0, logits, chunk_, final_.xn, D_, N_, W);
+    }
+    t_.arena.rewind(m);
+  }
+
+  void mix_backward(MixSite site, int64_t l) {
+    const ResUse& u = use(site, l);
+    const DeviceArena::Mark m = t_.arena.mark();
+    void* ws = t_.arena.take_bytes(norm::cuda::rmsnorm_backward_workspace_bytes(N_, D_));
+    norm::cuda::rmsnorm_backward_train(dh_, D_, u.ln.g, dxn_, D_, u.h, D_, u.rstd, u.ln.w, N_, D_, ws);
+    t_.arena.rewind(m);
+    if (u.srcs.empty()) {
+      elementwise::cuda::add_inplace(dnode_[size_t(u.direct)], dh_, N_ * D_);
+      return;
+    }
+    const int S = int(u.srcs.size());
+    attnres::cuda::AttnResBackwardParams p;
+    for (int s = 0; s < S; ++s) {
+      p.sources[s] = node_[size_t(u.srcs[size_t(s)])];
+      p.dsources[s] = dnode_[size_t(u.srcs[size_t(s)])];
+    }
+    p.S = S, p.N = N_, p.D = D_, p.query = u.q, p.eps = float(c_.rms_norm_eps);
+    p.alpha = u.alpha, p.rinv = u.rinv, p.dh = dh_;
+    cuda::zero_on_device(dq_, size_t(D_) * sizeof(float));
+    p.dquery = dq_;
+    p.workspace = t_.arena.take_bytes(attnres::cuda::attnres_backward_workspace_bytes(N_, D_, S));
+    attnres::cuda::attnres_backward_train(p);
+    attnres::cuda::attnres_query_backward(u.norm.g, u.proj.g, dq_, u.norm.w, u.proj.w, D_);
+    t_.arena.rewind(m);
+  }
+
+  void attention_backward(int64_t l, Act d_out) {
+    const LayerTape& L = tape_[size_t(l)];
+    if (L.kda) kda_train_backward(t_, l, L.kda_tape, dnode_[size_t(d_out)], dxn_);
+    else mla_train_backward(t_, l, L.mla_tape, dnode_[size_t(d_out)], dxn_);
+  }
+  void ffn_backward(int64_t l, Act d_out) {
+    const LayerTape& L = tape_[size_t(l)];
+    if (L.moe) moe_train_backward(t_, l, *L.moe_tape, dnode_[size_t(d_out)], dxn_);
+    else dense_train_backward(t_, l, L.dense_tape, dnode_[size_t(d_out)], dxn_);
+  }
+  void add_gradient(Act dst, Act src) {
+    elementwise::cuda::add_inplace(dnode_[size_t(dst)], dnode_[size_t(src)], N_ * D_);
+  }
+  void embed_backward(Act embedding, const int32_t* order, const int32_t* run_start, const int32_t* run_id,
+                      int64_t runs) {
+    embed::cuda::embedding_backward(m_.params.at(tn_(TensorKind::TokenEmbd)).g, dnode_[size_t(embedding)], order,
+                                    run_start, run_id, runs, D_);
+  }
+  // decoder_backward's form: the runs come from the model (set_embedding_runs).
+  void embed_backward(Act embedding) { embed_backward(embedding, runs_order_, runs_start_, runs_id_, runs_); }
+  void set_embedding_runs(const int32_t* order, const int32_t* start, const int32_t* id, int64_t runs) {
+    runs_order_ = order, runs_start_ = start, runs_id_ = id, runs_ = runs;
+  }
+
+ private:
+  // Logits held per chunk: rows × chunk fp32 values (256 MiB).
+  static constexpr int64_t kLogitBudget = int64_t(64) << 20;
+
+  TrainParam param(TensorKind k, int64_t l = -1) const { return m_.params.at(tn_(k, l)); }
+  ResUse& use(MixSite site, int64_t l) {
+    if (site == MixSite::Output) return final_;
+    return site == MixSite::AttnIn ? tape_[size_t(l)].attn_in : tape_[size_t(l)].ffn_in;
+  }
+  // Rows [v0, v0 + n) of the head matrix as a matrix of its own.
+  TrainParam head_rows(int64_t v0, int64_t n) const {
+    TrainParam p = lm_head_;
+    p.w += v0 * D_, p.g += v0 * D_;
+    if (p.w16) p.w16 += v0 * D_;
+    p.rows = n, p.numel = n * D_;
+    return p;
+  }
+  moe::cuda::TrainDispatch& dispatch(int64_t l) {
+    auto& d = m_.dispatch[size_t(l)];
+    if (!d || m_.dispatch_rows[size_t(l)] < N_) {
+      d = std::make_unique<moe::cuda::TrainDispatch>(N_, c_.num_experts, c_.num_experts_per_token);
+      m_.dispatch_rows[size_t(l)] = N_;
+    }
+    return *d;
+  }
+
+  CudaTrainModel::Impl& m_;
+  TrainCtx& t_;
+  const K3Config& c_;
+  const GpuStepHooks* hooks_;
+  const TensorNames tn_;
+  TrainParam lm_head_;
+  const int64_t N_, D_;
+  std::vector<LayerTape> tape_;
+  ResUse final_;
+  std::vector<float*> node_, dnode_;
+  float* out_ = nullptr;
+  float *lse_ = nullptr, *dxn_ = nullptr, *dh_ = nullptr, *dq_ = nullptr;
+  int64_t chunk_ = 0;
+  const double grad_scale_;
+  const int32_t *runs_order_ = nullptr, *runs_start_ = nullptr, *runs_id_ = nullptr;
+  int64_t runs_ = 0;
+};
+
+// What the GPU training kernels cannot take, or "".
+std::string train_config_problem(const K3Config& c) {
+  if (c.kda_num_heads > 0 && c.kda_head_dim != 32 && c.kda_head_dim != 64 && c.kda_head_dim != 128)
+    return "kda_head_dim must be 32, 64 or 128 for GPU training (got " + std::to_string(c.kda_head_dim) + ")";
+  if (c.qk_nope_head_dim + c.qk_rope_head_dim > 256 || c.v_head_dim > 256)
+    return "GPU training takes MLA heads of at most 256 (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)";
+  return {};
+}
+
+}  // namespace
+}  // namespace gpu
+
+CudaTrainModel::CudaTrainModel() = default;
+CudaTrainModel::~CudaTrainModel() = default;
+
+std::unique_ptr<CudaTrainModel> CudaTrainModel::create(const K3Config& c, const train::ParamStore& P,
+                                                       GpuPrecision precision) {
+  std::string why;
+  if (!cuda::available(&why)) fail("GPU training cannot start: ", why);
+  if (const std::string p = gpu::train_config_problem(c); !p.empty()) fail(c.source, ": ", p);
+  std::unique_ptr<CudaTrainModel> m(new CudaTrainModel);
+  m->impl_ = std::make_unique<Impl>(c, P, precision);
+  return m;
+}
+
+const K3Config& CudaTrainModel::config() const { return impl_->c; }
+GpuPrecision CudaTrainModel::precision() const { return impl_->precision; }
+float* CudaTrainModel::values_device() { return impl_->params.values(); }
+float* CudaTrainModel::grads_device() { return impl_->params.grads(); }
+int64_t CudaTrainModel::numel() const { return impl_->params.numel(); }
+void CudaTrainModel::zero_grads() { impl_->params.zero_grads(); }
+void CudaTrainModel::values_changed() { impl_->params.refresh_bf16(); }
+void CudaTrainModel::upload(const train::ParamStore& P) { impl_->params.upload(P); }
+void CudaTrainModel::download_values(train::ParamStore& P) const { impl_->params.download_values(P); }
+void CudaTrainModel::download_grads(train::ParamStore& P) const { impl_->params.download_grads(P); }
+gemm::cuda::GemmContext& CudaTrainModel::gemm() { return impl_->gemm; }
+size_t CudaTrainModel::parameter_bytes() const { return impl_->params.bytes(); }
+
+double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
+                            const GpuStepHooks* hooks) {
+  Impl& m = *impl_;
+  const K3Config& c = m.c;
+  // The packed batch: offsets, KDA chunk offsets, ids and next-token targets, embedding runs.
+  std::vector<int32_t> cu{0}, chunks{0}, ids, targets;
+  int64_t max_len = 0;
+  for (const auto& p : pieces) {
+    if (p.empty()) fail("GPU training: empty sequence");
+    for (size_t i = 0; i < p.size(); ++i) {
+      if (p[i] < 0 || p[i] >= c.vocab_size) fail("GPU training: token id ", p[i], " outside [0, ", c.vocab_size, ")");
+      ids.push_back(p[i]);
+      targets.push_back(i + 1 < p.size() ? p[i + 1] : -1);
+    }
+    K3_CHECK(ids.size() < size_t(INT32_MAX), "GPU training: a step of more than 2^31 tokens");
+    cu.push_back(int32_t(ids.size()));
+    chunks.push_back(chunks.back() + int32_t((p.size() + 15) / 16));
+    max_len = std::max<int64_t>(max_len, int64_t(p.size()));
+  }
+  if (pieces.empty()) return 0.0;
+  const embed::cuda::EmbeddingRuns runs = embed::cuda::make_embedding_runs(ids);
+  gpu::upload_ints(m.cu_seqlens, cu), gpu::upload_ints(m.chunk_offsets, chunks);
+  gpu::upload_ints(m.ids, ids), gpu::upload_ints(m.targets, targets);
+  gpu::upload_ints(m.emb_order, runs.order), gpu::upload_ints(m.emb_run_start, runs.run_start);
+  gpu::upload_ints(m.emb_run_id, runs.run_id);
+
+  gpu::PackedBatch batch;
+  batch.B = int(pieces.size()), batch.rows = int64_t(ids.size()), batch.max_len = max_len, batch.chunks = chunks.back();
+  batch.cu_seqlens = m.cu_seqlens.data(), batch.chunk_offsets = m.chunk_offsets.data();
+  batch.ids = m.ids.data(), batch.targets = m.targets.data();
+
+  m.arena.reset();
+  gpu::TrainCtx t{c, m.precision, m.gemm, m.arena, m.params, batch};
+  gpu::CudaTrainBackend be(m, t, hooks, grad_scale);
+  be.set_embedding_runs(m.emb_order.data(), m.emb_run_start.data(), m.emb_run_id.data(), int64_t(runs.run_id.size()));
+  DecoderTape<gpu::CudaTrainBackend::Act> tape;
+  decoder_forward(be, c, nullptr, &tape);
+  if (backward) decoder_backward(be, c, tape);
+  double loss = 0.0;
+  cuda::copy_to_host(&loss, m.loss_sum.data(), sizeof(double));
+  return loss;
+}
+
+}  // namespace k3
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,78 @@
+// The K3 text model for training on one NVIDIA Hopper GPU: the CUDA twin of
+// model/training/model_train.h. The same decoder schedule (model/decoder.h) runs its forward and its
+// backward over a GPU backend whose every op has a CUDA forward and backward beside it (kernels/).
+//
+// A step's sequences run as one packed batch (rows = their total length; attention, the KDA
+// recurrence and the short convolutions never cross a sequence boundary), so the projections are
+// GEMMs over all the step's tokens. Parameters live on the device as fp32 master values and fp32
+// gradients in the ParamStore's flat layout (a checkpoint is the host ParamStore written back); the
+// optimizer and the balancer work on those buffers in place (train/optimizer_cuda.h,
+// train/quantile_balance_cuda.h).
+//
+// Precisions: GpuPrecision::F32 (everything fp32, GEMMs pedantic fp32: the parity mode) and
+// GpuPrecision::BF16 (bf16 GEMM operands on tensor cores, fp32 accumulation; everything else fp32).
+// Not thread-safe; one model, one caller, the default stream.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "model/config.h"
+#include "model/cuda/cuda_model.h"
+#include "model/params.h"
+
+namespace k3::gemm::cuda {
+class GemmContext;
+}
+
+namespace k3 {
+
+struct GpuStepHooks {
+  // The selection-only router bias of a MoE layer: device fp32 [E]. Default: the model's
+  // e_score_correction_bias.
+  std::function<const float*(int64_t layer)> router_bias;
+  // Every MoE layer's unbiased router scores of the step: device fp32 [rows, E] (valid during the call).
+  std::function<void(int64_t layer, const float* scores, int64_t rows)> on_router_scores;
+};
+
+class CudaTrainModel {
+ public:
+  // P gives the tensors' names, shapes, layout and initial values; it must outlive the model (its
+  // values are only read again by upload()). Throws k3::Error when the build has no CUDA backend, no
+  // Hopper GPU is visible, or the config is one the GPU kernels cannot take.
+  static std::unique_ptr<CudaTrainModel> create(const K3Config& c, const train::ParamStore& P, GpuPrecision precision);
+  ~CudaTrainModel();
+  CudaTrainModel(const CudaTrainModel&) = delete;
+  CudaTrainModel& operator=(const CudaTrainModel&) = delete;
+
+  const K3Config& config() const;
+  GpuPrecision precision() const;
+
+  // Σ over `pieces` of the summed next-token cross-entropy (piece: positions 0..T-1, ids[t+1] the
+  // target of t), as train::sequence_loss summed over the pieces. With `backward`, grad_scale × its
+  // gradient is ADDED to the device gradient buffer. Waits for the GPU (the loss comes to the host).
+  double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
+              const GpuStepHooks* hooks = nullptr);
+
+  // The device parameters: fp32 values and gradients in P's flat layout (P.offset(name)).
+  float* values_device();
+  float* grads_device();
+  int64_t numel() const;
+  void zero_grads();
+  // After the values changed on the device (an optimizer step): the BF16 mode's bf16 weight copy.
+  void values_changed();
+  void upload(const train::ParamStore& P);           // values from the host
+  void download_values(train::ParamStore& P) const;  // values to the host (checkpoints)
+  void download_grads(train::ParamStore& P) const;   // gradients to the host (tests)
+  gemm::cuda::GemmContext& gemm();
+  size_t parameter_bytes() const;  // device memory of values, gradients and the bf16 copy
+
+  struct Impl;
+
+ private:
+  CudaTrainModel();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace k3

@@ -1,0 +1,217 @@
+// The FFN blocks' training forward and backward on the GPU: the GLU MLP (dense layer, shared
+// experts) and Stable LatentMoE, twins of model/training/ffn_block.cpp (same steps, same order),
+// over kernels/ffn (glu), kernels/moe (moe_train_cuda.h: router, dispatch, combine) and kernels/norm.
+// The routed experts' linears run per expert on the rows routed to it (train_linear_*).
+#ifdef K3_HAVE_CUDA
+#include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
+#include "kernels/ffn/glu_cuda.h"
+#include "kernels/ffn/glu_train_cuda.h"
+#include "kernels/moe/moe_train_cuda.h"
+#include "kernels/norm/norm_train_cuda.h"
+#include "model/cuda/training/train_context.h"
+#include "model/layers.h"
+#include "model/tensor_table.h"
+
+namespace k3::gpu {
+
+// ---- GLU MLP ------------------------------------------------------------------------------------
+void glu_train_forward(TrainCtx& t, const TrainParam& gate, const TrainParam& up, const TrainParam& down,
+                       const float* x, int64_t N, float* out, GluTrainTape& tp) {
+  const int64_t I = gate.rows;
+  tp.x = x, tp.N = N, tp.I = I;
+  tp.g = t.take<float>(N * I), tp.u = t.take<float>(N * I), tp.h = t.take<float>(N * I);
+  train_linear_forward(t, tp.g, x, N, gate);
+  train_linear_forward(t, tp.u, x, N, up);
+  ffn::cuda::glu_forward(tp.h, tp.g, tp.u, N * I, glu_params(t.c));
+  train_linear_forward(t, out, tp.h, N, down);
+}
+
+void glu_train_backward(TrainCtx& t, const TrainParam& gate, const TrainParam& up, const TrainParam& down,
+                        const GluTrainTape& tp, const float* dy, float* dx) {
+  const DeviceArena::Mark mark = t.arena.mark();
+  const int64_t N = tp.N, I = tp.I;
+  float *dg = t.take<float>(N * I), *du = t.take<float>(N * I);
+  train_linear_backward(t, dg, false, dy, tp.h, N, down);  // dg holds dh
+  ffn::cuda::glu_backward_train(dg, du, dg, tp.g, tp.u, N * I, glu_params(t.c));
+  train_linear_backward(t, dx, false, dg, tp.x, N, gate);
+  train_linear_backward(t, dx, true, du, tp.x, N, up);
+  t.arena.rewind(mark);
+}
+
+namespace {
+struct GluNames {
+  TrainParam gate, up, down;
+};
+GluNames glu_at(const TrainCtx& t, int64_t layer, TensorKind g, TensorKind u, TensorKind d, int64_t expert = -1) {
+  const std::string prefix = layer_prefix(param_naming(t.params.layout()), layer);
+  return {t.param(tensor_name_at(prefix, g, expert)), t.param(tensor_name_at(prefix, u, expert)),
+          t.param(tensor_name_at(prefix, d, expert))};
+}
+}  // namespace
+
+void dense_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, GluTrainTape& tp) {
+  const GluNames w = glu_at(t, layer, TensorKind::DenseGate, TensorKind::DenseUp, TensorKind::DenseDown);
+  glu_train_forward(t, w.gate, w.up, w.down, x, t.batch.rows, out, tp);
+}
+void dense_train_backward(TrainCtx& t, int64_t layer, const GluTrainTape& tp, const float* dy, float* dx) {
+  const GluNames w = glu_at(t, layer, TensorKind::DenseGate, TensorKind::DenseUp, TensorKind::DenseDown);
+  glu_train_backward(t, w.gate, w.up, w.down, tp, dy, dx);
+}
+
+// ---- Stable LatentMoE ---------------------------------------------------------------------------
+struct MoeTrainTape {
+  const float* x = nullptr;
+  int64_t N = 0, E = 0, K = 0, L = 0, I = 0;
+  moe::cuda::TrainDispatch* dispatch = nullptr;  // owned by the model (reused across steps)
+  int32_t* idx = nullptr;                        // [N, K]
+  float *weight = nullptr, *scores = nullptr, *sel_sum = nullptr;
+  float* z = nullptr;                                            // [N, L] latent
+  float* zs = nullptr;                                           // [S, L] latent rows sorted by expert (S = N·K)
+  float *ge = nullptr, *ue = nullptr, *he = nullptr;             // [S, I] experts' GLU
+  float* ye = nullptr;                                           // [S, L] experts' outputs
+  float *agg = nullptr, *agg_rstd = nullptr, *normed = nullptr;  // [N, L], [N], [N, L]
+  bool has_shared = false;
+  GluTrainTape shared;
+};
+
+void MoeTapeDeleter::operator()(MoeTrainTape* p) const { delete p; }
+const float* moe_router_scores(const MoeTrainTape& tape) { return tape.scores; }
+
+namespace {
+struct MoeParams {
+  TrainParam router, down, up, norm;
+  std::vector<GluNames> experts;
+  GluNames shared;
+};
+MoeParams moe_params(const TrainCtx& t, int64_t layer) {
+  const std::string prefix = layer_prefix(param_naming(t.params.layout()), layer);
+  auto p = [&](TensorKind k) { return t.param(tensor_name_at(prefix, k)); };
+  MoeParams m;
+  m.router = p(TensorKind::MoeRouter), m.down = p(TensorKind::MoeLatentDown), m.up = p(TensorKind::MoeLatentUp);
+  if (t.c.latent_moe_use_norm) m.norm = p(TensorKind::MoeLatentNorm);
+  for (int64_t e = 0; e < t.c.num_experts; ++e)
+    m.experts.push_back(glu_at(t, layer, TensorKind::ExpertGate, TensorKind::ExpertUp, TensorKind::ExpertDown, e));
+  if (t.c.num_shared_experts > 0)
+    m.shared = glu_at(t, layer, TensorKind::SharedGate, TensorKind::SharedUp, TensorKind::SharedDown);
+  return m;
+}
+}  // namespace
+
+std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
+                                                                const float* router_bias,
+                                                                moe::cuda::TrainDispatch& dispatch) {
+  const K3Config& c = t.c;
+  const MoeParams W = moe_params(t, layer);
+  std::unique_ptr<MoeTrainTape, MoeTapeDeleter> owned(new MoeTrainTape);
+  MoeTrainTape& tp = *owned;
+  const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
+  const int64_t S = N * K;
+  tp.x = x, tp.N = N, tp.E = E, tp.K = K, tp.L = L, tp.dispatch = &dispatch;
+
+  // 1. Router on the full-width x̂ (the logits are scratch).
+  tp.idx = t.take<int32_t>(N * K), tp.weight = t.take<float>(N * K), tp.scores = t.take<float>(N * E);
+  tp.sel_sum = t.take<float>(N);
+  {
+    const DeviceArena::Mark m = t.arena.mark();
+    float* logits = t.take<float>(N * E);
+    train_linear_forward(t, logits, x, N, W.router);
+    moe::cuda::router_forward_train(tp.idx, tp.weight, tp.scores, tp.sel_sum, logits, router_bias, N, router_params(c));
+    t.arena.rewind(m);
+  }
+  // 2. Latent down-projection.
+  tp.z = t.take<float>(N * L);
+  train_linear_forward(t, tp.z, x, N, W.down);
+  // 3. Each expert on the rows routed to it (sorted by expert), then the weighted sum in slot order.
+  dispatch.build(tp.idx, N);
+  const std::vector<int64_t>& off = dispatch.offsets();
+  tp.zs = t.take<float>(S * L);
+  moe::cuda::gather_sorted_rows(tp.zs, tp.z, dispatch, L);
+  tp.I = W.experts.empty() ? 0 : W.experts[0].gate.rows;
+  const int64_t I = tp.I;
+  tp.ge = t.take<float>(S * I), tp.ue = t.take<float>(S * I), tp.he = t.take<float>(S * I);
+  tp.ye = t.take<float>(S * L);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+    if (n == 0) continue;
+    train_linear_forward(t, tp.ge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
+    train_linear_forward(t, tp.ue + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+  }
+  ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+    if (n == 0) continue;
+    train_linear_forward(t, tp.ye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+  }
+  tp.agg = t.take<float>(N * L);
+  moe::cuda::combine_forward_train(tp.agg, tp.ye, tp.weight, dispatch, N, L);
+  // RMSNorm of the aggregate.
+  tp.normed = tp.agg;
+  if (c.latent_moe_use_norm) {
+    tp.normed = t.take<float>(N * L), tp.agg_rstd = t.take<float>(N);
+    norm::cuda::rmsnorm_forward_train(tp.normed, L, tp.agg_rstd, tp.agg, L, W.norm.w, float(c.rms_norm_eps), N, L);
+  }
+  // 5. Up-projection, plus the shared experts on x̂.
+  train_linear_forward(t, out, tp.normed, N, W.up);
+  tp.has_shared = c.num_shared_experts > 0;
+  if (tp.has_shared) {
+    float* sh = t.take<float>(N * c.hidden_size);
+    glu_train_forward(t, W.shared.gate, W.shared.up, W.shared.down, x, N, sh, tp.shared);
+    elementwise::cuda::add_inplace(out, sh, N * c.hidden_size);
+  }
+  return owned;
+}
+
+void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, const float* dy, float* dx) {
+  const K3Config& c = t.c;
+  const MoeParams W = moe_params(t, layer);
+  const int64_t N = tp.N, E = tp.E, K = tp.K, L = tp.L, I = tp.I, S = N * K, D = c.hidden_size;
+  const moe::cuda::TrainDispatch& dispatch = *tp.dispatch;
+  const std::vector<int64_t>& off = dispatch.offsets();
+  const DeviceArena::Mark mark = t.arena.mark();
+
+  // Shared experts: dx is first written here.
+  if (tp.has_shared) glu_train_backward(t, W.shared.gate, W.shared.up, W.shared.down, tp.shared, dy, dx);
+  else cuda::zero_on_device(dx, size_t(N * D) * sizeof(float));
+
+  // y = normed W↑ᵀ; the norm of the aggregate.
+  float* du = t.take<float>(N * L);
+  train_linear_backward(t, du, false, dy, tp.normed, N, W.up);
+  if (c.latent_moe_use_norm) {
+    float* dagg = t.take<float>(N * L);
+    const DeviceArena::Mark m = t.arena.mark();
+    void* ws = t.arena.take_bytes(norm::cuda::rmsnorm_backward_workspace_bytes(N, L));
+    norm::cuda::rmsnorm_backward_train(dagg, L, W.norm.g, du, L, tp.agg, L, tp.agg_rstd, W.norm.w, N, L, ws);
+    t.arena.rewind(m);
+    du = dagg;
+  }
+  // u = Σ_k w_k y_{e_k}: the experts' output gradients and the mixture weights' gradient.
+  float *dye = t.take<float>(S * L), *dweight = t.take<float>(N * K);
+  moe::cuda::combine_backward_train(dye, dweight, du, tp.ye, tp.weight, dispatch, N, L);
+  // Experts: down, the GLU, then gate/up into the sorted latent rows' gradient.
+  float *dge = t.take<float>(S * I), *due = t.take<float>(S * I), *dzs = t.take<float>(S * L);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+    if (n == 0) continue;
+    train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+  }
+  ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+    if (n == 0) continue;
+    train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
+    train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+  }
+  float* dz = t.take<float>(N * L);
+  moe::cuda::scatter_sorted_rows(dz, dzs, dispatch, N, L);
+  // z = x W↓ᵀ.
+  train_linear_backward(t, dx, true, dz, tp.x, N, W.down);
+  // Router: through the renormalised weights and the sigmoid into the logits.
+  float* dlogits = t.take<float>(N * E);
+  moe::cuda::router_backward_train(dlogits, dweight, tp.scores, tp.idx, tp.sel_sum, N, router_params(c));
+  train_linear_backward(t, dx, true, dlogits, tp.x, N, W.router);
+  t.arena.rewind(mark);
+}
+
+}  // namespace k3::gpu
+#endif  // K3_HAVE_CUDA

@@ -1,0 +1,105 @@
+// The float64 CPU trainer behind train_device.h: gradient lanes, the CPU optimizer, CPU balancers.
+#include <algorithm>
+#include <functional>
+
+#include "core/error.h"
+#include "model/tensor_table.h"
+#include "model/training/model_train.h"
+#include "train/grad_lanes.h"
+#include "train/train_device.h"
+
+namespace k3::train {
+
+std::vector<std::unique_ptr<QuantileBalancer>> make_balancers(const ParamStore& P, const K3Config& c,
+                                                              const BalanceOptions& balance) {
+  const TensorNames tn{param_naming(P)};
+  std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l)) {
+      const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
+      bal[size_t(l)] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, balance,
+                                                          std::vector<double>(b, b + c.num_experts));
+    }
+  return bal;
+}
+
+namespace {
+
+class CpuTrainDevice final : public TrainDevice {
+ public:
+  CpuTrainDevice(ParamStore& P, const K3Config& c, Optimizer& optimizer, const BalanceOptions& balance, int64_t lanes)
+      : P_(P), c_(c), optimizer_(optimizer), bal_(make_balancers(P, c, balance)), lanes_(P, lanes) {
+    router_bias_ = [this](int64_t l) { return bal_[size_t(l)]->bias().data(); };
+  }
+
+  std::string describe() const override {
+    return "cpu (float64, " + std::to_string(lanes_.lanes()) + " gradient lane" + (lanes_.lanes() == 1 ? "" : "s") +
+           ")";
+  }
+
+  double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
+    P_.zero_grads();
+    return lanes_.step(c_, pieces, grad_scale, router_bias_,
+                       [&](int64_t l, const double* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); });
+  }
+
+  double clip(double max_norm, std::string* bad) override {
+    const double norm = clip_grad_norm(P_, max_norm);
+    *bad = first_nonfinite_tensor(P_, /*gradients=*/true);
+    return norm;
+  }
+
+  std::vector<double> finish_balance() override {
+    std::vector<double> maxvio;
+    for (auto& b : bal_)
+      if (b) maxvio.push_back(b->finish_step().max_vio);
+    return maxvio;
+  }
+
+  std::string update(double lr) override {
+    optimizer_.step(P_, lr);
+    return first_nonfinite_tensor(P_, /*gradients=*/false);
+  }
+
+  double forward_loss(const std::vector<std::vector<int32_t>>& pieces) override {
+    TrainHooks hooks;  // route with the current biases; nothing is accumulated
+    hooks.router_bias = router_bias_;
+    return forward_losses(P_, c_, pieces, &hooks);
+  }
+
+  void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
+    K3_CHECK(&P == &P_, "CpuTrainDevice::save_state: another parameter store");
+    optimizer = optimizer_.save_state();
+    balancers = nlohmann::json::object();
+    const TensorNames tn{param_naming(P)};
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)]) {
+        balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
+        const std::vector<double>& b = bal_[size_t(l)]->bias();
+        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c_.num_experts));
+      }
+  }
+
+  void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) override {
+    optimizer_.load_state(optimizer);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)]) *bal_[size_t(l)] = QuantileBalancer::from_json(balancers.at(std::to_string(l)));
+  }
+
+ private:
+  ParamStore& P_;
+  const K3Config& c_;
+  Optimizer& optimizer_;
+  std::vector<std::unique_ptr<QuantileBalancer>> bal_;
+  GradLanes lanes_;
+  std::function<const double*(int64_t)> router_bias_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainDevice> make_cpu_train_device(ParamStore& P, const K3Config& c, Optimizer& optimizer,
+                                                   const BalanceOptions& balance, int64_t lanes) {
+  return std::make_unique<CpuTrainDevice>(P, c, optimizer, balance, lanes);
+}
+
+}  // namespace k3::train

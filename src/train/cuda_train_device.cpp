@@ -1,0 +1,152 @@
+// The GPU trainer behind train_device.h: the model (model/cuda/training), the optimizer, clipping and
+// the balancers all on the device. Per step the host reads back only the metrics line's numbers: the
+// loss, the gradient norm with the count of non-finite gradients, and each balancer's MaxVio.
+#include "core/error.h"
+#include "train/train_device.h"
+
+#ifdef K3_HAVE_CUDA
+#include "core/cuda.h"
+#include "model/cuda/training/cuda_train_model.h"
+#include "model/tensor_table.h"
+#include "train/optimizer_cuda.h"
+#include "train/quantile_balance_cuda.h"
+
+namespace k3::train {
+namespace {
+
+class CudaTrainDevice final : public TrainDevice {
+ public:
+  CudaTrainDevice(ParamStore& P, const K3Config& c, const Optimizer& optimizer, const BalanceOptions& balance,
+                  GpuPrecision precision)
+      : P_(P),
+        c_(c),
+        model_(CudaTrainModel::create(c, P, precision)),
+        optimizer_(optimizer, P, model_->values_device(), model_->grads_device(), model_->gemm(),
+                   precision == GpuPrecision::BF16),
+        norm_(1),
+        nonfinite_(1),
+        workspace_(clip_grad_norm_workspace_bytes(model_->numel())) {
+    const TensorNames tn{param_naming(P)};
+    bal_.resize(size_t(c.num_hidden_layers));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      if (c.is_moe_layer(l)) {
+        const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
+        bal_[size_t(l)] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance,
+                                                                 std::vector<double>(b, b + c.num_experts));
+      }
+    hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
+  }
+
+  std::string describe() const override {
+    return std::string("cuda (") + gpu_precision_name(model_->precision()) + " mixed precision, " +
+           cuda::device_summary() + ")";
+  }
+
+  double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
+    model_->zero_grads();
+    GpuStepHooks hooks = hooks_;
+    hooks.on_router_scores = [this](int64_t l, const float* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); };
+    return model_->loss(pieces, true, grad_scale, &hooks);
+  }
+
+  double clip(double max_norm, std::string* bad) override {
+    clip_grad_norm_cuda(model_->grads_device(), model_->numel(), max_norm, norm_.data(), nonfinite_.data(),
+                        workspace_.data());
+    double norm = 0;
+    int64_t nonfinite = 0;
+    cuda::copy_to_host(&norm, norm_.data(), sizeof(double));
+    cuda::copy_to_host(&nonfinite, nonfinite_.data(), sizeof(int64_t));
+    bad->clear();
+    if (nonfinite > 0) {  // rare: name the tensor from a host copy
+      model_->download_grads(P_);
+      *bad = first_nonfinite_tensor(P_, /*gradients=*/true);
+      if (bad->empty()) *bad = std::to_string(nonfinite) + " gradient entries";
+    }
+    return norm;
+  }
+
+  std::vector<double> finish_balance() override {
+    std::vector<double> maxvio;
+    for (auto& b : bal_)
+      if (b) {
+        b->finish_step();
+        maxvio.push_back(b->last_max_vio());
+      }
+    return maxvio;
+  }
+
+  std::string update(double lr) override {
+    optimizer_.step(lr);
+    model_->values_changed();
+    // The update itself can overflow: count non-finite values (the norm routine, no clipping).
+    clip_grad_norm_cuda(model_->values_device(), model_->numel(), 0.0, norm_.data(), nonfinite_.data(),
+                        workspace_.data());
+    int64_t nonfinite = 0;
+    cuda::copy_to_host(&nonfinite, nonfinite_.data(), sizeof(int64_t));
+    if (nonfinite == 0) return {};
+    model_->download_values(P_);
+    const std::string bad = first_nonfinite_tensor(P_, /*gradients=*/false);
+    return bad.empty() ? std::to_string(nonfinite) + " parameter entries" : bad;
+  }
+
+  double forward_loss(const std::vector<std::vector<int32_t>>& pieces) override {
+    return model_->loss(pieces, false, 0.0, &hooks_);
+  }
+
+  void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
+    K3_CHECK(&P == &P_, "CudaTrainDevice::save_state: another parameter store");
+    model_->download_values(P);
+    optimizer = optimizer_.save_state();
+    balancers = nlohmann::json::object();
+    const TensorNames tn{param_naming(P)};
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)]) {
+        const nlohmann::json j = bal_[size_t(l)]->to_json();
+        balancers[std::to_string(l)] = j;
+        // The bias in effect, as the CPU balancer's JSON holds it (QuantileBalancer::from_json reads it).
+        const std::vector<double> b = QuantileBalancer::from_json(j).bias();
+        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c_.num_experts));
+      }
+  }
+
+  void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) override {
+    optimizer_.load_state(optimizer);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)])
+        bal_[size_t(l)] =
+            std::make_unique<CudaQuantileBalancer>(CudaQuantileBalancer::from_json(balancers.at(std::to_string(l))));
+  }
+
+ private:
+  ParamStore& P_;
+  const K3Config& c_;
+  std::unique_ptr<CudaTrainModel> model_;
+  CudaOptimizer optimizer_;
+  std::vector<std::unique_ptr<CudaQuantileBalancer>> bal_;
+  GpuStepHooks hooks_;
+  cuda::DeviceBuffer<double> norm_;
+  cuda::DeviceBuffer<int64_t> nonfinite_;
+  cuda::DeviceBuffer<uint8_t> workspace_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
+                                                    const BalanceOptions& balance, GpuPrecision precision) {
+  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision);
+}
+
+}  // namespace k3::train
+
+#else  // no CUDA backend
+
+namespace k3::train {
+std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore&, const K3Config&, const Optimizer&,
+                                                    const BalanceOptions&, GpuPrecision) {
+  fail(
+      "--device cuda: this k3 was built without the CUDA backend (nvcc not found at build time, or "
+      "-DK3_CUDA=OFF)");
+}
+}  // namespace k3::train
+
+#endif  // K3_HAVE_CUDA

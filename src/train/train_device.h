@@ -1,0 +1,61 @@
+// Where the trainer's steps run (train/trainer.h drives one of these): the CPU in float64 on gradient
+// lanes, or one GPU in fp32 / bf16 mixed precision. The loop itself (data, schedule, clipping
+// decisions, metrics, checkpoints) is the same for both; a device owns the gradients, the optimizer
+// state and the router balancers while the run lasts, and moves them into the host ParamStore and
+// the checkpoint's formats on save, so a checkpoint written by one device resumes on the other.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/cuda/cuda_model.h"
+#include "model/params.h"
+#include "train/optimizer.h"
+#include "train/quantile_balance.h"
+
+namespace k3::train {
+
+class TrainDevice {
+ public:
+  virtual ~TrainDevice() = default;
+  virtual std::string describe() const = 0;  // for the run's first line, e.g. "cpu (float64, 2 lanes)"
+
+  // Zeroes the gradients, then adds grad_scale × the gradient of the summed loss of `pieces`;
+  // returns that summed loss. Every MoE layer's router scores go to its balancer.
+  virtual double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) = 0;
+  // The pre-clip global gradient norm; when max_norm > 0 and the norm exceeds it, the gradients are
+  // scaled to max_norm. `bad` receives "" or where the first non-finite gradient is.
+  virtual double clip(double max_norm, std::string* bad) = 0;
+  // Ends the balancers' step: each MoE layer's MaxVio (layer order), the next biases in effect.
+  virtual std::vector<double> finish_balance() = 0;
+  // One optimizer update at `lr`; returns "" or the first parameter it made non-finite.
+  virtual std::string update(double lr) = 0;
+  // Summed loss of `pieces` with the current parameters and biases; no gradient, nothing balanced.
+  virtual double forward_loss(const std::vector<std::vector<int32_t>>& pieces) = 0;
+
+  // Checkpoints: the values (and each balancer's bias, as e_score_correction_bias) into P, the
+  // optimizer state in the CPU optimizer's format, the balancers' JSON by layer.
+  virtual void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) = 0;
+  virtual void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) = 0;
+};
+
+// The float64 CPU trainer: P holds the parameters and gradients; `optimizer` is built on P; `lanes`
+// gradient lanes (train/grad_lanes.h).
+std::unique_ptr<TrainDevice> make_cpu_train_device(ParamStore& P, const K3Config& c, Optimizer& optimizer,
+                                                   const BalanceOptions& balance, int64_t lanes);
+
+// The GPU trainer (train/cuda_train_device.cpp): P's values are uploaded, and `optimizer` (built on
+// P) gives the update plan and the state format. Throws k3::Error when the build has no CUDA
+// backend or there is no usable GPU.
+std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
+                                                    const BalanceOptions& balance, GpuPrecision precision);
+
+// Balancers for every MoE layer of c, starting from P's e_score_correction_bias (null elsewhere).
+std::vector<std::unique_ptr<QuantileBalancer>> make_balancers(const ParamStore& P, const K3Config& c,
+                                                              const BalanceOptions& balance);
+
+}  // namespace k3::train

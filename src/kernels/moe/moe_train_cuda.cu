@@ -376,6 +376,8 @@ void experts_linear_forward(gemm::cuda::GemmContext& ctx, float* y, const void* 
     p.w = elem_ptr(W, e * out * in, in_type);  // [out, in]
     p.in_type = in_type;
     p.M = rows, p.N = out, p.K = in;
+    // cublasGemmEx, not cuBLASLt: Lt caches a plan per shape, and the row counts change every step.
+    p.backend = gemm::cuda::GemmBackend::Classic;
     gemm::cuda::linear_forward(ctx, p);
   }
 }

@@ -56,7 +56,8 @@ void router_forward_train(int32_t* idx, float* weight, float* scores, float* sel
 //   ds_j = c (dw_j / S − Σ_k dw_k s_k / S²)   (renormalised)   or   c dw_j   (not)
 //   dlogit_j = ds_j s_j (1 − s_j);   unselected experts get 0.
 // scores [N, E], idx [N, K], sel_sum [N] from router_forward_train (sel_sum may be null when
-// !p.renormalize). Per-token arithmetic in fp64, rounded once.
+// !p.renormalize). Per-token arithmetic in fp64, rounded once; s (1 − s) is formed from the fp32 score,
+// so near s = 1 its relative error grows like 2^-24 / (1 − s), on entries that are small there.
 void router_backward_train(float* dlogits, const float* dweight, const float* scores, const int32_t* idx,
                            const float* sel_sum, int64_t N, const RouterParams& p);
 

@@ -40,6 +40,7 @@
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/moe/moe_cuda.h"
 #include "kernels/moe/moe_gemm_sm90.cuh"
+#include "kernels/moe/moe_train_cuda.h"
 
 namespace k3::moe::cuda {
 namespace {
@@ -116,9 +117,9 @@ __device__ Best block_argmax(Best b, Best* red) {
 }
 
 __global__ void __launch_bounds__(kRouterThreads)
-    router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight, const float* __restrict__ logits,
-                  const float* __restrict__ bias, int E, int K, int G, int topk_groups, bool renormalize,
-                  float scaling) {
+    router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight, float* __restrict__ scores_out,
+                  float* __restrict__ sel_sum_out, const float* __restrict__ logits, const float* __restrict__ bias,
+                  int E, int K, int G, int topk_groups, bool renormalize, float scaling) {
   extern __shared__ unsigned char router_smem[];
   float* s = reinterpret_cast<float*>(router_smem);                  // [E] unbiased scores
   float* sel = s + E;                                                // [E] biased selection scores; -INF = masked
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(kRouterThreads)
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const float v = rowwise::sigmoid_stable(lg[e]);
     s[e] = v;
+    if (scores_out) scores_out[t * E + e] = v;  // training: the unbiased scores (moe_train_cuda.h)
     // NaN (a NaN input or weight) selects last, as -inf: every argmax below then names a real,
     // untaken expert (a NaN compares false with everything, which left the argmax with no expert and
     // the dispatch with an index out of range). The expert weights stay NaN, so the logits show it.
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(kRouterThreads)
   if (threadIdx.x == 0) {
     double sum = 0.0;
     for (int k = 0; k < K; ++k) sum += chosen_s[k];
+    if (sel_sum_out) sel_sum_out[t] = float(sum);
     for (int k = 0; k < K; ++k) {
       const double w = renormalize ? double(chosen_s[k]) / (sum + 1e-20) : double(chosen_s[k]);
       idx[t * K + k] = chosen_i[k];
@@ -684,16 +687,32 @@ std::string router_can_run(const RouterParams& p) {
   return "";
 }
 
-void router_forward(int32_t* idx, float* weight, const float* logits, const float* bias, int64_t T,
-                    const RouterParams& p) {
+namespace {
+// The router launch shared by inference and training (scores_out, sel_sum_out: null, or the training
+// outputs of moe_train_cuda.h's router_forward_train).
+void launch_router(const char* what, int32_t* idx, float* weight, float* scores_out, float* sel_sum_out,
+                   const float* logits, const float* bias, int64_t T, const RouterParams& p) {
   const std::string why = router_can_run(p);
-  K3_CHECK(why.empty(), "moe::cuda::router_forward: ", why);
+  K3_CHECK(why.empty(), "moe::cuda::", what, ": ", why);
   if (T <= 0) return;
   const size_t smem = size_t(p.num_experts) * 9;
   K3_CUDA_CHECK(cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  router_kernel<<<unsigned(T), kRouterThreads, smem>>>(idx, weight, logits, bias, int(p.num_experts), int(p.top_k),
-                                                       int(p.num_groups), int(p.topk_groups), p.renormalize, p.scaling);
+  router_kernel<<<unsigned(T), kRouterThreads, smem>>>(idx, weight, scores_out, sel_sum_out, logits, bias,
+                                                       int(p.num_experts), int(p.top_k), int(p.num_groups),
+                                                       int(p.topk_groups), p.renormalize, p.scaling);
   K3_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void router_forward(int32_t* idx, float* weight, const float* logits, const float* bias, int64_t T,
+                    const RouterParams& p) {
+  launch_router("router_forward", idx, weight, nullptr, nullptr, logits, bias, T, p);
+}
+
+// Declared in moe_train_cuda.h: the same kernel, also writing the scores and the selected sums.
+void router_forward_train(int32_t* idx, float* weight, float* scores, float* sel_sum, const float* logits,
+                          const float* bias, int64_t N, const RouterParams& p) {
+  launch_router("router_forward_train", idx, weight, scores, sel_sum, logits, bias, N, p);
 }
 
 // ---- dispatch -------------------------------------------------------------------------------------

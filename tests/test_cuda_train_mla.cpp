@@ -238,18 +238,18 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // A sequence's o, lse, dq, dkv, dk_rot are bitwise the same alone, packed with others (in two
-// orders), and on a second run.
+// orders, one with an empty sequence among them), and on a second run.
 TEST(CudaTrainMla, PackingIndependentAndDeterministic) {
   K3_REQUIRE_GPU();
   const mla::Dims d{3, 40, 13, 24, 0};
   const float scale = float(1.0 / std::sqrt(53.0));
   std::vector<Seq> packed = make_seqs({1, 7, 64, 130}, d, 51);
-  std::vector<Seq> reordered{packed[3], packed[0], packed[2], packed[1]};
+  std::vector<Seq> reordered{packed[3], packed[0], make_seqs({0}, d, 52)[0], packed[2], packed[1]};  // + an empty one
   std::vector<Seq> again = packed;
   run_gpu(packed, d, scale);
   run_gpu(reordered, d, scale);
   run_gpu(again, d, scale);
-  const int order[4] = {1, 3, 2, 0};  // packed[b] is reordered[order[b]]
+  const int order[4] = {1, 4, 3, 0};  // packed[b] is reordered[order[b]]
   for (int b = 0; b < 4; ++b) {
     std::vector<Seq> alone{packed[b]};
     run_gpu(alone, d, scale);

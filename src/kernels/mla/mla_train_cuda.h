@@ -32,14 +32,15 @@
 //            h = 0..H-1 in that order. Results are bitwise reproducible and a sequence's results do
 //            not depend on what else is packed with it (tiles start at the sequence's first row).
 //   Shared memory (opt-in above 48 KB): forward 64·(2·(Dqk|1) + (Dv|1) + 65)·4 B (148 KB at K3's
-//   Dqk = Dn+Dr = 192, Dv = 128; 214 KB at 256, 256); backward 96·((Dqk|1) + (Dv|1))·4 B + 17 KB.
+//   Dqk = Dn+Dr = 192, Dv = 128; 214 KB at 256, 256); backward 96·((Dqk|1) + (Dv|1))·4 B plus at
+//   most 17 KB (141 KB at K3, 215 KB at 256, 256). One block per SM at K3's dims.
 // NUMERICS. fp32 storage and arithmetic throughout, with expf/logf (not the fast intrinsics):
 //   - softmax max-subtracted (forward: running max; backward: exp(S - lse) <= ~1), so exp never
 //     overflows whatever T (64K positions included) and the scaled scores' size;
 //   - a row with nothing seen yet has max -inf and uses 0 as the subtrahend (no inf - inf);
 //   - l >= 1 for every real row (its largest term is exp(0)), so 1/l and log l are safe;
 //   - Delta's dot product over Dv is accumulated in double (it is subtracted from dP: cancellation),
-//     then rounded once to fp32.
+//     then rounded once to fp32; so is dk_rot's sum over the heads;
 //   - the sums over keys (l, O, dQ) and over queries (dK, dV) are sequential fp32 chains, one per
 //     output element, so a row of T terms carries ~sqrt(T)·2^-24 relative error: ~5e-7 at T = 130,
 //     ~4e-6 for the last row of a 64K sequence (a float64 simulation of the forward's order).

@@ -15,69 +15,15 @@
 #include "util/cli.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
+#include "util/train_corpus.h"
 
 using k3test::fixture;
 using k3test::run_k3;
 namespace fs = std::filesystem;
 
-namespace {
-
-// A shard of English documents tokenised with the first 768 o200k ranks (+256 specials = the
-// fixture's vocabulary of 1024).
-struct Corpus {
-  k3test::TempDir dir{"train_loop"};
-  std::string shard;
-  Corpus() {
-    fs::create_directories(dir.path() / "tok");
-    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tok/tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-    out.close();
-    std::vector<std::string> args = {"data", "--tokenizer", dir.file("tok"), "--out", dir.file("shard.bin")};
-    for (int d = 0; d < 6; ++d) {
-      const std::string f = dir.file(std::string("doc").append(std::to_string(d)).append(".txt"));
-      std::ofstream t(f);
-      for (int r = 0; r < 20; ++r)
-        t << "the cat sat on the mat and the dog sat on the log. " << (d % 2 ? "a bird flew over the tree. " : "")
-          << "numbers " << r << " and " << d << " repeat.\n";
-      args.push_back(f);
-    }
-    const k3test::Outcome r = run_k3(args);
-    if (r.status != 0) throw std::runtime_error(r.output);
-    shard = dir.file("shard.bin");
-  }
-};
-
-std::vector<std::string> train_args(const Corpus& c, const std::string& out) {
-  return {"train",
-          "--config",
-          fixture("k3-tiny-a/config.json"),
-          "--data",
-          c.shard,
-          "--out",
-          out,
-          "--stages",
-          "32:768,64:768",
-          "--tokens-per-step",
-          "128",
-          "--save-every",
-          "1",
-          "--lr",
-          "3e-3",
-          "--seed",
-          "3"};
-}
-
-std::vector<double> losses(const std::string& out) {
-  std::vector<double> v;
-  std::ifstream in(out + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) v.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return v;
-}
-
-}  // namespace
+using k3test::Corpus;
+using k3test::losses;
+using k3test::train_args;
 
 TEST(TrainLoop, LearnsAndCheckpointsLoadForInference) {
   Corpus c;

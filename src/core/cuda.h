@@ -31,6 +31,8 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_on_device(void* dst, const void* src, size_t bytes);  // device to device, queued on the stream
 void zero_on_device(void* dst, size_t bytes);                   // queued on the stream
 void synchronize();
+// Free and total device memory (cudaMemGetInfo), for benchmarks' memory figures.
+void memory_info(size_t* free_bytes, size_t* total_bytes);
 
 // Times GPU work on the default stream with CUDA events (for benchmarks): start(), run kernels,
 // stop_ms() waits for them and returns the elapsed milliseconds.

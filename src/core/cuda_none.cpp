@@ -21,6 +21,7 @@ void copy_to_host(void*, const void*, size_t) { no_cuda(); }
 void copy_on_device(void*, const void*, size_t) { no_cuda(); }
 void zero_on_device(void*, size_t) { no_cuda(); }
 void synchronize() { no_cuda(); }
+void memory_info(size_t*, size_t*) { no_cuda(); }
 EventTimer::EventTimer() { no_cuda(); }
 EventTimer::~EventTimer() = default;
 void EventTimer::start() { no_cuda(); }

@@ -63,6 +63,7 @@ void zero_on_device(void* dst, size_t bytes) {
 }
 
 void synchronize() { K3_CUDA_CHECK(cudaDeviceSynchronize()); }
+void memory_info(size_t* free_bytes, size_t* total_bytes) { K3_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes)); }
 
 EventTimer::EventTimer() {
   cudaEvent_t a, b;

@@ -14,14 +14,16 @@ namespace k3::train {
 namespace fs = std::filesystem;
 
 namespace {
-
 constexpr char kMagic[8] = {'K', '3', 'T', 'R', 'N', 'S', '0', '1'};
+}  // namespace
 
 std::string step_name(int64_t step) {
   char b[32];
   std::snprintf(b, sizeof b, "step-%08lld", (long long)step);
   return b;
 }
+
+namespace {
 
 void append_doubles(std::string& out, const std::vector<double>& v) {
   out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));

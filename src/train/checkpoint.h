@@ -33,6 +33,8 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
                             const ParamStore& P, const TrainState& state);
 
 // The step directory OUT/latest names ("" when there is none).
+// The directory name of step N's checkpoint inside a run directory ("step-00000042").
+std::string step_name(int64_t step);
 std::string latest_checkpoint(const std::string& out_dir);
 
 // Reads a step directory's train_state.bin: the parameters into P (names and sizes must match P's)

@@ -1,0 +1,159 @@
+// Whole-model GPU training throughput: tokens/s, memory and MFU of full training steps (forward,
+// backward, clipping, Quantile Balancing, AdamW + Per-Head Muon) on random-initialised configs.
+//
+//   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
+//                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4]
+//
+// MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
+//   6 · N_active · tokens                                    (every GEMM, forward + backward)
+// + 3 · Σ_MLA layers H · (d_qk + d_v) · Σ_seq T²             (causal attention: QKᵀ and PV, fwd + 2× bwd)
+// + 3 · Σ_KDA layers H · tokens · (6 D² + 6 C D)             (chunked KDA, C = 16: state and intra-chunk products)
+// where N_active counts the weights a token multiplies: every projection, the dense FFN, the router,
+// the latent down/up projections, the shared experts, top-k routed experts and the lm_head (not the
+// embedding, a gather). The first step is a warm-up (the arena and cuBLAS plans); the rest are timed
+// with the GPU waited for at each step's end (the metrics read-back does that anyway).
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model/cuda/training/cuda_train_model.h"
+#include "model/params.h"
+#include "train/optimizer.h"
+#include "train/optimizer_cuda.h"
+#include "train/quantile_balance_cuda.h"
+
+using namespace k3;
+using namespace k3::train;
+
+namespace {
+
+constexpr double kPeakBf16 = 989.4e12;
+
+double active_params(const K3Config& c) {
+  const double D = double(c.hidden_size);
+  double n = double(c.vocab_size) * D;  // lm_head
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.layer_kind[size_t(l)] == AttnKind::KDA) {
+      const double HD = double(c.kda_num_heads * c.kda_head_dim);
+      n += 4 * HD * D + HD * D /* o */ + double(c.kda_head_dim) * (D + HD) + double(c.kda_num_heads) * D;
+    } else {
+      const double H = double(c.num_attention_heads), dq = double(c.qk_nope_head_dim + c.qk_rope_head_dim);
+      const double dkv = double(c.qk_nope_head_dim + c.v_head_dim), R = double(c.kv_lora_rank);
+      const double Qr = double(c.q_lora_rank);
+      n += (Qr > 0 ? Qr * D + H * dq * Qr : H * dq * D) + (R + double(c.qk_rope_head_dim)) * D + H * dkv * R;
+      n += 2 * H * double(c.v_head_dim) * D;  // g_proj, o_proj
+    }
+    if (c.is_moe_layer(l)) {
+      const double L = double(c.routed_expert_hidden_size), I = double(c.moe_intermediate_size);
+      n += double(c.num_experts) * D + 2 * L * D + double(c.num_experts_per_token) * 3 * L * I;
+      n += 3 * double(c.num_shared_experts) * I * D;
+    } else {
+      n += 3 * double(c.intermediate_size) * D;
+    }
+  }
+  return n;
+}
+
+double step_flops(const K3Config& c, int64_t tokens, int64_t seq_len) {
+  double f = 6 * active_params(c) * double(tokens);
+  const double seqs = double(tokens / seq_len), T = double(seq_len);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.layer_kind[size_t(l)] == AttnKind::KDA) {
+      const double D = double(c.kda_head_dim);
+      f += 3 * double(c.kda_num_heads) * double(tokens) * (6 * D * D + 6 * 16 * D);
+    } else {
+      f += 3 * double(c.num_attention_heads) *
+           double(c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * seqs * T * T;
+    }
+  }
+  return f;
+}
+
+void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuPrecision precision, int steps) {
+  const K3Config c = load_config(config_path);
+  RandomInitOptions ri;
+  ri.seed = 1;
+  ParamStore P = ParamStore::random_init(c, ri);
+  Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
+  auto model = CudaTrainModel::create(c, P, precision);
+  CudaOptimizer opt(plan, P, model->values_device(), model->grads_device(), model->gemm(),
+                    precision == GpuPrecision::BF16);
+  std::vector<std::unique_ptr<CudaQuantileBalancer>> bal(size_t(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l))
+      bal[size_t(l)] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, BalanceOptions{},
+                                                              std::vector<double>(size_t(c.num_experts), 0.0));
+  GpuStepHooks hooks;
+  hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias_device(); };
+  hooks.on_router_scores = [&](int64_t l, const float* s, int64_t N) { bal[size_t(l)]->accumulate(s, N); };
+  cuda::DeviceBuffer<double> norm(1);
+  cuda::DeviceBuffer<int64_t> bad(1);
+  cuda::DeviceBuffer<uint8_t> ws(clip_grad_norm_workspace_bytes(model->numel()));
+
+  std::mt19937_64 rng(3);
+  auto batch = [&] {
+    std::vector<std::vector<int32_t>> b(size_t(tokens / seq_len), std::vector<int32_t>(size_t(seq_len)));
+    for (auto& s : b)
+      for (auto& t : s) t = int32_t(rng() % uint64_t(c.vocab_size));
+    return b;
+  };
+  std::printf("%s: %.3g parameters, %.3g active per token; %s; %lld tokens per step in sequences of %lld\n",
+              config_path.c_str(), double(P.values().size()), active_params(c), gpu_precision_name(precision),
+              (long long)tokens, (long long)seq_len);
+  double total = 0, loss = 0;
+  for (int s = 0; s <= steps; ++s) {
+    const auto b = batch();
+    const auto t0 = std::chrono::steady_clock::now();
+    model->zero_grads();
+    loss = model->loss(b, true, 1.0 / double(tokens), &hooks);
+    clip_grad_norm_cuda(model->grads_device(), model->numel(), 1.0, norm.data(), bad.data(), ws.data());
+    for (auto& q : bal)
+      if (q) q->finish_step();
+    opt.step(1e-3);
+    model->values_changed();
+    cuda::synchronize();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0) total += secs;
+    std::printf("  step %d: %.1f ms, loss %.4f%s\n", s, secs * 1e3, loss / double(tokens), s == 0 ? " (warm-up)" : "");
+  }
+  const double per_step = total / steps;
+  size_t free_b = 0, total_b = 0;
+  cuda::memory_info(&free_b, &total_b);
+  const double mfu = step_flops(c, tokens, seq_len) / per_step / kPeakBf16;
+  std::printf("| %s | %s | %lld x %lld | %.1f ms | %.0f tok/s | %.1f GiB | %.1f%% |\n", config_path.c_str(),
+              gpu_precision_name(precision), (long long)(tokens / seq_len), (long long)seq_len, per_step * 1e3,
+              double(tokens) / per_step, double(total_b - free_b) / double(1 << 30), 100 * mfu);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"GPU training throughput, memory and MFU"};
+  std::vector<std::string> configs;
+  int64_t tokens = 8192, seq_len = 2048;
+  std::string precision = "bf16";
+  int steps = 4;
+  app.add_option("--config", configs, "model config.json (repeatable)")->required();
+  app.add_option("--tokens", tokens, "tokens per step")->capture_default_str();
+  app.add_option("--seq-len", seq_len, "sequence length")->capture_default_str();
+  app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    std::string why;
+    if (!cuda::available(&why)) {
+      std::printf("no GPU: %s\n", why.c_str());
+      return 0;
+    }
+    std::printf("%s\n| config | precision | batch | step | tokens/s | device memory | MFU |\n|---|---|---|---|---|---|---|\n",
+                cuda::device_summary().c_str());
+    for (const std::string& c : configs) bench(c, tokens, seq_len, parse_gpu_precision(precision, "--precision"), steps);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -184,6 +184,15 @@ TEST(CudaTrainOps, RmsNormMatchesCpu) {
           const auto dx2 = unstride(download(ginplace), N, D, c.lddy, &bad2);
           EXPECT_TRUE(same_bits(dx2, dx)) << "in-place dx differs, " << ctx;
         }
+        // y may overwrite x in place (same stride).
+        if (c.ldx == c.ldy) {
+          kc::DeviceBuffer<float> gxy(xs.data(), xs.size()), grstd2(static_cast<size_t>(N));
+          k3::norm::cuda::rmsnorm_forward_train(gxy.data(), c.ldx, grstd2.data(), gxy.data(), c.ldx, wp, eps, N, D);
+          kc::synchronize();
+          std::string bad3;
+          EXPECT_TRUE(same_bits(unstride(download(gxy), N, D, c.ldx, &bad3), y)) << "in-place y differs, " << ctx;
+          EXPECT_TRUE(same_bits(download(grstd2), download(grstd))) << "in-place rstd differs, " << ctx;
+        }
       }
 }
 

@@ -43,7 +43,8 @@ struct AttnResBackwardParams {
   const float* alpha = nullptr;       // [N, S] from the forward
   const float* rinv = nullptr;        // [N, S] from the forward
   const float* dh = nullptr;          // [N, D]
-  float* dsources[kMaxSources] = {};  // ACCUMULATED (+=), [N, D] each; null: that source needs no gradient
+  // ACCUMULATED (+=), [N, D] each, not aliasing any source; null: that source needs no gradient.
+  float* dsources[kMaxSources] = {};
   float* dquery = nullptr;            // [D] ACCUMULATED; null: no query gradient
   void* workspace = nullptr;          // attnres_backward_workspace_bytes(N, D, S)
 };

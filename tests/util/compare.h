@@ -9,23 +9,15 @@ namespace k3test {
 
 inline std::string fixture(const std::string& rel) { return std::string(K3_SOURCE_DIR) + "/tests/fixtures/" + rel; }
 
-// ||a - b|| / ||b||; +inf when sizes differ or any value is non-finite (so a NaN never "passes").
-inline double rel_l2(const float* a, const float* b, size_t n) {
+// ||a - b|| / ||b|| in double, for any pair of float/double arrays; +inf when any value is
+// non-finite (so a NaN never "passes").
+template <class A, class B>
+double rel_l2(const A* a, const B* b, size_t n) {
   double num = 0.0, den = 0.0;
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
     const double d = double(a[i]) - double(b[i]);
     num += d * d;
-    den += double(b[i]) * double(b[i]);
-  }
-  return std::sqrt(num / (den > 0 ? den : 1e-300));
-}
-// A float64 result against a float reference (the training path against the goldens).
-inline double rel_l2(const double* a, const float* b, size_t n) {
-  double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
-    num += (a[i] - b[i]) * (a[i] - b[i]);
     den += double(b[i]) * double(b[i]);
   }
   return std::sqrt(num / (den > 0 ? den : 1e-300));

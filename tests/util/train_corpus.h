@@ -7,8 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "util/cli.h"
-#include "util/temp_dir.h"
+#include "cli.h"
+#include "compare.h"
+#include "temp_dir.h"
 
 namespace k3test {
 

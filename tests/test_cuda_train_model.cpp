@@ -13,6 +13,7 @@
 //                       within 1e-2 relative, the whole gradient within 5e-2 relative L2.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -64,6 +65,23 @@ double gpu_loss_and_grads(ParamStore& P, const K3Config& c, const std::vector<st
   return loss / double(count);
 }
 
+// The tensors farthest from the float64 gradients (relative L2, and their share of the whole error).
+void print_worst(const ParamStore& gpu, const ParamStore& cpu) {
+  std::vector<std::pair<double, std::string>> rows;
+  double total = 0;
+  for (const std::string& n : trainable_names(cpu)) {
+    const size_t k = size_t(cpu.numel(n));
+    double d2 = 0;
+    for (size_t i = 0; i < k; ++i) d2 += std::pow(gpu.g(n)[i] - cpu.g(n)[i], 2);
+    total += d2;
+    rows.push_back({rel_l2(gpu.g(n), cpu.g(n), k), n + " (|d|^2 " + std::to_string(d2) + ")"});
+  }
+  std::sort(rows.rbegin(), rows.rend());
+  for (size_t i = 0; i < std::min<size_t>(12, rows.size()); ++i)
+    std::printf("  %.3g  %s\n", rows[i].first, rows[i].second.c_str());
+  std::printf("  total |d|^2 %.6g\n", total);
+}
+
 }  // namespace
 
 TEST(CudaTrainModel, F32LossAndEveryGradientAgainstExactReference) {
@@ -76,6 +94,7 @@ TEST(CudaTrainModel, F32LossAndEveryGradientAgainstExactReference) {
   int checked = 0;
   double worst = 0, worst_ratio = 0;
   std::string worst_name;
+  std::vector<std::pair<double, std::string>> ratios;
   for (const std::string& n : trainable_names(P)) {
     const double* ours = P.g(n);
     const size_t numel = size_t(P.numel(n));
@@ -91,11 +110,15 @@ TEST(CudaTrainModel, F32LossAndEveryGradientAgainstExactReference) {
     EXPECT_LE(e, 2 * gap + 1e-5) << n << ": the float32 golden is at " << gap;
     if (e > worst) worst = e, worst_name = n;
     worst_ratio = std::max(worst_ratio, e / (gap + 1e-12));
+    ratios.push_back({e / (gap + 1e-12), n + " e " + std::to_string(e) + " gap " + std::to_string(gap)});
     ++checked;
   }
   EXPECT_EQ(checked, int(exact_reference().names().size()) - 1);
   std::printf("F32: loss %.8f; %d gradients; worst relative L2 %.3g (%s); worst ratio to the float32 golden's %.2f\n",
               loss, checked, worst, worst_name.c_str(), worst_ratio);
+  std::sort(ratios.rbegin(), ratios.rend());
+  for (size_t i = 0; i < std::min<size_t>(15, ratios.size()); ++i)
+    std::printf("  ratio %.2f  %s\n", ratios[i].first, ratios[i].second.c_str());
 }
 
 TEST(CudaTrainModel, PackedBatchMatchesCpuFloat64) {
@@ -135,6 +158,7 @@ TEST(CudaTrainModel, Bf16StepNearFloat64) {
   EXPECT_NEAR(got, want, 1e-2 * std::abs(want));
   const double e = rel_l2(gpu.grads().data(), cpu.grads().data(), cpu.grads().size());
   std::printf("BF16 step: loss %.6f vs %.6f; whole-gradient relative L2 %.3g\n", got, want, e);
+  print_worst(gpu, cpu);
   EXPECT_LE(e, 5e-2);
 }
 

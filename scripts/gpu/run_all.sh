@@ -8,7 +8,7 @@
 # Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
 # Usage: bash scripts/gpu/run_all.sh [--no-peers] [--no-bench] [--only REGEX]   (REGEX filters test/bench names)
 # bench_cuda_model writes random k3-small and k3-1b checkpoints under models/ first (k3 init) and
-# takes extra arguments from $MODEL_BENCH_ARGS.
+# takes extra arguments from $MODEL_BENCH_ARGS; bench_cuda_train its arguments from $TRAIN_BENCH_ARGS.
 # Before it, here: bash scripts/gpu/fetch_deps.sh (the Debian packages the GPU image lacks), and carry
 # .gpudeps and third_party_ref/fla_src to the GPU machine.
 set -uo pipefail
@@ -61,6 +61,8 @@ for b in $BENCHES; do
         || FAILED=1
     done
     ./build-gpu/$b --model models/k3-small --model models/k3-1b ${MODEL_BENCH_ARGS:-} || FAILED=1
+  elif [ "$b" = bench_cuda_train ]; then
+    ./build-gpu/$b ${TRAIN_BENCH_ARGS:---config configs/k3-1b.json --config configs/k3-shaped-h200.json} || FAILED=1
   else
     ./build-gpu/$b || FAILED=1
   fi

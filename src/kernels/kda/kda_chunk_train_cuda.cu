@@ -470,6 +470,12 @@ __global__ void __launch_bounds__(NT)
   }
 }
 
+// Shared memory per block at D = 128 (the largest): prep 66 KB, fwd_seq 37 KB, bwd_seq 38 KB, bwd_chunk 115 KB.
+constexpr size_t kMaxSmem = 227 * 1024;  // sm_90's opt-in limit per block
+static_assert(sizeof(Prep<128>) <= kMaxSmem && sizeof(FwdSmem<128>) <= kMaxSmem &&
+                  sizeof(BwdSeqSmem<128>) <= kMaxSmem && sizeof(BwdChunkSmem<128>) <= kMaxSmem,
+              "shared memory over the per-block limit");
+
 // ---- host launchers ---------------------------------------------------------------------------------------
 
 constexpr size_t item_floats(int D) { return size_t(3 * C * D + 2 * C * C + D); }

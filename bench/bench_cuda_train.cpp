@@ -78,6 +78,7 @@ void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuP
   RandomInitOptions ri;
   ri.seed = 1;
   ParamStore P = ParamStore::random_init(c, ri);
+  std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
   Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
   auto model = CudaTrainModel::create(c, P, precision);
   CudaOptimizer opt(plan, P, model->values_device(), model->grads_device(), model->gemm(),
@@ -143,6 +144,7 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   try {
     std::string why;
     if (!cuda::available(&why)) {

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 DATA=${1:?usage: train_dynamics.sh DATA_DIR [STEPS]}
 STEPS=${2:-300}
 OUTDIR=${OUT:-out/gpu}
+mkdir -p "$OUTDIR"
 K3=./build-gpu/k3
 ARGS=(--config configs/k3-tiny.json --data "$DATA/train.bin" --eval-data "$DATA/heldout.bin"
       --stages "256:$(( STEPS * 1024 ))" --tokens-per-step 1024 --lr 6e-3 --balance qb-exact --save-every 100000)
@@ -22,7 +23,7 @@ CPU=$!
 echo "gpu run: $(( $(date +%s) - T0 )) s"
 wait $CPU
 echo "cpu run: $(( $(date +%s) - T0 )) s"
-tail -2 "$OUTDIR/dyn-cpu.log" "$OUTDIR/dyn-gpu.log"
+tail -n 2 "$OUTDIR/dyn-cpu.log" "$OUTDIR/dyn-gpu.log"
 python3 - "$OUTDIR/dyn-cpu/metrics.jsonl" "$OUTDIR/dyn-gpu/metrics.jsonl" <<'EOF'
 import json, sys
 def read(p):

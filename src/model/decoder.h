@@ -35,11 +35,26 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/tensor_table.h"
 
 namespace k3 {
 
 // Where an AttnRes + RMSNorm pair feeds: a layer's attention, its FFN, or the head.
 enum class MixSite { AttnIn, FfnIn, Output };
+
+// The tensors a mix site reads: AttnRes's pseudo-query factors (res_norm ⊙ res_proj, folded) and the
+// RMSNorm weight after it. Output's are global (layer -1).
+struct MixTensors {
+  TensorKind res_norm, res_proj, norm;
+};
+inline MixTensors mix_tensors(MixSite site) {
+  switch (site) {
+    case MixSite::AttnIn: return {TensorKind::AttnResNorm, TensorKind::AttnResProj, TensorKind::InputNorm};
+    case MixSite::FfnIn: return {TensorKind::MlpResNorm, TensorKind::MlpResProj, TensorKind::PostAttnNorm};
+    case MixSite::Output: break;
+  }
+  return {TensorKind::OutputAttnResNorm, TensorKind::OutputAttnResProj, TensorKind::OutputNorm};
+}
 
 // Seconds spent per block kind while profiling is on (Model::timings, CudaModel::timings).
 struct BlockTimings {

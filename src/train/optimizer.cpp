@@ -224,7 +224,7 @@ OptimizerState Optimizer::save_state() const {
   return s;
 }
 
-void Optimizer::load_state(const OptimizerState& s) {
+int64_t check_optimizer_state(const OptimizerState& s, const std::vector<ParamPlan>& plan, size_t state_size) {
   // The hyperparameters in the header are a record, not checked: changing e.g. weight decay on
   // resume is the caller's choice. The structure must match exactly.
   try {
@@ -232,9 +232,9 @@ void Optimizer::load_state(const OptimizerState& s) {
     if (h.at("format").get<std::string>() != "k3-optimizer-v1")
       fail("optimizer state: unknown format '", h.at("format").get<std::string>(), "'");
     const nlohmann::json& ts = h.at("tensors");
-    if (ts.size() != plan_.size()) fail("optimizer state: ", ts.size(), " tensors, this optimizer has ", plan_.size());
-    for (size_t i = 0; i < plan_.size(); ++i) {
-      const ParamPlan& p = plan_[i];
+    if (ts.size() != plan.size()) fail("optimizer state: ", ts.size(), " tensors, this optimizer has ", plan.size());
+    for (size_t i = 0; i < plan.size(); ++i) {
+      const ParamPlan& p = plan[i];
       const nlohmann::json& t = ts[i];
       if (t.at("name").get<std::string>() != p.name || t.at("group").get<std::string>() != param_group_name(p.group) ||
           t.at("numel").get<int64_t>() != p.numel || t.at("heads").get<int64_t>() != p.heads ||
@@ -244,14 +244,18 @@ void Optimizer::load_state(const OptimizerState& s) {
              t.at("heads").get<int64_t>(), " heads), expected '", p.name, "' (", param_group_name(p.group), ", ",
              p.numel, ", ", p.heads, ")");
     }
-    if (s.data.size() != state_.size()) fail("optimizer state: ", s.data.size(), " values, expected ", state_.size());
+    if (s.data.size() != state_size) fail("optimizer state: ", s.data.size(), " values, expected ", state_size);
     const int64_t t = h.at("step").get<int64_t>();
     if (t < 0) fail("optimizer state: negative step");
-    state_ = s.data;
-    t_ = t;
+    return t;
   } catch (const nlohmann::json::exception& e) {
     fail("optimizer state: ", e.what());
   }
+}
+
+void Optimizer::load_state(const OptimizerState& s) {
+  t_ = check_optimizer_state(s, plan_, state_.size());
+  state_ = s.data;
 }
 
 double clip_grad_norm(ParamStore& P, double max_norm, const std::vector<std::string>* names) {

@@ -105,6 +105,11 @@ struct OptimizerState {
   std::vector<double> data;
 };
 
+// Checks that `s` is a state of an optimizer with this plan and `state_size` values (format, every
+// tensor's name, group, size, head split and slot) and returns its step count; throws k3::Error
+// naming the first difference. Optimizer::load_state and the GPU optimizer's load_state share it.
+int64_t check_optimizer_state(const OptimizerState& s, const std::vector<ParamPlan>& plan, size_t state_size);
+
 class Optimizer {
  public:
   // Plans every tensor of P (P.names(), sorted) with `rule`; `head_splits` gives Per-Head Muon

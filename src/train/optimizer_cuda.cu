@@ -383,34 +383,10 @@ OptimizerState CudaOptimizer::save_state() const {
 }
 
 void CudaOptimizer::load_state(const OptimizerState& s) {
-  // The CPU's checks (Optimizer::load_state): format, the tensors' structure, the data size, the step.
-  try {
-    const nlohmann::json& h = s.header;
-    if (h.at("format").get<std::string>() != "k3-optimizer-v1")
-      fail("optimizer state: unknown format '", h.at("format").get<std::string>(), "'");
-    const nlohmann::json& ts = h.at("tensors");
-    if (ts.size() != plan_.size()) fail("optimizer state: ", ts.size(), " tensors, this optimizer has ", plan_.size());
-    for (size_t i = 0; i < plan_.size(); ++i) {
-      const ParamPlan& p = plan_[i];
-      const nlohmann::json& t = ts[i];
-      if (t.at("name").get<std::string>() != p.name || t.at("group").get<std::string>() != param_group_name(p.group) ||
-          t.at("numel").get<int64_t>() != p.numel || t.at("heads").get<int64_t>() != p.heads ||
-          t.at("offset").get<int64_t>() != p.state_offset || t.at("size").get<int64_t>() != p.state_size)
-        fail("optimizer state: tensor ", i, " is '", t.at("name").get<std::string>(), "' (",
-             t.at("group").get<std::string>(), ", ", t.at("numel").get<int64_t>(), " elements, ",
-             t.at("heads").get<int64_t>(), " heads), expected '", p.name, "' (", param_group_name(p.group), ", ",
-             p.numel, ", ", p.heads, ")");
-    }
-    if (int64_t(s.data.size()) != state_size_)
-      fail("optimizer state: ", s.data.size(), " values, expected ", state_size_);
-    const int64_t t = h.at("step").get<int64_t>();
-    if (t < 0) fail("optimizer state: negative step");
-    const std::vector<float> f(s.data.begin(), s.data.end());
-    if (state_size_ > 0) state_.upload(f.data(), f.size());
-    t_ = t;
-  } catch (const nlohmann::json::exception& e) {
-    fail("optimizer state: ", e.what());
-  }
+  const int64_t t = check_optimizer_state(s, plan_, size_t(state_size_));
+  const std::vector<float> f(s.data.begin(), s.data.end());
+  if (state_size_ > 0) state_.upload(f.data(), f.size());
+  t_ = t;
 }
 
 size_t clip_grad_norm_workspace_bytes(int64_t n) {

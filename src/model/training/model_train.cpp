@@ -102,16 +102,9 @@ class TrainBackend {
 
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
     ResUse& u = use(site, l);
-    if (site == MixSite::AttnIn) {
-      u.norm_name = tn_(TensorKind::AttnResNorm, l), u.proj_name = tn_(TensorKind::AttnResProj, l);
-      u.ln_name = tn_(TensorKind::InputNorm, l);
-    } else if (site == MixSite::FfnIn) {
-      u.norm_name = tn_(TensorKind::MlpResNorm, l), u.proj_name = tn_(TensorKind::MlpResProj, l);
-      u.ln_name = tn_(TensorKind::PostAttnNorm, l);
-    } else {
-      u.norm_name = tn_(TensorKind::OutputAttnResNorm), u.proj_name = tn_(TensorKind::OutputAttnResProj);
-      u.ln_name = tn_(TensorKind::OutputNorm);
-    }
+    const MixTensors k = mix_tensors(site);
+    const int64_t at = site == MixSite::Output ? -1 : l;
+    u.norm_name = tn_(k.res_norm, at), u.proj_name = tn_(k.res_proj, at), u.ln_name = tn_(k.norm, at);
     u.h.resize(size_t(T_ * D_));
     if (blocks.empty()) {
       u.direct = partial;

@@ -100,16 +100,9 @@ class CudaTrainBackend {
 
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
     ResUse& u = use(site, l);
-    if (site == MixSite::AttnIn) {
-      u.norm = param(TensorKind::AttnResNorm, l), u.proj = param(TensorKind::AttnResProj, l);
-      u.ln = param(TensorKind::InputNorm, l);
-    } else if (site == MixSite::FfnIn) {
-      u.norm = param(TensorKind::MlpResNorm, l), u.proj = param(TensorKind::MlpResProj, l);
-      u.ln = param(TensorKind::PostAttnNorm, l);
-    } else {
-      u.norm = param(TensorKind::OutputAttnResNorm), u.proj = param(TensorKind::OutputAttnResProj);
-      u.ln = param(TensorKind::OutputNorm);
-    }
+    const MixTensors k = mix_tensors(site);
+    const int64_t at = site == MixSite::Output ? -1 : l;
+    u.norm = param(k.res_norm, at), u.proj = param(k.res_proj, at), u.ln = param(k.norm, at);
     if (blocks.empty()) {
       u.direct = partial;
       u.h = node_[size_t(partial)];

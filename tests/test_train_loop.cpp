@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/cuda.h"
 #include "core/error.h"
 #include "model/params.h"
 #include "train/checkpoint.h"
@@ -122,4 +123,23 @@ TEST(TrainLoop, BadOptionsAreClearErrors) {
   r = run_k3(args);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("not a k3 token shard"), std::string::npos) << r.output;
+  // --precision belongs to --device cuda; the CPU trains in float64.
+  args = train_args(c, c.dir.file("p"));
+  args.insert(args.end(), {"--precision", "bf16"});
+  r = run_k3(args);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--precision is for --device cuda"), std::string::npos) << r.output;
+  args = train_args(c, c.dir.file("d"));
+  args.insert(args.end(), {"--device", "gpu"});
+  r = run_k3(args);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--device"), std::string::npos) << r.output;
+  // Without a usable GPU, --device cuda says why before training anything.
+  if (!k3::cuda::available()) {
+    args = train_args(c, c.dir.file("g"));
+    args.insert(args.end(), {"--device", "cuda"});
+    r = run_k3(args);
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("GPU training cannot start"), std::string::npos) << r.output;
+  }
 }

@@ -144,7 +144,7 @@ namespace k3::train {
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore&, const K3Config&, const Optimizer&,
                                                     const BalanceOptions&, GpuPrecision) {
   fail(
-      "--device cuda: this k3 was built without the CUDA backend (nvcc not found at build time, or "
+      "GPU training cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
       "-DK3_CUDA=OFF)");
 }
 }  // namespace k3::train

@@ -44,10 +44,10 @@ void register_train(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "train",
       "Train a K3 model from CONFIG on a token shard (see `k3 data`): in float64 on the CPU, or on one\n"
-      "Hopper GPU (--device cuda) in bf16 mixed precision or fp32. Explicit forward/backward of every block, AdamW for "
-      "vectors/embeddings/lm_head and Per-Head Muon for\n"
-      "matrices, cosine schedule with linear warmup, gradient clipping, Quantile Balancing of the MoE\n"
-      "routers. Curriculum stages SEQ_LEN:TOKENS run in order with constant tokens per step.\n"
+      "Hopper GPU (--device cuda) in bf16 mixed precision or fp32. Explicit forward/backward of every\n"
+      "block, AdamW for vectors/embeddings/lm_head and Per-Head Muon for matrices, cosine schedule with\n"
+      "linear warmup, gradient clipping, Quantile Balancing of the MoE routers. Curriculum stages\n"
+      "SEQ_LEN:TOKENS run in order with constant tokens per step.\n"
       "Writes OUT/step-N/ checkpoints (config.json + model.safetensors, loadable by `k3 generate`, +\n"
       "train_state.bin), OUT/latest and OUT/metrics.jsonl; --resume continues from OUT/latest with\n"
       "identical losses. A NaN/Inf loss or gradient stops the run (or skips the step).");

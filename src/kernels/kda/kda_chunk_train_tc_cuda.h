@@ -1,0 +1,75 @@
+// The KDA recurrence core for TRAINING on the GPU (sm_90a) on TENSOR CORES: the bf16-operand twin of
+// kda_chunk_forward_train / kda_chunk_backward_train (kda_chunk_train_cuda.h: same KdaTrainParams, same packed
+// varlen contract, same outputs and overwrite rules, same meaning of `states`). Every 16x16, 16xD and DxD product
+// is mma.sync m16n8k16 with bf16 operands and fp32 accumulators; the state, the state gradient, the decays and
+// the gate math stay fp32. Plain C++ (no CUDA headers): DEVICE pointers, the default stream, asynchronous.
+//
+// THE CHUNKED FORM (chunk 16, as kda_chunk_train_cuda.h; in a chunk of n tokens r, s = 0..n-1 with entering
+// state S0, Q = scale q, Gamma_r = g_0 + .. + g_r per key channel, E_r = exp(Gamma_r), El = E_{n-1}):
+//   Qt = Q E, Kt = k E, Kd_r = k_r exp(Gamma_{n-1} - Gamma_r)                 (against the chunk's S0 / S_end)
+//   Qr_r = Q_r exp(Gamma_r - Gamma_m), Kr_r = k_r exp(Gamma_r - Gamma_m), Ki_s = k_s exp(Gamma_m - Gamma_s)
+//   A = StrictLower(Kr Ki^T), M = Lower(Qr Ki^T)            (m = 7: the chunk's midpoint, see NUMERICS)
+//   Aw = (I + Diag(beta) A)^-1 Diag(beta)                   (so U = Aw Y is the forward substitution)
+//   Y = V - Kt S0,  U = Aw Y,  X = Y - A U,  O = Qt S0 + M U,  S_end = Diag(El) S0 + Kd^T U
+// Backward (dS = dL/dS_end, 0 after a sequence's last chunk):
+//   dU = Kd dS + M^T dO,  dX = Aw^T dU (= dv),  dB = dU - A^T dX,  dS0 = Diag(El) dS + Qt^T dO - Kt^T dX
+//   dQt = dO S0^T, dKt = -dX S0^T, dKd = U dS^T, dM = StrictLower(dO U^T), dMd_r = (dO U^T)_rr,
+//   dA = StrictLower(-dX U^T), dQr = dM Ki, dKr = dA Ki, dKi = dA^T Kr + dM^T Qr, dbeta_r = dB_r . X_r
+//   then per element: dq = scale (dQt E + dQr e^{Gamma-Gamma_m} + dMd k), dk = dKt E + dKd e^{Gamma_{n-1}-Gamma} +
+//   dKr e^{Gamma-Gamma_m} + dKi e^{Gamma_m-Gamma} + dMd Q, dGamma = dQt Qt + dKt Kt - dKd Kd + dQr Qr + dKr Kr -
+//   dKi Ki (Kd's term left out at r = n-1, where Kd = k), dGamma_{n-1} += sum_{r<n-1} dKd_r Kd_r + El rowsum(S0 dS),
+//   dg = reverse cumulative sum of dGamma in the chunk.
+//   (Gamma_m is held constant: A and M do not depend on it, so its gradient terms sum to exactly 0. M's diagonal
+//   and Kd_{n-1} do not depend on Gamma either; routing them through the decays would add two O(1) terms that
+//   cancel exactly in exact arithmetic but leave bf16 rounding noise in dg, which is small where g is at its
+//   bound: 0.84 relative L2 in dg measured on a CPU emulation before this split, 7e-3 after.)
+//
+// DESIGN (four kernels; warps of 32 lanes own 16 output columns; no atomics):
+//   prep     one CTA (2D threads) per chunk and head, all chunks in parallel: the elementwise decays (fp32), A and
+//            M (tensor cores), Aw (a 16x16 unit-triangular solve, one lane per column), written to an "item"
+//            of bf16 tiles Kt, Qt, Kd [16][D], Aw, A, M [16][16] and fp32 El [D] (100 D + 1536 bytes).
+//   fwd_seq  one CTA of 2 warps per (sequence, head, 32 value columns): each warp keeps its 16 columns of S^T
+//            (16 x D, fp32 mma accumulators in registers) across the sequence's chunks; the accumulator tiles of
+//            S^T, Y^T and U^T are repacked in registers as the A operand of the next product. Chunk items are
+//            double-buffered in shared memory with cp.async. Saves S0 per chunk (fp32), writes O.
+//   bwd_seq  the same grid, chunks in reverse, dS^T in registers; saves dS (bf16) per chunk, writes dv = dX and
+//            dB (fp32, workspace).
+//   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel: recomputes Y, U, X
+//            from the saved S0, then every product above, then the elementwise chain and the reverse cumsum.
+// Every sequence's numbers come from its own rows only by the same code; results are bitwise reproducible and
+// independent of the other sequences of the batch.
+//
+// NUMERICS (bar: relative L2 <= 1e-2 against the float64 twin; operands bf16 = 8 significant bits):
+//   - Range: K3's gate is in [-5, 0], so inside a 16-token chunk |Gamma_r - Gamma_s| <= 80 and every factor
+//     exp(Gamma_r), exp(Gamma_{n-1} - Gamma_r) is in [e^-80, 1] (e^-80 = 1.8e-35, a normal fp32 / bf16 number).
+//     A and M are formed by re-referencing at the midpoint m = 7 (fla's safe_gate trick): the factors of Kr, Qr,
+//     Ki are within e^+-40, far inside bf16's range (max e^88.7), so the masked products Kr Ki^T never overflow
+//     and the kept pair decays e^{Gamma_r - Gamma_s} (r >= s, <= 1) come as one product of two bf16 numbers:
+//     ~2^-8 relative per term. The masks are selects, never multiplications (the discarded upper triangle
+//     holds up to e^75 |k|^2, finite in fp32 accumulators).
+//   - Exponent rounding: the decays are expf of differences of fp32 cumulative sums (|Gamma| <= 80: ~8e-6
+//     absolute in the exponent), far below bf16's 4e-3.
+//   - U, Y, dU, dX, dO, S0, dS are rounded to bf16 where they are operands; the state S and the state gradient
+//     dS are carried in fp32 accumulators, so rounding does not compound along a sequence (the recurrence is
+//     contractive). g must be >= -5 per token for these range claims (K3's bound); g > 0 is not supported.
+//
+// CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; workspace 16-byte aligned, caller-owned).
+#pragma once
+#include <cstddef>
+
+#include "kernels/kda/kda_chunk_train_cuda.h"
+
+namespace k3::kda::cuda {
+
+// o [rows, H*D] and states [chunks, H, D, D] (fp32, the state entering each chunk) OVERWRITTEN.
+// Workspace: chunks * H * (100 D + 1536) bytes.
+size_t kda_chunk_forward_train_bf16_workspace_bytes(const KdaTrainParams& p);
+void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, float* states, void* workspace);
+
+// dq, dk, dv, dg [rows, H*D] and dbeta [rows, H] OVERWRITTEN (dg w.r.t. the per-token g), given d_o and the
+// forward's states. Workspace: the forward's, plus chunks * H * D * D bf16 (dS per chunk) and rows * H * D fp32 (dB).
+size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p);
+void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk,
+                                   float* dv, float* dg, float* dbeta, void* workspace);
+
+}  // namespace k3::kda::cuda

@@ -103,21 +103,24 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&af)[4], const float (&c0)[4]
 
 // A bf16 tile of nrows x wpad values from fp32 rows: value (r, c) = a[r*lda + c] for c < wa,
 // b[r*ldb + c - wa] for wa <= c < wa + wb, and 0 for c >= wa + wb or r >= valid (nothing is read
-// for them). Stored row-major dst[r*ld + c], or transposed dst[c*ld + r] when kTrans.
-template <bool kTrans>
-__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, int nrows, int wpad, int valid, const float* a,
-                                          int64_t lda, int wa, const float* b, int64_t ldb, int wb) {
+// for them). Stored row-major dst[r*ld + c] when dst is given, and transposed dstT[c*ldT + r] when
+// dstT is given (both from one read of the value).
+__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int nrows, int wpad,
+                                          int valid, const float* a, int64_t lda, int wa, const float* b, int64_t ldb,
+                                          int wb) {
   const int w = wa + wb;
   for (int idx = threadIdx.x; idx < nrows * wpad; idx += kThreads) {
     const int r = idx / wpad, c = idx - r * wpad;
     float x = 0.0f;
     if (r < valid && c < w) x = c < wa ? a[r * lda + c] : b[r * ldb + (c - wa)];
-    dst[kTrans ? c * ld + r : r * ld + c] = to_bf16(x);
+    const uint16_t y = to_bf16(x);
+    if (dst) dst[r * ld + c] = y;
+    if (dstT) dstT[c * ldT + r] = y;
   }
 }
 
 // Tiles of rows [r0, r0 + n) of the sequence starting at global row `base` (len rows): q | k | v |
-// dO of head h, bf16, zero-padded to dqp (q, k) or dvp (v, dO) columns and n rows. Row pointers are
+// dO of head h, bf16 (row-major into dst and/or transposed into dstT; nullptr: not stored), zero-padded to dqp (q, k) or dvp (v, dO) columns and n rows. Row pointers are
 // formed only for rows that exist.
 struct Tiles {
   const AttnArgs a;
@@ -125,26 +128,22 @@ struct Tiles {
   int len, h;
   __device__ int valid(int r0, int n) const { return max(0, min(n, len - r0)); }
   __device__ int64_t row(int r0) const { return base + min(r0, max(len - 1, 0)); }
-  template <bool kTrans>
-  __device__ void q(uint16_t* dst, int ld, int r0, int n) const {
+  __device__ void q(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
     const int dqk = a.Dn + a.Dr;
-    load_tile<kTrans>(dst, ld, n, a.dqp, valid(r0, n), a.q + row(r0) * a.ldq + int64_t(h) * dqk, a.ldq, dqk, nullptr, 0,
-                      0);
+    load_tile(dst, ld, dstT, ldT, n, a.dqp, valid(r0, n), a.q + row(r0) * a.ldq + int64_t(h) * dqk, a.ldq, dqk, nullptr,
+              0, 0);
   }
-  template <bool kTrans>
-  __device__ void k(uint16_t* dst, int ld, int r0, int n) const {
-    load_tile<kTrans>(dst, ld, n, a.dqp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv), a.ldkv,
-                      a.Dn, a.k_rot + row(r0) * a.ldr, a.ldr, a.Dr);
+  __device__ void k(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
+    load_tile(dst, ld, dstT, ldT, n, a.dqp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv), a.ldkv,
+              a.Dn, a.k_rot + row(r0) * a.ldr, a.ldr, a.Dr);
   }
-  template <bool kTrans>
-  __device__ void v(uint16_t* dst, int ld, int r0, int n) const {
-    load_tile<kTrans>(dst, ld, n, a.dvp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv) + a.Dn,
-                      a.ldkv, a.Dv, nullptr, 0, 0);
+  __device__ void v(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
+    load_tile(dst, ld, dstT, ldT, n, a.dvp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv) + a.Dn,
+              a.ldkv, a.Dv, nullptr, 0, 0);
   }
-  template <bool kTrans>
-  __device__ void d_o(uint16_t* dst, int ld, int r0, int n) const {
-    load_tile<kTrans>(dst, ld, n, a.dvp, valid(r0, n), a.d_o + row(r0) * a.ldo + int64_t(h) * a.Dv, a.ldo, a.Dv,
-                      nullptr, 0, 0);
+  __device__ void d_o(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
+    load_tile(dst, ld, dstT, ldT, n, a.dvp, valid(r0, n), a.d_o + row(r0) * a.ldo + int64_t(h) * a.Dv, a.ldo, a.Dv,
+              nullptr, 0, 0);
   }
   // log2(e)·lse and Delta of rows r0.. (0 past the end: those rows are masked wherever they are used).
   __device__ void stats(float* s_lse2, float* s_delta, int r0, int n) const {
@@ -181,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* sVt = sK + kFwdBN * LQ;                   // V transposed: [dvp][LVt]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const Tiles tl{a, base, len, h};
-  tl.q<false>(sQ, LQ, m0, kFwdBM);
+  tl.q(sQ, LQ, nullptr, 0, m0, kFwdBM);
 
   float acc[NV][4];
 #pragma unroll
@@ -193,8 +192,8 @@ __global__ void __launch_bounds__(kThreads)
   const int kv_end = min(len, m0 + kFwdBM);
   for (int n0 = 0; n0 < kv_end; n0 += kFwdBN) {
     __syncthreads();  // the previous tile's K and V are no longer read
-    tl.k<false>(sK, LQ, n0, kFwdBN);
-    tl.v<true>(sVt, LVt, n0, kFwdBN);
+    tl.k(sK, LQ, nullptr, 0, n0, kFwdBN);
+    tl.v(nullptr, 0, sVt, LVt, n0, kFwdBN);
     __syncthreads();
     if (n0 > wq0 + 15 || wq0 >= len) continue;  // every (query, key) of the warp is masked (warp-uniform)
 
@@ -329,8 +328,8 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* sdOt = sdO + kDkvBM * LV;                       // dO transposed: [dvp][LT]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const Tiles tl{a, base, len, h};
-  tl.k<false>(sK, LQ, n0, kDkvBN);
-  tl.v<false>(sV, LV, n0, kDkvBN);
+  tl.k(sK, LQ, nullptr, 0, n0, kDkvBN);
+  tl.v(sV, LV, nullptr, 0, n0, kDkvBN);
 
   float dk[NQ][4], dv[NV][4];
 #pragma unroll
@@ -341,10 +340,8 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int m0 = n0 / kDkvBM * kDkvBM; m0 < len; m0 += kDkvBM) {
     __syncthreads();  // the previous tile's Q, dO and statistics are no longer read
-    tl.q<false>(sQ, LQ, m0, kDkvBM);
-    tl.q<true>(sQt, LT, m0, kDkvBM);
-    tl.d_o<false>(sdO, LV, m0, kDkvBM);
-    tl.d_o<true>(sdOt, LT, m0, kDkvBM);
+    tl.q(sQ, LQ, sQt, LT, m0, kDkvBM);
+    tl.d_o(sdO, LV, sdOt, LT, m0, kDkvBM);
     tl.stats(sL, sD, m0, kDkvBM);
     __syncthreads();
     if (wk0 >= len || m0 + kDkvBM - 1 < wk0) continue;  // no key, or every query precedes the warp's keys
@@ -445,8 +442,8 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* sKt = sV + kDqBN * LV;                         // K transposed: [dqp][LT]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const Tiles tl{a, base, len, h};
-  tl.q<false>(sQ, LQ, m0, kDqBM);
-  tl.d_o<false>(sdO, LV, m0, kDqBM);
+  tl.q(sQ, LQ, nullptr, 0, m0, kDqBM);
+  tl.d_o(sdO, LV, nullptr, 0, m0, kDqBM);
   tl.stats(sL, sD, m0, kDqBM);
 
   float acc[NQ][4];
@@ -456,9 +453,8 @@ __global__ void __launch_bounds__(kThreads)
   const int kv_end = min(len, m0 + kDqBM);
   for (int n0 = 0; n0 < kv_end; n0 += kDqBN) {
     __syncthreads();  // the previous tile's K, V are no longer read
-    tl.k<false>(sK, LQ, n0, kDqBN);
-    tl.k<true>(sKt, LT, n0, kDqBN);
-    tl.v<false>(sV, LV, n0, kDqBN);
+    tl.k(sK, LQ, sKt, LT, n0, kDqBN);
+    tl.v(sV, LV, nullptr, 0, n0, kDqBN);
     __syncthreads();
     if (n0 > wq0 + 15 || wq0 >= len) continue;  // every (query, key) of the warp is masked (warp-uniform)
 

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
+#include "kernels/kda/kda_chunk_train_tc_cuda.h"
 #include "kernels/kda/kda_train_ops_cuda.h"
 #include "model/cuda/training/train_context.h"
 #include "model/tensor_table.h"
@@ -74,8 +75,13 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
   {
     const DeviceArena::Mark mark = t.arena.mark();
     const kda::cuda::KdaTrainParams p = core_params(t, tp);
-    void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_forward_train_workspace_bytes(p));
-    kda::cuda::kda_chunk_forward_train(p, tp.o, tp.states, ws);
+    if (t.precision == GpuPrecision::BF16) {  // bf16 operands on tensor cores, fp32 state
+      void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_forward_train_bf16_workspace_bytes(p));
+      kda::cuda::kda_chunk_forward_train_bf16(p, tp.o, tp.states, ws);
+    } else {
+      void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_forward_train_workspace_bytes(p));
+      kda::cuda::kda_chunk_forward_train(p, tp.o, tp.states, ws);
+    }
     t.arena.rewind(mark);
   }
   // 6. Gated RMSNorm per head, output projection.
@@ -111,8 +117,13 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tp, cons
   {
     const DeviceArena::Mark m = t.arena.mark();
     const kda::cuda::KdaTrainParams p = core_params(t, tp);
-    void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_backward_train_workspace_bytes(p));
-    kda::cuda::kda_chunk_backward_train(p, d_o, tp.states, dq, dk, dv, dg, dbeta, ws);
+    if (t.precision == GpuPrecision::BF16) {
+      void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_backward_train_bf16_workspace_bytes(p));
+      kda::cuda::kda_chunk_backward_train_bf16(p, d_o, tp.states, dq, dk, dv, dg, dbeta, ws);
+    } else {
+      void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_backward_train_workspace_bytes(p));
+      kda::cuda::kda_chunk_backward_train(p, d_o, tp.states, dq, dk, dv, dg, dbeta, ws);
+    }
     t.arena.rewind(m);
   }
 

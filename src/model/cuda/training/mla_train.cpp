@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/mla/mla_train_cuda.h"
+#include "kernels/mla/mla_train_tc_cuda.h"
 #include "kernels/norm/norm_train_cuda.h"
 #include "model/cuda/training/train_context.h"
 #include "model/tensor_table.h"
@@ -84,8 +85,10 @@ void mla_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, M
   const int64_t ldo = s.H * s.Dv;
   tp.o = t.take<float>(N * ldo), tp.lse = t.take<float>(s.H * N);
   const auto& b = t.batch;
-  mla::cuda::attention_forward_train(tp.o, ldo, tp.lse, tp.q, s.H * s.dq, tp.kv, s.H * s.dkv, tp.ckv + s.R, s.ldc,
-                                     b.cu_seqlens, b.B, b.max_len, N, s.core(), scale);
+  const auto attention =
+      t.precision == GpuPrecision::BF16 ? mla::cuda::attention_forward_train_bf16 : mla::cuda::attention_forward_train;
+  attention(tp.o, ldo, tp.lse, tp.q, s.H * s.dq, tp.kv, s.H * s.dkv, tp.ckv + s.R, s.ldc, b.cu_seqlens, b.B, b.max_len,
+            N, s.core(), scale);
   // Output gate og = o ⊙ sigmoid(g_proj x), then o_proj.
   if (s.gated) {
     tp.gate = t.take<float>(N * ldo), tp.og = t.take<float>(N * ldo);
@@ -123,10 +126,12 @@ void mla_train_backward(TrainCtx& t, int64_t layer, const MlaTrainTape& tp, cons
   {
     const auto& b = t.batch;
     const DeviceArena::Mark m = t.arena.mark();
-    void* ws = t.arena.take_bytes(mla::cuda::attention_backward_workspace_bytes(N, s.core()));
-    mla::cuda::attention_backward_train(dq, ldq, dkv, ldkv, dckv + s.R, s.ldc, dO, ldo, tp.o, tp.q, ldq, tp.kv, ldkv,
-                                        tp.ckv + s.R, s.ldc, tp.lse, b.cu_seqlens, b.B, b.max_len, N, s.core(), scale,
-                                        ws);
+    const bool bf = t.precision == GpuPrecision::BF16;  // bf16 operands on tensor cores
+    void* ws = t.arena.take_bytes(bf ? mla::cuda::attention_backward_workspace_bytes_bf16(N, s.core())
+                                     : mla::cuda::attention_backward_workspace_bytes(N, s.core()));
+    const auto backward = bf ? mla::cuda::attention_backward_train_bf16 : mla::cuda::attention_backward_train;
+    backward(dq, ldq, dkv, ldkv, dckv + s.R, s.ldc, dO, ldo, tp.o, tp.q, ldq, tp.kv, ldkv, tp.ckv + s.R, s.ldc, tp.lse,
+             b.cu_seqlens, b.B, b.max_len, N, s.core(), scale, ws);
     t.arena.rewind(m);
   }
   // kv = lat Wkvbᵀ; lat = RMSNorm(c_lat); ckv = x Wkvaᵀ.

@@ -193,3 +193,21 @@ TEST(CudaTrainModel, StepIsRepeatableAndSequencesDoNotMix) {
   const double with = m->loss({other, a}, false, 0.0) - m->loss({other}, false, 0.0);
   EXPECT_NEAR(with, l1, 1e-5 * std::abs(l1));
 }
+
+// The training kernels' shape contracts are checked at create, with the config field named (no GPU needed).
+TEST(CudaTrainModelConfig, ShapesTheTrainingKernelsCannotTakeAreNamed) {
+  EXPECT_EQ(gpu_train_config_problem(cfg()), "");
+  for (const char* name : {"kimi-k3", "k3-shaped-h200", "k3-1b"})
+    EXPECT_EQ(gpu_train_config_problem(load_config(std::string(K3_SOURCE_DIR) + "/configs/" + name + ".json")), "")
+        << name;
+  K3Config c = cfg();
+  c.kda_head_dim = 48;
+  EXPECT_NE(gpu_train_config_problem(c).find("kda_head_dim 48"), std::string::npos);
+  c = cfg();
+  c.v_head_dim = 320;  // inference's exact path takes it; the training attention does not
+  EXPECT_NE(gpu_train_config_problem(c).find("v_head_dim = 320"), std::string::npos);
+  EXPECT_EQ(gpu_config_problem(c, GpuPrecision::F32), "");
+  c = cfg();
+  c.num_experts = 9000;
+  EXPECT_NE(gpu_train_config_problem(c).find("num_experts 9000"), std::string::npos);
+}

@@ -11,8 +11,8 @@
 //                       in float32: one draw of its rounding) and (b) how far the exact float64 gradient
 //                       moves when every weight gets a random relative perturbation of 2^-24 (float32's
 //                       rounding of the weights alone; two draws). An fp32 computation rounds every
-//                       activation as well, at every op: its distance is a few such draws (measured: up to
-//                       ~7 × (b) for the late layers' routed experts, which see few tokens).
+//                       activation as well, at every op, so its distance is several such draws
+//                       (docs/NUMERICS.md, "GPU training in fp32", has the per-tensor figures).
 //   BF16                one bf16 rounding of every GEMM operand (2^-9 relative) through 9 layers, on a
 //                       model initialised as training initialises it (the fixture's random weights amplify
 //                       a 2^-9 perturbation into noise): loss within 1e-2 relative, the whole gradient

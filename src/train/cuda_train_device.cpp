@@ -17,7 +17,7 @@ namespace {
 class CudaTrainDevice final : public TrainDevice {
  public:
   CudaTrainDevice(ParamStore& P, const K3Config& c, const Optimizer& optimizer, const BalanceOptions& balance,
-                  GpuPrecision precision)
+                  GpuPrecision precision, bool recompute)
       : P_(P),
         c_(c),
         model_(CudaTrainModel::create(c, P, precision)),
@@ -35,11 +35,13 @@ class CudaTrainDevice final : public TrainDevice {
                                                                  std::vector<double>(b, b + c.num_experts));
       }
     hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
+    if (recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
+    recompute_ = recompute;
   }
 
   std::string describe() const override {
-    return std::string("cuda (") + gpu_precision_name(model_->precision()) + " mixed precision, " +
-           cuda::device_summary() + ")";
+    return std::string("cuda (") + gpu_precision_name(model_->precision()) +
+           (recompute_ ? ", activations recomputed, " : ", ") + cuda::device_summary() + ")";
   }
 
   double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
@@ -124,6 +126,7 @@ class CudaTrainDevice final : public TrainDevice {
   CudaOptimizer optimizer_;
   std::vector<std::unique_ptr<CudaQuantileBalancer>> bal_;
   GpuStepHooks hooks_;
+  bool recompute_ = false;
   cuda::DeviceBuffer<double> norm_;
   cuda::DeviceBuffer<int64_t> nonfinite_;
   cuda::DeviceBuffer<uint8_t> workspace_;
@@ -132,8 +135,9 @@ class CudaTrainDevice final : public TrainDevice {
 }  // namespace
 
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
-                                                    const BalanceOptions& balance, GpuPrecision precision) {
-  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision);
+                                                    const BalanceOptions& balance, GpuPrecision precision,
+                                                    bool recompute) {
+  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision, recompute);
 }
 
 }  // namespace k3::train
@@ -142,7 +146,7 @@ std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Confi
 
 namespace k3::train {
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore&, const K3Config&, const Optimizer&,
-                                                    const BalanceOptions&, GpuPrecision) {
+                                                    const BalanceOptions&, GpuPrecision, bool) {
   fail(
       "GPU training cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
       "-DK3_CUDA=OFF)");

@@ -1,5 +1,6 @@
-// Whole-model GPU training throughput: tokens/s, memory and MFU of full training steps (forward,
-// backward, clipping, Quantile Balancing, AdamW + Per-Head Muon) on random-initialised configs.
+// Whole-model GPU training throughput: tokens/s, memory and MFU of full training steps as `k3 train
+// --device cuda` runs them (train_device.h: forward, backward, clipping, Quantile Balancing, AdamW +
+// Per-Head Muon, the non-finite checks) on random-initialised configs.
 //
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
@@ -20,11 +21,9 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "model/config.h"
-#include "model/cuda/training/cuda_train_model.h"
 #include "model/params.h"
 #include "train/optimizer.h"
-#include "train/optimizer_cuda.h"
-#include "train/quantile_balance_cuda.h"
+#include "train/train_device.h"
 
 using namespace k3;
 using namespace k3::train;
@@ -80,22 +79,9 @@ void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuP
   ri.seed = 1;
   ParamStore P = ParamStore::random_init(c, ri);
   std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
-  Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
-  auto model = CudaTrainModel::create(c, P, precision);
-  if (recompute) model->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
-  CudaOptimizer opt(plan, P, model->values_device(), model->grads_device(), model->gemm(),
-                    precision == GpuPrecision::BF16);
-  std::vector<std::unique_ptr<CudaQuantileBalancer>> bal(size_t(c.num_hidden_layers));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    if (c.is_moe_layer(l))
-      bal[size_t(l)] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, BalanceOptions{},
-                                                              std::vector<double>(size_t(c.num_experts), 0.0));
-  GpuStepHooks hooks;
-  hooks.router_bias = [&](int64_t l) { return bal[size_t(l)]->bias_device(); };
-  hooks.on_router_scores = [&](int64_t l, const float* s, int64_t N) { bal[size_t(l)]->accumulate(s, N); };
-  cuda::DeviceBuffer<double> norm(1);
-  cuda::DeviceBuffer<int64_t> bad(1);
-  cuda::DeviceBuffer<uint8_t> ws(clip_grad_norm_workspace_bytes(model->numel()));
+  const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
+  const std::unique_ptr<TrainDevice> device =
+      make_cuda_train_device(P, c, plan, BalanceOptions{}, precision, recompute);
 
   std::mt19937_64 rng(3);
   auto batch = [&] {
@@ -111,13 +97,12 @@ void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuP
   for (int s = 0; s <= steps; ++s) {
     const auto b = batch();
     const auto t0 = std::chrono::steady_clock::now();
-    model->zero_grads();
-    loss = model->loss(b, true, 1.0 / double(tokens), &hooks);
-    clip_grad_norm_cuda(model->grads_device(), model->numel(), 1.0, norm.data(), bad.data(), ws.data());
-    for (auto& q : bal)
-      if (q) q->finish_step();
-    opt.step(1e-3);
-    model->values_changed();
+    loss = device->gradients(b, 1.0 / double(tokens));
+    std::string bad;
+    device->clip(1.0, &bad);
+    device->finish_balance();
+    if (const std::string blown = device->update(1e-3); !bad.empty() || !blown.empty())
+      fail("step ", s, ": non-finite ", bad.empty() ? "parameter " + blown : "gradient " + bad);
     cuda::synchronize();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s > 0) total += secs;

@@ -11,8 +11,8 @@
 //                       in float32: one draw of its rounding) and (b) how far the exact float64 gradient
 //                       moves when every weight gets a random relative perturbation of 2^-24 (float32's
 //                       rounding of the weights alone; two draws). An fp32 computation rounds every
-//                       activation as well, at every op: its distance is a few such draws (measured: up to
-//                       ~7 × (b) for the late layers' routed experts, which see few tokens).
+//                       activation as well, at every op, so its distance is several such draws
+//                       (docs/NUMERICS.md, "GPU training in fp32", has the per-tensor figures).
 //   BF16                one bf16 rounding of every GEMM operand (2^-9 relative) through 9 layers, on a
 //                       model initialised as training initialises it (the fixture's random weights amplify
 //                       a 2^-9 perturbation into noise): loss within 1e-2 relative, the whole gradient
@@ -217,4 +217,22 @@ TEST(CudaTrainModel, RecomputationGivesTheSameBits) {
         << gpu_precision_name(p) << ": relative L2 "
         << rel_l2(again.grads().data(), keep.grads().data(), keep.grads().size());
   }
+}
+
+// The training kernels' shape contracts are checked at create, with the config field named (no GPU needed).
+TEST(CudaTrainModelConfig, ShapesTheTrainingKernelsCannotTakeAreNamed) {
+  EXPECT_EQ(gpu_train_config_problem(cfg()), "");
+  for (const char* name : {"kimi-k3", "k3-shaped-h200", "k3-1b"})
+    EXPECT_EQ(gpu_train_config_problem(load_config(std::string(K3_SOURCE_DIR) + "/configs/" + name + ".json")), "")
+        << name;
+  K3Config c = cfg();
+  c.kda_head_dim = 48;
+  EXPECT_NE(gpu_train_config_problem(c).find("kda_head_dim 48"), std::string::npos);
+  c = cfg();
+  c.v_head_dim = 320;  // inference's exact path takes it; the training attention does not
+  EXPECT_NE(gpu_train_config_problem(c).find("v_head_dim = 320"), std::string::npos);
+  EXPECT_EQ(gpu_config_problem(c, GpuPrecision::F32), "");
+  c = cfg();
+  c.num_experts = 9000;
+  EXPECT_NE(gpu_train_config_problem(c).find("num_experts 9000"), std::string::npos);
 }

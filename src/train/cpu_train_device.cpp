@@ -3,32 +3,23 @@
 #include <functional>
 
 #include "core/error.h"
-#include "model/tensor_table.h"
 #include "model/training/model_train.h"
 #include "train/grad_lanes.h"
 #include "train/train_device.h"
 
 namespace k3::train {
 
-std::vector<std::unique_ptr<QuantileBalancer>> make_balancers(const ParamStore& P, const K3Config& c,
-                                                              const BalanceOptions& balance) {
-  const TensorNames tn{param_naming(P)};
-  std::vector<std::unique_ptr<QuantileBalancer>> bal(static_cast<size_t>(c.num_hidden_layers));
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    if (c.is_moe_layer(l)) {
-      const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
-      bal[size_t(l)] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, balance,
-                                                          std::vector<double>(b, b + c.num_experts));
-    }
-  return bal;
-}
-
 namespace {
 
 class CpuTrainDevice final : public TrainDevice {
  public:
   CpuTrainDevice(ParamStore& P, const K3Config& c, Optimizer& optimizer, const BalanceOptions& balance, int64_t lanes)
-      : P_(P), c_(c), optimizer_(optimizer), bal_(make_balancers(P, c, balance)), lanes_(P, lanes) {
+      : P_(P), c_(c), optimizer_(optimizer), lanes_(P, lanes) {
+    const std::vector<std::vector<double>> bias = router_biases(P, c);
+    bal_.resize(bias.size());
+    for (size_t l = 0; l < bias.size(); ++l)
+      if (!bias[l].empty())
+        bal_[l] = std::make_unique<QuantileBalancer>(c.num_experts, c.num_experts_per_token, balance, bias[l]);
     router_bias_ = [this](int64_t l) { return bal_[size_t(l)]->bias().data(); };
   }
 
@@ -71,12 +62,10 @@ class CpuTrainDevice final : public TrainDevice {
     K3_CHECK(&P == &P_, "CpuTrainDevice::save_state: another parameter store");
     optimizer = optimizer_.save_state();
     balancers = nlohmann::json::object();
-    const TensorNames tn{param_naming(P)};
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
       if (bal_[size_t(l)]) {
         balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
-        const std::vector<double>& b = bal_[size_t(l)]->bias();
-        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c_.num_experts));
+        store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
       }
   }
 

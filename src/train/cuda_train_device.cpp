@@ -7,7 +7,6 @@
 #ifdef K3_HAVE_CUDA
 #include "core/cuda.h"
 #include "model/cuda/training/cuda_train_model.h"
-#include "model/tensor_table.h"
 #include "train/optimizer_cuda.h"
 #include "train/quantile_balance_cuda.h"
 
@@ -26,14 +25,11 @@ class CudaTrainDevice final : public TrainDevice {
         norm_(1),
         nonfinite_(1),
         workspace_(clip_grad_norm_workspace_bytes(model_->numel())) {
-    const TensorNames tn{param_naming(P)};
-    bal_.resize(size_t(c.num_hidden_layers));
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      if (c.is_moe_layer(l)) {
-        const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
-        bal_[size_t(l)] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance,
-                                                                 std::vector<double>(b, b + c.num_experts));
-      }
+    const std::vector<std::vector<double>> bias = router_biases(P, c);
+    bal_.resize(bias.size());
+    for (size_t l = 0; l < bias.size(); ++l)
+      if (!bias[l].empty())
+        bal_[l] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance, bias[l]);
     hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
     if (recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
     recompute_ = recompute;
@@ -100,14 +96,10 @@ class CudaTrainDevice final : public TrainDevice {
     model_->download_values(P);
     optimizer = optimizer_.save_state();
     balancers = nlohmann::json::object();
-    const TensorNames tn{param_naming(P)};
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
       if (bal_[size_t(l)]) {
-        const nlohmann::json j = bal_[size_t(l)]->to_json();
-        balancers[std::to_string(l)] = j;
-        // The bias in effect, as the CPU balancer's JSON holds it (QuantileBalancer::from_json reads it).
-        const std::vector<double> b = QuantileBalancer::from_json(j).bias();
-        std::copy(b.begin(), b.end(), P.p_mut(tn(TensorKind::MoeRouterBias, l), c_.num_experts));
+        balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
+        store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
       }
   }
 

@@ -55,8 +55,10 @@ std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Confi
                                                     const BalanceOptions& balance, GpuPrecision precision,
                                                     bool recompute);
 
-// Balancers for every MoE layer of c, starting from P's e_score_correction_bias (null elsewhere).
-std::vector<std::unique_ptr<QuantileBalancer>> make_balancers(const ParamStore& P, const K3Config& c,
-                                                              const BalanceOptions& balance);
+// Each MoE layer's selection bias as P holds it (e_score_correction_bias), empty for the other layers:
+// where a run's balancers start.
+std::vector<std::vector<double>> router_biases(const ParamStore& P, const K3Config& c);
+// A balancer's bias written back into P's e_score_correction_bias of layer l (checkpoints carry it).
+void store_router_bias(ParamStore& P, const K3Config& c, int64_t layer, const std::vector<double>& bias);
 
 }  // namespace k3::train

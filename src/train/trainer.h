@@ -57,7 +57,7 @@ struct TrainOptions {
   bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;
-  // Held-out evaluation at the end (and at every checkpoint): mean next-token loss over the first
+  // Held-out evaluation after the last step: mean next-token loss over the first
   // eval_tokens of this shard, in windows of the last stage's length, beside the shard's unigram
   // entropy (the loss of a model that knows only token frequencies).
   std::string eval_path;

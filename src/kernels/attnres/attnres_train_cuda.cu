@@ -20,6 +20,7 @@
 #include "core/cuda_check.cuh"
 #include "core/error.h"
 #include "kernels/attnres/attnres_train_cuda.h"
+#include "kernels/common/elementwise_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
 
 namespace k3::attnres::cuda {
@@ -187,16 +188,6 @@ __global__ void __launch_bounds__(kColThreads)
   part[c * a.D + d] = acc;
 }
 
-// out[d] += Σ_c part[c][d], chunks in order, in double; one rounding to fp32.
-__global__ void __launch_bounds__(kColThreads)
-    colsum_finish_kernel(float* __restrict__ out, const double* __restrict__ part, int64_t chunks, int D) {
-  const int d = int(blockIdx.x) * kColThreads + int(threadIdx.x);
-  if (d >= D) return;
-  double s = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) s += part[c * D + d];
-  out[d] = float(double(out[d]) + s);
-}
-
 __global__ void query_forward_kernel(float* __restrict__ q, const float* __restrict__ a, const float* __restrict__ b,
                                      int64_t D) {
   for (int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; d < D; d += int64_t(gridDim.x) * blockDim.x)
@@ -270,9 +261,7 @@ void attnres_backward_train(const AttnResBackwardParams& p) {
     if (grid.y > 65535u) fail(fn, ": D = ", p.D, " too large for the dq kernel's grid");
     attnres_dq_partial_kernel<<<grid, kColThreads>>>(part, c);
     K3_CUDA_LAUNCH_CHECK();
-    colsum_finish_kernel<<<unsigned((p.D + kColThreads - 1) / kColThreads), kColThreads>>>(p.dquery, part, chunks,
-                                                                                           int(p.D));
-    K3_CUDA_LAUNCH_CHECK();
+    elementwise::cuda::add_chunk_column_sums(p.dquery, part, chunks, p.D);
   }
 }
 

@@ -66,12 +66,30 @@ __global__ void embedding_f32_kernel(float* __restrict__ out, const float* __res
 
 void check_n(int64_t n, const char* what) { K3_CHECK(n >= 0, what, " (cuda): negative length ", n); }
 
+constexpr int kColThreads = 256;
+
+__global__ void __launch_bounds__(kColThreads)
+    chunk_column_sums_kernel(float* __restrict__ out, const double* __restrict__ part, int64_t chunks, int D) {
+  const int d = int(blockIdx.x) * kColThreads + int(threadIdx.x);
+  if (d >= D) return;
+  double s = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) s += part[c * D + d];
+  out[d] = float(double(out[d]) + s);
+}
+
 }  // namespace
 
 void add_inplace(float* y, const float* x, int64_t n) {
   check_n(n, "add_inplace");
   if (n == 0) return;
   add_kernel<<<rowwise::grid_for(n), 256>>>(y, x, n);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+void add_chunk_column_sums(float* out, const double* part, int64_t chunks, int64_t D) {
+  K3_CHECK(chunks >= 0 && D >= 0 && D <= INT32_MAX, "add_chunk_column_sums (cuda): bad shape ", chunks, " x ", D);
+  if (D == 0) return;
+  chunk_column_sums_kernel<<<unsigned((D + kColThreads - 1) / kColThreads), kColThreads>>>(out, part, chunks, int(D));
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -14,6 +14,11 @@ namespace k3::elementwise::cuda {
 // y[i] += x[i] for i < n (fp32).
 void add_inplace(float* y, const float* x, int64_t n);
 
+// out[d] += Σ_c part[c·D + d] for d < D: per-chunk double partial sums of a column reduction (a weight
+// gradient summed over rows) added in chunk order, in double, and rounded to fp32 once. The fixed
+// order is what makes such gradients deterministic without atomics.
+void add_chunk_column_sums(float* out, const double* part, int64_t chunks, int64_t D);
+
 // x[i] <- sigmoid(x[i]) for i < n (fp32): KDA's β.
 void sigmoid_inplace(float* x, int64_t n);
 

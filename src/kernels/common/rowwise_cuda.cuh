@@ -122,7 +122,9 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[VEC]) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// The sum over the warp (float or double), by an xor butterfly: every lane gets identical bits.
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;

@@ -8,6 +8,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 
 namespace k3::kda::cuda {
@@ -40,12 +41,6 @@ __device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_
   const int64_t row0 = int64_t(p.cu_seqlens[lo]) + C * (ci - int64_t(p.chunk_offsets[lo]));
   const int64_t left = int64_t(p.cu_seqlens[lo + 1]) - row0;
   return ChunkLoc{row0, int(left < C ? left : C), lo};
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int m = 16; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
-  return x;
 }
 
 // The per-(chunk, head) quantities of the chunked form ([C][D] rows r; rows >= n are zero, alpha there 1).
@@ -132,7 +127,7 @@ __device__ void prepare_chunk(Prep<D>& s, const KdaTrainParams& p, int h, int64_
       m0 = fmaf(s.Q[sc][c], s.K[sc][c], m0);
       w[i] = 1.f;
     }
-    m0 = warp_sum(m0);
+    m0 = rowwise::warp_sum(m0);
     if (lane == 0) s.M[sc][sc] = m0;
     for (int r = sc + 1; r < n; ++r) {
       float a = 0.f, m = 0.f;
@@ -144,8 +139,8 @@ __device__ void prepare_chunk(Prep<D>& s, const KdaTrainParams& p, int h, int64_
         a = fmaf(s.K[r][c], kw, a);
         m = fmaf(s.Q[r][c], kw, m);
       }
-      a = warp_sum(a);
-      m = warp_sum(m);
+      a = rowwise::warp_sum(a);
+      m = rowwise::warp_sum(m);
       if (lane == 0) {
         s.A[r][sc] = a;
         s.M[r][sc] = m;

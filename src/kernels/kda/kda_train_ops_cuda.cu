@@ -17,6 +17,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/kda/kda_train_ops_cuda.h"
 
 namespace k3::kda::cuda {
@@ -55,12 +56,6 @@ __device__ __forceinline__ Sig sig(float x) {
   return o;
 }
 __device__ __forceinline__ float sigmoid(float x) { return sig(x).s; }
-
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
 
 // ---- packed sequences -----------------------------------------------------------------------------------------
 // The sequence holding row t: the largest b in [0, B) with cu[b] <= t (an empty sequence before it is
@@ -213,7 +208,7 @@ __global__ void gate_alog_kernel(float* dA_log, const double* colsum_al, int64_t
   if (h >= H) return;
   double s = 0.0;
   for (int64_t d = lane; d < D; d += 32) s += colsum_al[h * D + d];
-  s = warp_sum(s);
+  s = rowwise::warp_sum(s);
   if (lane == 0) dA_log[h] = static_cast<float>(static_cast<double>(dA_log[h]) + s);
 }
 
@@ -232,7 +227,7 @@ __global__ void grms_fwd_kernel(float* on, float* inv, const float* o, const flo
   const float* orow = o + r * D;
   double ss = 0.0;
   for (int64_t e = lane; e < D; e += 32) ss += double(orow[e]) * double(orow[e]);
-  ss = warp_sum(ss);
+  ss = rowwise::warp_sum(ss);
   const float v = static_cast<float>(1.0 / sqrt(ss / double(D) + double(eps)));
   if (lane == 0) inv[r] = v;
   for (int64_t e = lane; e < D; e += 32) on[r * D + e] = orow[e] * v * w[e] * sigmoid(gp[r * D + e]);
@@ -250,7 +245,7 @@ __global__ void grms_bwd_kernel(float* d_o, float* dgp, const float* don, const 
     const int64_t i = r * D + e;
     dot += double(don[i] * w[e] * sigmoid(gp[i])) * double(o[i] * v);
   }
-  const float mean = static_cast<float>(warp_sum(dot) / double(D));
+  const float mean = static_cast<float>(rowwise::warp_sum(dot) / double(D));
   for (int64_t e = lane; e < D; e += 32) {
     const int64_t i = r * D + e;
     const Sig g = sig(gp[i]);
@@ -282,7 +277,7 @@ __global__ void l2_fwd_kernel(float* out, float* inv, const float* in, int64_t r
   const float* x = in + r * D;
   double ss = 0.0;
   for (int64_t d = lane; d < D; d += 32) ss += double(x[d]) * double(x[d]);
-  const float v = static_cast<float>(1.0 / sqrt(warp_sum(ss) + double(eps)));
+  const float v = static_cast<float>(1.0 / sqrt(rowwise::warp_sum(ss) + double(eps)));
   if (lane == 0) inv[r] = v;
   for (int64_t d = lane; d < D; d += 32) out[r * D + d] = x[d] * v;
 }
@@ -296,7 +291,7 @@ __global__ void l2_bwd_kernel(float* d_in, const float* d_out, const float* out,
   if (r >= rows) return;
   double dot = 0.0;
   for (int64_t d = lane; d < D; d += 32) dot += double(out[r * D + d]) * double(d_out[r * D + d]);
-  const float dp = static_cast<float>(warp_sum(dot));
+  const float dp = static_cast<float>(rowwise::warp_sum(dot));
   const float v = inv[r];
   for (int64_t d = lane; d < D; d += 32) {
     const int64_t i = r * D + d;

@@ -247,8 +247,7 @@ __global__ void __launch_bounds__(kThreads)
   const float* y = o + r * ldo + int64_t(h) * Dv;
   double acc = 0.0;
   for (int c = lane; c < Dv; c += 32) acc = fma(double(x[c]), double(y[c]), acc);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  acc = rowwise::warp_sum(acc);
   if (lane == 0) delta[int64_t(h) * rows + r] = float(acc);
 }
 

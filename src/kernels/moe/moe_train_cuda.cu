@@ -15,6 +15,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/moe/moe_cuda.h"
 #include "kernels/moe/moe_train_cuda.h"
 
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       dyr[c] = w * gv;
       acc += double(gv) * double(yr[c]);
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = rowwise::warp_sum(acc);
     if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -10,6 +10,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/norm/norm_train_cuda.h"
 
@@ -84,16 +85,6 @@ __global__ void __launch_bounds__(kColThreads)
   part[c * D + d] = acc;
 }
 
-// out[d] += Σ_c part[c][d], chunks in order, in double; one rounding to fp32.
-__global__ void __launch_bounds__(kColThreads)
-    colsum_finish_kernel(float* __restrict__ out, const double* __restrict__ part, int64_t chunks, int D) {
-  const int d = int(blockIdx.x) * kColThreads + int(threadIdx.x);
-  if (d >= D) return;
-  double s = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) s += part[c * D + d];
-  out[d] = float(double(out[d]) + s);
-}
-
 int64_t dw_chunks(int64_t N) { return (N + kDwRowsPerChunk - 1) / kDwRowsPerChunk; }
 
 void check_shape(const char* fn, int64_t N, int64_t D) {
@@ -144,8 +135,7 @@ void rmsnorm_backward_train(float* dx, int64_t lddx, float* dw, const float* dy,
     if (grid.y > 65535u) fail(fn, ": D = ", D, " too large for the dw kernel's grid");
     rms_dw_partial_kernel<<<grid, kColThreads>>>(part, dy, lddy, x, ldx, rstd, N, int(D));
     K3_CUDA_LAUNCH_CHECK();
-    colsum_finish_kernel<<<unsigned((D + kColThreads - 1) / kColThreads), kColThreads>>>(dw, part, chunks, int(D));
-    K3_CUDA_LAUNCH_CHECK();
+    elementwise::cuda::add_chunk_column_sums(dw, part, chunks, D);
   }
   rms_backward_dx_kernel<<<unsigned(N), row_threads(D)>>>(dx, lddx, dy, lddy, x, ldx, rstd, w, int(D));
   K3_CUDA_LAUNCH_CHECK();

@@ -61,7 +61,6 @@ struct ResUse {
 
 struct LayerTape {
   ResUse attn_in, ffn_in;
-  bool kda = false, moe = false;
   KdaTrainTape kda_tape;
   MlaTrainTape mla_tape;
   GluTrainTape dense_tape;
@@ -132,9 +131,7 @@ class CudaTrainBackend {
   // kernels are deterministic, so the rebuilt tape is the same bits). The AttnRes + norm tapes and
   // the block sums are always kept.
   Act attention(int64_t l) {
-    LayerTape& L = tape_[size_t(l)];
     out_ = t_.take<float>(N_ * D_);
-    L.kda = c_.layer_kind[size_t(l)] == AttnKind::KDA;
     const DeviceArena::Mark m = t_.arena.mark();
     attention_forward(l, out_);
     if (recompute(l)) t_.arena.rewind(m);
@@ -144,10 +141,9 @@ class CudaTrainBackend {
   Act ffn(int64_t l) {
     LayerTape& L = tape_[size_t(l)];
     out_ = t_.take<float>(N_ * D_);
-    L.moe = c_.is_moe_layer(l);
     const DeviceArena::Mark m = t_.arena.mark();
     ffn_forward(l, out_);
-    if (L.moe && hooks_ && hooks_->on_router_scores)  // once per step: the recomputation reports nothing
+    if (c_.is_moe_layer(l) && hooks_ && hooks_->on_router_scores)  // once per step: the recomputation reports nothing
       hooks_->on_router_scores(l, moe_router_scores(*L.moe_tape), N_);
     if (recompute(l)) {
       L.moe_tape.reset();
@@ -192,11 +188,10 @@ class CudaTrainBackend {
 
   // ---- backward ----
   void head_backward() {
-    for (float* n : node_) {
-      (void)n;
-      float* d = t_.take<float>(N_ * D_);
+    dnode_.resize(node_.size());
+    for (float*& d : dnode_) {
+      d = t_.take<float>(N_ * D_);
       cuda::zero_on_device(d, size_t(N_ * D_) * sizeof(float));
-      dnode_.push_back(d);
     }
     dxn_ = t_.take<float>(N_ * D_), dh_ = t_.take<float>(N_ * D_), dq_ = t_.take<float>(D_);
     const int64_t V = c_.vocab_size;
@@ -242,7 +237,7 @@ class CudaTrainBackend {
     const DeviceArena::Mark m = t_.arena.mark();
     if (recompute(l)) attention_forward(l, t_.take<float>(N_ * D_));
     const LayerTape& L = tape_[size_t(l)];
-    if (L.kda) kda_train_backward(t_, l, L.kda_tape, dnode_[size_t(d_out)], dxn_);
+    if (kda_layer(l)) kda_train_backward(t_, l, L.kda_tape, dnode_[size_t(d_out)], dxn_);
     else mla_train_backward(t_, l, L.mla_tape, dnode_[size_t(d_out)], dxn_);
     t_.arena.rewind(m);
   }
@@ -250,7 +245,7 @@ class CudaTrainBackend {
     const DeviceArena::Mark m = t_.arena.mark();
     if (recompute(l)) ffn_forward(l, t_.take<float>(N_ * D_));
     LayerTape& L = tape_[size_t(l)];
-    if (L.moe) moe_train_backward(t_, l, *L.moe_tape, dnode_[size_t(d_out)], dxn_);
+    if (c_.is_moe_layer(l)) moe_train_backward(t_, l, *L.moe_tape, dnode_[size_t(d_out)], dxn_);
     else dense_train_backward(t_, l, L.dense_tape, dnode_[size_t(d_out)], dxn_);
     if (recompute(l)) L.moe_tape.reset();
     t_.arena.rewind(m);
@@ -277,12 +272,12 @@ class CudaTrainBackend {
   bool recompute(int64_t l) const { return size_t(l) < m_.recompute.size() && m_.recompute[size_t(l)]; }
   void attention_forward(int64_t l, float* out) {
     LayerTape& L = tape_[size_t(l)];
-    if (L.kda) kda_train_forward(t_, l, L.attn_in.xn, out, L.kda_tape);
+    if (kda_layer(l)) kda_train_forward(t_, l, L.attn_in.xn, out, L.kda_tape);
     else mla_train_forward(t_, l, L.attn_in.xn, out, L.mla_tape);
   }
   void ffn_forward(int64_t l, float* out) {
     LayerTape& L = tape_[size_t(l)];
-    if (L.moe) {
+    if (c_.is_moe_layer(l)) {
       const float* bias = nullptr;
       if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
       else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
@@ -291,6 +286,7 @@ class CudaTrainBackend {
       dense_train_forward(t_, l, L.ffn_in.xn, out, L.dense_tape);
     }
   }
+  bool kda_layer(int64_t l) const { return c_.layer_kind[size_t(l)] == AttnKind::KDA; }
   ResUse& use(MixSite site, int64_t l) {
     if (site == MixSite::Output) return final_;
     return site == MixSite::AttnIn ? tape_[size_t(l)].attn_in : tape_[size_t(l)].ffn_in;
@@ -330,15 +326,6 @@ class CudaTrainBackend {
   int64_t runs_ = 0;
 };
 
-// What the GPU training kernels cannot take, or "".
-std::string train_config_problem(const K3Config& c) {
-  if (c.kda_num_heads > 0 && c.kda_head_dim != 32 && c.kda_head_dim != 64 && c.kda_head_dim != 128)
-    return "kda_head_dim must be 32, 64 or 128 for GPU training (got " + std::to_string(c.kda_head_dim) + ")";
-  if (c.qk_nope_head_dim + c.qk_rope_head_dim > 256 || c.v_head_dim > 256)
-    return "GPU training takes MLA heads of at most 256 (qk_nope_head_dim + qk_rope_head_dim, v_head_dim)";
-  return {};
-}
-
 }  // namespace
 }  // namespace gpu
 
@@ -349,7 +336,7 @@ std::unique_ptr<CudaTrainModel> CudaTrainModel::create(const K3Config& c, const 
                                                        GpuPrecision precision) {
   std::string why;
   if (!cuda::available(&why)) fail("GPU training cannot start: ", why);
-  if (const std::string p = gpu::train_config_problem(c); !p.empty()) fail(c.source, ": ", p);
+  if (const std::string p = gpu_train_config_problem(c); !p.empty()) fail(c.source, ": GPU training: ", p);
   std::unique_ptr<CudaTrainModel> m(new CudaTrainModel);
   m->impl_ = std::make_unique<Impl>(c, P, precision);
   return m;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -27,6 +28,10 @@ class GemmContext;
 }
 
 namespace k3 {
+
+// Empty when the GPU training kernels can train a model of this config, else what they cannot take
+// (config fields named). CudaTrainModel::create refuses such a config up front; usable without a GPU.
+std::string gpu_train_config_problem(const K3Config& c);
 
 struct GpuStepHooks {
   // The selection-only router bias of a MoE layer: device fp32 [E]. Default: the model's

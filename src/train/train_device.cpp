@@ -1,0 +1,30 @@
+// What both training devices share (train_device.h): where the router balancers start, and where
+// their biases go back for a checkpoint.
+#include "train/train_device.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "model/tensor_table.h"
+
+namespace k3::train {
+
+std::vector<std::vector<double>> router_biases(const ParamStore& P, const K3Config& c) {
+  const TensorNames tn{param_naming(P)};
+  std::vector<std::vector<double>> out(static_cast<size_t>(c.num_hidden_layers));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l)) {
+      const double* b = P.p(tn(TensorKind::MoeRouterBias, l), c.num_experts);
+      out[size_t(l)].assign(b, b + c.num_experts);
+    }
+  return out;
+}
+
+void store_router_bias(ParamStore& P, const K3Config& c, int64_t layer, const std::vector<double>& bias) {
+  const TensorNames tn{param_naming(P)};
+  K3_CHECK(int64_t(bias.size()) == c.num_experts, "store_router_bias: ", bias.size(), " values for ", c.num_experts,
+           " experts");
+  std::copy(bias.begin(), bias.end(), P.p_mut(tn(TensorKind::MoeRouterBias, layer), c.num_experts));
+}
+
+}  // namespace k3::train

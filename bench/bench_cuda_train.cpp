@@ -3,7 +3,7 @@
 // Per-Head Muon, the non-finite checks) on random-initialised configs.
 //
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
-//                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4]
+//                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
 //
 // MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
 //   6 · N_active · tokens                                    (every GEMM, forward + backward)
@@ -72,14 +72,16 @@ double step_flops(const K3Config& c, int64_t tokens, int64_t seq_len) {
   return f;
 }
 
-void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuPrecision precision, int steps) {
+void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuPrecision precision, int steps,
+           bool recompute) {
   const K3Config c = load_config(config_path);
   RandomInitOptions ri;
   ri.seed = 1;
   ParamStore P = ParamStore::random_init(c, ri);
   std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
   const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
-  const std::unique_ptr<TrainDevice> device = make_cuda_train_device(P, c, plan, BalanceOptions{}, precision);
+  const std::unique_ptr<TrainDevice> device =
+      make_cuda_train_device(P, c, plan, BalanceOptions{}, precision, recompute);
 
   std::mt19937_64 rng(3);
   auto batch = [&] {
@@ -123,11 +125,13 @@ int main(int argc, char** argv) {
   int64_t tokens = 8192, seq_len = 2048;
   std::string precision = "bf16";
   int steps = 4;
+  bool recompute = false;
   app.add_option("--config", configs, "model config.json (repeatable)")->required();
   app.add_option("--tokens", tokens, "tokens per step")->capture_default_str();
   app.add_option("--seq-len", seq_len, "sequence length")->capture_default_str();
   app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_flag("--recompute", recompute, "recompute every layer's blocks in the backward");
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   try {
@@ -138,7 +142,8 @@ int main(int argc, char** argv) {
     }
     std::printf("%s\n| config | precision | batch | step | tokens/s | device memory | MFU |\n|---|---|---|---|---|---|---|\n",
                 cuda::device_summary().c_str());
-    for (const std::string& c : configs) bench(c, tokens, seq_len, parse_gpu_precision(precision, "--precision"), steps);
+    for (const std::string& c : configs)
+      bench(c, tokens, seq_len, parse_gpu_precision(precision, "--precision"), steps, recompute);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

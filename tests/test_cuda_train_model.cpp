@@ -194,6 +194,31 @@ TEST(CudaTrainModel, StepIsRepeatableAndSequencesDoNotMix) {
   EXPECT_NEAR(with, l1, 1e-5 * std::abs(l1));
 }
 
+TEST(CudaTrainModel, RecomputationGivesTheSameBits) {
+  // Every layer's blocks recomputed in the backward: the same loss and gradients bit for bit (the
+  // kernels are deterministic), in both precisions.
+  K3_REQUIRE_GPU();
+  RandomInitOptions ri;
+  ri.seed = 5;
+  const ParamStore P = ParamStore::random_init(cfg(), ri);
+  const Batch b = ids_b();
+  for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
+    ParamStore keep = P, again = P;
+    auto m = CudaTrainModel::create(cfg(), P, p);
+    m->zero_grads();
+    const double l1 = m->loss(b.rows, true, 1.0);
+    m->download_grads(keep);
+    m->set_recompute(std::vector<bool>(size_t(cfg().num_hidden_layers), true));
+    m->zero_grads();
+    const double l2 = m->loss(b.rows, true, 1.0);
+    m->download_grads(again);
+    EXPECT_EQ(l1, l2) << gpu_precision_name(p);
+    EXPECT_TRUE(keep.grads() == again.grads())
+        << gpu_precision_name(p) << ": relative L2 "
+        << rel_l2(again.grads().data(), keep.grads().data(), keep.grads().size());
+  }
+}
+
 // The training kernels' shape contracts are checked at create, with the config field named (no GPU needed).
 TEST(CudaTrainModelConfig, ShapesTheTrainingKernelsCannotTakeAreNamed) {
   EXPECT_EQ(gpu_train_config_problem(cfg()), "");

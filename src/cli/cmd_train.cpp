@@ -102,11 +102,15 @@ void register_train(CLI::App& app) {
                   "gradients, optimizer state, norms, softmaxes, router and KDA state) or f32 (everything fp32, "
                   "TF32 off: the parity mode). The CPU trains in float64")
       ->check(CLI::IsMember({"bf16", "f32"}));
+  sub->add_flag("--recompute", o->recompute,
+                "cuda only: recompute each layer's attention and FFN in the backward instead of keeping their "
+                "activations (the same results; for long sequences)");
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite,
                 "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance, sequential, device, precision] {
     o->shuffle = !*sequential;
     o->gpu = *device == "cuda";
+    if (o->recompute && !o->gpu) fail("--recompute is for --device cuda (the CPU trainer keeps every activation)");
     if (!precision->empty()) {
       if (!o->gpu) fail("--precision ", *precision, ": the CPU trains in float64; --precision is for --device cuda");
       o->gpu_precision = parse_gpu_precision(*precision, "--precision");

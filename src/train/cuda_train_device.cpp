@@ -16,7 +16,7 @@ namespace {
 class CudaTrainDevice final : public TrainDevice {
  public:
   CudaTrainDevice(ParamStore& P, const K3Config& c, const Optimizer& optimizer, const BalanceOptions& balance,
-                  GpuPrecision precision)
+                  GpuPrecision precision, bool recompute)
       : P_(P),
         c_(c),
         model_(CudaTrainModel::create(c, P, precision)),
@@ -31,11 +31,13 @@ class CudaTrainDevice final : public TrainDevice {
       if (!bias[l].empty())
         bal_[l] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance, bias[l]);
     hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
+    if (recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
+    recompute_ = recompute;
   }
 
   std::string describe() const override {
-    return std::string("cuda (") + gpu_precision_name(model_->precision()) + " mixed precision, " +
-           cuda::device_summary() + ")";
+    return std::string("cuda (") + gpu_precision_name(model_->precision()) +
+           (recompute_ ? ", activations recomputed, " : ", ") + cuda::device_summary() + ")";
   }
 
   double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
@@ -116,6 +118,7 @@ class CudaTrainDevice final : public TrainDevice {
   CudaOptimizer optimizer_;
   std::vector<std::unique_ptr<CudaQuantileBalancer>> bal_;
   GpuStepHooks hooks_;
+  bool recompute_ = false;
   cuda::DeviceBuffer<double> norm_;
   cuda::DeviceBuffer<int64_t> nonfinite_;
   cuda::DeviceBuffer<uint8_t> workspace_;
@@ -124,8 +127,9 @@ class CudaTrainDevice final : public TrainDevice {
 }  // namespace
 
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
-                                                    const BalanceOptions& balance, GpuPrecision precision) {
-  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision);
+                                                    const BalanceOptions& balance, GpuPrecision precision,
+                                                    bool recompute) {
+  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision, recompute);
 }
 
 }  // namespace k3::train
@@ -134,7 +138,7 @@ std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Confi
 
 namespace k3::train {
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore&, const K3Config&, const Optimizer&,
-                                                    const BalanceOptions&, GpuPrecision) {
+                                                    const BalanceOptions&, GpuPrecision, bool) {
   fail(
       "GPU training cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
       "-DK3_CUDA=OFF)");

@@ -52,7 +52,8 @@ std::unique_ptr<TrainDevice> make_cpu_train_device(ParamStore& P, const K3Config
 // P) gives the update plan and the state format. Throws k3::Error when the build has no CUDA
 // backend or there is no usable GPU.
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
-                                                    const BalanceOptions& balance, GpuPrecision precision);
+                                                    const BalanceOptions& balance, GpuPrecision precision,
+                                                    bool recompute);
 
 // Each MoE layer's selection bias as P holds it (e_score_correction_bias), empty for the other layers:
 // where a run's balancers start.

@@ -269,7 +269,7 @@ TrainResult train(const TrainOptions& opt) {
   }
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
   const std::unique_ptr<TrainDevice> device =
-      opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.gpu_precision)
+      opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.gpu_precision, opt.recompute)
               : make_cpu_train_device(P, c, optimizer, opt.balance, lanes);
   if (!resume_dir.empty()) {
     try {

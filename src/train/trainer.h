@@ -51,6 +51,9 @@ struct TrainOptions {
   // gpu_precision (BF16: bf16 GEMM operands, fp32 everything else; F32: the parity mode).
   bool gpu = false;
   GpuPrecision gpu_precision = GpuPrecision::BF16;
+  // GPU only: recompute every layer's attention and FFN blocks in the backward instead of keeping
+  // their activations (CudaTrainModel::set_recompute); the same results, less memory.
+  bool recompute = false;
   bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;

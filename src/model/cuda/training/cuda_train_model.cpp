@@ -32,6 +32,7 @@ struct CudaTrainModel::Impl {
   // The packed batch's index arrays (grown as needed).
   cuda::DeviceBuffer<int32_t> cu_seqlens, chunk_offsets, ids, targets, emb_order, emb_run_start, emb_run_id;
   cuda::DeviceBuffer<double> loss_sum;
+  std::vector<bool> recompute;  // per layer (set_recompute)
 
   Impl(const K3Config& cfg, const train::ParamStore& P, GpuPrecision p)
       : c(cfg),
@@ -125,25 +126,28 @@ class CudaTrainBackend {
     norm::cuda::rmsnorm_forward_train(u.xn, D_, u.rstd, u.h, D_, u.ln.w, float(c_.rms_norm_eps), N_, D_);
   }
 
+  // With recomputation on for layer l, a block's forward keeps only its output: its tape is handed
+  // back to the arena at once and rebuilt by running the forward again in the block's backward (the
+  // kernels are deterministic, so the rebuilt tape is the same bits). The AttnRes + norm tapes and
+  // the block sums are always kept.
   Act attention(int64_t l) {
-    LayerTape& L = tape_[size_t(l)];
     out_ = t_.take<float>(N_ * D_);
-    if (kda_layer(l)) kda_train_forward(t_, l, L.attn_in.xn, out_, L.kda_tape);
-    else mla_train_forward(t_, l, L.attn_in.xn, out_, L.mla_tape);
+    const DeviceArena::Mark m = t_.arena.mark();
+    attention_forward(l, out_);
+    if (recompute(l)) t_.arena.rewind(m);
     return kOut;
   }
 
   Act ffn(int64_t l) {
     LayerTape& L = tape_[size_t(l)];
     out_ = t_.take<float>(N_ * D_);
-    if (c_.is_moe_layer(l)) {
-      const float* bias = nullptr;
-      if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
-      else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
-      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out_, bias, dispatch(l));
-      if (hooks_ && hooks_->on_router_scores) hooks_->on_router_scores(l, moe_router_scores(*L.moe_tape), N_);
-    } else {
-      dense_train_forward(t_, l, L.ffn_in.xn, out_, L.dense_tape);
+    const DeviceArena::Mark m = t_.arena.mark();
+    ffn_forward(l, out_);
+    if (c_.is_moe_layer(l) && hooks_ && hooks_->on_router_scores)  // once per step: the recomputation reports nothing
+      hooks_->on_router_scores(l, moe_router_scores(*L.moe_tape), N_);
+    if (recompute(l)) {
+      L.moe_tape.reset();
+      t_.arena.rewind(m);
     }
     return kOut;
   }
@@ -230,14 +234,21 @@ class CudaTrainBackend {
   }
 
   void attention_backward(int64_t l, Act d_out) {
+    const DeviceArena::Mark m = t_.arena.mark();
+    if (recompute(l)) attention_forward(l, t_.take<float>(N_ * D_));
     const LayerTape& L = tape_[size_t(l)];
     if (kda_layer(l)) kda_train_backward(t_, l, L.kda_tape, dnode_[size_t(d_out)], dxn_);
     else mla_train_backward(t_, l, L.mla_tape, dnode_[size_t(d_out)], dxn_);
+    t_.arena.rewind(m);
   }
   void ffn_backward(int64_t l, Act d_out) {
-    const LayerTape& L = tape_[size_t(l)];
+    const DeviceArena::Mark m = t_.arena.mark();
+    if (recompute(l)) ffn_forward(l, t_.take<float>(N_ * D_));
+    LayerTape& L = tape_[size_t(l)];
     if (c_.is_moe_layer(l)) moe_train_backward(t_, l, *L.moe_tape, dnode_[size_t(d_out)], dxn_);
     else dense_train_backward(t_, l, L.dense_tape, dnode_[size_t(d_out)], dxn_);
+    if (recompute(l)) L.moe_tape.reset();
+    t_.arena.rewind(m);
   }
   void add_gradient(Act dst, Act src) {
     elementwise::cuda::add_inplace(dnode_[size_t(dst)], dnode_[size_t(src)], N_ * D_);
@@ -258,6 +269,23 @@ class CudaTrainBackend {
   static constexpr int64_t kLogitBudget = int64_t(64) << 20;
 
   TrainParam param(TensorKind k, int64_t l = -1) const { return m_.params.at(tn_(k, l)); }
+  bool recompute(int64_t l) const { return size_t(l) < m_.recompute.size() && m_.recompute[size_t(l)]; }
+  void attention_forward(int64_t l, float* out) {
+    LayerTape& L = tape_[size_t(l)];
+    if (kda_layer(l)) kda_train_forward(t_, l, L.attn_in.xn, out, L.kda_tape);
+    else mla_train_forward(t_, l, L.attn_in.xn, out, L.mla_tape);
+  }
+  void ffn_forward(int64_t l, float* out) {
+    LayerTape& L = tape_[size_t(l)];
+    if (c_.is_moe_layer(l)) {
+      const float* bias = nullptr;
+      if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
+      else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
+      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out, bias, dispatch(l));
+    } else {
+      dense_train_forward(t_, l, L.ffn_in.xn, out, L.dense_tape);
+    }
+  }
   bool kda_layer(int64_t l) const { return c_.layer_kind[size_t(l)] == AttnKind::KDA; }
   ResUse& use(MixSite site, int64_t l) {
     if (site == MixSite::Output) return final_;
@@ -325,6 +353,11 @@ void CudaTrainModel::upload(const train::ParamStore& P) { impl_->params.upload(P
 void CudaTrainModel::download_values(train::ParamStore& P) const { impl_->params.download_values(P); }
 void CudaTrainModel::download_grads(train::ParamStore& P) const { impl_->params.download_grads(P); }
 gemm::cuda::GemmContext& CudaTrainModel::gemm() { return impl_->gemm; }
+void CudaTrainModel::set_recompute(const std::vector<bool>& layers) {
+  K3_CHECK(layers.empty() || int64_t(layers.size()) == impl_->c.num_hidden_layers, "set_recompute: ", layers.size(),
+           " flags for a model of ", impl_->c.num_hidden_layers, " layers");
+  impl_->recompute = layers;
+}
 size_t CudaTrainModel::parameter_bytes() const { return impl_->params.bytes(); }
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,

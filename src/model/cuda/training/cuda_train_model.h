@@ -71,6 +71,11 @@ class CudaTrainModel {
   void download_values(train::ParamStore& P) const;  // values to the host (checkpoints)
   void download_grads(train::ParamStore& P) const;   // gradients to the host (tests)
   gemm::cuda::GemmContext& gemm();
+  // Activation recomputation: for each layer flagged, the attention and FFN blocks keep only their
+  // outputs through the forward and run again in the backward (the AttnRes + norm inputs and the
+  // block sums are kept). Same results bit for bit; the memory of those blocks' tapes is freed.
+  // Empty (the default): nothing recomputed. One flag per layer.
+  void set_recompute(const std::vector<bool>& layers);
   size_t parameter_bytes() const;  // device memory of values, gradients and the bf16 copy
 
   struct Impl;

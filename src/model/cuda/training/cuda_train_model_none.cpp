@@ -28,6 +28,7 @@ void CudaTrainModel::upload(const train::ParamStore&) { fail("CudaTrainModel: no
 void CudaTrainModel::download_values(train::ParamStore&) const { fail("CudaTrainModel: no CUDA backend"); }
 void CudaTrainModel::download_grads(train::ParamStore&) const { fail("CudaTrainModel: no CUDA backend"); }
 gemm::cuda::GemmContext& CudaTrainModel::gemm() { fail("CudaTrainModel: no CUDA backend"); }
+void CudaTrainModel::set_recompute(const std::vector<bool>&) { fail("CudaTrainModel: no CUDA backend"); }
 size_t CudaTrainModel::parameter_bytes() const { return 0; }
 
 }  // namespace k3

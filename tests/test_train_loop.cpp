@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -104,6 +105,47 @@ TEST(TrainLoop, InterruptedCheckpointWriteLeavesThePreviousOne) {
   } catch (const k3::Error& e) {
     EXPECT_NE(std::string(e.what()).find("train_state.bin"), std::string::npos) << e.what();
   }
+}
+
+// --eval-every: a held-out evaluation every N steps and one after the last step, never two at one
+// step. Its truth: a copy of the run cut back to its step-4 checkpoint and resumed with a plan that
+// ends there trains nothing and evaluates once; that loss must be the periodic one, bit for bit.
+TEST(TrainLoop, PeriodicEvaluationMatchesAnEvaluationOfItsCheckpoint) {
+  Corpus c;
+  const std::string a = c.dir.file("a"), b = c.dir.file("b");
+  std::vector<std::string> args = train_args(c, a);
+  args[8] = "32:1280";  // 10 steps: evaluations after steps 4, 8 and 10
+  args.insert(args.end(), {"--eval-data", c.shard, "--eval-tokens", "256", "--eval-every", "4"});
+  ASSERT_EQ(run_k3(args).status, 0);
+  const std::vector<std::pair<int64_t, double>> ev = k3test::eval_losses(a);
+  ASSERT_EQ(ev.size(), 3u);
+  EXPECT_EQ(ev[0].first, 4);
+  EXPECT_EQ(ev[1].first, 8);
+  EXPECT_EQ(ev[2].first, 10);
+  EXPECT_EQ(k3test::losses(a).size(), 10u);
+  fs::copy(a, b, fs::copy_options::recursive);
+  for (int s = 5; s <= 10; ++s) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%08d", s);
+    ASSERT_TRUE(fs::remove_all(fs::path(b) / name) > 0) << name;
+  }
+  std::ofstream(b + "/latest") << "step-00000004\n";
+  ASSERT_EQ(fs::path(k3::train::latest_checkpoint(b)).filename(), "step-00000004");
+  args = train_args(c, b);
+  args[8] = "32:512";  // a plan of 4 steps: complete already
+  args.insert(args.end(), {"--eval-data", c.shard, "--eval-tokens", "256", "--resume", "--change-plan"});
+  const k3test::Outcome r = run_k3(args);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<std::pair<int64_t, double>> evb = k3test::eval_losses(b);
+  ASSERT_EQ(evb.size(), 2u);  // the step-4 record kept from the copy (later ones dropped) and the new one
+  EXPECT_EQ(evb.back().first, 4);
+  EXPECT_EQ(evb.back().second, ev[0].second);
+  // --eval-every without held-out data is an error, not a silent no-op.
+  args = train_args(c, c.dir.file("e"));
+  args.insert(args.end(), {"--eval-every", "2"});
+  const k3test::Outcome e = run_k3(args);
+  EXPECT_NE(e.status, 0);
+  EXPECT_NE(e.output.find("--eval-every needs --eval-data"), std::string::npos) << e.output;
 }
 
 TEST(TrainLoop, BadOptionsAreClearErrors) {

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Peer baselines for the GPU benchmark table (run on the GPU machine by scripts/gpu/run_all.sh).
 
-- flash-linear-attention's Triton `chunk_kda` forward with K3's gate options (use_gate_in_kernel,
-  safe_gate, lower_bound -5, A_log and dt_bias), at every shape of ../shared/docs/ANCHORS.md.
-- PyTorch SDPA (flash backend) causal attention forward at K3's MLA head dims (qk 192, v 128).
+- flash-linear-attention's Triton `chunk_kda` forward, and forward+backward, with K3's gate options
+  (use_gate_in_kernel, safe_gate, lower_bound -5, A_log and dt_bias, in-kernel q/k L2 norm), at every
+  shape of ../shared/docs/ANCHORS.md.
+- PyTorch SDPA (flash backend) causal attention forward, and forward+backward, at K3's MLA head dims
+  (H 64, qk 192, v 128).
 
 fla is not a dependency of k3cpp and none of its code is in this repository: the source is brought
 to the GPU machine for the run only (FLA_SRC, default third_party_ref/fla_src, git-ignored).
 Timing: median of CUDA-event timings over `--reps` runs after warm-up, the same method as our
-bench_cuda_* binaries. Prints one line per shape: `peer <name> <shape> <ms>`.
+bench_cuda_* binaries. Prints one line per shape and pass: `peer <name>[_fwdbwd] <shape> <ms>`;
+a forward+backward run is one forward and one backward from a fixed upstream gradient.
 """
 import argparse
 import os
@@ -52,13 +55,28 @@ def bench_fla(reps, shapes):
         A_log = torch.log(torch.rand(H, device=dev, dtype=torch.float32) * 15 + 1)
         dt_bias = torch.randn(H * D, device=dev, dtype=torch.float32) * 0.1
 
-        def run():
+        def fwd():
             return chunk_kda(q, k, v, g, beta, scale=D ** -0.5, A_log=A_log, dt_bias=dt_bias,
-                             use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+                             use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
+                             lower_bound=-5.0)[0]
 
         with torch.inference_mode():
-            ms = median_ms(run, reps)
+            ms = median_ms(fwd, reps)
         print(f"peer fla_chunk_kda B={B} T={T} H={H} D={D} {ms:.4f}", flush=True)
+
+        for t in (q, k, v, g, beta):
+            t.requires_grad_(True)
+        do = torch.randn(B, T, H, D, device=dev, dtype=bf)
+
+        def fwd_bwd():
+            fwd().backward(do)
+            for t in (q, k, v, g, beta):
+                t.grad = None
+
+        ms = median_ms(fwd_bwd, reps)
+        print(f"peer fla_chunk_kda_fwdbwd B={B} T={T} H={H} D={D} {ms:.4f}", flush=True)
+        del q, k, v, g, beta, do
+        torch.cuda.empty_cache()
 
 
 def bench_sdpa(reps):
@@ -68,12 +86,26 @@ def bench_sdpa(reps):
         k = torch.randn(1, H, T, Dqk, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, H, T, Dv, device="cuda", dtype=torch.bfloat16)
 
-        def run():
+        def fwd():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dqk ** -0.5)
 
-        with torch.inference_mode():
-            ms = median_ms(run, reps)
-        print(f"peer torch_sdpa B=1 T={T} H={H} Dqk={Dqk} Dv={Dv} {ms:.4f}", flush=True)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            with torch.inference_mode():
+                ms = median_ms(fwd, reps)
+            print(f"peer torch_sdpa B=1 T={T} H={H} Dqk={Dqk} Dv={Dv} {ms:.4f}", flush=True)
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            do = torch.randn(1, H, T, Dv, device="cuda", dtype=torch.bfloat16)
+
+            def fwd_bwd():
+                fwd().backward(do)
+                for t in (q, k, v):
+                    t.grad = None
+
+            ms = median_ms(fwd_bwd, reps)
+            print(f"peer torch_sdpa_fwdbwd B=1 T={T} H={H} Dqk={Dqk} Dv={Dv} {ms:.4f}", flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ void register_train(CLI::App& app) {
   sub->add_option("--save-every", o->save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
   sub->add_option("--eval-data", o->eval_path, "held-out token shard: loss at the end, beside its unigram entropy");
   sub->add_option("--eval-tokens", o->eval_tokens, "held-out tokens to evaluate")->capture_default_str();
+  sub->add_option("--eval-every", o->eval_every,
+                  "also evaluate the held-out loss every N steps (0: only after the last step)")
+      ->capture_default_str();
   auto sequential = std::make_shared<bool>(false);
   sub->add_flag("--sequential", *sequential, "read windows in shard order (default: shuffled by --seed)");
   sub->add_flag("--resume", o->resume,

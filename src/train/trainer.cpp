@@ -95,6 +95,8 @@ void check_train_options(const TrainOptions& o) {
   require_integer("--grad-lanes", o.grad_lanes, 0, imax);
   require_integer("--save-every", o.save_every, 1, imax);
   require_integer("--eval-tokens", o.eval_tokens, 2, imax);
+  require_integer("--eval-every", o.eval_every, 0, imax);
+  if (o.eval_every > 0 && o.eval_path.empty()) fail("--eval-every needs --eval-data");
   require_integer("log_every", o.log_every, 0, imax);
 }
 
@@ -298,6 +300,22 @@ TrainResult train(const TrainOptions& opt) {
     return save_checkpoint(opt.out_dir, step, config_text, P, st);
   };
 
+  int64_t evaluated_at = -1;  // the step of the last held-out evaluation
+  auto run_eval = [&]() {
+    evaluated_at = step;
+    res.eval = evaluate(*device, eval_shard, opt.eval_tokens, stages.back().seq_len);
+    if (!std::isfinite(res.eval.loss))
+      fail(opt.eval_path, ": the held-out loss after step ", step, " is ", nonfinite_name(res.eval.loss),
+           " although every parameter is finite");
+    std::fprintf(stderr, "held-out after step %lld: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
+                 (long long)step, res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
+    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss},
+                                   {"unigram_entropy", res.eval.unigram_entropy},
+                                   {"eval_predictions", res.eval.predictions},
+                                   {"step", step}})
+                       .dump());
+  };
+
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t first_step = step;
   while (step < total_steps) {
@@ -371,21 +389,10 @@ TrainResult train(const TrainOptions& opt) {
     res.steps = step;
     res.last_loss = loss;
     if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
+    if (!opt.eval_path.empty() && opt.eval_every > 0 && step % opt.eval_every == 0) run_eval();
     if (opt.on_step && !opt.on_step(line)) break;
   }
-  if (!opt.eval_path.empty()) {
-    res.eval = evaluate(*device, eval_shard, opt.eval_tokens, stages.back().seq_len);
-    if (!std::isfinite(res.eval.loss))
-      fail(opt.eval_path, ": the held-out loss after step ", step, " is ", nonfinite_name(res.eval.loss),
-           " although every parameter is finite");
-    std::fprintf(stderr, "held-out: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
-                 res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
-    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss},
-                                   {"unigram_entropy", res.eval.unigram_entropy},
-                                   {"eval_predictions", res.eval.predictions},
-                                   {"step", step}})
-                       .dump());
-  }
+  if (!opt.eval_path.empty() && evaluated_at != step) run_eval();
   return res;
 }
 

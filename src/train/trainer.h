@@ -57,11 +57,12 @@ struct TrainOptions {
   bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;
-  // Held-out evaluation after the last step: mean next-token loss over the first
-  // eval_tokens of this shard, in windows of the last stage's length, beside the shard's unigram
-  // entropy (the loss of a model that knows only token frequencies).
+  // Held-out evaluation after the last step (and every eval_every steps when > 0): mean next-token
+  // loss over the first eval_tokens of this shard, in windows of the last stage's length, beside the
+  // shard's unigram entropy (the loss of a model that knows only token frequencies).
   std::string eval_path;
   int64_t eval_tokens = 16384;
+  int64_t eval_every = 0;
   // Called after every step with the JSONL record (tests use it to stop early).
   std::function<bool(const std::string& jsonl_line)> on_step;
 };

@@ -63,10 +63,24 @@ inline std::vector<std::string> train_args(const Corpus& c, const std::string& o
 inline std::vector<double> losses(const std::string& out) {
   std::vector<double> v;
   std::ifstream in(out + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) v.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json r = nlohmann::json::parse(line);
+    if (r.contains("loss")) v.push_back(r["loss"].get<double>());  // not the held-out records
+  }
   return v;
 }
 
+// The held-out records of metrics.jsonl: (step, eval_loss).
+inline std::vector<std::pair<int64_t, double>> eval_losses(const std::string& out) {
+  std::vector<std::pair<int64_t, double>> v;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json r = nlohmann::json::parse(line);
+    if (r.contains("eval_loss")) v.emplace_back(r["step"].get<int64_t>(), r["eval_loss"].get<double>());
+  }
+  return v;
+}
 
 }  // namespace k3test

@@ -32,11 +32,30 @@ void DeviceArena::reset() {
   in_use_ = 0;
 }
 
+size_t DeviceArena::reserved_bytes() const {
+  size_t n = 0;
+  for (const auto& c : chunks_) n += c.size();
+  return n;
+}
+
 void DeviceArena::rewind(const Mark& m) {
   K3_CHECK(m.in_use <= in_use_ && m.chunks <= chunks_.size(), "DeviceArena::rewind: a mark from the future");
-  // In the mark's chunk, everything past the mark is free again. If chunks were added since, all of
-  // the newest one was taken after the mark: continue at its start (the ones between idle until reset).
-  used_ = chunks_.size() == m.chunks ? m.used : 0;
+  if (chunks_.size() > m.chunks) {
+    // Everything in the chunks added since the mark was taken after it (and nothing in the mark's own
+    // chunk when the mark is at its start). Continue at the start of the newest and free the ones
+    // between: kept idle until reset, a long step's backward (a new working set per layer) would hold
+    // the sum of all of them. (Freeing synchronises with the device, so kernels still reading them
+    // have finished; this happens only while the high-water mark grows.)
+    const size_t live = m.used == 0 && m.chunks > 0 ? m.chunks - 1 : m.chunks;
+    if (chunks_.size() > live + 1) {
+      cuda::DeviceBuffer<uint8_t> newest = std::move(chunks_.back());
+      chunks_.resize(live);
+      chunks_.push_back(std::move(newest));
+    }
+    used_ = 0;
+  } else {
+    used_ = m.used;
+  }
   in_use_ = m.in_use;
 }
 
@@ -45,6 +64,8 @@ void* DeviceArena::take_bytes(size_t bytes) {
   bytes = (bytes + kAlign - 1) / kAlign * kAlign;
   if (bytes == 0) bytes = kAlign;
   if (chunks_.empty() || used_ + bytes > chunks_.back().size()) {
+    // An empty newest chunk that is too small holds nothing: replace it rather than idle beside it.
+    if (!chunks_.empty() && used_ == 0) chunks_.pop_back();
     chunks_.emplace_back(std::max(bytes, size_t(64) << 20));
     used_ = 0;
   }

@@ -98,6 +98,8 @@ class DeviceArena {
   Mark mark() const { return Mark{chunks_.size(), used_, in_use_}; }
   void rewind(const Mark& m);
   void* take_bytes(size_t bytes);
+  size_t reserved_bytes() const;  // device memory held now (all chunks)
+  size_t peak_bytes() const { return peak_; }
   template <class T>
   T* take(int64_t n) {
     return static_cast<T*>(take_bytes(size_t(n) * sizeof(T)));

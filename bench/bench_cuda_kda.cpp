@@ -143,6 +143,7 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   int reps = 30, warmup = 5;
   std::string only;  // --shapes BxTxH,...: only these (default: the ANCHORS.md shapes)
   for (int i = 1; i < argc; i += 2) {

@@ -144,6 +144,7 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   CLI::App app{"GPU end-to-end prefill/decode benchmark (see the header of bench/bench_cuda_model.cpp)"};
   std::vector<std::string> models;
   std::string prefill = "512,2048,8192", contexts = "128,1024,8192", batches = "1,16", precision = "bf16";

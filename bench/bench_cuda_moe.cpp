@@ -144,6 +144,7 @@ void row(const char* fmt, int64_t T, const char* op, double flops, float ms, flo
 #endif
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   CLI::App app{"Grouped MoE expert GEMMs vs cuBLAS (see the header of bench/bench_cuda_moe.cpp)"};
   std::string config = "configs/kimi-k3.json", tokens_s = "4096,16384";
   int reps = 5;

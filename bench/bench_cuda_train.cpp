@@ -4,6 +4,10 @@
 //
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
+//                          [--run TOKENS:SEQ_LEN[:recompute] ...]
+// Each --run is one measurement on the same random parameters (drawn once per config: the host's
+// float64 initialisation of a multi-billion-parameter model takes minutes); without --run, one run of
+// --tokens, --seq-len and --recompute.
 //
 // MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
 //   6 · N_active · tokens                                    (every GEMM, forward + backward)
@@ -72,14 +76,26 @@ double step_flops(const K3Config& c, int64_t tokens, int64_t seq_len) {
   return f;
 }
 
-void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuPrecision precision, int steps,
-           bool recompute) {
-  const K3Config c = load_config(config_path);
-  RandomInitOptions ri;
-  ri.seed = 1;
-  ParamStore P = ParamStore::random_init(c, ri);
-  std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
-  const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
+struct Run {
+  int64_t tokens, seq_len;
+  bool recompute;
+};
+
+Run parse_run(const std::string& s) {
+  Run r{0, 0, false};
+  char rest[16] = "";
+  long long t = 0, l = 0;
+  const int n = std::sscanf(s.c_str(), "%lld:%lld:%15s", &t, &l, rest);
+  if (n < 2 || t <= 0 || l <= 0 || t % l != 0 || (n == 3 && std::string(rest) != "recompute"))
+    fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute] with SEQ_LEN dividing TOKENS");
+  r.tokens = t, r.seq_len = l, r.recompute = n == 3;
+  return r;
+}
+
+void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P, const Optimizer& plan,
+               const Run& run, GpuPrecision precision, int steps) {
+  const int64_t tokens = run.tokens, seq_len = run.seq_len;
+  const bool recompute = run.recompute;
   const std::unique_ptr<TrainDevice> device =
       make_cuda_train_device(P, c, plan, BalanceOptions{}, precision, recompute);
 
@@ -90,9 +106,9 @@ void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuP
       for (auto& t : s) t = int32_t(rng() % uint64_t(c.vocab_size));
     return b;
   };
-  std::printf("%s: %.3g parameters, %.3g active per token; %s; %lld tokens per step in sequences of %lld\n",
+  std::printf("%s: %.3g parameters, %.3g active per token; %s; %lld tokens per step in sequences of %lld%s\n",
               config_path.c_str(), double(P.values().size()), active_params(c), gpu_precision_name(precision),
-              (long long)tokens, (long long)seq_len);
+              (long long)tokens, (long long)seq_len, recompute ? "; recomputation" : "");
   double total = 0, loss = 0;
   for (int s = 0; s <= steps; ++s) {
     const auto b = batch();
@@ -112,9 +128,30 @@ void bench(const std::string& config_path, int64_t tokens, int64_t seq_len, GpuP
   size_t free_b = 0, total_b = 0;
   cuda::memory_info(&free_b, &total_b);
   const double mfu = step_flops(c, tokens, seq_len) / per_step / kPeakBf16;
-  std::printf("| %s | %s | %lld x %lld | %.1f ms | %.0f tok/s | %.1f GiB | %.1f%% |\n", config_path.c_str(),
-              gpu_precision_name(precision), (long long)(tokens / seq_len), (long long)seq_len, per_step * 1e3,
-              double(tokens) / per_step, double(total_b - free_b) / double(1 << 30), 100 * mfu);
+  std::printf("| %s | %s%s | %lld x %lld | %.1f ms | %.0f tok/s | %.1f GiB | %.1f%% |\n", config_path.c_str(),
+              gpu_precision_name(precision), recompute ? " recompute" : "", (long long)(tokens / seq_len),
+              (long long)seq_len, per_step * 1e3, double(tokens) / per_step,
+              double(total_b - free_b) / double(1 << 30), 100 * mfu);
+}
+
+void bench(const std::string& config_path, const std::vector<Run>& runs, GpuPrecision precision, int steps) {
+  const K3Config c = load_config(config_path);
+  const auto t0 = std::chrono::steady_clock::now();
+  RandomInitOptions ri;
+  ri.seed = 1;
+  ParamStore P = ParamStore::random_init(c, ri);
+  std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
+  const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
+  std::printf("%s: random parameters drawn on the host in %.1f s\n", config_path.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  for (const Run& r : runs) {
+    try {
+      bench_run(c, config_path, P, plan, r, precision, steps);
+    } catch (const Error& e) {  // e.g. out of device memory at a long sequence: report, go on
+      std::printf("| %s | %s%s | %lld x %lld | failed: %s |\n", config_path.c_str(), gpu_precision_name(precision),
+                  r.recompute ? " recompute" : "", (long long)(r.tokens / r.seq_len), (long long)r.seq_len, e.what());
+    }
+  }
 }
 
 }  // namespace
@@ -126,12 +163,14 @@ int main(int argc, char** argv) {
   std::string precision = "bf16";
   int steps = 4;
   bool recompute = false;
+  std::vector<std::string> run_specs;
   app.add_option("--config", configs, "model config.json (repeatable)")->required();
   app.add_option("--tokens", tokens, "tokens per step")->capture_default_str();
   app.add_option("--seq-len", seq_len, "sequence length")->capture_default_str();
   app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_flag("--recompute", recompute, "recompute every layer's blocks in the backward");
+  app.add_option("--run", run_specs, "TOKENS:SEQ_LEN[:recompute], repeatable: several runs on one initialisation");
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   try {
@@ -142,8 +181,11 @@ int main(int argc, char** argv) {
     }
     std::printf("%s\n| config | precision | batch | step | tokens/s | device memory | MFU |\n|---|---|---|---|---|---|---|\n",
                 cuda::device_summary().c_str());
-    for (const std::string& c : configs)
-      bench(c, tokens, seq_len, parse_gpu_precision(precision, "--precision"), steps, recompute);
+    std::vector<Run> runs;
+    for (const std::string& r : run_specs) runs.push_back(parse_run(r));
+    if (runs.empty()) runs.push_back(parse_run(std::to_string(tokens) + ":" + std::to_string(seq_len) +
+                                               (recompute ? ":recompute" : "")));
+    for (const std::string& c : configs) bench(c, runs, parse_gpu_precision(precision, "--precision"), steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

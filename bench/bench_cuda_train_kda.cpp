@@ -131,6 +131,7 @@ void run_shape(const Shape& s, int warmup, int reps, bool with_f32) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   int reps = 10, warmup = 2;
   bool with_f32 = true;
   std::vector<Shape> shapes(std::begin(kAnchors), std::end(kAnchors));

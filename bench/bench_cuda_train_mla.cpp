@@ -135,6 +135,7 @@ void bench(int reps, bool fp32) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   int reps = 20;
   bool fp32 = true;
   for (int i = 1; i < argc; ++i) {

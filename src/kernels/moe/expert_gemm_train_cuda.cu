@@ -10,11 +10,14 @@
 //   BackwardWeight  dW_e: out    × in          dy[k, m] m-contig   x[k, n]   n-contig  rows of e
 // (r, and k in BackwardWeight, are the expert's sorted rows.)
 //
-// Tiles: a CTA of 256 threads (8 warps, 2 along m × 4 along n) computes a BM × 128 tile (BM = 128:
-// warp tile 64 × 32, 16 accumulator fragments), k in stages of BK = 32 through a 4-deep cp.async
-// pipeline. Shared rows are padded by 16 bytes (80 B rows for a k-contiguous 32-wide tile, 272 B for a
-// 128-wide m/n-contiguous one), so the 8 row addresses of every ldmatrix phase fall in 8 different
-// 16-byte bank groups: conflict-free without a swizzle.
+// Tiles: a CTA of 128 threads (4 warps, 2 along m × 2 along n) computes a BM × 128 tile (BM = 128);
+// each warp a 64 × 64 sub-tile, 32 m16n8 accumulator blocks (128 fp32 registers; ~230 registers a
+// thread, 2 CTAs per SM), k in stages of BK = 32 through a 4-deep cp.async pipeline (20 KB a stage).
+// The 64 × 64 warp tile issues 8 ldmatrix.x4 per 32 MMAs (a 64 × 32 one: 6 per 16): by our estimate,
+// not a measurement, shared-memory bandwidth rather than the tensor cores bounds an mma.sync GEMM on
+// Hopper, so the wider warp tile pays. Shared rows are padded by 16 bytes (80 B rows for a k-contiguous
+// 32-wide tile, 272 B for a 128-wide m/n-contiguous one), so the 8 row addresses of every ldmatrix
+// phase fall in 8 different 16-byte bank groups: conflict-free without a swizzle.
 //
 // Masking: every element outside the expert's rows, past out / in, or past K is zero-filled by
 // cp.async (src-size 0: nothing is read), so it adds exact zeros; rows and columns outside the tile's
@@ -26,8 +29,8 @@
 //     ceil(n_e' / BM) (tiles[E] = the total). The 1-D grid holds the upper bound (ceil(S / BM) + E) ×
 //     column tiles, column tile fastest (the CTAs of one row tile run side by side and share its A rows
 //     through L2). A CTA's row slot q names the expert e with tiles[e] <= q < tiles[e + 1], found as
-//     #{i : tiles[i] <= q} - 1 by one coalesced read of tiles[] and __syncthreads_count (E = 192: one
-//     load a thread); q >= tiles[E] exits.
+//     #{i : tiles[i] <= q} - 1: the CTA reads tiles[] once (coalesced, independent loads; E = 192:
+//     two a thread) and sums the counts; q >= tiles[E] exits.
 //   - BackwardWeight: the grid is E × (out tiles) × (in tiles), in-tile fastest; CTAs of an expert with
 //     no rows exit (dW_e untouched). The expert's rows are the reduction, zero-padded to BK.
 // Each output element is owned by one CTA and summed in ascending k: deterministic, no atomics.
@@ -51,7 +54,8 @@ using ptx::ldmatrix_x4;
 using ptx::ldmatrix_x4_trans;
 using ptx::smem_u32;
 
-constexpr int kThreads = 256;  // 8 warps: 2 along m × 4 along n
+constexpr int kWarpsM = 2, kWarpsN = 2;  // warps along m and n
+constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kBN = 128, kBK = 32, kStages = 4;
 constexpr int kPad = 8;  // bf16 elements of padding per shared row (16 bytes)
 constexpr int kBM = 128;
@@ -189,7 +193,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[MI][NI][4], uint32_t sa, 
 template <Mode M, int BM>
 __global__ void __launch_bounds__(kThreads, 2) grouped_linear_kernel(const Args p) {
   using G = Geo<M, BM>;
-  constexpr int WM = BM / 2, WN = kBN / 4;  // warp tile
+  constexpr int WM = BM / kWarpsM, WN = kBN / kWarpsN;  // warp tile
   constexpr int MI = WM / 16, NI = WN / 8;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -211,11 +215,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_linear_kernel(const Args 
     const int q = b / p.n_tiles;  // row-tile slot
     nt = b - q * p.n_tiles;
     // e + 1 = #{i in [0, E] : tiles[i] <= q} (tiles[0] = 0 <= q; nondecreasing). E + 1: past the end.
+    // Strided independent loads (one round trip), then a block sum.
     int cnt = 0;
-    for (int j = 0; j * kThreads <= p.E; ++j) {
-      const int i = j * kThreads + tid;
-      cnt += __syncthreads_count(i <= p.E && p.tiles[i] <= q);
-    }
+    for (int i = tid; i <= p.E; i += kThreads) cnt += p.tiles[i] <= q ? 1 : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    __shared__ int red[kThreads / 32];
+    if (lane == 0) red[warp] = cnt;
+    __syncthreads();
+    cnt = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) cnt += red[w];
     if (cnt > p.E) return;
     e = cnt - 1;
     r0 = p.offsets[e];
@@ -257,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_linear_kernel(const Args 
     load_tile<G::b_kmajor, kBN, G::b_ld>(stage_b(s), gb, ldb, k0, K, valid_n, tid);
   };
 
-  const int wm = warp >> 2, wn = warp & 3;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int m_w = wm * WM, n_w = wn * WN;
   // m16 blocks of this warp holding a valid row (warp-uniform)
   const int mact = min(MI, max(0, (valid_m - m_w + 15) / 16));

@@ -83,6 +83,10 @@ struct Args {
   const uint16_t* b;       // Forward, BackwardData: W; BackwardWeight: x
   const int32_t* offsets;  // [E + 1]
   const int32_t* tiles;    // [E + 1] row-tile prefix (Forward, BackwardData)
+  // Per-expert pointers instead of a stacked buffer (null: stacked): W_e (Forward, BackwardData) and
+  // dW_e (BackwardWeight).
+  const uint16_t* const* b_tab;
+  float* const* c_tab;
   int E, out, in;
   int n_tiles;  // column tiles of C
   int m_tiles;  // BackwardWeight: row tiles of C (out / BM)
@@ -245,16 +249,16 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_linear_kernel(const Args 
   float* gc;
   if (M == Mode::Forward) {
     ga = p.a + int64_t(r0 + m0) * p.in, lda = p.in;       // x rows, k contiguous
-    gb = p.b + e * wsz + int64_t(n0) * p.in, ldb = p.in;  // W_e rows n, k contiguous
+    gb = (p.b_tab ? p.b_tab[e] : p.b + e * wsz) + int64_t(n0) * p.in, ldb = p.in;  // W_e rows n, k contiguous
     gc = p.c + int64_t(r0 + m0) * p.out + n0, ldc = p.out;
   } else if (M == Mode::BackwardData) {
     ga = p.a + int64_t(r0 + m0) * p.out, lda = p.out;  // dy rows, k contiguous
-    gb = p.b + e * wsz + n0, ldb = p.in;               // W_e rows k, n contiguous
+    gb = (p.b_tab ? p.b_tab[e] : p.b + e * wsz) + n0, ldb = p.in;  // W_e rows k, n contiguous
     gc = p.c + int64_t(r0 + m0) * p.in + n0, ldc = p.in;
   } else {
     ga = p.a + int64_t(r0) * p.out + m0, lda = p.out;  // dy rows k, m contiguous
     gb = p.b + int64_t(r0) * p.in + n0, ldb = p.in;    // x rows k, n contiguous
-    gc = p.c + e * wsz + int64_t(m0) * p.in + n0, ldc = p.in;
+    gc = (p.c_tab ? p.c_tab[e] : p.c + e * wsz) + int64_t(m0) * p.in + n0, ldc = p.in;
   }
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -353,8 +357,8 @@ void launch(const Args& a, int64_t blocks) {
 
 // Forward and BackwardData: the tile prefix, then the GEMM over the upper bound of row tiles.
 template <Mode M>
-void run_rows(float* c, const void* a, const void* b, const int32_t* offsets, int64_t S, int64_t E, int64_t out,
-              int64_t in, bool accumulate, void* workspace) {
+void run_rows(float* c, const void* a, const void* b, const void* const* b_tab, const int32_t* offsets, int64_t S,
+              int64_t E, int64_t out, int64_t in, bool accumulate, void* workspace) {
   if (S == 0) return;
   K3_CHECK(workspace && aligned(workspace, 4), "moe::cuda::grouped_linear: workspace is null or misaligned");
   int32_t* tiles = static_cast<int32_t*>(workspace);
@@ -364,6 +368,7 @@ void run_rows(float* c, const void* a, const void* b, const int32_t* offsets, in
   p.c = c;
   p.a = static_cast<const uint16_t*>(a);
   p.b = static_cast<const uint16_t*>(b);
+  p.b_tab = reinterpret_cast<const uint16_t* const*>(b_tab);
   p.offsets = offsets;
   p.tiles = tiles;
   p.E = int(E), p.out = int(out), p.in = int(in);
@@ -382,21 +387,33 @@ size_t grouped_linear_workspace_bytes(int64_t E) { return size_t(E + 1) * sizeof
 void grouped_linear_forward_bf16(float* y, const void* x, const void* W, const int32_t* offsets, int64_t S, int64_t E,
                                  int64_t out, int64_t in, bool accumulate, void* workspace) {
   check_args("grouped_linear_forward_bf16", y, x, W, offsets, S, E, out, in);
-  run_rows<Mode::Forward>(y, x, W, offsets, S, E, out, in, accumulate, workspace);
+  run_rows<Mode::Forward>(y, x, W, nullptr, offsets, S, E, out, in, accumulate, workspace);
+}
+void grouped_linear_forward_bf16(float* y, const void* x, const void* const* W, const int32_t* offsets, int64_t S,
+                                 int64_t E, int64_t out, int64_t in, bool accumulate, void* workspace) {
+  check_args("grouped_linear_forward_bf16", y, x, W, offsets, S, E, out, in);
+  run_rows<Mode::Forward>(y, x, nullptr, W, offsets, S, E, out, in, accumulate, workspace);
 }
 
 void grouped_linear_backward_data_bf16(float* dx, const void* dy, const void* W, const int32_t* offsets, int64_t S,
                                        int64_t E, int64_t out, int64_t in, bool accumulate, void* workspace) {
   check_args("grouped_linear_backward_data_bf16", dx, dy, W, offsets, S, E, out, in);
-  run_rows<Mode::BackwardData>(dx, dy, W, offsets, S, E, out, in, accumulate, workspace);
+  run_rows<Mode::BackwardData>(dx, dy, W, nullptr, offsets, S, E, out, in, accumulate, workspace);
+}
+void grouped_linear_backward_data_bf16(float* dx, const void* dy, const void* const* W, const int32_t* offsets,
+                                       int64_t S, int64_t E, int64_t out, int64_t in, bool accumulate,
+                                       void* workspace) {
+  check_args("grouped_linear_backward_data_bf16", dx, dy, W, offsets, S, E, out, in);
+  run_rows<Mode::BackwardData>(dx, dy, nullptr, W, offsets, S, E, out, in, accumulate, workspace);
 }
 
-void grouped_linear_backward_weight_bf16(float* dW, const void* dy, const void* x, const int32_t* offsets, int64_t S,
-                                         int64_t E, int64_t out, int64_t in) {
-  check_args("grouped_linear_backward_weight_bf16", dW, dy, x, offsets, S, E, out, in);
+namespace {
+void run_weight(float* dW, float* const* dW_tab, const void* dy, const void* x, const int32_t* offsets, int64_t S,
+                int64_t E, int64_t out, int64_t in) {
   if (S == 0) return;
   Args p{};
   p.c = dW;
+  p.c_tab = dW_tab;
   p.a = static_cast<const uint16_t*>(dy);
   p.b = static_cast<const uint16_t*>(x);
   p.offsets = offsets;
@@ -406,6 +423,18 @@ void grouped_linear_backward_weight_bf16(float* dW, const void* dy, const void* 
   p.m_tiles = int((out + kBM - 1) / kBM);
   p.accumulate = true;
   launch<Mode::BackwardWeight, kBM>(p, E * p.m_tiles * p.n_tiles);
+}
+}  // namespace
+
+void grouped_linear_backward_weight_bf16(float* dW, const void* dy, const void* x, const int32_t* offsets, int64_t S,
+                                         int64_t E, int64_t out, int64_t in) {
+  check_args("grouped_linear_backward_weight_bf16", dW, dy, x, offsets, S, E, out, in);
+  run_weight(dW, nullptr, dy, x, offsets, S, E, out, in);
+}
+void grouped_linear_backward_weight_bf16(float* const* dW, const void* dy, const void* x, const int32_t* offsets,
+                                         int64_t S, int64_t E, int64_t out, int64_t in) {
+  check_args("grouped_linear_backward_weight_bf16", dW, dy, x, offsets, S, E, out, in);
+  run_weight(nullptr, dW, dy, x, offsets, S, E, out, in);
 }
 
 }  // namespace k3::moe::cuda

@@ -49,4 +49,15 @@ void grouped_linear_backward_data_bf16(float* dx, const void* dy, const void* W,
 void grouped_linear_backward_weight_bf16(float* dW, const void* dy, const void* x, const int32_t* offsets, int64_t S,
                                          int64_t E, int64_t out, int64_t in);
 
+// The same with the experts' matrices named by a device array of E pointers instead of one stacked
+// buffer (the trainer's parameters are not stacked by expert index): W[e] -> W_e [out, in] bf16,
+// 16-byte aligned; dW[e] -> dW_e [out, in] fp32, 8-byte aligned (the caller checks: the kernel cannot).
+void grouped_linear_forward_bf16(float* y, const void* x, const void* const* W, const int32_t* offsets, int64_t S,
+                                 int64_t E, int64_t out, int64_t in, bool accumulate, void* workspace);
+void grouped_linear_backward_data_bf16(float* dx, const void* dy, const void* const* W, const int32_t* offsets,
+                                       int64_t S, int64_t E, int64_t out, int64_t in, bool accumulate,
+                                       void* workspace);
+void grouped_linear_backward_weight_bf16(float* const* dW, const void* dy, const void* x, const int32_t* offsets,
+                                         int64_t S, int64_t E, int64_t out, int64_t in);
+
 }  // namespace k3::moe::cuda

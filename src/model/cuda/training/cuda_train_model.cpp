@@ -29,6 +29,8 @@ struct CudaTrainModel::Impl {
   gpu::DeviceArena arena;
   std::vector<std::unique_ptr<moe::cuda::TrainDispatch>> dispatch;  // per MoE layer, reused across steps
   std::vector<int64_t> dispatch_rows;
+  std::vector<std::unique_ptr<gpu::ExpertTables>> experts;  // per MoE layer (BF16 mode), built once
+  std::vector<bool> experts_built;                          // (null tables: the per-expert path)
   // The packed batch's index arrays (grown as needed).
   cuda::DeviceBuffer<int32_t> cu_seqlens, chunk_offsets, ids, targets, emb_order, emb_run_start, emb_run_id;
   cuda::DeviceBuffer<double> loss_sum;
@@ -40,6 +42,8 @@ struct CudaTrainModel::Impl {
         params(P, p),
         dispatch(size_t(cfg.num_hidden_layers)),
         dispatch_rows(size_t(cfg.num_hidden_layers), 0),
+        experts(size_t(cfg.num_hidden_layers)),
+        experts_built(size_t(cfg.num_hidden_layers), false),
         loss_sum(1) {}
 };
 
@@ -281,7 +285,7 @@ class CudaTrainBackend {
       const float* bias = nullptr;
       if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
       else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
-      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out, bias, dispatch(l));
+      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out, bias, dispatch(l), expert_tables(l));
     } else {
       dense_train_forward(t_, l, L.ffn_in.xn, out, L.dense_tape);
     }
@@ -306,6 +310,15 @@ class CudaTrainBackend {
       m_.dispatch_rows[size_t(l)] = N_;
     }
     return *d;
+  }
+
+  const ExpertTables* expert_tables(int64_t l) {
+    if (m_.precision != GpuPrecision::BF16) return nullptr;
+    if (!m_.experts_built[size_t(l)]) {
+      m_.experts[size_t(l)] = make_expert_tables(t_, l);
+      m_.experts_built[size_t(l)] = true;
+    }
+    return m_.experts[size_t(l)].get();
   }
 
   CudaTrainModel::Impl& m_;
@@ -359,6 +372,11 @@ void CudaTrainModel::set_recompute(const std::vector<bool>& layers) {
   impl_->recompute = layers;
 }
 size_t CudaTrainModel::parameter_bytes() const { return impl_->params.bytes(); }
+int64_t CudaTrainModel::grouped_expert_layers() const {
+  int64_t n = 0;
+  for (const auto& e : impl_->experts) n += e != nullptr;
+  return n;
+}
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
                             const GpuStepHooks* hooks) {

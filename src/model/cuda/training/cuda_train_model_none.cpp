@@ -30,6 +30,7 @@ void CudaTrainModel::download_grads(train::ParamStore&) const { fail("CudaTrainM
 gemm::cuda::GemmContext& CudaTrainModel::gemm() { fail("CudaTrainModel: no CUDA backend"); }
 void CudaTrainModel::set_recompute(const std::vector<bool>&) { fail("CudaTrainModel: no CUDA backend"); }
 size_t CudaTrainModel::parameter_bytes() const { return 0; }
+int64_t CudaTrainModel::grouped_expert_layers() const { return 0; }
 
 }  // namespace k3
 #endif  // K3_HAVE_CUDA

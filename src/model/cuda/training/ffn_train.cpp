@@ -1,12 +1,15 @@
 // The FFN blocks' training forward and backward on the GPU: the GLU MLP (dense layer, shared
 // experts) and Stable LatentMoE, twins of model/training/ffn_block.cpp (same steps, same order),
 // over kernels/ffn (glu), kernels/moe (moe_train_cuda.h: router, dispatch, combine) and kernels/norm.
-// The routed experts' linears run per expert on the rows routed to it (train_linear_*).
+// The routed experts' linears: in the BF16 mode one grouped GEMM per linear over all experts
+// (kernels/moe/expert_gemm_train_cuda.h); in the F32 mode one pedantic fp32 cuBLAS call per expert on
+// the rows routed to it (train_linear_*).
 #ifdef K3_HAVE_CUDA
 #include "core/error.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/ffn/glu_cuda.h"
 #include "kernels/ffn/glu_train_cuda.h"
+#include "kernels/moe/expert_gemm_train_cuda.h"
 #include "kernels/moe/moe_train_cuda.h"
 #include "kernels/norm/norm_train_cuda.h"
 #include "model/cuda/training/train_context.h"
@@ -70,6 +73,8 @@ struct MoeTrainTape {
   float* zs = nullptr;                                           // [S, L] latent rows sorted by expert (S = N·K)
   float *ge = nullptr, *ue = nullptr, *he = nullptr;             // [S, I] experts' GLU
   float* ye = nullptr;                                           // [S, L] experts' outputs
+  const ExpertTables* tables = nullptr;                          // BF16 mode: grouped GEMMs
+  const uint16_t *zs16 = nullptr, *he16 = nullptr;               // BF16 mode: bf16 zs and he
   float *agg = nullptr, *agg_rstd = nullptr, *normed = nullptr;  // [N, L], [N], [N, L]
   bool has_shared = false;
   GluTrainTape shared;
@@ -84,25 +89,54 @@ struct MoeParams {
   std::vector<GluNames> experts;
   GluNames shared;
 };
-MoeParams moe_params(const TrainCtx& t, int64_t layer) {
+// with_experts: also the routed experts' names (E x 3 lookups; the BF16 mode reads its tables instead).
+MoeParams moe_params(const TrainCtx& t, int64_t layer, bool with_experts = true) {
   const std::string prefix = layer_prefix(param_naming(t.params.layout()), layer);
   auto p = [&](TensorKind k) { return t.param(tensor_name_at(prefix, k)); };
   MoeParams m;
   m.router = p(TensorKind::MoeRouter), m.down = p(TensorKind::MoeLatentDown), m.up = p(TensorKind::MoeLatentUp);
   if (t.c.latent_moe_use_norm) m.norm = p(TensorKind::MoeLatentNorm);
-  for (int64_t e = 0; e < t.c.num_experts; ++e)
+  for (int64_t e = 0; with_experts && e < t.c.num_experts; ++e)
     m.experts.push_back(glu_at(t, layer, TensorKind::ExpertGate, TensorKind::ExpertUp, TensorKind::ExpertDown, e));
   if (t.c.num_shared_experts > 0)
     m.shared = glu_at(t, layer, TensorKind::SharedGate, TensorKind::SharedUp, TensorKind::SharedDown);
   return m;
 }
+// x [M, cols] rounded to a dense bf16 copy in the arena.
+uint16_t* bf16_rows(TrainCtx& t, const float* x, int64_t M, int64_t cols) {
+  uint16_t* y = t.take<uint16_t>(M * cols);
+  elementwise::cuda::copy_rows(y, DType::BF16, cols, x, DType::F32, cols, M, cols);
+  return y;
+}
 }  // namespace
+
+std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer) {
+  const MoeParams W = moe_params(t, layer);
+  auto tables = std::make_unique<ExpertTables>();
+  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  for (int k = 0; k < 3; ++k) {
+    std::vector<const void*> w;
+    std::vector<float*> g;
+    for (const GluNames& e : W.experts) {
+      const TrainParam& p = k == 0 ? e.gate : k == 1 ? e.up : e.down;
+      K3_CHECK(p.w16 != nullptr, "GPU training: expert tables need the BF16 mode's weight copy");
+      // The grouped kernels load 16-byte chunks: a tensor off that grid (the flat layout puts a
+      // tensor wherever the previous ones end, e.g. after a 4-head A_log) keeps the per-expert path.
+      if (!aligned(p.w16, 16) || !aligned(p.g, 8)) return nullptr;
+      w.push_back(p.w16), g.push_back(p.g);
+    }
+    tables->w16[k] = cuda::DeviceBuffer<const void*>(w.data(), w.size());
+    tables->g[k] = cuda::DeviceBuffer<float*>(g.data(), g.size());
+  }
+  return tables;
+}
 
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
                                                                 const float* router_bias,
-                                                                moe::cuda::TrainDispatch& dispatch) {
+                                                                moe::cuda::TrainDispatch& dispatch,
+                                                                const ExpertTables* experts) {
   const K3Config& c = t.c;
-  const MoeParams W = moe_params(t, layer);
+  const MoeParams W = moe_params(t, layer, experts == nullptr);
   std::unique_ptr<MoeTrainTape, MoeTapeDeleter> owned(new MoeTrainTape);
   MoeTrainTape& tp = *owned;
   const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
@@ -127,21 +161,40 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   const std::vector<int64_t>& off = dispatch.offsets();
   tp.zs = t.take<float>(S * L);
   moe::cuda::gather_sorted_rows(tp.zs, tp.z, dispatch, L);
-  tp.I = W.experts.empty() ? 0 : W.experts[0].gate.rows;
+  tp.I = c.moe_intermediate_size;
   const int64_t I = tp.I;
   tp.ge = t.take<float>(S * I), tp.ue = t.take<float>(S * I), tp.he = t.take<float>(S * I);
   tp.ye = t.take<float>(S * L);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    train_linear_forward(t, tp.ge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
-    train_linear_forward(t, tp.ue + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
-  }
-  ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    train_linear_forward(t, tp.ye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+  tp.tables = experts;
+  if (experts) {
+    const int32_t* offd = dispatch.offsets_device();
+    tp.zs16 = bf16_rows(t, tp.zs, S, L);
+    {
+      const DeviceArena::Mark m = t.arena.mark();
+      void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
+      moe::cuda::grouped_linear_forward_bf16(tp.ge, tp.zs16, experts->w16[0].data(), offd, S, E, I, L, false, ws);
+      moe::cuda::grouped_linear_forward_bf16(tp.ue, tp.zs16, experts->w16[1].data(), offd, S, E, I, L, false, ws);
+      t.arena.rewind(m);
+    }
+    ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
+    tp.he16 = bf16_rows(t, tp.he, S, I);
+    const DeviceArena::Mark m = t.arena.mark();
+    void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
+    moe::cuda::grouped_linear_forward_bf16(tp.ye, tp.he16, experts->w16[2].data(), offd, S, E, L, I, false, ws);
+    t.arena.rewind(m);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+      if (n == 0) continue;
+      train_linear_forward(t, tp.ge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
+      train_linear_forward(t, tp.ue + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+    }
+    ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+      if (n == 0) continue;
+      train_linear_forward(t, tp.ye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+    }
   }
   tp.agg = t.take<float>(N * L);
   moe::cuda::combine_forward_train(tp.agg, tp.ye, tp.weight, dispatch, N, L);
@@ -164,7 +217,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
 
 void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, const float* dy, float* dx) {
   const K3Config& c = t.c;
-  const MoeParams W = moe_params(t, layer);
+  const MoeParams W = moe_params(t, layer, tp.tables == nullptr);
   const int64_t N = tp.N, E = tp.E, K = tp.K, L = tp.L, I = tp.I, S = N * K, D = c.hidden_size;
   const moe::cuda::TrainDispatch& dispatch = *tp.dispatch;
   const std::vector<int64_t>& off = dispatch.offsets();
@@ -190,17 +243,31 @@ void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, cons
   moe::cuda::combine_backward_train(dye, dweight, du, tp.ye, tp.weight, dispatch, N, L);
   // Experts: down, the GLU, then gate/up into the sorted latent rows' gradient.
   float *dge = t.take<float>(S * I), *due = t.take<float>(S * I), *dzs = t.take<float>(S * L);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
-  }
-  ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
-    if (n == 0) continue;
-    train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
-    train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+  if (const ExpertTables* x = tp.tables) {
+    const int32_t* offd = dispatch.offsets_device();
+    void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
+    const uint16_t* dye16 = bf16_rows(t, dye, S, L);
+    moe::cuda::grouped_linear_backward_weight_bf16(x->g[2].data(), dye16, tp.he16, offd, S, E, L, I);
+    moe::cuda::grouped_linear_backward_data_bf16(dge, dye16, x->w16[2].data(), offd, S, E, L, I, false, ws);
+    ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
+    const uint16_t *dge16 = bf16_rows(t, dge, S, I), *due16 = bf16_rows(t, due, S, I);
+    moe::cuda::grouped_linear_backward_weight_bf16(x->g[0].data(), dge16, tp.zs16, offd, S, E, I, L);
+    moe::cuda::grouped_linear_backward_weight_bf16(x->g[1].data(), due16, tp.zs16, offd, S, E, I, L);
+    moe::cuda::grouped_linear_backward_data_bf16(dzs, dge16, x->w16[0].data(), offd, S, E, I, L, false, ws);
+    moe::cuda::grouped_linear_backward_data_bf16(dzs, due16, x->w16[1].data(), offd, S, E, I, L, true, ws);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+      if (n == 0) continue;
+      train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+    }
+    ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
+      if (n == 0) continue;
+      train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
+      train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+    }
   }
   float* dz = t.take<float>(N * L);
   moe::cuda::scatter_sorted_rows(dz, dzs, dispatch, N, L);

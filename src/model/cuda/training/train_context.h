@@ -156,12 +156,26 @@ void glu_train_backward(TrainCtx& t, const TrainParam& gate, const TrainParam& u
                         const GluTrainTape& tape, const float* dy, float* dx);
 void dense_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, GluTrainTape& tape);
 void dense_train_backward(TrainCtx& t, int64_t layer, const GluTrainTape& tape, const float* dy, float* dx);
+// The routed experts of one MoE layer as device arrays [E] of pointers, per linear (0 gate w1, 1 up w3,
+// 2 down w2): their bf16 weights and fp32 gradients, the grouped GEMMs' operands in the BF16 mode.
+// The flat parameter buffers list experts in name order (0, 1, 10, 100, ...), not stacked by index,
+// hence pointers. Parameters never move: a layer's tables are built once.
+struct ExpertTables {
+  cuda::DeviceBuffer<const void*> w16[3];
+  cuda::DeviceBuffer<float*> g[3];
+};
+// Null when an expert tensor is not 16-byte aligned in the flat buffers (the per-expert path then).
+std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer);
+
 // router_bias: [E] device fp32 (selection only) or null. The tape's router scores [rows, E] (device):
 // moe_router_scores, for Quantile Balancing.
-// `dispatch` (reused across steps) must hold rows·K slots; the tape keeps a pointer to it.
+// `dispatch` (reused across steps) must hold rows·K slots; the tape keeps a pointer to it and to
+// `experts` (BF16 mode: the layer's tables, the experts run as grouped GEMMs; F32 mode: null, one
+// pedantic fp32 cuBLAS call per expert).
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
                                                                 const float* router_bias,
-                                                                moe::cuda::TrainDispatch& dispatch);
+                                                                moe::cuda::TrainDispatch& dispatch,
+                                                                const ExpertTables* experts);
 const float* moe_router_scores(const MoeTrainTape& tape);
 void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tape, const float* dy, float* dx);
 

@@ -5,9 +5,9 @@
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
 //                          [--run TOKENS:SEQ_LEN[:recompute] ...]
-// Each --run is one measurement on the same random parameters (drawn once per config: the host's
-// float64 initialisation of a multi-billion-parameter model takes minutes); without --run, one run of
-// --tokens, --seq-len and --recompute.
+// Each --run is one measurement on the same random parameters (drawn once per config, on every host
+// thread: RandomInitOptions::parallel_streams); without --run, one run of --tokens, --seq-len and
+// --recompute.
 //
 // MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
 //   6 · N_active · tokens                                    (every GEMM, forward + backward)
@@ -139,6 +139,7 @@ void bench(const std::string& config_path, const std::vector<Run>& runs, GpuPrec
   const auto t0 = std::chrono::steady_clock::now();
   RandomInitOptions ri;
   ri.seed = 1;
+  ri.parallel_streams = true;  // every host thread (one stream takes minutes at billions of parameters)
   ParamStore P = ParamStore::random_init(c, ri);
   std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
   const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));

@@ -3,6 +3,7 @@
 // and tensor counts of the released model (K3-ARCHITECTURE.md §1, §4), the Per-Head Muon splits as
 // the report describes them, and k3 init's output read back.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <map>
@@ -228,6 +229,37 @@ TEST(TensorTable, InMemoryInitIsTheWrittenModel) {
     EXPECT_LE(std::abs(mem.p(p + "self_attn.q_conv1d.weight")[i]), 0.5);
   o.mxfp4_experts = true;
   EXPECT_THROW(k3::train::ParamStore::random_init(tiny_config(), o), k3::Error);
+}
+
+// parallel_streams: the same tensors and rules, independent of the thread count (each block of each
+// tensor has its own stream), and not the single stream's values.
+TEST(TensorTable, ParallelStreamInitIsTheSameForAnyThreadCount) {
+  k3::RandomInitOptions o;
+  o.seed = 7;
+  o.parallel_streams = true;
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const k3::train::ParamStore one = k3::train::ParamStore::random_init(tiny_config(), o);
+  omp_set_num_threads(std::max(2, threads));
+  const k3::train::ParamStore many = k3::train::ParamStore::random_init(tiny_config(), o);
+  omp_set_num_threads(threads);
+  ASSERT_EQ(one.names(), many.names());
+  EXPECT_TRUE(one.values() == many.values());
+  o.parallel_streams = false;
+  const k3::train::ParamStore single = k3::train::ParamStore::random_init(tiny_config(), o);
+  EXPECT_FALSE(single.values() == one.values());
+  // The rules hold: norm gains 1, A in [1, 16], matrices ~ N(0, initializer_range).
+  const std::string p = "language_model.model.layers.0.";
+  EXPECT_EQ(one.p(p + "input_layernorm.weight")[5], 1.0);
+  for (int h = 0; h < 4; ++h) {
+    EXPECT_GE(one.p(p + "self_attn.A_log")[h], 0.0);
+    EXPECT_LE(one.p(p + "self_attn.A_log")[h], std::log(16.0) + 1e-6);
+  }
+  const std::string emb = "language_model.model.embed_tokens.weight";
+  double m2 = 0;
+  for (int64_t i = 0; i < one.numel(emb); ++i) m2 += one.p(emb)[i] * one.p(emb)[i];
+  const double sd = std::sqrt(m2 / double(one.numel(emb))), want = tiny_config().initializer_range;
+  EXPECT_NEAR(sd, want, 0.02 * want) << "embedding std";
 }
 
 }  // namespace

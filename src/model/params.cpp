@@ -6,6 +6,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/finite.h"
+#include "core/splitmix.h"
 #include "io/safetensors.h"
 
 namespace k3::train {
@@ -34,6 +35,11 @@ void ParamStore::add(const std::string& name, const std::vector<int64_t>& shape)
   index_[name] = {int64_t(values_.size()), shape, n};
   values_.resize(values_.size() + size_t(n), 0.0);
   grads_.resize(values_.size(), 0.0);
+}
+
+void ParamStore::reserve(int64_t total) {
+  values_.reserve(size_t(total));
+  grads_.reserve(size_t(total));
 }
 
 const ParamStore::Entry& ParamStore::entry(const std::string& name, int64_t numel) const {
@@ -69,6 +75,12 @@ void ParamStore::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0); }
 ParamStore ParamStore::from_model_dir(const std::string& dir) {
   const SafeTensors st = SafeTensors::open(dir);
   ParamStore ps;
+  int64_t total = 0;
+  for (const std::string& name : st.names()) {
+    const TensorView& t = st.get(name);
+    if (t.dtype == DType::F32 || t.dtype == DType::BF16 || t.dtype == DType::F16) total += t.numel();
+  }
+  ps.reserve(total);
   for (const std::string& name : st.names()) {
     const TensorView& t = st.get(name);
     if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16) {
@@ -99,18 +111,48 @@ ParamStore ParamStore::random_init(const K3Config& c, const RandomInitOptions& o
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return names[a] < names[b]; });
   ParamStore ps;
+  int64_t total = 0;
+  for (const TensorEntry& e : table.entries()) total += e.numel();
+  ps.reserve(total);
   for (size_t i : order) ps.add(names[i], table.entries()[i].shape);
   // Drawn in table order (the random stream's order), each rounded to the dtype k3 init stores it in.
-  TensorInitializer init(c, opt);
-  std::vector<float> v;
-  for (size_t i = 0; i < names.size(); ++i) {
+  auto draw = [&](TensorInitializer& init, size_t i, int64_t begin, int64_t n, std::vector<float>& v) {
     const TensorEntry& e = table.entries()[i];
-    v.resize(size_t(e.numel()));
-    init.begin(e);
-    init.fill(v.data(), e.numel());
-    if (init.stored_dtype(e) == DType::BF16) round_to_bf16(v.data(), e.numel());
-    double* dst = ps.p_mut(names[i], e.numel());
-    for (size_t j = 0; j < v.size(); ++j) dst[j] = double(v[j]);
+    v.resize(size_t(n));
+    init.fill(v.data(), n);
+    if (init.stored_dtype(e) == DType::BF16) round_to_bf16(v.data(), n);
+    double* dst = ps.p_mut(names[i], e.numel()) + begin;
+    for (int64_t j = 0; j < n; ++j) dst[j] = double(v[size_t(j)]);
+  };
+  if (!opt.parallel_streams) {
+    TensorInitializer init(c, opt);
+    std::vector<float> v;
+    for (size_t i = 0; i < names.size(); ++i) {
+      init.begin(table.entries()[i]);
+      draw(init, i, 0, table.entries()[i].numel(), v);
+    }
+    return ps;
+  }
+  struct Block {
+    size_t tensor;
+    int64_t begin, n;
+  };
+  std::vector<Block> blocks;
+  for (size_t i = 0; i < names.size(); ++i)
+    for (int64_t b = 0; b < table.entries()[i].numel(); b += kInitBlock)
+      blocks.push_back({i, b, std::min(kInitBlock, table.entries()[i].numel() - b)});
+#pragma omp parallel
+  {
+    std::vector<float> v;
+#pragma omp for schedule(dynamic)
+    for (int64_t k = 0; k < int64_t(blocks.size()); ++k) {
+      const Block& b = blocks[size_t(k)];
+      RandomInitOptions o = opt;
+      o.seed = splitmix64(splitmix64(opt.seed ^ (uint64_t(b.tensor) << 32)) ^ uint64_t(b.begin / kInitBlock));
+      TensorInitializer init(c, o);
+      init.begin(table.entries()[b.tensor]);
+      draw(init, b.tensor, b.begin, b.n, v);
+    }
   }
   return ps;
 }

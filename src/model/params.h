@@ -38,6 +38,9 @@ class ParamStore {
 
   // Adds a zero-initialised tensor (names must be new; not on a gradient lane).
   void add(const std::string& name, const std::vector<int64_t>& shape);
+  // Room for `total` values before a run of add() (the buffers otherwise regrow by copying: at
+  // billions of parameters that is minutes and up to twice the memory).
+  void reserve(int64_t total);
 
   bool has(const std::string& name) const { return index_.count(name) != 0; }
   // Value and gradient of a tensor; throws k3::Error naming the tensor when it is absent or, when

@@ -22,7 +22,14 @@ struct RandomInitOptions {
   bool mxfp4_experts = false;
   bool random_attnres_queries = false;
   float router_bias_std = 0.0f;  // nonzero exercises the selection-only bias
+  // ParamStore::random_init only: draw each block of kInitBlock values of each tensor from its own
+  // stream (seeded by seed, the tensor's table index and the block), in parallel over the host's
+  // threads. Same rules and distributions, different values from the single stream `k3 init` uses;
+  // the same for any thread count. For throughput benchmarks of multi-billion-parameter configs,
+  // where one stream takes minutes.
+  bool parallel_streams = false;
 };
+inline constexpr int64_t kInitBlock = int64_t(1) << 22;
 
 // One initialisation's random stream: a std::mt19937_64 seeded with opt.seed, drawn tensor by
 // tensor in TensorTable::entries() order (the order is part of the result: see tensor_table.h).

@@ -82,14 +82,13 @@ struct Run {
 };
 
 Run parse_run(const std::string& s) {
-  Run r{0, 0, false};
-  char rest[16] = "";
   long long t = 0, l = 0;
-  const int n = std::sscanf(s.c_str(), "%lld:%lld:%15s", &t, &l, rest);
-  if (n < 2 || t <= 0 || l <= 0 || t % l != 0 || (n == 3 && std::string(rest) != "recompute"))
+  int used = 0;
+  const bool nums = std::sscanf(s.c_str(), "%lld:%lld%n", &t, &l, &used) == 2;
+  const std::string rest = nums ? s.substr(size_t(used)) : "";
+  if (!nums || t <= 0 || l <= 0 || t % l != 0 || (!rest.empty() && rest != ":recompute"))
     fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute] with SEQ_LEN dividing TOKENS");
-  r.tokens = t, r.seq_len = l, r.recompute = n == 3;
-  return r;
+  return Run{t, l, !rest.empty()};
 }
 
 void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P, const Optimizer& plan,
@@ -171,10 +170,20 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_flag("--recompute", recompute, "recompute every layer's blocks in the backward");
-  app.add_option("--run", run_specs, "TOKENS:SEQ_LEN[:recompute], repeatable: several runs on one initialisation");
+  app.add_option("--run", run_specs,
+                 "TOKENS:SEQ_LEN[:recompute], repeatable: several runs on one initialisation (replaces --tokens, "
+                 "--seq-len and --recompute)");
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   try {
+    std::vector<Run> runs;
+    for (const std::string& r : run_specs) runs.push_back(parse_run(r));
+    if (runs.empty()) {
+      if (tokens <= 0 || seq_len <= 0 || tokens % seq_len != 0)
+        fail("--tokens ", tokens, " and --seq-len ", seq_len, ": positive, and the length must divide the tokens");
+      runs.push_back(Run{tokens, seq_len, recompute});
+    }
+    const GpuPrecision p = parse_gpu_precision(precision, "--precision");
     std::string why;
     if (!cuda::available(&why)) {
       std::printf("no GPU: %s\n", why.c_str());
@@ -182,11 +191,7 @@ int main(int argc, char** argv) {
     }
     std::printf("%s\n| config | precision | batch | step | tokens/s | device memory | MFU |\n|---|---|---|---|---|---|---|\n",
                 cuda::device_summary().c_str());
-    std::vector<Run> runs;
-    for (const std::string& r : run_specs) runs.push_back(parse_run(r));
-    if (runs.empty()) runs.push_back(parse_run(std::to_string(tokens) + ":" + std::to_string(seq_len) +
-                                               (recompute ? ":recompute" : "")));
-    for (const std::string& c : configs) bench(c, runs, parse_gpu_precision(precision, "--precision"), steps);
+    for (const std::string& c : configs) bench(c, runs, p, steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

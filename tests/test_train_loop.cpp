@@ -108,8 +108,9 @@ TEST(TrainLoop, InterruptedCheckpointWriteLeavesThePreviousOne) {
 }
 
 // --eval-every: a held-out evaluation every N steps and one after the last step, never two at one
-// step. Its truth: a copy of the run cut back to its step-4 checkpoint and resumed with a plan that
-// ends there trains nothing and evaluates once; that loss must be the periodic one, bit for bit.
+// step of a run. Its truth: a copy of the run cut back to its step-4 checkpoint and resumed with a
+// plan that ends there trains nothing and evaluates once more (a resumed run evaluates its end
+// again: the held-out flags may have changed); that loss must be the periodic one, bit for bit.
 TEST(TrainLoop, PeriodicEvaluationMatchesAnEvaluationOfItsCheckpoint) {
   Corpus c;
   const std::string a = c.dir.file("a"), b = c.dir.file("b");

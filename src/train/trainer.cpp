@@ -388,8 +388,10 @@ TrainResult train(const TrainOptions& opt) {
     }
     res.steps = step;
     res.last_loss = loss;
-    if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
+    // Evaluated before the checkpoint: a run killed in between redoes both (the record is past the
+    // checkpoint it resumes from), never leaves a checkpointed step without its evaluation.
     if (!opt.eval_path.empty() && opt.eval_every > 0 && step % opt.eval_every == 0) run_eval();
+    if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
     if (opt.on_step && !opt.on_step(line)) break;
   }
   if (!opt.eval_path.empty() && evaluated_at != step) run_eval();

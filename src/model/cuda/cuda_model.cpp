@@ -42,15 +42,19 @@ void DeviceArena::rewind(const Mark& m) {
   K3_CHECK(m.in_use <= in_use_ && m.chunks <= chunks_.size(), "DeviceArena::rewind: a mark from the future");
   if (chunks_.size() > m.chunks) {
     // Everything in the chunks added since the mark was taken after it (and nothing in the mark's own
-    // chunk when the mark is at its start). Continue at the start of the newest and free the ones
-    // between: kept idle until reset, a long step's backward (a new working set per layer) would hold
-    // the sum of all of them. (Freeing synchronises with the device, so kernels still reading them
-    // have finished; this happens only while the high-water mark grows.)
+    // chunk when the mark is at its start). Continue at the start of the largest of them and free the
+    // others: kept idle until reset, a long step's backward (a new working set per layer) would hold
+    // the sum of all of them; keeping the largest lets the next layer's working set fit without a new
+    // allocation. (Freeing synchronises with the device, so kernels still reading them have finished;
+    // chunks are added only while the high-water mark grows.)
     const size_t live = m.used == 0 && m.chunks > 0 ? m.chunks - 1 : m.chunks;
     if (chunks_.size() > live + 1) {
-      cuda::DeviceBuffer<uint8_t> newest = std::move(chunks_.back());
+      size_t big = live;
+      for (size_t i = live + 1; i < chunks_.size(); ++i)
+        if (chunks_[i].size() > chunks_[big].size()) big = i;
+      cuda::DeviceBuffer<uint8_t> keep = std::move(chunks_[big]);
       chunks_.resize(live);
-      chunks_.push_back(std::move(newest));
+      chunks_.push_back(std::move(keep));
     }
     used_ = 0;
   } else {

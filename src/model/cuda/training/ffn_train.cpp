@@ -112,6 +112,13 @@ uint16_t* bf16_rows(TrainCtx& t, const float* x, int64_t M, int64_t cols) {
 
 std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer) {
   const MoeParams W = moe_params(t, layer);
+  const int64_t I = t.c.moe_intermediate_size, L = t.c.routed_expert_hidden_size;
+  for (const GluNames& e : W.experts)
+    K3_CHECK(e.gate.rows == I && e.gate.cols == L && e.up.rows == I && e.up.cols == L && e.down.rows == L &&
+                 e.down.cols == I,
+             "GPU training: layer ", layer, "'s routed experts are not [", I, ", ", L, "] / [", L, ", ", I, "]");
+  // The grouped kernels take out/in in whole 16-byte chunks of bf16.
+  if (I % 8 != 0 || L % 8 != 0) return nullptr;
   auto tables = std::make_unique<ExpertTables>();
   auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
   for (int k = 0; k < 3; ++k) {

@@ -164,7 +164,8 @@ struct ExpertTables {
   cuda::DeviceBuffer<const void*> w16[3];
   cuda::DeviceBuffer<float*> g[3];
 };
-// Null when an expert tensor is not 16-byte aligned in the flat buffers (the per-expert path then).
+// Null when an expert tensor is not 16-byte aligned in the flat buffers or the expert dims are not
+// multiples of 8 (the per-expert path then).
 std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer);
 
 // router_bias: [E] device fp32 (selection only) or null. The tape's router scores [rows, E] (device):

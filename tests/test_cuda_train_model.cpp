@@ -44,6 +44,18 @@ const K3Config& cfg() {
   return c;
 }
 
+// k3-tiny-a with 8 KDA heads: its 4-head A_log leaves later experts off the grouped expert GEMMs'
+// 16-byte grid (those layers keep one cuBLAS call per expert); with 8 every tensor is a multiple of 8
+// values, so every MoE layer runs the grouped GEMMs in the bf16 mode.
+const K3Config& cfg_grouped() {
+  static K3Config c = [] {
+    K3Config k = cfg();
+    k.kda_num_heads = 8;
+    return k;
+  }();
+  return c;
+}
+
 const SafeTensors& exact_reference() {
   static SafeTensors g = SafeTensors::open(fixture("k3-tiny-a/grads-exact-reference.safetensors"));
   return g;
@@ -180,12 +192,10 @@ TEST(CudaTrainModel, Bf16StepNearFloat64) {
   EXPECT_LE(e, 5e-2);
 }
 
-// The same with the routed experts on the grouped GEMMs: k3-tiny-a's 4-head A_log leaves later experts
-// off the kernels' 16-byte grid, so this config has 8 KDA heads (every tensor a multiple of 8 values).
+// The same with every MoE layer's routed experts on the grouped GEMMs.
 TEST(CudaTrainModel, Bf16GroupedExpertsStepNearFloat64) {
   K3_REQUIRE_GPU();
-  K3Config c = cfg();
-  c.kda_num_heads = 8;
+  const K3Config& c = cfg_grouped();
   RandomInitOptions ri;
   ri.seed = 3;
   ParamStore cpu = ParamStore::random_init(c, ri);
@@ -226,24 +236,26 @@ TEST(CudaTrainModel, RecomputationGivesTheSameBits) {
   // Every layer's blocks recomputed in the backward: the same loss and gradients bit for bit (the
   // kernels are deterministic), in both precisions.
   K3_REQUIRE_GPU();
-  RandomInitOptions ri;
-  ri.seed = 5;
-  const ParamStore P = ParamStore::random_init(cfg(), ri);
   const Batch b = ids_b();
-  for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
-    ParamStore keep = P, again = P;
-    auto m = CudaTrainModel::create(cfg(), P, p);
-    m->zero_grads();
-    const double l1 = m->loss(b.rows, true, 1.0);
-    m->download_grads(keep);
-    m->set_recompute(std::vector<bool>(size_t(cfg().num_hidden_layers), true));
-    m->zero_grads();
-    const double l2 = m->loss(b.rows, true, 1.0);
-    m->download_grads(again);
-    EXPECT_EQ(l1, l2) << gpu_precision_name(p);
-    EXPECT_TRUE(keep.grads() == again.grads())
-        << gpu_precision_name(p) << ": relative L2 "
-        << rel_l2(again.grads().data(), keep.grads().data(), keep.grads().size());
+  for (const K3Config* c : {&cfg(), &cfg_grouped()}) {  // the second: grouped expert GEMMs in bf16
+    RandomInitOptions ri;
+    ri.seed = 5;
+    const ParamStore P = ParamStore::random_init(*c, ri);
+    for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {
+      ParamStore keep = P, again = P;
+      auto m = CudaTrainModel::create(*c, P, p);
+      m->zero_grads();
+      const double l1 = m->loss(b.rows, true, 1.0);
+      m->download_grads(keep);
+      m->set_recompute(std::vector<bool>(size_t(c->num_hidden_layers), true));
+      m->zero_grads();
+      const double l2 = m->loss(b.rows, true, 1.0);
+      m->download_grads(again);
+      EXPECT_EQ(l1, l2) << gpu_precision_name(p) << ", " << c->kda_num_heads << " KDA heads";
+      EXPECT_TRUE(keep.grads() == again.grads())
+          << gpu_precision_name(p) << ", " << c->kda_num_heads << " KDA heads: relative L2 "
+          << rel_l2(again.grads().data(), keep.grads().data(), keep.grads().size());
+    }
   }
 }
 

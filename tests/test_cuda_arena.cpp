@@ -1,7 +1,6 @@
 // The GPU's step arena (model/cuda/cuda_model_impl.h: DeviceArena), the stack every training step and
 // forward takes its buffers from. What a long training step needs of it: a backward that takes a new
-// working set per layer and rewinds after each must hold about the largest of them, not their sum
-// (a 64K-token k3-1b step ran out of the H200's memory when rewound chunks idled until the step's end),
+// working set per layer and rewinds after each must hold about the largest of them, not their sum,
 // and what was taken before a mark must survive rewinds to it.
 #include <gtest/gtest.h>
 

@@ -19,7 +19,6 @@
 
 #if defined(K3_HAVE_CUDA)
 
-#include "core/error.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 #include "util/kda_train_problem.h"
 
@@ -47,46 +46,6 @@ TEST(CudaTrainKdaChunk, DeterministicAndIndependentOfPacking) {
 }
 
 // Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed).
-TEST(CudaTrainKdaChunk, RejectsBadArguments) {
-  kc::KdaTrainParams p;
-  p.B = 1;
-  p.rows = 20;
-  p.chunks = 2;
-  p.max_len = 20;
-  p.H = 2;
-  p.D = 64;
-  p.scale = 0.125f;
-  EXPECT_GT(kc::kda_chunk_forward_train_workspace_bytes(p), 0u);
-  EXPECT_GT(kc::kda_chunk_backward_train_workspace_bytes(p), kc::kda_chunk_forward_train_workspace_bytes(p));
-  float dummy[4] = {};
-  alignas(16) unsigned char ws[16];
-  {
-    kc::KdaTrainParams b = p;
-    b.D = 48;
-    EXPECT_THROW(kc::kda_chunk_forward_train_workspace_bytes(b), k3::Error);
-    EXPECT_THROW(kc::kda_chunk_forward_train(b, dummy, dummy, ws), k3::Error);
-  }
-  {
-    kc::KdaTrainParams b = p;
-    b.H = 0;
-    EXPECT_THROW(kc::kda_chunk_backward_train_workspace_bytes(b), k3::Error);
-  }
-  {
-    kc::KdaTrainParams b = p;
-    b.chunks = 1;  // 20 rows need at least 2 chunks
-    EXPECT_THROW(kc::kda_chunk_forward_train(b, dummy, dummy, ws), k3::Error);
-  }
-  // Null inputs (rows > 0) are rejected before launch.
-  EXPECT_THROW(kc::kda_chunk_forward_train(p, dummy, dummy, ws), k3::Error);
-  EXPECT_THROW(kc::kda_chunk_backward_train(p, dummy, dummy, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
-  // rows = 0 is a no-op that touches nothing.
-  kc::KdaTrainParams e;
-  e.H = 2;
-  e.D = 32;
-  EXPECT_EQ(kc::kda_chunk_forward_train_workspace_bytes(e), 0u);
-  EXPECT_NO_THROW(kc::kda_chunk_forward_train(e, nullptr, nullptr, nullptr));
-  EXPECT_NO_THROW(
-      kc::kda_chunk_backward_train(e, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));
-}
+TEST(CudaTrainKdaChunk, RejectsBadArguments) { check_rejects_bad_arguments(kFp32); }
 
 #endif  // K3_HAVE_CUDA

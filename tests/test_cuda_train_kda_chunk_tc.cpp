@@ -20,7 +20,6 @@
 
 #if defined(K3_HAVE_CUDA)
 
-#include "core/error.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 #include "kernels/kda/kda_chunk_train_tc_cuda.h"
 #include "util/kda_train_problem.h"
@@ -52,46 +51,6 @@ TEST(CudaTrainKdaChunkTc, DeterministicAndIndependentOfPacking) {
 }
 
 // Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed).
-TEST(CudaTrainKdaChunkTc, RejectsBadArguments) {
-  kc::KdaTrainParams p;
-  p.B = 1;
-  p.rows = 20;
-  p.chunks = 2;
-  p.max_len = 20;
-  p.H = 2;
-  p.D = 64;
-  p.scale = 0.125f;
-  EXPECT_GT(kc::kda_chunk_forward_train_bf16_workspace_bytes(p), 0u);
-  EXPECT_GT(kc::kda_chunk_backward_train_bf16_workspace_bytes(p), kc::kda_chunk_forward_train_bf16_workspace_bytes(p));
-  float dummy[4] = {};
-  alignas(16) unsigned char ws[16];
-  {
-    kc::KdaTrainParams b = p;
-    b.D = 48;
-    EXPECT_THROW(kc::kda_chunk_forward_train_bf16_workspace_bytes(b), k3::Error);
-    EXPECT_THROW(kc::kda_chunk_forward_train_bf16(b, dummy, dummy, ws), k3::Error);
-  }
-  {
-    kc::KdaTrainParams b = p;
-    b.H = 0;
-    EXPECT_THROW(kc::kda_chunk_backward_train_bf16_workspace_bytes(b), k3::Error);
-  }
-  {
-    kc::KdaTrainParams b = p;
-    b.chunks = 1;  // 20 rows need at least 2 chunks
-    EXPECT_THROW(kc::kda_chunk_forward_train_bf16(b, dummy, dummy, ws), k3::Error);
-  }
-  // Null inputs (rows > 0) are rejected before launch.
-  EXPECT_THROW(kc::kda_chunk_forward_train_bf16(p, dummy, dummy, ws), k3::Error);
-  EXPECT_THROW(kc::kda_chunk_backward_train_bf16(p, dummy, dummy, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
-  // rows = 0 is a no-op that touches nothing.
-  kc::KdaTrainParams e;
-  e.H = 2;
-  e.D = 32;
-  EXPECT_EQ(kc::kda_chunk_forward_train_bf16_workspace_bytes(e), 0u);
-  EXPECT_NO_THROW(kc::kda_chunk_forward_train_bf16(e, nullptr, nullptr, nullptr));
-  EXPECT_NO_THROW(
-      kc::kda_chunk_backward_train_bf16(e, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));
-}
+TEST(CudaTrainKdaChunkTc, RejectsBadArguments) { check_rejects_bad_arguments(kBf16); }
 
 #endif  // K3_HAVE_CUDA

@@ -16,6 +16,7 @@
 
 #include "compare.h"
 #include "core/cuda.h"
+#include "core/error.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 
@@ -259,6 +260,49 @@ inline void check_packing_independent(const Kernels& kernels, double tol) {
     EXPECT_LE(k3test::rel_l2(ref.o.data(), p.o.data(), p.o.size()), tol);
     EXPECT_LE(k3test::rel_l2(ref.dg.data(), p.dg.data(), p.dg.size()), tol);
   }
+}
+
+// Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed); rows = 0 is a
+// no-op that touches nothing.
+inline void check_rejects_bad_arguments(const Kernels& kernels) {
+  k3::kda::cuda::KdaTrainParams p;
+  p.B = 1;
+  p.rows = 20;
+  p.chunks = 2;
+  p.max_len = 20;
+  p.H = 2;
+  p.D = 64;
+  p.scale = 0.125f;
+  EXPECT_GT(kernels.forward_workspace_bytes(p), 0u);
+  EXPECT_GT(kernels.backward_workspace_bytes(p), kernels.forward_workspace_bytes(p));
+  float dummy[4] = {};
+  alignas(16) unsigned char ws[16];
+  {
+    k3::kda::cuda::KdaTrainParams b = p;
+    b.D = 48;
+    EXPECT_THROW(kernels.forward_workspace_bytes(b), k3::Error);
+    EXPECT_THROW(kernels.forward(b, dummy, dummy, ws), k3::Error);
+  }
+  {
+    k3::kda::cuda::KdaTrainParams b = p;
+    b.H = 0;
+    EXPECT_THROW(kernels.backward_workspace_bytes(b), k3::Error);
+  }
+  {
+    k3::kda::cuda::KdaTrainParams b = p;
+    b.chunks = 1;  // 20 rows need at least 2 chunks
+    EXPECT_THROW(kernels.forward(b, dummy, dummy, ws), k3::Error);
+  }
+  // Null inputs (rows > 0) are rejected before launch.
+  EXPECT_THROW(kernels.forward(p, dummy, dummy, ws), k3::Error);
+  EXPECT_THROW(kernels.backward(p, dummy, dummy, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
+  // rows = 0 is a no-op that touches nothing.
+  k3::kda::cuda::KdaTrainParams e;
+  e.H = 2;
+  e.D = 32;
+  EXPECT_EQ(kernels.forward_workspace_bytes(e), 0u);
+  EXPECT_NO_THROW(kernels.forward(e, nullptr, nullptr, nullptr));
+  EXPECT_NO_THROW(kernels.backward(e, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));
 }
 
 }  // namespace k3test::kda_train

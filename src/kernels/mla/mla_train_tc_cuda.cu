@@ -75,14 +75,8 @@ __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(_
 // Elements [0] and [1] of a bf16 row as one register ([0] in the low half; p is 4-byte aligned).
 __device__ __forceinline__ uint32_t ld2(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using ptx::quad_max;
+using ptx::quad_sum;
 
 // The A fragment of one 16 x 16 chunk of a row-major bf16 tile X (row stride ld): rows 0..15 from
 // `x` (X + row0 * ld + k0).

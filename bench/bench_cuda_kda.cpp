@@ -33,6 +33,7 @@
 
 #include "core/cuda.h"
 #include "core/dtype.h"
+#include "core/splitmix.h"
 #include "kernels/kda/kda.h"
 #include "kernels/kda/kda_cuda.h"
 
@@ -45,16 +46,7 @@ namespace {
 constexpr int D = 128;
 
 // splitmix64 -> uniform [0, 1): fast enough to fill a few hundred million inputs.
-struct Rng {
-  uint64_t s;
-  double next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return double(z >> 11) * (1.0 / 9007199254740992.0);
-  }
-};
+using Rng = k3::SplitMixUniform;
 
 struct Inputs {
   int64_t B, T, H;

@@ -19,12 +19,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <vector>
 
-#include "core/cuda.h"             // defines: cuda::available, DeviceBuffer, EventTimer, device_summary
+#include "core/cuda.h"             // defines: cuda::DeviceBuffer, median_ms
 #include "core/dtype.h"            // defines: f32_to_bf16
-#include "core/error.h"            // defines: k3::Error
+#include "gpu_bench.h"             // defines: k3bench::run_gpu_bench
 #include "kernels/mla/mla_cuda.h"  // defines: mla::cuda::prefill, mla::cuda::decode
 
 using namespace k3;
@@ -137,22 +136,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (reps < 1) {
-    std::fprintf(stderr, "error: --reps must be >= 1, got %d\n", reps);
-    return 2;
-  }
-  std::string why;
-  if (!cuda::available(&why)) {
-    std::printf("bench_cuda_mla: no GPU to run on (%s); nothing measured\n", why.c_str());
-    return 0;
-  }
-  try {
-    std::printf("bench_cuda_mla: %s\n", cuda::device_summary().c_str());
+  return k3bench::run_gpu_bench("bench_cuda_mla", reps, [&] {
     bench_prefill(reps);
     bench_decode(reps);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "bench_cuda_mla: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

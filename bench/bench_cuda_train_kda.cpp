@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/splitmix.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 #include "kernels/kda/kda_chunk_train_tc_cuda.h"
 
@@ -43,16 +44,7 @@ const Shape kAnchors[] = {{1, 8192, 64, 1.76, 8.44},
                           {1, 32768, 32, 4.15, 18.55},
                           {1, 65536, 16, 4.43, 19.26}};
 
-struct Rng {  // splitmix64 -> uniform [0, 1)
-  uint64_t s;
-  double next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return double(z >> 11) * (1.0 / 9007199254740992.0);
-  }
-};
+using Rng = k3::SplitMixUniform;  // splitmix64 -> uniform [0, 1)
 
 float median_ms(const std::function<void()>& f, int warmup, int reps) {
   return k3::cuda::median_ms([&](int) { f(); }, reps, warmup);

@@ -21,11 +21,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <vector>
 
-#include "core/cuda.h"                      // defines: cuda::available, DeviceBuffer, median_ms, device_summary
-#include "core/error.h"                     // defines: k3::Error
+#include "core/cuda.h"                      // defines: cuda::DeviceBuffer, median_ms
+#include "gpu_bench.h"                      // defines: k3bench::run_gpu_bench
 #include "kernels/mla/mla_train_cuda.h"     // defines: mla::cuda::attention_forward_train, ...
 #include "kernels/mla/mla_train_tc_cuda.h"  // defines: mla::cuda::attention_forward_train_bf16, ...
 
@@ -148,21 +147,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (reps < 1) {
-    std::fprintf(stderr, "error: --reps must be >= 1, got %d\n", reps);
-    return 2;
-  }
-  std::string why;
-  if (!cuda::available(&why)) {
-    std::printf("bench_cuda_train_mla: no GPU to run on (%s); nothing measured\n", why.c_str());
-    return 0;
-  }
-  try {
-    std::printf("bench_cuda_train_mla: %s\n", cuda::device_summary().c_str());
-    bench(reps, fp32);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "bench_cuda_train_mla: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  return k3bench::run_gpu_bench("bench_cuda_train_mla", reps, [&] { bench(reps, fp32); });
 }

@@ -14,4 +14,15 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The sequential SplitMix64 generator as uniform doubles in [0, 1): draw i is the top 53 bits of
+// splitmix64(s + i·0x9e3779b97f4a7c15) for the initial state s.
+struct SplitMixUniform {
+  uint64_t s;
+  double next() {
+    const uint64_t z = splitmix64(s);
+    s += 0x9e3779b97f4a7c15ULL;
+    return double(z >> 11) * (1.0 / 9007199254740992.0);
+  }
+};
+
 }  // namespace k3

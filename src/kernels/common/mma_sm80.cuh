@@ -1,5 +1,6 @@
 // The warp-level PTX the tensor-core kernels share (KDA chunk, MLA attention, MoE grouped GEMM):
-// bf16 mma.sync m16n8k16 with fp32 accumulators, ldmatrix, cp.async with zero-fill, bf16 packing.
+// bf16 mma.sync m16n8k16 with fp32 accumulators, ldmatrix, the row reductions of a C fragment,
+// cp.async with zero-fill, bf16 packing.
 // For .cu files only. These are the sm_80 instructions (they run on sm_90a too); the wgmma/TMA
 // forms Hopper adds are in sm90_ptx.cuh.
 #pragma once
@@ -33,6 +34,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// Max and sum over the 4 lanes of a quad (xor shuffles over offsets 1 and 2): row g (and g + 8) of
+// a C fragment is spread over lanes 4g .. 4g + 3, so these are its row reductions. Every lane ends
+// with the same bits (a + b == b + a exactly).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // Two floats -> one register of two bf16 (round to nearest even); lo is the low half (.x).

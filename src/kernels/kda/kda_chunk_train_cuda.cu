@@ -10,38 +10,21 @@
 #include "core/error.h"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/kda/kda_chunk_train_cuda.h"
+#include "kernels/kda/kda_train_common.cuh"
 
 namespace k3::kda::cuda {
 namespace {
 
+using chunk_train::C;
+using chunk_train::ChunkLoc;
+using chunk_train::locate_chunk;
+
 // ---- device code ----------------------------------------------------------------------------------------
-constexpr int C = 16;    // chunk (tokens)
 constexpr int VS = 16;   // value columns per slice of the state
 constexpr int VSP = 17;  // padded row of a state slice where threads walk its rows (bank-conflict free)
 constexpr int NT = 256;  // threads per block, every kernel
 static_assert(NT == C * VS, "a 16 x 16 tile has one element per thread");
 static_assert(NT / 32 * 2 == C, "prepare_chunk: each warp takes two columns of the pair loop");
-
-// Where a chunk lives: its first row, its length n (1..16), its sequence.
-struct ChunkLoc {
-  int64_t row0;
-  int n;
-  int b;
-};
-
-// The sequence holding global chunk ci: the b with chunk_offsets[b] <= ci < chunk_offsets[b+1] (binary
-// search; empty sequences have equal offsets and are skipped by the strict upper bound).
-__device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_t ci) {
-  int lo = 0, hi = p.B;  // chunk_offsets[lo] <= ci < chunk_offsets[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (int64_t(p.chunk_offsets[mid]) <= ci) lo = mid;
-    else hi = mid;
-  }
-  const int64_t row0 = int64_t(p.cu_seqlens[lo]) + C * (ci - int64_t(p.chunk_offsets[lo]));
-  const int64_t left = int64_t(p.cu_seqlens[lo + 1]) - row0;
-  return ChunkLoc{row0, int(left < C ? left : C), lo};
-}
 
 // The per-(chunk, head) quantities of the chunked form ([C][D] rows r; rows >= n are zero, alpha there 1).
 template <int D>
@@ -475,27 +458,6 @@ static_assert(sizeof(Prep<128>) <= kMaxSmem && sizeof(FwdSmem<128>) <= kMaxSmem 
 
 constexpr size_t item_floats(int D) { return size_t(3 * C * D + 2 * C * C + D); }
 
-void check_params(const char* fn, const KdaTrainParams& p) {
-  K3_CHECK(p.D == 32 || p.D == 64 || p.D == 128, fn, ": head dim D must be 32, 64 or 128, got ", p.D);
-  K3_CHECK(p.H >= 1 && p.H <= 65535, fn, ": H must be in [1, 65535], got ", p.H);
-  K3_CHECK(p.B >= 0, fn, ": B must be >= 0, got ", p.B);
-  K3_CHECK(p.rows >= 0 && p.rows <= INT32_MAX, fn, ": rows must be in [0, 2^31), got ", p.rows);
-  K3_CHECK(p.max_len >= 0, fn, ": max_len must be >= 0, got ", p.max_len);
-  K3_CHECK(p.chunks >= (p.rows + C - 1) / C && p.chunks <= p.rows, fn, ": chunks must be in [ceil(rows/16), rows] = [",
-           (p.rows + C - 1) / C, ", ", p.rows, "], got ", p.chunks);
-}
-
-void check_pointers(const char* fn, const KdaTrainParams& p) {
-  K3_CHECK(p.q && p.k && p.v && p.g && p.beta, fn, ": q, k, v, g and beta must be non-null");
-  K3_CHECK(p.cu_seqlens && p.chunk_offsets, fn, ": cu_seqlens and chunk_offsets must be non-null");
-  K3_CHECK(p.B >= 1, fn, ": B must be >= 1 when rows > 0, got ", p.B);
-}
-
-void check_workspace(const char* fn, const void* workspace) {
-  K3_CHECK(workspace != nullptr, fn, ": workspace is null");
-  K3_CHECK(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, fn, ": workspace must be 16-byte aligned");
-}
-
 // Opts a kernel into more than 48 KB of dynamic shared memory (once per kernel), then launches it.
 template <class Kernel, class... Args>
 void launch(Kernel kernel, bool& attr_set, dim3 grid, size_t smem, Args... args) {
@@ -539,23 +501,19 @@ void backward(const KdaTrainParams& p, const float* d_o, const float* states, fl
 }  // namespace
 
 size_t kda_chunk_forward_train_workspace_bytes(const KdaTrainParams& p) {
-  check_params("kda_chunk_forward_train_workspace_bytes", p);
+  chunk_train::check_params("kda_chunk_forward_train_workspace_bytes", p);
   return size_t(p.chunks) * size_t(p.H) * item_floats(p.D) * sizeof(float);
 }
 
 size_t kda_chunk_backward_train_workspace_bytes(const KdaTrainParams& p) {
-  check_params("kda_chunk_backward_train_workspace_bytes", p);
+  chunk_train::check_params("kda_chunk_backward_train_workspace_bytes", p);
   const size_t CH = size_t(p.chunks) * size_t(p.H), D = size_t(p.D);
   return (CH * item_floats(p.D) + CH * D * D + size_t(p.rows) * size_t(p.H) * D) * sizeof(float);
 }
 
 void kda_chunk_forward_train(const KdaTrainParams& p, float* o, float* states, void* workspace) {
   const char* fn = "kda_chunk_forward_train";
-  check_params(fn, p);
-  if (p.rows == 0) return;
-  check_pointers(fn, p);
-  K3_CHECK(o && states, fn, ": o and states must be non-null");
-  check_workspace(fn, workspace);
+  if (!chunk_train::check_forward(fn, p, o, states, workspace)) return;
   switch (p.D) {
     case 32: forward<32>(p, o, states, workspace); break;
     case 64: forward<64>(p, o, states, workspace); break;
@@ -566,12 +524,7 @@ void kda_chunk_forward_train(const KdaTrainParams& p, float* o, float* states, v
 void kda_chunk_backward_train(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk,
                               float* dv, float* dg, float* dbeta, void* workspace) {
   const char* fn = "kda_chunk_backward_train";
-  check_params(fn, p);
-  if (p.rows == 0) return;
-  check_pointers(fn, p);
-  K3_CHECK(d_o && states, fn, ": d_o and states must be non-null");
-  K3_CHECK(dq && dk && dv && dg && dbeta, fn, ": dq, dk, dv, dg and dbeta must be non-null");
-  check_workspace(fn, workspace);
+  if (!chunk_train::check_backward(fn, p, d_o, states, dq, dk, dv, dg, dbeta, workspace)) return;
   switch (p.D) {
     case 32: backward<32>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;
     case 64: backward<64>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;

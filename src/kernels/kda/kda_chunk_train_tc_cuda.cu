@@ -18,12 +18,16 @@
 #include "core/error.h"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/kda/kda_chunk_train_tc_cuda.h"
+#include "kernels/kda/kda_train_common.cuh"
 
 namespace k3::kda::cuda {
 namespace {
 
+using chunk_train::C;
+using chunk_train::ChunkLoc;
+using chunk_train::locate_chunk;
+
 using bf16 = __nv_bfloat16;
-constexpr int C = 16;         // chunk (tokens)
 constexpr int kMid = 7;       // the re-reference position of A and M (Gamma_m)
 constexpr int kLdT = 24;      // row stride (bf16) of a 16x16 tile in shared memory: 48 bytes, conflict-free ldmatrix
 constexpr int kSeqWarps = 2;  // warps per CTA of the sequential kernels (16 value columns each)
@@ -79,22 +83,6 @@ __device__ __forceinline__ int frag_row(int e) { return (lane_id() >> 2) + (e >>
 __device__ __forceinline__ int frag_col(int j, int e) { return 8 * j + 2 * (lane_id() & 3) + (e & 1); }
 
 // ---- chunks --------------------------------------------------------------------------------------------------
-struct ChunkLoc {
-  int64_t row0;
-  int n;
-};
-__device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_t ci) {
-  int lo = 0, hi = p.B;  // chunk_offsets[lo] <= ci < chunk_offsets[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (int64_t(p.chunk_offsets[mid]) <= ci) lo = mid;
-    else hi = mid;
-  }
-  const int64_t row0 = int64_t(p.cu_seqlens[lo]) + C * (ci - int64_t(p.chunk_offsets[lo]));
-  const int64_t left = int64_t(p.cu_seqlens[lo + 1]) - row0;
-  return ChunkLoc{row0, int(left < C ? left : C)};
-}
-
 // The per-(chunk, head) item in the workspace (bytes): bf16 Kt, Qt, Kd [16][D] (dense rows), Aw, A, M [16][16],
 // fp32 El [D]. Rows >= n of every tile are zero.
 template <int D>
@@ -719,25 +707,6 @@ constexpr size_t kMaxSmem = 227 * 1024;
 static_assert(sizeof(BwdChunkSmem<128>) <= kMaxSmem && sizeof(SeqSmem<128>) <= kMaxSmem,
               "shared memory over the per-block limit");
 
-void check_params(const char* fn, const KdaTrainParams& p) {
-  K3_CHECK(p.D == 32 || p.D == 64 || p.D == 128, fn, ": head dim D must be 32, 64 or 128, got ", p.D);
-  K3_CHECK(p.H >= 1 && p.H <= 65535, fn, ": H must be in [1, 65535], got ", p.H);
-  K3_CHECK(p.B >= 0 && p.B <= INT32_MAX, fn, ": B must be >= 0, got ", p.B);
-  K3_CHECK(p.rows >= 0 && p.rows <= INT32_MAX, fn, ": rows must be in [0, 2^31), got ", p.rows);
-  K3_CHECK(p.max_len >= 0, fn, ": max_len must be >= 0, got ", p.max_len);
-  K3_CHECK(p.chunks >= (p.rows + C - 1) / C && p.chunks <= p.rows, fn, ": chunks must be in [ceil(rows/16), rows] = [",
-           (p.rows + C - 1) / C, ", ", p.rows, "], got ", p.chunks);
-}
-void check_pointers(const char* fn, const KdaTrainParams& p) {
-  K3_CHECK(p.q && p.k && p.v && p.g && p.beta, fn, ": q, k, v, g and beta must be non-null");
-  K3_CHECK(p.cu_seqlens && p.chunk_offsets, fn, ": cu_seqlens and chunk_offsets must be non-null");
-  K3_CHECK(p.B >= 1, fn, ": B must be >= 1 when rows > 0, got ", p.B);
-}
-void check_workspace(const char* fn, const void* workspace) {
-  K3_CHECK(workspace != nullptr, fn, ": workspace is null");
-  K3_CHECK(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, fn, ": workspace must be 16-byte aligned");
-}
-
 size_t item_bytes(int D) { return size_t(100 * D + 1536); }
 
 template <class Kernel, class... Args>
@@ -789,23 +758,19 @@ void backward(const KdaTrainParams& p, const float* d_o, const float* states, fl
 }  // namespace
 
 size_t kda_chunk_forward_train_bf16_workspace_bytes(const KdaTrainParams& p) {
-  check_params("kda_chunk_forward_train_bf16_workspace_bytes", p);
+  chunk_train::check_params("kda_chunk_forward_train_bf16_workspace_bytes", p);
   return size_t(p.chunks) * size_t(p.H) * item_bytes(p.D);
 }
 
 size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p) {
-  check_params("kda_chunk_backward_train_bf16_workspace_bytes", p);
+  chunk_train::check_params("kda_chunk_backward_train_bf16_workspace_bytes", p);
   const size_t CH = size_t(p.chunks) * size_t(p.H), D = size_t(p.D);
   return CH * item_bytes(p.D) + CH * D * D * 2 + size_t(p.rows) * size_t(p.H) * D * 4;
 }
 
 void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, float* states, void* workspace) {
   const char* fn = "kda_chunk_forward_train_bf16";
-  check_params(fn, p);
-  if (p.rows == 0) return;
-  check_pointers(fn, p);
-  K3_CHECK(o && states, fn, ": o and states must be non-null");
-  check_workspace(fn, workspace);
+  if (!chunk_train::check_forward(fn, p, o, states, workspace)) return;
   switch (p.D) {
     case 32: forward<32>(p, o, states, workspace); break;
     case 64: forward<64>(p, o, states, workspace); break;
@@ -816,12 +781,7 @@ void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, float* stat
 void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk,
                                    float* dv, float* dg, float* dbeta, void* workspace) {
   const char* fn = "kda_chunk_backward_train_bf16";
-  check_params(fn, p);
-  if (p.rows == 0) return;
-  check_pointers(fn, p);
-  K3_CHECK(d_o && states, fn, ": d_o and states must be non-null");
-  K3_CHECK(dq && dk && dv && dg && dbeta, fn, ": dq, dk, dv, dg and dbeta must be non-null");
-  check_workspace(fn, workspace);
+  if (!chunk_train::check_backward(fn, p, d_o, states, dq, dk, dv, dg, dbeta, workspace)) return;
   switch (p.D) {
     case 32: backward<32>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;
     case 64: backward<64>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;

@@ -36,14 +36,8 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool p
   ptx::cp_async16(dst, src, pred ? 16 : 0);
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using ptx::quad_max;
+using ptx::quad_sum;
 
 // 2^x by the SFU (ex2.approx.ftz: ~2 ulp; 2^-inf = +0, which the masking relies on).
 __device__ __forceinline__ float fast_exp2(float x) {

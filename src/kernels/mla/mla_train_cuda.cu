@@ -14,17 +14,22 @@
 #include "core/cuda_check.cuh"
 #include "core/error.h"
 #include "kernels/common/rowwise_cuda.cuh"
+#include "kernels/mla/mla_train_common.cuh"
 #include "kernels/mla/mla_train_cuda.h"
 
 namespace k3::mla::cuda {
 
 namespace {
 
+using train_common::allow_smem;
+using train_common::check_attention;
+using train_common::check_backward;
+using train_common::delta_bytes;
+
 constexpr int kThreads = 256;
 constexpr int kFwdBM = 64, kFwdBN = 64;  // forward: queries per block x keys per tile
 constexpr int kBwdOuter = 32;            // backward: rows (keys for dK/dV, queries for dQ) per block
 constexpr int kBwdInner = 64;            // backward: rows of the streamed tiles
-constexpr int kMaxQk = 256, kMaxV = 256;
 
 struct AttnArgs {
   const float* q;
@@ -507,15 +512,6 @@ __global__ void __launch_bounds__(kThreads)
 // Column blocks of 16 per thread for a width w <= 256: buckets 4 (<= 64), 8 (<= 128), 12 (<= 192), 16.
 int col_blocks(int64_t w) { return w <= 64 ? 4 : w <= 128 ? 8 : w <= 192 ? 12 : 16; }
 
-// Raises a kernel's dynamic shared-memory limit to `bytes` (once per kernel and size seen so far).
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes, size_t& allowed) {
-  if (bytes > 48 * 1024 && bytes > allowed) {
-    K3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    allowed = bytes;
-  }
-}
-
 template <int CV>
 void launch_fwd(const AttnArgs& a, float* o, int64_t ldo, float* lse, int B, int64_t max_len) {
   static size_t allowed = 0;
@@ -555,24 +551,17 @@ void dispatch_dkv(const AttnArgs& a, float* dkv, int64_t lddkv, float* dk_rot_h,
   }
 }
 
-// Shapes and strides common to the forward and the backward; `fn` names the caller.
-void check_attention(const char* fn, const Dims& d, int B, int64_t max_len, int64_t rows, int64_t ldq, int64_t ldkv,
-                     int64_t ldr, float scale) {
-  K3_CHECK(d.H >= 1 && d.H <= 65535, fn, ": H must be in [1, 65535], got ", d.H);
-  K3_CHECK(d.Dn >= 0 && d.Dr >= 0 && d.Dn + d.Dr >= 1 && d.Dn + d.Dr <= kMaxQk, fn,
-           ": need Dn, Dr >= 0 and 1 <= Dn + Dr <= 256, got Dn = ", d.Dn, ", Dr = ", d.Dr);
-  K3_CHECK(d.Dv >= 1 && d.Dv <= kMaxV, fn, ": Dv must be in [1, 256], got ", d.Dv);
-  K3_CHECK(B >= 0 && B <= 65535, fn, ": B must be in [0, 65535], got ", B);
-  K3_CHECK(rows >= 0 && rows <= INT32_MAX, fn, ": rows must be in [0, 2^31), got ", rows);
-  K3_CHECK(max_len >= 0 && max_len <= rows, fn, ": max_len must be in [0, rows = ", rows, "], got ", max_len);
-  K3_CHECK(rows == 0 || B == 0 || max_len >= 1, fn, ": max_len must be >= 1 when rows = ", rows, " > 0");
-  K3_CHECK(ldq >= d.H * (d.Dn + d.Dr), fn, ": ldq = ", ldq, " < H*(Dn+Dr) = ", d.H * (d.Dn + d.Dr));
-  K3_CHECK(ldkv >= d.H * (d.Dn + d.Dv), fn, ": ldkv = ", ldkv, " < H*(Dn+Dv) = ", d.H * (d.Dn + d.Dv));
-  K3_CHECK(ldr >= d.Dr, fn, ": ldr = ", ldr, " < Dr = ", d.Dr);
-  K3_CHECK(std::isfinite(scale) && scale > 0.0f, fn, ": scale must be finite and > 0, got ", scale);
+}  // namespace
+
+namespace train_common {
+
+static_assert(kThreads == 256, "dk_rot_sum launches 256 threads a block");
+void dk_rot_sum(unsigned grid, float* dk_rot, int64_t lddr, const float* dk_rot_h, int64_t rows, int H, int Dr) {
+  dk_rot_sum_kernel<<<grid, kThreads>>>(dk_rot, lddr, dk_rot_h, rows, H, Dr);
+  K3_CUDA_LAUNCH_CHECK();
 }
 
-}  // namespace
+}  // namespace train_common
 
 void attention_forward_train(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                              int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
@@ -594,10 +583,7 @@ void attention_forward_train(float* o, int64_t ldo, float* lse, const float* q, 
 }
 
 size_t attention_backward_workspace_bytes(int64_t rows, const Dims& d) {
-  K3_CHECK(rows >= 0 && d.H >= 1 && d.Dr >= 0, "mla::cuda::attention_backward_workspace_bytes: bad rows = ", rows,
-           ", H = ", d.H, " or Dr = ", d.Dr);
-  const size_t delta = (size_t(d.H * rows) * sizeof(float) + 255) / 256 * 256;
-  return delta + size_t(d.H * rows * d.Dr) * sizeof(float);
+  return train_common::backward_workspace_bytes("mla::cuda::attention_backward_workspace_bytes", rows, d);
 }
 
 void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv, float* dk_rot, int64_t lddr,
@@ -606,11 +592,7 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
                               const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
                               float scale, void* workspace) {
   constexpr const char* fn = "mla::cuda::attention_backward_train";
-  check_attention(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale);
-  K3_CHECK(ldo >= d.H * d.Dv, fn, ": ldo = ", ldo, " < H*Dv = ", d.H * d.Dv);
-  K3_CHECK(lddq >= d.H * (d.Dn + d.Dr), fn, ": lddq = ", lddq, " < H*(Dn+Dr) = ", d.H * (d.Dn + d.Dr));
-  K3_CHECK(lddkv >= d.H * (d.Dn + d.Dv), fn, ": lddkv = ", lddkv, " < H*(Dn+Dv) = ", d.H * (d.Dn + d.Dv));
-  K3_CHECK(lddr >= d.Dr, fn, ": lddr = ", lddr, " < Dr = ", d.Dr);
+  check_backward(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale, ldo, lddq, lddkv, lddr);
   if (rows == 0 || B == 0) return;
   K3_CHECK(dq && dkv && d_o && o && q && kv && lse && cu_seqlens && (d.Dr == 0 || (k_rot && dk_rot)), fn,
            ": null device pointer");
@@ -618,8 +600,7 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
            ": workspace is null (attention_backward_workspace_bytes = ", attention_backward_workspace_bytes(rows, d),
            " bytes)");
   float* delta = static_cast<float*>(workspace);
-  float* dk_rot_h =
-      reinterpret_cast<float*>(static_cast<char*>(workspace) + (size_t(d.H * rows) * sizeof(float) + 255) / 256 * 256);
+  float* dk_rot_h = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(rows, d));
 
   const int64_t warps = rows * d.H;
   const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
@@ -638,9 +619,8 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
     default: dispatch_dkv<16>(a, dkv, lddkv, dk_rot_h, B, max_len), launch_dq<16>(a, dq, lddq, B, max_len); break;
   }
   if (d.Dr > 0) {
-    dk_rot_sum_kernel<<<rowwise::grid_for(rows * d.Dr, kThreads), kThreads>>>(dk_rot, lddr, dk_rot_h, rows, int(d.H),
-                                                                              int(d.Dr));
-    K3_CUDA_LAUNCH_CHECK();
+    train_common::dk_rot_sum(rowwise::grid_for(rows * d.Dr, kThreads), dk_rot, lddr, dk_rot_h, rows, int(d.H),
+                             int(d.Dr));
   }
 }
 

@@ -31,19 +31,24 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
-#include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/rowwise_cuda.cuh"
+#include "kernels/mla/mla_train_common.cuh"
 #include "kernels/mla/mla_train_tc_cuda.h"
 
 namespace k3::mla::cuda {
 
 namespace {
 
+using train_common::allow_smem;
+using train_common::check_attention;
+using train_common::check_backward;
+using train_common::delta_bytes;
+
 constexpr int kThreads = 128;            // 4 warps of 16 rows each
 constexpr int kFwdBM = 64, kFwdBN = 64;  // forward: queries per block x keys per tile
 constexpr int kDkvBN = 64, kDkvBM = 32;  // dK/dV: keys per block x queries per tile
 constexpr int kDqBM = 64, kDqBN = 64;    // dQ: queries per block x keys per tile
-constexpr int kMaxQk = 256, kMaxV = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -70,14 +75,8 @@ __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(_
 // Elements [0] and [1] of a bf16 row as one register ([0] in the low half; p is 4-byte aligned).
 __device__ __forceinline__ uint32_t ld2(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using ptx::quad_max;
+using ptx::quad_sum;
 
 // The A fragment of one 16 x 16 chunk of a row-major bf16 tile X (row stride ld): rows 0..15 from
 // `x` (X + row0 * ld + k0).
@@ -511,34 +510,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dk_rot[r][c] = Σ_{h = 0..H-1} dk_rot_h[h][r][c], in head order, summed in double, rounded once.
-__global__ void __launch_bounds__(256)
-    dk_rot_sum_tc_kernel(float* __restrict__ dk_rot, int64_t lddr, const float* __restrict__ dk_rot_h, int64_t rows,
-                         int H, int Dr) {
-  const int64_t n = rows * Dr;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / Dr;
-    const int c = int(i - r * Dr);
-    double acc = 0.0;
-    for (int h = 0; h < H; ++h) acc += double(dk_rot_h[int64_t(h) * n + i]);
-    dk_rot[r * lddr + c] = float(acc);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
 // 8-column n-tiles per thread for a padded width w <= 256: buckets 8 (<= 64), 16 (<= 128), 24 (<= 192), 32.
 int tiles_bucket(int w) { return w <= 64 ? 8 : w <= 128 ? 16 : w <= 192 ? 24 : 32; }
-
-// Raises a kernel's dynamic shared-memory limit to `bytes` (once per kernel and size seen so far).
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes, size_t& allowed) {
-  if (bytes > 48 * 1024 && bytes > allowed) {
-    K3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    allowed = bytes;
-  }
-}
 
 template <class Kernel, class... Args>
 void launch(Kernel kernel, dim3 grid, size_t smem, Args... args) {
@@ -585,23 +561,6 @@ void dispatch_bwd(const AttnArgs& a, float* dq, int64_t lddq, float* dkv, int64_
   launch_dq<NQ>(a, dq, lddq, B, max_len);
 }
 
-// Shapes and strides common to the forward and the backward; `fn` names the caller.
-void check_attention(const char* fn, const Dims& d, int B, int64_t max_len, int64_t rows, int64_t ldq, int64_t ldkv,
-                     int64_t ldr, float scale) {
-  K3_CHECK(d.H >= 1 && d.H <= 65535, fn, ": H must be in [1, 65535], got ", d.H);
-  K3_CHECK(d.Dn >= 0 && d.Dr >= 0 && d.Dn + d.Dr >= 1 && d.Dn + d.Dr <= kMaxQk, fn,
-           ": need Dn, Dr >= 0 and 1 <= Dn + Dr <= 256, got Dn = ", d.Dn, ", Dr = ", d.Dr);
-  K3_CHECK(d.Dv >= 1 && d.Dv <= kMaxV, fn, ": Dv must be in [1, 256], got ", d.Dv);
-  K3_CHECK(B >= 0 && B <= 65535, fn, ": B must be in [0, 65535], got ", B);
-  K3_CHECK(rows >= 0 && rows <= INT32_MAX, fn, ": rows must be in [0, 2^31), got ", rows);
-  K3_CHECK(max_len >= 0 && max_len <= rows, fn, ": max_len must be in [0, rows = ", rows, "], got ", max_len);
-  K3_CHECK(rows == 0 || B == 0 || max_len >= 1, fn, ": max_len must be >= 1 when rows = ", rows, " > 0");
-  K3_CHECK(ldq >= d.H * (d.Dn + d.Dr), fn, ": ldq = ", ldq, " < H*(Dn+Dr) = ", d.H * (d.Dn + d.Dr));
-  K3_CHECK(ldkv >= d.H * (d.Dn + d.Dv), fn, ": ldkv = ", ldkv, " < H*(Dn+Dv) = ", d.H * (d.Dn + d.Dv));
-  K3_CHECK(ldr >= d.Dr, fn, ": ldr = ", ldr, " < Dr = ", d.Dr);
-  K3_CHECK(std::isfinite(scale) && scale > 0.0f, fn, ": scale must be finite and > 0, got ", scale);
-}
-
 AttnArgs make_args(const float* q, int64_t ldq, const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr,
                    const int32_t* cu_seqlens, int64_t rows, const Dims& d, float scale) {
   AttnArgs a{};
@@ -612,8 +571,6 @@ AttnArgs make_args(const float* q, int64_t ldq, const float* kv, int64_t ldkv, c
   a.scale = scale, a.scale_log2 = scale * kLog2e;
   return a;
 }
-
-size_t delta_bytes(int64_t rows, const Dims& d) { return (size_t(d.H * rows) * sizeof(float) + 255) / 256 * 256; }
 
 }  // namespace
 
@@ -635,9 +592,7 @@ void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float
 }
 
 size_t attention_backward_workspace_bytes_bf16(int64_t rows, const Dims& d) {
-  K3_CHECK(rows >= 0 && d.H >= 1 && d.Dr >= 0, "mla::cuda::attention_backward_workspace_bytes_bf16: bad rows = ", rows,
-           ", H = ", d.H, " or Dr = ", d.Dr);
-  return delta_bytes(rows, d) + size_t(d.H * rows * d.Dr) * sizeof(float);
+  return train_common::backward_workspace_bytes("mla::cuda::attention_backward_workspace_bytes_bf16", rows, d);
 }
 
 void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t lddkv, float* dk_rot, int64_t lddr,
@@ -646,11 +601,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
                                    const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
                                    float scale, void* workspace) {
   constexpr const char* fn = "mla::cuda::attention_backward_train_bf16";
-  check_attention(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale);
-  K3_CHECK(ldo >= d.H * d.Dv, fn, ": ldo = ", ldo, " < H*Dv = ", d.H * d.Dv);
-  K3_CHECK(lddq >= d.H * (d.Dn + d.Dr), fn, ": lddq = ", lddq, " < H*(Dn+Dr) = ", d.H * (d.Dn + d.Dr));
-  K3_CHECK(lddkv >= d.H * (d.Dn + d.Dv), fn, ": lddkv = ", lddkv, " < H*(Dn+Dv) = ", d.H * (d.Dn + d.Dv));
-  K3_CHECK(lddr >= d.Dr, fn, ": lddr = ", lddr, " < Dr = ", d.Dr);
+  check_backward(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale, ldo, lddq, lddkv, lddr);
   if (rows == 0 || B == 0) return;
   K3_CHECK(dq && dkv && d_o && o && q && kv && lse && cu_seqlens && (d.Dr == 0 || (k_rot && dk_rot)), fn,
            ": null device pointer");
@@ -676,8 +627,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
   if (d.Dr > 0) {
     const int64_t n = rows * d.Dr;
     const unsigned grid = unsigned(std::min<int64_t>((n + 255) / 256, 65535));
-    dk_rot_sum_tc_kernel<<<grid, 256>>>(dk_rot, lddr, dk_rot_h, rows, int(d.H), int(d.Dr));
-    K3_CUDA_LAUNCH_CHECK();
+    train_common::dk_rot_sum(grid, dk_rot, lddr, dk_rot_h, rows, int(d.H), int(d.Dr));
   }
 }
 

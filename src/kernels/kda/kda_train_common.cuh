@@ -1,0 +1,81 @@
+// Pieces shared by the training KDA recurrence in fp32 (kda_chunk_train_cuda.cu) and on bf16 tensor
+// cores (kda_chunk_train_tc_cuda.cu): the chunk length, the lookup of a chunk's rows, and the host-side
+// argument checks of the entry points. For those .cu files only; the entry points are in
+// kda_chunk_train_cuda.h and kda_chunk_train_tc_cuda.h.
+#pragma once
+#include <cstdint>
+
+#include "core/error.h"
+#include "kernels/kda/kda_chunk_train_cuda.h"
+
+namespace k3::kda::cuda::chunk_train {
+
+constexpr int C = 16;  // chunk (tokens)
+
+// Where a chunk lives: its first row, its length n (1..16), its sequence.
+struct ChunkLoc {
+  int64_t row0;
+  int n;
+  int b;
+};
+
+// The sequence holding global chunk ci: the b with chunk_offsets[b] <= ci < chunk_offsets[b+1] (binary
+// search; empty sequences have equal offsets and are skipped by the strict upper bound).
+__device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_t ci) {
+  int lo = 0, hi = p.B;  // chunk_offsets[lo] <= ci < chunk_offsets[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (int64_t(p.chunk_offsets[mid]) <= ci) lo = mid;
+    else hi = mid;
+  }
+  const int64_t row0 = int64_t(p.cu_seqlens[lo]) + C * (ci - int64_t(p.chunk_offsets[lo]));
+  const int64_t left = int64_t(p.cu_seqlens[lo + 1]) - row0;
+  return ChunkLoc{row0, int(left < C ? left : C), lo};
+}
+
+inline void check_params(const char* fn, const KdaTrainParams& p) {
+  K3_CHECK(p.D == 32 || p.D == 64 || p.D == 128, fn, ": head dim D must be 32, 64 or 128, got ", p.D);
+  K3_CHECK(p.H >= 1 && p.H <= 65535, fn, ": H must be in [1, 65535], got ", p.H);
+  K3_CHECK(p.B >= 0, fn, ": B must be >= 0, got ", p.B);
+  K3_CHECK(p.rows >= 0 && p.rows <= INT32_MAX, fn, ": rows must be in [0, 2^31), got ", p.rows);
+  K3_CHECK(p.max_len >= 0, fn, ": max_len must be >= 0, got ", p.max_len);
+  K3_CHECK(p.chunks >= (p.rows + C - 1) / C && p.chunks <= p.rows, fn, ": chunks must be in [ceil(rows/16), rows] = [",
+           (p.rows + C - 1) / C, ", ", p.rows, "], got ", p.chunks);
+}
+
+inline void check_pointers(const char* fn, const KdaTrainParams& p) {
+  K3_CHECK(p.q && p.k && p.v && p.g && p.beta, fn, ": q, k, v, g and beta must be non-null");
+  K3_CHECK(p.cu_seqlens && p.chunk_offsets, fn, ": cu_seqlens and chunk_offsets must be non-null");
+  K3_CHECK(p.B >= 1, fn, ": B must be >= 1 when rows > 0, got ", p.B);
+}
+
+inline void check_workspace(const char* fn, const void* workspace) {
+  K3_CHECK(workspace != nullptr, fn, ": workspace is null");
+  K3_CHECK(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, fn, ": workspace must be 16-byte aligned");
+}
+
+// The checks of the forward entry point `fn`; false when rows = 0 (nothing to do, pointers not checked).
+inline bool check_forward(const char* fn, const KdaTrainParams& p, const float* o, const float* states,
+                          const void* workspace) {
+  check_params(fn, p);
+  if (p.rows == 0) return false;
+  check_pointers(fn, p);
+  K3_CHECK(o && states, fn, ": o and states must be non-null");
+  check_workspace(fn, workspace);
+  return true;
+}
+
+// The checks of the backward entry point `fn`; false when rows = 0 (nothing to do, pointers not checked).
+inline bool check_backward(const char* fn, const KdaTrainParams& p, const float* d_o, const float* states,
+                           const float* dq, const float* dk, const float* dv, const float* dg, const float* dbeta,
+                           const void* workspace) {
+  check_params(fn, p);
+  if (p.rows == 0) return false;
+  check_pointers(fn, p);
+  K3_CHECK(d_o && states, fn, ": d_o and states must be non-null");
+  K3_CHECK(dq && dk && dv && dg && dbeta, fn, ": dq, dk, dv, dg and dbeta must be non-null");
+  check_workspace(fn, workspace);
+  return true;
+}
+
+}  // namespace k3::kda::cuda::chunk_train

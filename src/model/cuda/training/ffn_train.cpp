@@ -102,12 +102,6 @@ MoeParams moe_params(const TrainCtx& t, int64_t layer, bool with_experts = true)
     m.shared = glu_at(t, layer, TensorKind::SharedGate, TensorKind::SharedUp, TensorKind::SharedDown);
   return m;
 }
-// x [M, cols] rounded to a dense bf16 copy in the arena.
-uint16_t* bf16_rows(TrainCtx& t, const float* x, int64_t M, int64_t cols) {
-  uint16_t* y = t.take<uint16_t>(M * cols);
-  elementwise::cuda::copy_rows(y, DType::BF16, cols, x, DType::F32, cols, M, cols);
-  return y;
-}
 }  // namespace
 
 std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer) {
@@ -175,7 +169,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   tp.tables = experts;
   if (experts) {
     const int32_t* offd = dispatch.offsets_device();
-    tp.zs16 = bf16_rows(t, tp.zs, S, L);
+    tp.zs16 = to_bf16(t, tp.zs, L, S, L);
     {
       const DeviceArena::Mark m = t.arena.mark();
       void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
@@ -184,7 +178,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
       t.arena.rewind(m);
     }
     ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
-    tp.he16 = bf16_rows(t, tp.he, S, I);
+    tp.he16 = to_bf16(t, tp.he, I, S, I);
     const DeviceArena::Mark m = t.arena.mark();
     void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
     moe::cuda::grouped_linear_forward_bf16(tp.ye, tp.he16, experts->w16[2].data(), offd, S, E, L, I, false, ws);
@@ -253,11 +247,11 @@ void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, cons
   if (const ExpertTables* x = tp.tables) {
     const int32_t* offd = dispatch.offsets_device();
     void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
-    const uint16_t* dye16 = bf16_rows(t, dye, S, L);
+    const uint16_t* dye16 = to_bf16(t, dye, L, S, L);
     moe::cuda::grouped_linear_backward_weight_bf16(x->g[2].data(), dye16, tp.he16, offd, S, E, L, I);
     moe::cuda::grouped_linear_backward_data_bf16(dge, dye16, x->w16[2].data(), offd, S, E, L, I, false, ws);
     ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
-    const uint16_t *dge16 = bf16_rows(t, dge, S, I), *due16 = bf16_rows(t, due, S, I);
+    const uint16_t *dge16 = to_bf16(t, dge, I, S, I), *due16 = to_bf16(t, due, I, S, I);
     moe::cuda::grouped_linear_backward_weight_bf16(x->g[0].data(), dge16, tp.zs16, offd, S, E, I, L);
     moe::cuda::grouped_linear_backward_weight_bf16(x->g[1].data(), due16, tp.zs16, offd, S, E, I, L);
     moe::cuda::grouped_linear_backward_data_bf16(dzs, dge16, x->w16[0].data(), offd, S, E, I, L, false, ws);

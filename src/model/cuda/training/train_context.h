@@ -91,6 +91,9 @@ struct TrainCtx {
   TrainParam param(const std::string& name) const { return params.at(name); }
 };
 
+// x [M, cols] (ld) rounded to a dense bf16 copy taken from the arena (the BF16 mode's GEMM operand).
+const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int64_t cols);
+
 // y[M, W.rows] (ld_y) (+)= x[M, W.cols] (ld_x) · Wᵀ.
 void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, int64_t ld_x, int64_t M,
                           const TrainParam& W, bool accumulate = false);

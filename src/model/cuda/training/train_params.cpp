@@ -65,16 +65,11 @@ TrainParam DeviceParams::at(const std::string& name) const {
 size_t DeviceParams::bytes() const { return values_.size() * sizeof(float) * 2 + values16_.size() * sizeof(uint16_t); }
 
 // ---- the training linear layer ------------------------------------------------------------------
-namespace {
-
-// x [M, cols] (ld) rounded to a dense bf16 copy in the arena (the GEMM operand of the BF16 mode).
 const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int64_t cols) {
   uint16_t* y = t.take<uint16_t>(M * cols);
   elementwise::cuda::copy_rows(y, DType::BF16, cols, x, DType::F32, ld, M, cols);
   return y;
 }
-
-}  // namespace
 
 void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, int64_t ld_x, int64_t M,
                           const TrainParam& W, bool accumulate) {

@@ -143,7 +143,7 @@ Optimizer::Optimizer(const ParamStore& P, OptimizerConfig cfg, const std::map<st
     off += pl.state_size;
     plan_.push_back(std::move(pl));
   }
-  state_.assign(size_t(off), 0.0);
+  state_size_ = off;  // the state itself is allocated by the first step() or load_state()
 }
 
 const ParamPlan& Optimizer::plan_of(const std::string& name) const {
@@ -153,6 +153,7 @@ const ParamPlan& Optimizer::plan_of(const std::string& name) const {
 }
 
 void Optimizer::step(ParamStore& P, double step_lr) {
+  if (int64_t(state_.size()) != state_size_) state_.assign(size_t(state_size_), 0.0);
   ++t_;
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
   const double sqrt_bc2 = std::sqrt(bc2);
@@ -196,6 +197,14 @@ void Optimizer::step(ParamStore& P, double step_lr) {
 }
 
 OptimizerState Optimizer::save_state() const {
+  OptimizerState s;
+  s.header = state_header();
+  s.data = state_;
+  if (int64_t(s.data.size()) != state_size_) s.data.assign(size_t(state_size_), 0.0);  // before any step
+  return s;
+}
+
+nlohmann::json Optimizer::state_header() const {
   nlohmann::json tensors = nlohmann::json::array();
   for (const ParamPlan& p : plan_)
     tensors.push_back({{"name", p.name},
@@ -204,24 +213,21 @@ OptimizerState Optimizer::save_state() const {
                        {"heads", p.heads},
                        {"offset", p.state_offset},
                        {"size", p.state_size}});
-  OptimizerState s;
-  s.header = {{"format", "k3-optimizer-v1"},
-              {"step", t_},
-              {"config",
-               {{"weight_decay", cfg_.weight_decay},
-                {"decay_vectors", cfg_.decay_vectors},
-                {"beta1", cfg_.beta1},
-                {"beta2", cfg_.beta2},
-                {"eps", cfg_.eps},
-                {"momentum", cfg_.momentum},
-                {"nesterov", cfg_.nesterov},
-                {"ns_steps", cfg_.ns_steps},
-                {"muon_scale", cfg_.muon_scale == MuonScale::MatchAdamRms ? "match-adam-rms" : "shape-ratio"},
-                {"muon_rms", cfg_.muon_rms},
-                {"router_lr_scale", cfg_.router_lr_scale}}},
-              {"tensors", tensors}};
-  s.data = state_;
-  return s;
+  return {{"format", "k3-optimizer-v1"},
+          {"step", t_},
+          {"config",
+           {{"weight_decay", cfg_.weight_decay},
+            {"decay_vectors", cfg_.decay_vectors},
+            {"beta1", cfg_.beta1},
+            {"beta2", cfg_.beta2},
+            {"eps", cfg_.eps},
+            {"momentum", cfg_.momentum},
+            {"nesterov", cfg_.nesterov},
+            {"ns_steps", cfg_.ns_steps},
+            {"muon_scale", cfg_.muon_scale == MuonScale::MatchAdamRms ? "match-adam-rms" : "shape-ratio"},
+            {"muon_rms", cfg_.muon_rms},
+            {"router_lr_scale", cfg_.router_lr_scale}}},
+          {"tensors", tensors}};
 }
 
 int64_t check_optimizer_state(const OptimizerState& s, const std::vector<ParamPlan>& plan, size_t state_size) {
@@ -254,7 +260,7 @@ int64_t check_optimizer_state(const OptimizerState& s, const std::vector<ParamPl
 }
 
 void Optimizer::load_state(const OptimizerState& s) {
-  t_ = check_optimizer_state(s, plan_, state_.size());
+  t_ = check_optimizer_state(s, plan_, size_t(state_size_));
   state_ = s.data;
 }
 

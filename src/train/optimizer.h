@@ -130,11 +130,17 @@ class Optimizer {
   // plan, continue: identical to never stopping. load_state checks names, groups, sizes and splits.
   OptimizerState save_state() const;
   void load_state(const OptimizerState& s);
+  // save_state()'s header and the length of its data, without the data: what the GPU optimizer
+  // needs of a plan whose state it keeps on the device (the host state is only allocated by the
+  // first step() or load_state(), so a plan for a GPU run costs no model-sized host buffer).
+  nlohmann::json state_header() const;
+  int64_t state_size() const { return state_size_; }
 
  private:
   OptimizerConfig cfg_;
   std::vector<ParamPlan> plan_;
-  std::vector<double> state_;
+  int64_t state_size_ = 0;
+  std::vector<double> state_;  // empty until the first step() or load_state()
   int64_t t_ = 0;
 };
 

@@ -169,32 +169,22 @@ __global__ void ns_normalize_kernel(float* __restrict__ X, __nv_bfloat16* __rest
   }
 }
 
-__global__ void to_bf16_kernel(__nv_bfloat16* __restrict__ dst, const float* __restrict__ src, int64_t n) {
-  K3_GRID_STRIDE(i, n) dst[i] = __float2bfloat16_rn(src[i]);
+// B = b·A + c·A² (AA holds A², overwritten with B).
+__global__ void ns_poly_kernel(float* __restrict__ AA, const float* __restrict__ A, int64_t n, double b, double c) {
+  K3_GRID_STRIDE(i, n) AA[i] = float(b * double(A[i]) + c * double(AA[i]));
 }
 
-// B = b·A + c·A² (AA holds A², overwritten with B), and B's bf16 copy.
-__global__ void ns_poly_kernel(float* __restrict__ AA, __nv_bfloat16* __restrict__ Bb, const float* __restrict__ A,
-                               int64_t n, double b, double c) {
-  K3_GRID_STRIDE(i, n) {
-    const float v = float(b * double(A[i]) + c * double(AA[i]));
-    AA[i] = v;
-    if (Bb) Bb[i] = __float2bfloat16_rn(v);
-  }
+// X ← a·X + Y (Y = B·X).
+__global__ void ns_axpy_kernel(float* __restrict__ X, const float* __restrict__ Y, int64_t n, double a) {
+  K3_GRID_STRIDE(i, n) X[i] = float(a * double(X[i]) + double(Y[i]));
 }
 
-// X ← a·X + Y (Y = B·X), and X's bf16 copy.
-__global__ void ns_axpy_kernel(float* __restrict__ X, __nv_bfloat16* __restrict__ Xb, const float* __restrict__ Y,
-                               int64_t n, double a) {
-  K3_GRID_STRIDE(i, n) {
-    const float v = float(a * double(X[i]) + double(Y[i]));
-    X[i] = v;
-    if (Xb) Xb[i] = __float2bfloat16_rn(v);
-  }
-}
+__device__ inline double load_double(const float* p) { return double(*p); }
+__device__ inline double load_double(const __nv_bfloat16* p) { return double(__bfloat162float(*p)); }
 
-// W ← W·keep − lr·scale·O per block (the CPU's two steps, in double, rounded once).
-__global__ void muon_update_kernel(float* __restrict__ W, const float* __restrict__ X,
+// W ← W·keep − lr·scale·O per block (the CPU's two steps, in double, rounded once); O fp32 or bf16.
+template <class XT>
+__global__ void muon_update_kernel(float* __restrict__ W, const XT* __restrict__ X,
                                    const CudaOptimizer::MuonBlock* __restrict__ blocks, int64_t count, int64_t rows,
                                    int64_t cols, bool tall, double lr, double wd, double scale) {
   const int64_t len = rows * cols;
@@ -203,7 +193,7 @@ __global__ void muon_update_kernel(float* __restrict__ W, const float* __restric
     const CudaOptimizer::MuonBlock bl = blocks[b];
     const double lr_t = lr * bl.lr_scale;
     const double keep = bl.decay ? 1.0 - lr_t * wd : 1.0;
-    const double o = double(X[b * len + x_index(j, rows, cols, tall)]);
+    const double o = load_double(X + b * len + x_index(j, rows, cols, tall));
     double w = double(W[bl.param + j]);
     w *= keep;
     w -= lr_t * scale * o;
@@ -220,11 +210,11 @@ void segment_norms(const float* x, int64_t count, int64_t len, double* partial, 
   K3_CUDA_LAUNCH_CHECK();
 }
 
-// One strided-batched product of the Newton–Schulz iteration (see muon_batch).
-void ns_gemm(gc::GemmContext& ctx, float* y, const void* x, const void* w, bool bf16, int64_t M, int64_t N, int64_t K,
+// One strided-batched pedantic fp32 product of the Newton–Schulz iteration (see muon_batch).
+void ns_gemm(gc::GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
              bool w_in_out, int64_t batch, int64_t stride_x, int64_t stride_w, int64_t stride_y) {
   gc::LinearParams p;
-  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = bf16 ? DType::BF16 : DType::F32;
+  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::F32;
   p.M = M, p.N = N, p.K = K, p.w_in_out = w_in_out;
   p.batch = batch, p.stride_x = stride_x, p.stride_w = stride_w, p.stride_y = stride_y;
   gc::linear_forward(ctx, p);
@@ -237,11 +227,8 @@ CudaOptimizer::CudaOptimizer(const Optimizer& plan, const ParamStore& P, float* 
     : cfg_(plan.config()), plan_(plan.plan()), params_(params), grads_(grads), ctx_(ctx), ns_bf16_(newton_schulz_bf16) {
   const int64_t n_params = int64_t(P.values().size());
   if (n_params > 0 && (!params || !grads)) fail("CudaOptimizer: null params or grads pointer");
-  {
-    OptimizerState s = plan.save_state();  // the header, in the CPU's own words, and the state size
-    header_ = std::move(s.header);
-    state_size_ = int64_t(s.data.size());
-  }
+  header_ = plan.state_header();  // in the CPU's own words
+  state_size_ = plan.state_size();
   // Check the plan against P and collect the AdamW segments and Muon blocks.
   std::vector<AdamSegment> adam;
   std::map<std::pair<int64_t, int64_t>, std::vector<MuonBlock>> by_shape;  // (rows, cols) -> blocks, plan order
@@ -304,15 +291,17 @@ CudaOptimizer::CudaOptimizer(const Optimizer& plan, const ParamStore& P, float* 
   if (!table.empty()) {
     blocks_ = cuda::DeviceBuffer<MuonBlock>(table.data(), table.size());
     x_ = cuda::DeviceBuffer<float>(size_t(max_x));
-    y_ = cuda::DeviceBuffer<float>(size_t(max_x));
-    a_ = cuda::DeviceBuffer<float>(size_t(max_a));
-    b_ = cuda::DeviceBuffer<float>(size_t(max_a));
     partial_ = cuda::DeviceBuffer<double>(size_t(max_partial));
     norm_ = cuda::DeviceBuffer<double>(size_t(max_count));
     if (ns_bf16_) {
       xb_ = cuda::DeviceBuffer<uint16_t>(size_t(max_x));
+      xnb_ = cuda::DeviceBuffer<uint16_t>(size_t(max_x));
       ab_ = cuda::DeviceBuffer<uint16_t>(size_t(max_a));
       bb_ = cuda::DeviceBuffer<uint16_t>(size_t(max_a));
+    } else {
+      y_ = cuda::DeviceBuffer<float>(size_t(max_x));
+      a_ = cuda::DeviceBuffer<float>(size_t(max_a));
+      b_ = cuda::DeviceBuffer<float>(size_t(max_a));
     }
   }
 }
@@ -328,46 +317,79 @@ void CudaOptimizer::step(double step_lr) {
                                                       cfg_.eps, cfg_.weight_decay, bc1, std::sqrt(bc2));
     K3_CUDA_LAUNCH_CHECK();
   }
-  for (const MuonBatch& b : batches_) muon_batch(b, step_lr);
+  for (const MuonBatch& b : batches_) ns_bf16_ ? muon_batch_bf16(b, step_lr) : muon_batch(b, step_lr);
 }
 
 // Newton–Schulz on every block of the batch at once, the CPU's iteration (optimizer.cpp) per block:
 //   X = u/‖u‖_F [r, w];  ns_steps × { A = X·Xᵀ [r, r];  B = b·A + c·A·A;  X ← a·X + B·X }
-// Each product is one strided-batched GEMM over the blocks (block i's operands at i·r·w / i·r·r).
+// Each product is one strided-batched pedantic fp32 GEMM over the blocks (block i's operands at
+// i·r·w / i·r·r); the polynomial's sums in double.
 void CudaOptimizer::muon_batch(const MuonBatch& b, double lr) {
   const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
   const int64_t len = b.rows * b.cols, n = b.count * len, na = b.count * b.r * b.r;
   const MuonBlock* blocks = blocks_.data() + b.first;
   float *X = x_.data(), *Y = y_.data(), *A = a_.data(), *B = b_.data();
-  __nv_bfloat16* Xb = ns_bf16_ ? reinterpret_cast<__nv_bfloat16*>(xb_.data()) : nullptr;
-  __nv_bfloat16* Ab = ns_bf16_ ? reinterpret_cast<__nv_bfloat16*>(ab_.data()) : nullptr;
-  __nv_bfloat16* Bb = ns_bf16_ ? reinterpret_cast<__nv_bfloat16*>(bb_.data()) : nullptr;
-  // The GEMM operands: the fp32 matrices, or their bf16 copies.
-  const void* xo = ns_bf16_ ? static_cast<const void*>(Xb) : X;
-  const void* ao = ns_bf16_ ? static_cast<const void*>(Ab) : A;
-  const void* bo = ns_bf16_ ? static_cast<const void*>(Bb) : B;
 
   muon_momentum_kernel<<<grid_for(n), kThreads>>>(X, state_.data(), grads_, blocks, b.count, b.rows, b.cols, b.tall,
                                                   cfg_.momentum, cfg_.nesterov);
   K3_CUDA_LAUNCH_CHECK();
   segment_norms(X, b.count, len, partial_.data(), norm_.data());
-  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, Xb, norm_.data(), b.count, len);
+  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, nullptr, norm_.data(), b.count, len);
   K3_CUDA_LAUNCH_CHECK();
   const int64_t r = b.r, w = b.w;
   for (int s = 0; s < cfg_.ns_steps; ++s) {
-    ns_gemm(ctx_, A, xo, xo, ns_bf16_, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
-    if (ns_bf16_) {
-      to_bf16_kernel<<<grid_for(na), kThreads>>>(Ab, A, na);
-      K3_CUDA_LAUNCH_CHECK();
-    }
-    ns_gemm(ctx_, B, ao, ao, ns_bf16_, r, r, r, true, b.count, r * r, r * r, r * r);  // B = A·A
-    ns_poly_kernel<<<grid_for(na), kThreads>>>(B, Bb, A, na, cb, cc);                 // B = b·A + c·A·A
+    ns_gemm(ctx_, A, X, X, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
+    ns_gemm(ctx_, B, A, A, r, r, r, true, b.count, r * r, r * r, r * r);   // B = A·A
+    ns_poly_kernel<<<grid_for(na), kThreads>>>(B, A, na, cb, cc);          // B = b·A + c·A·A
     K3_CUDA_LAUNCH_CHECK();
-    ns_gemm(ctx_, Y, bo, xo, ns_bf16_, r, w, r, true, b.count, r * r, r * w, r * w);  // Y = B·X
-    ns_axpy_kernel<<<grid_for(n), kThreads>>>(X, Xb, Y, n, ca);                       // X = a·X + Y
+    ns_gemm(ctx_, Y, B, X, r, w, r, true, b.count, r * r, r * w, r * w);  // Y = B·X
+    ns_axpy_kernel<<<grid_for(n), kThreads>>>(X, Y, n, ca);               // X = a·X + Y
     K3_CUDA_LAUNCH_CHECK();
   }
   muon_update_kernel<<<grid_for(n), kThreads>>>(params_, X, blocks, b.count, b.rows, b.cols, b.tall, lr,
+                                                cfg_.weight_decay, b.scale);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
+// The same iteration on bf16 matrices (optimizer_cuda.h): per step
+//   A = X·Xᵀ;  B = c·A·A + b·A (B starts as a copy of A: cuBLAS's C);  X' = B·X + a·X (X' starts as X)
+// each one strided-batched GEMM with fp32 accumulation and a bf16 result; X and X' alternate between
+// xb_ and xnb_.
+void CudaOptimizer::muon_batch_bf16(const MuonBatch& b, double lr) {
+  const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
+  const int64_t len = b.rows * b.cols, n = b.count * len, na = b.count * b.r * b.r;
+  const MuonBlock* blocks = blocks_.data() + b.first;
+  float* X = x_.data();
+  __nv_bfloat16* Xc = reinterpret_cast<__nv_bfloat16*>(xb_.data());
+  __nv_bfloat16* Xn = reinterpret_cast<__nv_bfloat16*>(xnb_.data());
+  __nv_bfloat16* A = reinterpret_cast<__nv_bfloat16*>(ab_.data());
+  __nv_bfloat16* B = reinterpret_cast<__nv_bfloat16*>(bb_.data());
+
+  muon_momentum_kernel<<<grid_for(n), kThreads>>>(X, state_.data(), grads_, blocks, b.count, b.rows, b.cols, b.tall,
+                                                  cfg_.momentum, cfg_.nesterov);
+  K3_CUDA_LAUNCH_CHECK();
+  segment_norms(X, b.count, len, partial_.data(), norm_.data());
+  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, Xc, norm_.data(), b.count, len);
+  K3_CUDA_LAUNCH_CHECK();
+  const int64_t r = b.r, w = b.w;
+  auto product = [&](__nv_bfloat16* y, const void* x, const void* wt, int64_t M, int64_t N, int64_t K, bool w_in_out,
+                     int64_t sx, int64_t sw, int64_t sy, double alpha, double beta) {
+    gc::LinearParams p;
+    p.y = y, p.y_type = DType::BF16, p.x = x, p.w = wt, p.in_type = DType::BF16;
+    p.M = M, p.N = N, p.K = K, p.w_in_out = w_in_out;
+    p.batch = b.count, p.stride_x = sx, p.stride_w = sw, p.stride_y = sy;
+    p.alpha = float(alpha), p.beta = float(beta), p.accumulate = beta != 0.0;
+    gc::linear_forward(ctx_, p);
+  };
+  for (int s = 0; s < cfg_.ns_steps; ++s) {
+    product(A, Xc, Xc, r, r, w, false, r * w, r * w, r * r, 1.0, 0.0);  // A = X·Xᵀ
+    cuda::copy_on_device(B, A, size_t(na) * sizeof(__nv_bfloat16));
+    product(B, A, A, r, r, r, true, r * r, r * r, r * r, cc, cb);  // B = c·A·A + b·A
+    cuda::copy_on_device(Xn, Xc, size_t(n) * sizeof(__nv_bfloat16));
+    product(Xn, B, Xc, r, w, r, true, r * r, r * w, r * w, 1.0, ca);  // X' = B·X + a·X
+    std::swap(Xc, Xn);
+  }
+  muon_update_kernel<<<grid_for(n), kThreads>>>(params_, Xc, blocks, b.count, b.rows, b.cols, b.tall, lr,
                                                 cfg_.weight_decay, b.scale);
   K3_CUDA_LAUNCH_CHECK();
 }

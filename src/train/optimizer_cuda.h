@@ -16,8 +16,13 @@
 //   GEMM per Newton–Schulz product. A block is transposed on the way in when it is tall, as the CPU
 //   does, so the Gram matrix A = XXᵀ is the small one. The Frobenius norm of each block is a
 //   deterministic two-pass sum of squares in double; a zero block gives a zero update (the CPU's exact
-//   zero test). The GEMMs are pedantic fp32 (TF32 off), or with `newton_schulz_bf16` bf16 operands
-//   with fp32 accumulation (X, A and B rounded to bf16 for the products; X itself is kept in fp32).
+//   zero test). The GEMMs are pedantic fp32 (TF32 off), with X, A and B kept in fp32 between them and
+//   the polynomial's sums in double. With `newton_schulz_bf16` the iteration runs as Muon is usually
+//   run, on bf16 matrices: X, A and B are stored in bf16 and every product has fp32 accumulation, with
+//   the polynomial's terms in cuBLAS's epilogue (B = c·A·A + b·A, X ← B·X + a·X, in fp32 before the
+//   rounding to bf16). That moves no fp32 matrix through memory between the products; against the
+//   fp32 path it adds one bf16 rounding of A and X inside the sums, the size of the rounding of the
+//   operands that bf16 products have anyway.
 // * Every reduction is in a fixed order (no floating-point atomics): results are bitwise identical
 //   run to run.
 // Device pointers; the default stream; no host synchronisation inside step() or clip_grad_norm_cuda.
@@ -81,7 +86,8 @@ class CudaOptimizer {
   void load_state(const OptimizerState& s);
 
  private:
-  void muon_batch(const MuonBatch& b, double lr);
+  void muon_batch(const MuonBatch& b, double lr);       // fp32 Newton–Schulz
+  void muon_batch_bf16(const MuonBatch& b, double lr);  // bf16 Newton–Schulz (newton_schulz_bf16)
 
   OptimizerConfig cfg_;
   std::vector<ParamPlan> plan_;
@@ -101,8 +107,9 @@ class CudaOptimizer {
   // Muon: blocks grouped by shape into batches (a block table on the device) and the Newton–Schulz scratch.
   std::vector<MuonBatch> batches_;
   cuda::DeviceBuffer<MuonBlock> blocks_;       // every Muon block, batch by batch
-  cuda::DeviceBuffer<float> x_, y_, a_, b_;    // X, Y [n·r·w]; A, B [n·r·r]
-  cuda::DeviceBuffer<uint16_t> xb_, ab_, bb_;  // bf16 operands (newton_schulz_bf16)
+  cuda::DeviceBuffer<float> x_;                // [n·r·w] the momentum direction, normalised (fp32)
+  cuda::DeviceBuffer<float> y_, a_, b_;        // fp32 Newton–Schulz: Y [n·r·w]; A, B [n·r·r]
+  cuda::DeviceBuffer<uint16_t> xb_, xnb_, ab_, bb_;  // bf16 Newton–Schulz: X, next X [n·r·w]; A, B [n·r·r]
   cuda::DeviceBuffer<double> partial_, norm_;  // Frobenius norm: partial sums, per block
 };
 

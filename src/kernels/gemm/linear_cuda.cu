@@ -179,6 +179,7 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
                 ld_y = p.ld_y ? p.ld_y : p.N;
   const size_t ysz = dtype_size(p.y_type);
   if (p.K == 0) {  // empty sum: y = 0, or unchanged when accumulating
+    if (p.accumulate && p.beta != 1.0f) fail("linear (cuda): K = 0 with beta != 1 is not supported");
     if (!p.accumulate)
       for (int64_t b = 0; b < p.batch; ++b)
         K3_CUDA_CHECK(cudaMemset2D(static_cast<char*>(p.y) + b * p.stride_y * int64_t(ysz), size_t(ld_y) * ysz, 0,
@@ -186,7 +187,7 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
     return;
   }
   GemmContext::Impl& c = ctx.impl();
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  const float alpha = p.alpha, beta = p.accumulate ? p.beta : 0.0f;
   const int m = int(p.N), n = int(p.M), k = int(p.K);
 
   if (p.batch > 1 || p.w_in_out) {  // column-major: yᵀ[N, M] = op(W)·xᵀ, op = T for [N, K], N for [K, N]

@@ -51,6 +51,9 @@ struct LinearParams {
   DType in_type = DType::BF16;  // of x and W
   int64_t M = 0, N = 0, K = 0;
   bool accumulate = false;  // y += x·Wᵀ (y is read in y_type) instead of y = x·Wᵀ
+  // y = alpha·x·Wᵀ (+ beta·y with accumulate), in fp32 before y is rounded: cuBLAS's own epilogue (the
+  // Newton–Schulz polynomial's coefficients). Not with K = 0 unless alpha = beta = 1.
+  float alpha = 1.0f, beta = 1.0f;
   GemmBackend backend = GemmBackend::Auto;
   // W stored [K, N] (ld_w >= N) instead of [N, K]: y = x·W. MLA's weight absorption reads W_kb that way.
   bool w_in_out = false;

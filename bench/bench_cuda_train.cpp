@@ -4,10 +4,12 @@
 //
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
-//                          [--run TOKENS:SEQ_LEN[:recompute] ...]
+//                          [--run TOKENS:SEQ_LEN[:recompute][:mbN] ...] [--micro-batch-tokens N]
 // Each --run is one measurement on the same random parameters (drawn once per config, on every host
 // thread: RandomInitOptions::parallel_streams); without --run, one run of --tokens, --seq-len and
-// --recompute.
+// --recompute. ":mbN" (or --micro-batch-tokens N for every run) runs each step in passes of at most N
+// tokens (gradient accumulation, train_device.h): steps of many tokens, over which Muon's Newton–Schulz
+// amortises as it does at the batch sizes models are trained with.
 //
 // MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
 //   6 · N_active · tokens                                    (every GEMM, forward + backward)
@@ -79,24 +81,36 @@ double step_flops(const K3Config& c, int64_t tokens, int64_t seq_len) {
 struct Run {
   int64_t tokens, seq_len;
   bool recompute;
+  int64_t micro_batch_tokens = 0;
 };
 
-Run parse_run(const std::string& s) {
+Run parse_run(const std::string& s, int64_t micro_batch_tokens) {
   long long t = 0, l = 0;
   int used = 0;
-  const bool nums = std::sscanf(s.c_str(), "%lld:%lld%n", &t, &l, &used) == 2;
-  const std::string rest = nums ? s.substr(size_t(used)) : "";
-  if (!nums || t <= 0 || l <= 0 || t % l != 0 || (!rest.empty() && rest != ":recompute"))
-    fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute] with SEQ_LEN dividing TOKENS");
-  return Run{t, l, !rest.empty()};
+  bool ok = std::sscanf(s.c_str(), "%lld:%lld%n", &t, &l, &used) == 2 && t > 0 && l > 0 && t % l == 0;
+  Run r{t, l, false, micro_batch_tokens};
+  std::string rest = ok ? s.substr(size_t(used)) : "";
+  while (ok && !rest.empty()) {  // ":recompute" and ":mbN", in either order
+    long long mb = 0;
+    int n = 0;
+    if (rest.rfind(":recompute", 0) == 0) r.recompute = true, rest = rest.substr(10);
+    else if (std::sscanf(rest.c_str(), ":mb%lld%n", &mb, &n) == 1 && mb > 0)
+      r.micro_batch_tokens = mb, rest = rest.substr(size_t(n));
+    else ok = false;
+  }
+  if (!ok) fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute][:mbN] with SEQ_LEN dividing TOKENS, N > 0");
+  return r;
 }
 
 void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P, const Optimizer& plan,
                const Run& run, GpuPrecision precision, int steps) {
   const int64_t tokens = run.tokens, seq_len = run.seq_len;
   const bool recompute = run.recompute;
-  const std::unique_ptr<TrainDevice> device =
-      make_cuda_train_device(P, c, plan, BalanceOptions{}, precision, recompute);
+  CudaTrainOptions options;
+  options.precision = precision, options.recompute = recompute, options.micro_batch_tokens = run.micro_batch_tokens;
+  const std::unique_ptr<TrainDevice> device = make_cuda_train_device(P, c, plan, BalanceOptions{}, options);
+  const std::string passes =
+      run.micro_batch_tokens > 0 ? " in passes of " + std::to_string(run.micro_batch_tokens) : std::string();
 
   std::mt19937_64 rng(3);
   auto batch = [&] {
@@ -105,9 +119,9 @@ void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P,
       for (auto& t : s) t = int32_t(rng() % uint64_t(c.vocab_size));
     return b;
   };
-  std::printf("%s: %.3g parameters, %.3g active per token; %s; %lld tokens per step in sequences of %lld%s\n",
+  std::printf("%s: %.3g parameters, %.3g active per token; %s; %lld tokens per step in sequences of %lld%s%s\n",
               config_path.c_str(), double(P.values().size()), active_params(c), gpu_precision_name(precision),
-              (long long)tokens, (long long)seq_len, recompute ? "; recomputation" : "");
+              (long long)tokens, (long long)seq_len, passes.c_str(), recompute ? "; recomputation" : "");
   double total = 0, loss = 0;
   for (int s = 0; s <= steps; ++s) {
     const auto b = batch();
@@ -127,9 +141,9 @@ void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P,
   size_t free_b = 0, total_b = 0;
   cuda::memory_info(&free_b, &total_b);
   const double mfu = step_flops(c, tokens, seq_len) / per_step / kPeakBf16;
-  std::printf("| %s | %s%s | %lld x %lld | %.1f ms | %.0f tok/s | %.1f GiB | %.1f%% |\n", config_path.c_str(),
+  std::printf("| %s | %s%s | %lld x %lld%s | %.1f ms | %.0f tok/s | %.1f GiB | %.1f%% |\n", config_path.c_str(),
               gpu_precision_name(precision), recompute ? " recompute" : "", (long long)(tokens / seq_len),
-              (long long)seq_len, per_step * 1e3, double(tokens) / per_step,
+              (long long)seq_len, passes.c_str(), per_step * 1e3, double(tokens) / per_step,
               double(total_b - free_b) / double(1 << 30), 100 * mfu);
 }
 
@@ -163,6 +177,7 @@ int main(int argc, char** argv) {
   std::string precision = "bf16";
   int steps = 4;
   bool recompute = false;
+  int64_t micro_batch_tokens = 0;
   std::vector<std::string> run_specs;
   app.add_option("--config", configs, "model config.json (repeatable)")->required();
   app.add_option("--tokens", tokens, "tokens per step")->capture_default_str();
@@ -171,17 +186,21 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_flag("--recompute", recompute, "recompute every layer's blocks in the backward");
   app.add_option("--run", run_specs,
-                 "TOKENS:SEQ_LEN[:recompute], repeatable: several runs on one initialisation (replaces --tokens, "
-                 "--seq-len and --recompute)");
+                 "TOKENS:SEQ_LEN[:recompute][:mbN], repeatable: several runs on one initialisation (replaces "
+                 "--tokens, --seq-len and --recompute; mbN: passes of at most N tokens)");
+  app.add_option("--micro-batch-tokens", micro_batch_tokens,
+                 "passes of at most this many tokens per step, gradients summed (0: one pass)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it is measured, also into a pipe
   try {
     std::vector<Run> runs;
-    for (const std::string& r : run_specs) runs.push_back(parse_run(r));
+    for (const std::string& r : run_specs) runs.push_back(parse_run(r, micro_batch_tokens));
     if (runs.empty()) {
       if (tokens <= 0 || seq_len <= 0 || tokens % seq_len != 0)
         fail("--tokens ", tokens, " and --seq-len ", seq_len, ": positive, and the length must divide the tokens");
-      runs.push_back(Run{tokens, seq_len, recompute});
+      runs.push_back(Run{tokens, seq_len, recompute, micro_batch_tokens});
     }
     const GpuPrecision p = parse_gpu_precision(precision, "--precision");
     std::string why;

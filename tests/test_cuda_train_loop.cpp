@@ -51,6 +51,24 @@ TEST(CudaTrainLoop, F32FollowsTheFloat64Run) {
   }
 }
 
+// Gradient accumulation: the same steps run in passes of one 32-token sequence (the 64-token stage's
+// sequences are passes of their own) sum the same gradients, up to the order of the fp32 sums.
+TEST(CudaTrainLoop, MicroBatchesFollowTheWholeStep) {
+  K3_REQUIRE_GPU();
+  Corpus c;
+  const std::string whole = c.dir.file("whole"), passes = c.dir.file("passes");
+  ASSERT_EQ(run_k3(with(train_args(c, whole), kGpuF32)).status, 0);
+  const k3test::Outcome r = run_k3(with(with(train_args(c, passes), kGpuF32), {"--micro-batch-tokens", "32"}));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("micro-batches of 32 tokens"), std::string::npos) << r.output;
+  const std::vector<double> want = losses(whole), got = losses(passes);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    std::printf("step %zu: one pass %.7f, passes of 32 tokens %.7f\n", i + 1, want[i], got[i]);
+    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+  }
+}
+
 TEST(CudaTrainLoop, Bf16Learns) {
   K3_REQUIRE_GPU();
   Corpus c;

@@ -16,6 +16,7 @@
 #include "model/training/ffn_block.h"
 #include "model/training/model_train.h"
 #include "train/grad_lanes.h"
+#include "train/train_device.h"
 #include "util/fixture.h"
 
 using namespace k3;
@@ -176,4 +177,21 @@ TEST(GradLanes, ALaneReadsItsBaseAndCannotWriteIt) {
   EXPECT_THROW(lane.p_mut("w"), Error);
   EXPECT_THROW(lane.add("v", {1}), Error);
   EXPECT_THROW(GradLanes(P, 0), Error);
+}
+
+// The GPU trainer's micro-batches (train_device.h): consecutive, in order, every piece once, none
+// over the limit unless it is longer than the limit by itself.
+TEST(MicroBatches, CoverThePiecesInOrderWithinTheLimit) {
+  using Runs = std::vector<std::pair<size_t, size_t>>;
+  auto pieces = [](const std::vector<size_t>& lens) {
+    std::vector<std::vector<int32_t>> p;
+    for (size_t n : lens) p.emplace_back(n, 1);
+    return p;
+  };
+  EXPECT_EQ(micro_batches(pieces({}), 8), Runs{});
+  EXPECT_EQ(micro_batches(pieces({4, 4, 4}), 0), (Runs{{0, 3}}));
+  EXPECT_EQ(micro_batches(pieces({4, 4, 4}), 8), (Runs{{0, 2}, {2, 3}}));
+  EXPECT_EQ(micro_batches(pieces({4, 4, 4}), 7), (Runs{{0, 1}, {1, 2}, {2, 3}}));
+  EXPECT_EQ(micro_batches(pieces({3, 9, 2, 2, 5}), 4), (Runs{{0, 1}, {1, 2}, {2, 4}, {4, 5}}));
+  EXPECT_EQ(micro_batches(pieces({4, 4, 4}), 100), (Runs{{0, 3}}));
 }

@@ -172,6 +172,16 @@ TEST(TrainLoop, BadOptionsAreClearErrors) {
   r = run_k3(args);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--precision is for --device cuda"), std::string::npos) << r.output;
+  args = train_args(c, c.dir.file("m"));
+  args.insert(args.end(), {"--micro-batch-tokens", "64"});
+  r = run_k3(args);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--micro-batch-tokens is for --device cuda"), std::string::npos) << r.output;
+  args = train_args(c, c.dir.file("m2"));
+  args.insert(args.end(), {"--device", "cuda", "--micro-batch-tokens", "-5"});
+  r = run_k3(args);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--micro-batch-tokens"), std::string::npos) << r.output;
   args = train_args(c, c.dir.file("d"));
   args.insert(args.end(), {"--device", "gpu"});
   r = run_k3(args);

@@ -105,18 +105,26 @@ void register_train(CLI::App& app) {
                   "gradients, optimizer state, norms, softmaxes, router and KDA state) or f32 (everything fp32, "
                   "TF32 off: the parity mode). The CPU trains in float64")
       ->check(CLI::IsMember({"bf16", "f32"}));
-  sub->add_flag("--recompute", o->recompute,
+  sub->add_flag("--recompute", o->cuda.recompute,
                 "cuda only: recompute each layer's attention and FFN in the backward instead of keeping their "
                 "activations (the same results; for long sequences)");
+  sub->add_option("--micro-batch-tokens", o->cuda.micro_batch_tokens,
+                  "cuda only: run each step's sequences in passes of at most this many tokens and sum their "
+                  "gradients before the update (gradient accumulation: steps larger than one pass's activations "
+                  "fit; a longer sequence is a pass of its own). 0: the whole step in one pass")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite,
                 "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance, sequential, device, precision] {
     o->shuffle = !*sequential;
     o->gpu = *device == "cuda";
-    if (o->recompute && !o->gpu) fail("--recompute is for --device cuda (the CPU trainer keeps every activation)");
+    if (o->cuda.recompute && !o->gpu) fail("--recompute is for --device cuda (the CPU trainer keeps every activation)");
+    if (o->cuda.micro_batch_tokens > 0 && !o->gpu)
+      fail("--micro-batch-tokens is for --device cuda (the CPU trainer runs a step's sequences on --grad-lanes)");
     if (!precision->empty()) {
       if (!o->gpu) fail("--precision ", *precision, ": the CPU trains in float64; --precision is for --device cuda");
-      o->gpu_precision = parse_gpu_precision(*precision, "--precision");
+      o->cuda.precision = parse_gpu_precision(*precision, "--precision");
     }
     if (!stages->empty()) o->stages = train::parse_stages(*stages);
     o->balance.method = train::parse_balance_method(*balance);

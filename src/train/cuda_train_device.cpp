@@ -16,12 +16,13 @@ namespace {
 class CudaTrainDevice final : public TrainDevice {
  public:
   CudaTrainDevice(ParamStore& P, const K3Config& c, const Optimizer& optimizer, const BalanceOptions& balance,
-                  GpuPrecision precision, bool recompute)
+                  const CudaTrainOptions& options)
       : P_(P),
         c_(c),
-        model_(CudaTrainModel::create(c, P, precision)),
+        opt_(options),
+        model_(CudaTrainModel::create(c, P, options.precision)),
         optimizer_(optimizer, P, model_->values_device(), model_->grads_device(), model_->gemm(),
-                   precision == GpuPrecision::BF16),
+                   options.precision == GpuPrecision::BF16),
         norm_(1),
         nonfinite_(1),
         workspace_(clip_grad_norm_workspace_bytes(model_->numel())) {
@@ -31,20 +32,22 @@ class CudaTrainDevice final : public TrainDevice {
       if (!bias[l].empty())
         bal_[l] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance, bias[l]);
     hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
-    if (recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
-    recompute_ = recompute;
+    if (options.recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
   }
 
   std::string describe() const override {
-    return std::string("cuda (") + gpu_precision_name(model_->precision()) +
-           (recompute_ ? ", activations recomputed, " : ", ") + cuda::device_summary() + ")";
+    std::string d = std::string("cuda (") + gpu_precision_name(model_->precision());
+    if (opt_.recompute) d += ", activations recomputed";
+    if (opt_.micro_batch_tokens > 0) d += ", micro-batches of " + std::to_string(opt_.micro_batch_tokens) + " tokens";
+    return d + ", " + cuda::device_summary() + ")";
   }
 
+  // Every micro-batch adds its gradient to the buffer and its router scores to the balancers.
   double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
     model_->zero_grads();
     GpuStepHooks hooks = hooks_;
     hooks.on_router_scores = [this](int64_t l, const float* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); };
-    return model_->loss(pieces, true, grad_scale, &hooks);
+    return over_micro_batches(pieces, [&](const auto& mb) { return model_->loss(mb, true, grad_scale, &hooks); });
   }
 
   double clip(double max_norm, std::string* bad) override {
@@ -88,7 +91,7 @@ class CudaTrainDevice final : public TrainDevice {
   }
 
   double forward_loss(const std::vector<std::vector<int32_t>>& pieces) override {
-    return model_->loss(pieces, false, 0.0, &hooks_);
+    return over_micro_batches(pieces, [&](const auto& mb) { return model_->loss(mb, false, 0.0, &hooks_); });
   }
 
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
@@ -112,13 +115,25 @@ class CudaTrainDevice final : public TrainDevice {
   }
 
  private:
+  // Σ of f over the micro-batches of `pieces` (the losses summed on the host in micro-batch order).
+  template <class F>
+  double over_micro_batches(const std::vector<std::vector<int32_t>>& pieces, F&& f) {
+    const auto runs = micro_batches(pieces, opt_.micro_batch_tokens);
+    if (runs.size() == 1) return f(pieces);
+    double loss = 0;
+    for (const auto& [begin, end] : runs)
+      loss += f(std::vector<std::vector<int32_t>>(pieces.begin() + std::ptrdiff_t(begin),
+                                                  pieces.begin() + std::ptrdiff_t(end)));
+    return loss;
+  }
+
   ParamStore& P_;
   const K3Config& c_;
+  CudaTrainOptions opt_;
   std::unique_ptr<CudaTrainModel> model_;
   CudaOptimizer optimizer_;
   std::vector<std::unique_ptr<CudaQuantileBalancer>> bal_;
   GpuStepHooks hooks_;
-  bool recompute_ = false;
   cuda::DeviceBuffer<double> norm_;
   cuda::DeviceBuffer<int64_t> nonfinite_;
   cuda::DeviceBuffer<uint8_t> workspace_;
@@ -127,9 +142,9 @@ class CudaTrainDevice final : public TrainDevice {
 }  // namespace
 
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
-                                                    const BalanceOptions& balance, GpuPrecision precision,
-                                                    bool recompute) {
-  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, precision, recompute);
+                                                    const BalanceOptions& balance, const CudaTrainOptions& options) {
+  if (options.micro_batch_tokens < 0) fail("GPU training: micro_batch_tokens must be >= 0");
+  return std::make_unique<CudaTrainDevice>(P, c, optimizer, balance, options);
 }
 
 }  // namespace k3::train
@@ -138,7 +153,7 @@ std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Confi
 
 namespace k3::train {
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore&, const K3Config&, const Optimizer&,
-                                                    const BalanceOptions&, GpuPrecision, bool) {
+                                                    const BalanceOptions&, const CudaTrainOptions&) {
   fail(
       "GPU training cannot start: this k3 was built without the CUDA backend (nvcc not found at build time, or "
       "-DK3_CUDA=OFF)");

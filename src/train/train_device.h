@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -48,12 +49,30 @@ class TrainDevice {
 std::unique_ptr<TrainDevice> make_cpu_train_device(ParamStore& P, const K3Config& c, Optimizer& optimizer,
                                                    const BalanceOptions& balance, int64_t lanes);
 
+// How the GPU trainer runs a step.
+struct CudaTrainOptions {
+  GpuPrecision precision = GpuPrecision::BF16;
+  // Recompute every layer's attention and FFN blocks in the backward (CudaTrainModel::set_recompute).
+  bool recompute = false;
+  // > 0: a step's sequences run in micro-batches of at most this many tokens (micro_batches), their
+  // gradients summed on the device before the one update: gradient accumulation, for steps larger
+  // than the activations of one pass can hold. 0: the whole step in one pass. The same step either
+  // way, up to the order of the fp32 sums.
+  int64_t micro_batch_tokens = 0;
+};
+
 // The GPU trainer (train/cuda_train_device.cpp): P's values are uploaded, and `optimizer` (built on
 // P) gives the update plan and the state format. Throws k3::Error when the build has no CUDA
 // backend or there is no usable GPU.
 std::unique_ptr<TrainDevice> make_cuda_train_device(ParamStore& P, const K3Config& c, const Optimizer& optimizer,
-                                                    const BalanceOptions& balance, GpuPrecision precision,
-                                                    bool recompute);
+                                                    const BalanceOptions& balance, const CudaTrainOptions& options);
+
+// The micro-batches of a step: consecutive runs [begin, end) of `pieces`, in order, each of at most
+// max_tokens tokens, except that a piece longer than max_tokens is a micro-batch of its own.
+// max_tokens <= 0: one run of every piece. No piece is split (attention and the KDA state never
+// cross a micro-batch).
+std::vector<std::pair<size_t, size_t>> micro_batches(const std::vector<std::vector<int32_t>>& pieces,
+                                                     int64_t max_tokens);
 
 // Each MoE layer's selection bias as P holds it (e_score_correction_bias), empty for the other layers:
 // where a run's balancers start.

@@ -270,9 +270,8 @@ TrainResult train(const TrainOptions& opt) {
     lanes = std::max<int64_t>(1, fit);
   }
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
-  const std::unique_ptr<TrainDevice> device =
-      opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.gpu_precision, opt.recompute)
-              : make_cpu_train_device(P, c, optimizer, opt.balance, lanes);
+  const std::unique_ptr<TrainDevice> device = opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.cuda)
+                                                      : make_cpu_train_device(P, c, optimizer, opt.balance, lanes);
   if (!resume_dir.empty()) {
     try {
       device->load_state(resume_optimizer, resume_balancers);

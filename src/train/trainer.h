@@ -16,6 +16,7 @@
 
 #include "model/cuda/cuda_model.h"
 #include "train/quantile_balance.h"
+#include "train/train_device.h"
 
 namespace k3::train {
 
@@ -47,13 +48,11 @@ struct TrainOptions {
   // buffers. 0: the OpenMP thread count for a new run, the saved count for a resumed one (so that it
   // sums in the same order and resumes exactly).
   int64_t grad_lanes = 0;
-  // Where the steps run: the CPU in float64 (default), or one GPU (train/train_device.h) in
-  // gpu_precision (BF16: bf16 GEMM operands, fp32 everything else; F32: the parity mode).
+  // Where the steps run: the CPU in float64 (default), or one GPU (train/train_device.h) with
+  // `cuda`'s precision (BF16: bf16 GEMM operands, fp32 everything else; F32: the parity mode),
+  // recomputation and micro-batches.
   bool gpu = false;
-  GpuPrecision gpu_precision = GpuPrecision::BF16;
-  // GPU only: recompute every layer's attention and FFN blocks in the backward instead of keeping
-  // their activations (CudaTrainModel::set_recompute); the same results, less memory.
-  bool recompute = false;
+  CudaTrainOptions cuda;
   bool skip_nonfinite = false;  // skip a step with a NaN/Inf loss or gradient (default: stop)
   int64_t save_every = 50;      // steps; a checkpoint is also written at the end
   int64_t log_every = 1;

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <string>
 
+#include <sys/mman.h>
+
 #include "core/error.h"
 
 namespace k3 {
@@ -64,6 +66,15 @@ void require_memory(uint64_t bytes, const std::string& what) {
   const uint64_t avail = available_memory_bytes();
   if (bytes > avail)
     fail(what, " needs ", format_bytes(bytes), " of memory, but only ", format_bytes(avail), " is available");
+}
+
+void advise_huge_pages(void* p, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+#ifdef MADV_HUGEPAGE
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
+#endif
 }
 
 }  // namespace k3

@@ -5,6 +5,7 @@
 // rank, --grad-lanes, a config's parameter count, a file read whole) is estimated and checked
 // here before it is allocated.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -23,5 +24,11 @@ inline uint64_t saturated_bytes(double bytes) { return bytes >= 0x1p64 ? UINT64_
 // Throws k3::Error "<what> needs N of memory, but only M is available" when bytes exceed
 // available_memory_bytes().
 void require_memory(uint64_t bytes, const std::string& what);
+
+// Asks the kernel to back [p, p + bytes) with transparent huge pages (madvise MADV_HUGEPAGE, on the
+// 2 MiB-aligned part; a no-op where unsupported). For buffers of gigabytes written once: with 4 KiB
+// pages the first touch of each page is a fault, and at billions of parameters those faults cost
+// more than the writes themselves.
+void advise_huge_pages(void* p, size_t bytes);
 
 }  // namespace k3

@@ -6,6 +6,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/finite.h"
+#include "core/memory.h"
 #include "core/splitmix.h"
 #include "io/safetensors.h"
 
@@ -40,6 +41,8 @@ void ParamStore::add(const std::string& name, const std::vector<int64_t>& shape)
 void ParamStore::reserve(int64_t total) {
   values_.reserve(size_t(total));
   grads_.reserve(size_t(total));
+  advise_huge_pages(values_.data(), values_.capacity() * sizeof(double));
+  advise_huge_pages(grads_.data(), grads_.capacity() * sizeof(double));
 }
 
 const ParamStore::Entry& ParamStore::entry(const std::string& name, int64_t numel) const {

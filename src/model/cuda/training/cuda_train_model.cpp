@@ -175,13 +175,14 @@ class CudaTrainBackend {
     const int64_t V = c_.vocab_size;
     chunk_ = std::max<int64_t>(1, std::min<int64_t>(V, kLogitBudget / std::max<int64_t>(N_, 1)));
     lse_ = t_.take<float>(N_);
+    xn16_ = bf16_operand(t_, final_.xn, N_, D_);  // every chunk's operand, forward and backward
     const DeviceArena::Mark m = t_.arena.mark();
     float *mx = t_.take<float>(N_), *sm = t_.take<float>(N_), *tl = t_.take<float>(N_);
     float* logits = t_.take<float>(N_ * chunk_);
     loss::cuda::ce_init(mx, sm, tl, N_);
     for (int64_t v0 = 0; v0 < V; v0 += chunk_) {
       const int64_t vc = std::min(chunk_, V - v0);
-      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, head_rows(v0, vc));
+      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, head_rows(v0, vc), false, xn16_);
       loss::cuda::ce_chunk_update(mx, sm, tl, logits, chunk_, t_.batch.targets, N_, v0, vc);
     }
     void* ws = t_.arena.take_bytes(loss::cuda::ce_finish_workspace_bytes(N_));
@@ -204,9 +205,9 @@ class CudaTrainBackend {
     for (int64_t v0 = 0; v0 < V; v0 += chunk_) {
       const int64_t vc = std::min(chunk_, V - v0);
       const TrainParam W = head_rows(v0, vc);
-      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, W);
+      train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, W, false, xn16_);
       loss::cuda::ce_chunk_grad(logits, chunk_, lse_, t_.batch.targets, float(grad_scale_), N_, v0, vc);
-      train_linear_backward(t_, dxn_, D_, v0 > 0, logits, chunk_, final_.xn, D_, N_, W);
+      train_linear_backward(t_, dxn_, D_, v0 > 0, logits, chunk_, final_.xn, D_, N_, W, xn16_);
     }
     t_.arena.rewind(m);
   }
@@ -333,6 +334,7 @@ class CudaTrainBackend {
   std::vector<float*> node_, dnode_;
   float* out_ = nullptr;
   float *lse_ = nullptr, *dxn_ = nullptr, *dh_ = nullptr, *dq_ = nullptr;
+  const uint16_t* xn16_ = nullptr;  // the final norm's output in bf16 (BF16 mode): the lm_head chunks' operand
   int64_t chunk_ = 0;
   const double grad_scale_;
   const int32_t *runs_order_ = nullptr, *runs_start_ = nullptr, *runs_id_ = nullptr;

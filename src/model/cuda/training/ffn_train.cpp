@@ -20,12 +20,13 @@ namespace k3::gpu {
 
 // ---- GLU MLP ------------------------------------------------------------------------------------
 void glu_train_forward(TrainCtx& t, const TrainParam& gate, const TrainParam& up, const TrainParam& down,
-                       const float* x, int64_t N, float* out, GluTrainTape& tp) {
+                       const float* x, int64_t N, float* out, GluTrainTape& tp, const uint16_t* x16) {
   const int64_t I = gate.rows;
   tp.x = x, tp.N = N, tp.I = I;
+  tp.x16 = x16 ? x16 : bf16_operand(t, x, N, gate.cols);
   tp.g = t.take<float>(N * I), tp.u = t.take<float>(N * I), tp.h = t.take<float>(N * I);
-  train_linear_forward(t, tp.g, x, N, gate);
-  train_linear_forward(t, tp.u, x, N, up);
+  train_linear_forward(t, tp.g, x, N, gate, tp.x16);
+  train_linear_forward(t, tp.u, x, N, up, tp.x16);
   ffn::cuda::glu_forward(tp.h, tp.g, tp.u, N * I, glu_params(t.c));
   train_linear_forward(t, out, tp.h, N, down);
 }
@@ -37,8 +38,8 @@ void glu_train_backward(TrainCtx& t, const TrainParam& gate, const TrainParam& u
   float *dg = t.take<float>(N * I), *du = t.take<float>(N * I);
   train_linear_backward(t, dg, false, dy, tp.h, N, down);  // dg holds dh
   ffn::cuda::glu_backward_train(dg, du, dg, tp.g, tp.u, N * I, glu_params(t.c));
-  train_linear_backward(t, dx, false, dg, tp.x, N, gate);
-  train_linear_backward(t, dx, true, du, tp.x, N, up);
+  train_linear_backward(t, dx, false, dg, tp.x, N, gate, tp.x16);
+  train_linear_backward(t, dx, true, du, tp.x, N, up, tp.x16);
   t.arena.rewind(mark);
 }
 
@@ -65,6 +66,7 @@ void dense_train_backward(TrainCtx& t, int64_t layer, const GluTrainTape& tp, co
 // ---- Stable LatentMoE ---------------------------------------------------------------------------
 struct MoeTrainTape {
   const float* x = nullptr;
+  const uint16_t* x16 = nullptr;  // BF16 mode: x's bf16 copy (router, latent down, shared experts)
   int64_t N = 0, E = 0, K = 0, L = 0, I = 0;
   moe::cuda::TrainDispatch* dispatch = nullptr;  // owned by the model (reused across steps)
   int32_t* idx = nullptr;                        // [N, K]
@@ -143,6 +145,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
   const int64_t S = N * K;
   tp.x = x, tp.N = N, tp.E = E, tp.K = K, tp.L = L, tp.dispatch = &dispatch;
+  tp.x16 = bf16_operand(t, x, N, c.hidden_size);
 
   // 1. Router on the full-width x̂ (the logits are scratch).
   tp.idx = t.take<int32_t>(N * K), tp.weight = t.take<float>(N * K), tp.scores = t.take<float>(N * E);
@@ -150,13 +153,13 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   {
     const DeviceArena::Mark m = t.arena.mark();
     float* logits = t.take<float>(N * E);
-    train_linear_forward(t, logits, x, N, W.router);
+    train_linear_forward(t, logits, x, N, W.router, tp.x16);
     moe::cuda::router_forward_train(tp.idx, tp.weight, tp.scores, tp.sel_sum, logits, router_bias, N, router_params(c));
     t.arena.rewind(m);
   }
   // 2. Latent down-projection.
   tp.z = t.take<float>(N * L);
-  train_linear_forward(t, tp.z, x, N, W.down);
+  train_linear_forward(t, tp.z, x, N, W.down, tp.x16);
   // 3. Each expert on the rows routed to it (sorted by expert), then the weighted sum in slot order.
   dispatch.build(tp.idx, N);
   const std::vector<int64_t>& off = dispatch.offsets();
@@ -210,7 +213,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   tp.has_shared = c.num_shared_experts > 0;
   if (tp.has_shared) {
     float* sh = t.take<float>(N * c.hidden_size);
-    glu_train_forward(t, W.shared.gate, W.shared.up, W.shared.down, x, N, sh, tp.shared);
+    glu_train_forward(t, W.shared.gate, W.shared.up, W.shared.down, x, N, sh, tp.shared, tp.x16);
     elementwise::cuda::add_inplace(out, sh, N * c.hidden_size);
   }
   return owned;
@@ -273,11 +276,11 @@ void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, cons
   float* dz = t.take<float>(N * L);
   moe::cuda::scatter_sorted_rows(dz, dzs, dispatch, N, L);
   // z = x W↓ᵀ.
-  train_linear_backward(t, dx, true, dz, tp.x, N, W.down);
+  train_linear_backward(t, dx, true, dz, tp.x, N, W.down, tp.x16);
   // Router: through the renormalised weights and the sigmoid into the logits.
   float* dlogits = t.take<float>(N * E);
   moe::cuda::router_backward_train(dlogits, dweight, tp.scores, tp.idx, tp.sel_sum, N, router_params(c));
-  train_linear_backward(t, dx, true, dlogits, tp.x, N, W.router);
+  train_linear_backward(t, dx, true, dlogits, tp.x, N, W.router, tp.x16);
   t.arena.rewind(mark);
 }
 

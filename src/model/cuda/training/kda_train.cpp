@@ -46,6 +46,7 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
   const int64_t N = t.batch.rows, H = c.kda_num_heads, D = c.kda_head_dim, HD = H * D;
   const int K = int(c.short_conv_kernel_size);
   tp.x = x;
+  tp.x16 = bf16_operand(t, x, N, c.hidden_size);
   for (float** a : {&tp.qp, &tp.kp, &tp.vp, &tp.qc, &tp.kc, &tp.vc, &tp.qs, &tp.ks, &tp.q, &tp.k, &tp.v, &tp.z, &tp.sg,
                     &tp.g, &tp.o, &tp.gp, &tp.on})
     *a = t.take<float>(N * HD);
@@ -54,9 +55,9 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
   tp.states = t.take<float>(t.batch.chunks * H * D * D);
 
   // 1. q/k/v projections, causal conv + SiLU (v's SiLU output is the recurrence's v).
-  train_linear_forward(t, tp.qp, x, N, W.q);
-  train_linear_forward(t, tp.kp, x, N, W.k);
-  train_linear_forward(t, tp.vp, x, N, W.v);
+  train_linear_forward(t, tp.qp, x, N, W.q, tp.x16);
+  train_linear_forward(t, tp.kp, x, N, W.k, tp.x16);
+  train_linear_forward(t, tp.vp, x, N, W.v, tp.x16);
   const auto& b = t.batch;
   kda::cuda::conv_silu_forward_train(tp.qc, tp.qs, tp.qp, W.qc.w, HD, K, b.cu_seqlens, b.B, N);
   kda::cuda::conv_silu_forward_train(tp.kc, tp.ks, tp.kp, W.kc.w, HD, K, b.cu_seqlens, b.B, N);
@@ -65,10 +66,10 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
   kda::cuda::l2norm_forward_train(tp.q, tp.q_inv, tp.qs, N * H, D, kL2Eps);
   kda::cuda::l2norm_forward_train(tp.k, tp.k_inv, tp.ks, N * H, D, kL2Eps);
   // 3. beta = sigmoid(b_proj x) (the logits are written into beta, then squashed in place).
-  train_linear_forward(t, tp.beta, x, N, W.b);
+  train_linear_forward(t, tp.beta, x, N, W.b, tp.x16);
   kda::cuda::sigmoid_forward_train(tp.beta, tp.beta, N * H);
   // 4. The bounded decay gate.
-  train_linear_forward(t, tp.fa, x, N, W.fa);
+  train_linear_forward(t, tp.fa, x, N, W.fa, tp.x16);
   train_linear_forward(t, tp.z, tp.fa, N, W.fb);
   kda::cuda::gate_forward_train(tp.g, tp.sg, tp.z, W.alog.w, W.dt.w, c.gate_lower_bound, N, H, D);
   // 5. The chunked recurrence, saving the state entering every chunk.
@@ -85,7 +86,7 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
     t.arena.rewind(mark);
   }
   // 6. Gated RMSNorm per head, output projection.
-  train_linear_forward(t, tp.gp, x, N, W.g);
+  train_linear_forward(t, tp.gp, x, N, W.g, tp.x16);
   kda::cuda::gated_rmsnorm_forward_train(tp.on, tp.o_inv, tp.o, tp.gp, W.onorm.w, float(c.rms_norm_eps), N * H, D);
   train_linear_forward(t, out, tp.on, N, W.o);
 }
@@ -110,7 +111,7 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tp, cons
     kda::cuda::gated_rmsnorm_backward_train(d_o, dgp, W.onorm.g, don, tp.o, tp.o_inv, tp.gp, W.onorm.w, N * H, D, ws);
     t.arena.rewind(m);
   }
-  train_linear_backward(t, dx, false, dgp, x, N, W.g);
+  train_linear_backward(t, dx, false, dgp, x, N, W.g, tp.x16);
 
   // 5. The recurrence.
   float *dq = buf(N * HD), *dk = buf(N * HD), *dv = buf(N * HD), *dg = buf(N * HD), *dbeta = buf(N * H);
@@ -137,11 +138,11 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tp, cons
     t.arena.rewind(m);
   }
   train_linear_backward(t, dfa, false, dz, tp.fa, N, W.fb);
-  train_linear_backward(t, dx, true, dfa, x, N, W.fa);
+  train_linear_backward(t, dx, true, dfa, x, N, W.fa, tp.x16);
 
   // 3. beta = sigmoid(b_proj x).
   kda::cuda::sigmoid_backward_train(dbeta, dbeta, tp.beta, N * H);
-  train_linear_backward(t, dx, true, dbeta, x, N, W.b);
+  train_linear_backward(t, dx, true, dbeta, x, N, W.b, tp.x16);
 
   // 2. L2 norms (in place: dq, dk become the gradients of the SiLU outputs).
   kda::cuda::l2norm_backward_train(dq, dq, tp.q, tp.q_inv, N * H, D);
@@ -151,11 +152,11 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tp, cons
   float* dp = buf(N * HD);
   void* ws = t.arena.take_bytes(kda::cuda::conv_silu_backward_workspace_bytes(N, HD, K));
   kda::cuda::conv_silu_backward_train(dp, W.qc.g, dq, tp.qc, tp.qp, W.qc.w, HD, K, b.cu_seqlens, b.B, N, ws);
-  train_linear_backward(t, dx, true, dp, x, N, W.q);
+  train_linear_backward(t, dx, true, dp, x, N, W.q, tp.x16);
   kda::cuda::conv_silu_backward_train(dp, W.kc.g, dk, tp.kc, tp.kp, W.kc.w, HD, K, b.cu_seqlens, b.B, N, ws);
-  train_linear_backward(t, dx, true, dp, x, N, W.k);
+  train_linear_backward(t, dx, true, dp, x, N, W.k, tp.x16);
   kda::cuda::conv_silu_backward_train(dp, W.vc.g, dv, tp.vc, tp.vp, W.vc.w, HD, K, b.cu_seqlens, b.B, N, ws);
-  train_linear_backward(t, dx, true, dp, x, N, W.v);
+  train_linear_backward(t, dx, true, dp, x, N, W.v, tp.x16);
   t.arena.rewind(mark);
 }
 

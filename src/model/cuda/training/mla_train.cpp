@@ -62,20 +62,21 @@ void mla_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, M
   const float eps = float(t.c.mla_norm_eps);
   const float scale = float(1.0 / std::sqrt(double(s.dq)));  // q_head_dim^-0.5
   tp.x = x;
+  tp.x16 = bf16_operand(t, x, N, t.c.hidden_size);
 
   // 1. q = q_b(RMSNorm(q_a x)) or q_proj x.
   tp.q = t.take<float>(N * s.H * s.dq);
   if (s.Qr > 0) {
     tp.qa_raw = t.take<float>(N * s.Qr), tp.qa = t.take<float>(N * s.Qr), tp.qa_rstd = t.take<float>(N);
-    train_linear_forward(t, tp.qa_raw, x, N, W.q_a);
+    train_linear_forward(t, tp.qa_raw, x, N, W.q_a, tp.x16);
     norm::cuda::rmsnorm_forward_train(tp.qa, s.Qr, tp.qa_rstd, tp.qa_raw, s.Qr, W.q_a_norm.w, eps, N, s.Qr);
     train_linear_forward(t, tp.q, tp.qa, N, W.q_b);
   } else {
-    train_linear_forward(t, tp.q, x, N, W.q);
+    train_linear_forward(t, tp.q, x, N, W.q, tp.x16);
   }
   // 2. ckv = kv_a x = [c_lat | k_rot]; lat = RMSNorm(c_lat); k_rot stays raw.
   tp.ckv = t.take<float>(N * s.ldc);
-  train_linear_forward(t, tp.ckv, x, N, W.kv_a);
+  train_linear_forward(t, tp.ckv, x, N, W.kv_a, tp.x16);
   tp.lat = t.take<float>(N * s.R), tp.lat_rstd = t.take<float>(N);
   norm::cuda::rmsnorm_forward_train(tp.lat, s.R, tp.lat_rstd, tp.ckv, s.ldc, W.kv_a_norm.w, eps, N, s.R);
   // 3. kv = kv_b(lat): per head [k_nope | v].
@@ -92,7 +93,7 @@ void mla_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, M
   // Output gate og = o ⊙ sigmoid(g_proj x), then o_proj.
   if (s.gated) {
     tp.gate = t.take<float>(N * ldo), tp.og = t.take<float>(N * ldo);
-    train_linear_forward(t, tp.gate, x, N, W.g);
+    train_linear_forward(t, tp.gate, x, N, W.g, tp.x16);
     mla::cuda::output_gate_forward_train(tp.og, tp.gate, tp.o, N * ldo);
   } else {
     tp.og = tp.o;
@@ -118,7 +119,7 @@ void mla_train_backward(TrainCtx& t, int64_t layer, const MlaTrainTape& tp, cons
     dO = t.take<float>(N * ldo);
     float* dz = t.take<float>(N * ldo);
     mla::cuda::output_gate_backward_train(dO, dz, dog, tp.o, tp.gate, N * ldo);
-    train_linear_backward(t, dx, false, dz, x, N, W.g);
+    train_linear_backward(t, dx, false, dz, x, N, W.g, tp.x16);
     dx_written = true;
   }
   // Attention: dq, dkv and the k_rot columns of dckv (summed over heads); the norm fills columns 0..R.
@@ -138,15 +139,15 @@ void mla_train_backward(TrainCtx& t, int64_t layer, const MlaTrainTape& tp, cons
   float* dlat = t.take<float>(N * s.R);
   train_linear_backward(t, dlat, false, dkv, tp.lat, N, W.kv_b);
   rmsnorm_backward(t, dckv, s.ldc, W.kv_a_norm.g, dlat, s.R, tp.ckv, s.ldc, tp.lat_rstd, W.kv_a_norm.w, N, s.R);
-  train_linear_backward(t, dx, dx_written, dckv, x, N, W.kv_a);
+  train_linear_backward(t, dx, dx_written, dckv, x, N, W.kv_a, tp.x16);
   // q path.
   if (s.Qr > 0) {
     float *dqa = t.take<float>(N * s.Qr), *dqa_raw = t.take<float>(N * s.Qr);
     train_linear_backward(t, dqa, false, dq, tp.qa, N, W.q_b);
     rmsnorm_backward(t, dqa_raw, s.Qr, W.q_a_norm.g, dqa, s.Qr, tp.qa_raw, s.Qr, tp.qa_rstd, W.q_a_norm.w, N, s.Qr);
-    train_linear_backward(t, dx, true, dqa_raw, x, N, W.q_a);
+    train_linear_backward(t, dx, true, dqa_raw, x, N, W.q_a, tp.x16);
   } else {
-    train_linear_backward(t, dx, true, dq, x, N, W.q);
+    train_linear_backward(t, dx, true, dq, x, N, W.q, tp.x16);
   }
   t.arena.rewind(mark);
 }

@@ -93,21 +93,30 @@ struct TrainCtx {
 
 // x [M, cols] (ld) rounded to a dense bf16 copy taken from the arena (the BF16 mode's GEMM operand).
 const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int64_t cols);
+// The bf16 copy of a dense activation x [M, cols] that several GEMMs read (a block's input feeds up
+// to six projections, and their weight gradients again in the backward): made once, taken from the
+// arena (it lives as long as what the caller took before it), and passed to train_linear_* as x16.
+// Null in the F32 mode. The products are the same bits as with a conversion per GEMM.
+inline const uint16_t* bf16_operand(TrainCtx& t, const float* x, int64_t M, int64_t cols) {
+  return t.precision == GpuPrecision::BF16 ? to_bf16(t, x, cols, M, cols) : nullptr;
+}
 
-// y[M, W.rows] (ld_y) (+)= x[M, W.cols] (ld_x) · Wᵀ.
+// y[M, W.rows] (ld_y) (+)= x[M, W.cols] (ld_x) · Wᵀ. x16: x's dense bf16 copy (bf16_operand) or null
+// (then converted here in the BF16 mode).
 void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, int64_t ld_x, int64_t M,
-                          const TrainParam& W, bool accumulate = false);
+                          const TrainParam& W, bool accumulate = false, const uint16_t* x16 = nullptr);
 // The backward of train_linear_forward: W.g += dyᵀ·x, and dx (ld_dx) = dy·W (or += with accumulate_dx;
-// dx null: only the weight gradient).
+// dx null: only the weight gradient). x16 as in the forward.
 void train_linear_backward(TrainCtx& t, float* dx, int64_t ld_dx, bool accumulate_dx, const float* dy, int64_t ld_dy,
-                           const float* x, int64_t ld_x, int64_t M, const TrainParam& W);
+                           const float* x, int64_t ld_x, int64_t M, const TrainParam& W, const uint16_t* x16 = nullptr);
 // Dense shorthands (ld = the row width).
-inline void train_linear_forward(TrainCtx& t, float* y, const float* x, int64_t M, const TrainParam& W) {
-  train_linear_forward(t, y, W.rows, x, W.cols, M, W);
+inline void train_linear_forward(TrainCtx& t, float* y, const float* x, int64_t M, const TrainParam& W,
+                                 const uint16_t* x16 = nullptr) {
+  train_linear_forward(t, y, W.rows, x, W.cols, M, W, false, x16);
 }
 inline void train_linear_backward(TrainCtx& t, float* dx, bool accumulate_dx, const float* dy, const float* x,
-                                  int64_t M, const TrainParam& W) {
-  train_linear_backward(t, dx, W.cols, accumulate_dx, dy, W.rows, x, W.cols, M, W);
+                                  int64_t M, const TrainParam& W, const uint16_t* x16 = nullptr) {
+  train_linear_backward(t, dx, W.cols, accumulate_dx, dy, W.rows, x, W.cols, M, W, x16);
 }
 
 // ---- the blocks: forward saves its tape (device pointers into the arena), backward consumes it ----
@@ -115,6 +124,7 @@ inline void train_linear_backward(TrainCtx& t, float* dx, bool accumulate_dx, co
 // [rows, hidden] OVERWRITTEN. Backward: dx [rows, hidden] OVERWRITTEN, parameter gradients accumulated.
 struct KdaTrainTape {
   const float* x = nullptr;
+  const uint16_t* x16 = nullptr;  // x's bf16 copy (BF16 mode): the six input projections' operand
   float *qp, *kp, *vp;   // [rows, HD] projections (conv inputs)
   float *qc, *kc, *vc;   // [rows, HD] conv outputs (SiLU inputs)
   float *qs, *ks;        // [rows, HD] SiLU outputs of q, k
@@ -130,6 +140,7 @@ struct KdaTrainTape {
 };
 struct MlaTrainTape {
   const float* x = nullptr;
+  const uint16_t* x16 = nullptr;                               // x's bf16 copy (BF16 mode)
   float *qa_raw = nullptr, *qa = nullptr, *qa_rstd = nullptr;  // [rows, Qr] (q_lora_rank > 0)
   float* q;                                                    // [rows, H·(Dn+Dr)]
   float* ckv;                                                  // [rows, R + Dr]: [c_lat | k_rot]
@@ -140,6 +151,7 @@ struct MlaTrainTape {
 };
 struct GluTrainTape {
   const float* x = nullptr;
+  const uint16_t* x16 = nullptr;  // x's bf16 copy (BF16 mode)
   int64_t N = 0, I = 0;
   float *g, *u, *h;  // [N, I]
 };
@@ -153,8 +165,9 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tape, co
 void mla_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, MlaTrainTape& tape);
 void mla_train_backward(TrainCtx& t, int64_t layer, const MlaTrainTape& tape, const float* dy, float* dx);
 // A GLU MLP (gate/up [I, D], down [D, I]) over N rows: the dense FFN, the shared experts.
+// x16: x's bf16 copy when the caller has one (the MoE block shares its input's), else made here.
 void glu_train_forward(TrainCtx& t, const TrainParam& gate, const TrainParam& up, const TrainParam& down,
-                       const float* x, int64_t N, float* out, GluTrainTape& tape);
+                       const float* x, int64_t N, float* out, GluTrainTape& tape, const uint16_t* x16 = nullptr);
 void glu_train_backward(TrainCtx& t, const TrainParam& gate, const TrainParam& up, const TrainParam& down,
                         const GluTrainTape& tape, const float* dy, float* dx);
 void dense_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, GluTrainTape& tape);

@@ -20,7 +20,9 @@ void DeviceParams::upload(const train::ParamStore& P) {
            " values, the device mirror ", values_.size());
   const std::vector<double>& v = P.values();
   std::vector<float> f(v.size());
-  std::transform(v.begin(), v.end(), f.begin(), [](double x) { return float(x); });
+  const int64_t n = int64_t(v.size());
+#pragma omp parallel for schedule(static)  // billions of values at K3's widths
+  for (int64_t i = 0; i < n; ++i) f[size_t(i)] = float(v[size_t(i)]);
   values_.upload(f.data(), f.size());
   refresh_bf16();
 }
@@ -72,14 +74,14 @@ const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int6
 }
 
 void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, int64_t ld_x, int64_t M,
-                          const TrainParam& W, bool accumulate) {
+                          const TrainParam& W, bool accumulate, const uint16_t* x16) {
   const DeviceArena::Mark mark = t.arena.mark();
   gemm::cuda::LinearParams p;
   p.y = y, p.y_type = DType::F32, p.ld_y = ld_y;
   p.M = M, p.N = W.rows, p.K = W.cols;
   p.accumulate = accumulate;
   if (t.precision == GpuPrecision::BF16) {
-    p.x = to_bf16(t, x, ld_x, M, W.cols), p.ld_x = W.cols;
+    p.x = x16 ? x16 : to_bf16(t, x, ld_x, M, W.cols), p.ld_x = W.cols;
     p.w = W.w16, p.in_type = DType::BF16;
   } else {
     p.x = x, p.ld_x = ld_x, p.w = W.w, p.in_type = DType::F32;
@@ -89,7 +91,7 @@ void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, i
 }
 
 void train_linear_backward(TrainCtx& t, float* dx, int64_t ld_dx, bool accumulate_dx, const float* dy, int64_t ld_dy,
-                           const float* x, int64_t ld_x, int64_t M, const TrainParam& W) {
+                           const float* x, int64_t ld_x, int64_t M, const TrainParam& W, const uint16_t* x16) {
   const DeviceArena::Mark mark = t.arena.mark();
   const bool bf = t.precision == GpuPrecision::BF16;
   const void* dy_in = dy;
@@ -101,7 +103,7 @@ void train_linear_backward(TrainCtx& t, float* dx, int64_t ld_dx, bool accumulat
   wg.dy = dy_in, wg.ld_dy = ld_dy_in;
   wg.M = M, wg.N = W.rows, wg.K = W.cols;
   wg.in_type = bf ? DType::BF16 : DType::F32;
-  if (bf) wg.x = to_bf16(t, x, ld_x, M, W.cols), wg.ld_x = W.cols;
+  if (bf) wg.x = x16 ? x16 : to_bf16(t, x, ld_x, M, W.cols), wg.ld_x = W.cols;
   else wg.x = x, wg.ld_x = ld_x;
   gemm::cuda::linear_weight_grad(t.gemm, wg);
   if (dx) {

@@ -5,7 +5,8 @@
 //   build/bench_cuda_train_expert_gemm [--reps 20] [--warmup 3]
 //
 // Shapes: k3-1b (E = 192, top-4, 8192 tokens, L = I = 256) and K3-shaped experts (E = 8, top-4, 8192
-// tokens, L = 3584, I = 3072: the gate/up linear out = I, in = L, and the down linear out = L, in = I).
+// tokens, L = 3584, I = 3072: the gate/up linear out = I, in = L, and the down linear out = L, in = I),
+// and K3's gate/up at 16, 32 and 64 experts (2,048 to 512 rows each).
 // Routing drawn at random (each token's K experts distinct, uniform). S = tokens·K sorted rows; bf16
 // operands, fp32 outputs, as training holds them. The ops, each over all experts:
 //   fwd    y [S, out] = x · W_eᵀ            cuBLAS ceiling: [S, in] × [in, out]
@@ -44,7 +45,13 @@ struct Shape {
 };
 const Shape kShapes[] = {{"k3-1b W1/W3/W2", 192, 4, 8192, 256, 256},
                          {"K3 W1/W3 (I x L)", 8, 4, 8192, 3072, 3584},
-                         {"K3 W2 (L x I)", 8, 4, 8192, 3584, 3072}};
+                         {"K3 W2 (L x I)", 8, 4, 8192, 3584, 3072},
+                         // Where one cuBLAS call per expert overtakes the grouped kernel (the
+                         // trainer's choice, ffn_train.cpp): K3's gate/up shape at 2,048, 1,024
+                         // and 512 rows per expert.
+                         {"K3 W1/W3, 16 experts", 16, 4, 8192, 3072, 3584},
+                         {"K3 W1/W3, 32 experts", 32, 4, 8192, 3072, 3584},
+                         {"K3 W1/W3, 64 experts", 64, 4, 8192, 3072, 3584}};
 
 DeviceBuffer<uint16_t> random_bf16(std::mt19937_64& rng, size_t n) {
   std::normal_distribution<float> nd(0.0f, 1.0f);

@@ -75,8 +75,8 @@ struct MoeTrainTape {
   float* zs = nullptr;                                           // [S, L] latent rows sorted by expert (S = N·K)
   float *ge = nullptr, *ue = nullptr, *he = nullptr;             // [S, I] experts' GLU
   float* ye = nullptr;                                           // [S, L] experts' outputs
-  const ExpertTables* tables = nullptr;                          // BF16 mode: grouped GEMMs
-  const uint16_t *zs16 = nullptr, *he16 = nullptr;               // BF16 mode: bf16 zs and he
+  const ExpertTables* tables = nullptr;                          // set: the experts ran as grouped GEMMs
+  const uint16_t *zs16 = nullptr, *he16 = nullptr;               // BF16 mode: bf16 zs and he (GEMM operands)
   float *agg = nullptr, *agg_rstd = nullptr, *normed = nullptr;  // [N, L], [N], [N, L]
   bool has_shared = false;
   GluTrainTape shared;
@@ -134,16 +134,25 @@ std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t laye
   return tables;
 }
 
+namespace {
+// Mean rows per expert from which one cuBLAS call per expert beats the grouped kernel: the grouped
+// mma.sync kernel wins by 23-50x at k3-1b's experts (~170 rows of 256 x 256 each, where a launch per
+// expert is all overhead) and loses 2x at K3's (4,096 rows of 3072 x 3584), where cuBLAS's Hopper
+// kernels run at their ceiling (docs/BENCHMARKS.md, bench_cuda_train_expert_gemm).
+constexpr int64_t kPerExpertCublasRows = 1024;
+}  // namespace
+
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
                                                                 const float* router_bias,
                                                                 moe::cuda::TrainDispatch& dispatch,
                                                                 const ExpertTables* experts) {
   const K3Config& c = t.c;
+  const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
+  const int64_t S = N * K;
+  if (S >= kPerExpertCublasRows * E) experts = nullptr;  // many rows per expert: one cuBLAS call each
   const MoeParams W = moe_params(t, layer, experts == nullptr);
   std::unique_ptr<MoeTrainTape, MoeTapeDeleter> owned(new MoeTrainTape);
   MoeTrainTape& tp = *owned;
-  const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
-  const int64_t S = N * K;
   tp.x = x, tp.N = N, tp.E = E, tp.K = K, tp.L = L, tp.dispatch = &dispatch;
   tp.x16 = bf16_operand(t, x, N, c.hidden_size);
 
@@ -170,9 +179,9 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   tp.ge = t.take<float>(S * I), tp.ue = t.take<float>(S * I), tp.he = t.take<float>(S * I);
   tp.ye = t.take<float>(S * L);
   tp.tables = experts;
+  tp.zs16 = bf16_operand(t, tp.zs, S, L);  // the operand of both the gate and up linears
   if (experts) {
     const int32_t* offd = dispatch.offsets_device();
-    tp.zs16 = to_bf16(t, tp.zs, L, S, L);
     {
       const DeviceArena::Mark m = t.arena.mark();
       void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
@@ -181,23 +190,27 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
       t.arena.rewind(m);
     }
     ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
-    tp.he16 = to_bf16(t, tp.he, I, S, I);
+    tp.he16 = bf16_operand(t, tp.he, S, I);
     const DeviceArena::Mark m = t.arena.mark();
     void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(E));
     moe::cuda::grouped_linear_forward_bf16(tp.ye, tp.he16, experts->w16[2].data(), offd, S, E, L, I, false, ws);
     t.arena.rewind(m);
   } else {
+    // Rows [r0, r0 + n) of a sorted operand and of its bf16 copy (null in the F32 mode).
+    auto rows16 = [](const uint16_t* x16, int64_t r0, int64_t width) { return x16 ? x16 + r0 * width : nullptr; };
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
-      train_linear_forward(t, tp.ge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
-      train_linear_forward(t, tp.ue + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+      const uint16_t* zs16 = rows16(tp.zs16, r0, L);
+      train_linear_forward(t, tp.ge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate, zs16);
+      train_linear_forward(t, tp.ue + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up, zs16);
     }
     ffn::cuda::glu_forward(tp.he, tp.ge, tp.ue, S * I, glu_params(c));
+    tp.he16 = bf16_operand(t, tp.he, S, I);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
-      train_linear_forward(t, tp.ye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+      train_linear_forward(t, tp.ye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down, rows16(tp.he16, r0, I));
     }
   }
   tp.agg = t.take<float>(N * L);
@@ -263,14 +276,16 @@ void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, cons
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
-      train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down);
+      train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down,
+                            tp.he16 ? tp.he16 + r0 * I : nullptr);
     }
     ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
-      train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate);
-      train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up);
+      const uint16_t* zs16 = tp.zs16 ? tp.zs16 + r0 * L : nullptr;
+      train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate, zs16);
+      train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up, zs16);
     }
   }
   float* dz = t.take<float>(N * L);

@@ -320,22 +320,29 @@ void CudaOptimizer::step(double step_lr) {
   for (const MuonBatch& b : batches_) ns_bf16_ ? muon_batch_bf16(b, step_lr) : muon_batch(b, step_lr);
 }
 
+// Both iterations' input: the momentum step into x_ (each block transposed when tall), then
+// X = u/‖u‖_F per block, and X's bf16 copy into x16 when given.
+void CudaOptimizer::normalized_momentum(const MuonBatch& b, uint16_t* x16) {
+  const int64_t len = b.rows * b.cols, n = b.count * len;
+  float* X = x_.data();
+  muon_momentum_kernel<<<grid_for(n), kThreads>>>(X, state_.data(), grads_, blocks_.data() + b.first, b.count, b.rows,
+                                                  b.cols, b.tall, cfg_.momentum, cfg_.nesterov);
+  K3_CUDA_LAUNCH_CHECK();
+  segment_norms(X, b.count, len, partial_.data(), norm_.data());
+  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, reinterpret_cast<__nv_bfloat16*>(x16), norm_.data(), b.count, len);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
 // Newton–Schulz on every block of the batch at once, the CPU's iteration (optimizer.cpp) per block:
 //   X = u/‖u‖_F [r, w];  ns_steps × { A = X·Xᵀ [r, r];  B = b·A + c·A·A;  X ← a·X + B·X }
 // Each product is one strided-batched pedantic fp32 GEMM over the blocks (block i's operands at
 // i·r·w / i·r·r); the polynomial's sums in double.
 void CudaOptimizer::muon_batch(const MuonBatch& b, double lr) {
   const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
-  const int64_t len = b.rows * b.cols, n = b.count * len, na = b.count * b.r * b.r;
+  const int64_t n = b.count * b.rows * b.cols, na = b.count * b.r * b.r;
   const MuonBlock* blocks = blocks_.data() + b.first;
   float *X = x_.data(), *Y = y_.data(), *A = a_.data(), *B = b_.data();
-
-  muon_momentum_kernel<<<grid_for(n), kThreads>>>(X, state_.data(), grads_, blocks, b.count, b.rows, b.cols, b.tall,
-                                                  cfg_.momentum, cfg_.nesterov);
-  K3_CUDA_LAUNCH_CHECK();
-  segment_norms(X, b.count, len, partial_.data(), norm_.data());
-  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, nullptr, norm_.data(), b.count, len);
-  K3_CUDA_LAUNCH_CHECK();
+  normalized_momentum(b, nullptr);
   const int64_t r = b.r, w = b.w;
   for (int s = 0; s < cfg_.ns_steps; ++s) {
     ns_gemm(ctx_, A, X, X, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
@@ -357,20 +364,13 @@ void CudaOptimizer::muon_batch(const MuonBatch& b, double lr) {
 // xb_ and xnb_.
 void CudaOptimizer::muon_batch_bf16(const MuonBatch& b, double lr) {
   const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
-  const int64_t len = b.rows * b.cols, n = b.count * len, na = b.count * b.r * b.r;
+  const int64_t n = b.count * b.rows * b.cols, na = b.count * b.r * b.r;
   const MuonBlock* blocks = blocks_.data() + b.first;
-  float* X = x_.data();
   __nv_bfloat16* Xc = reinterpret_cast<__nv_bfloat16*>(xb_.data());
   __nv_bfloat16* Xn = reinterpret_cast<__nv_bfloat16*>(xnb_.data());
   __nv_bfloat16* A = reinterpret_cast<__nv_bfloat16*>(ab_.data());
   __nv_bfloat16* B = reinterpret_cast<__nv_bfloat16*>(bb_.data());
-
-  muon_momentum_kernel<<<grid_for(n), kThreads>>>(X, state_.data(), grads_, blocks, b.count, b.rows, b.cols, b.tall,
-                                                  cfg_.momentum, cfg_.nesterov);
-  K3_CUDA_LAUNCH_CHECK();
-  segment_norms(X, b.count, len, partial_.data(), norm_.data());
-  ns_normalize_kernel<<<grid_for(n), kThreads>>>(X, Xc, norm_.data(), b.count, len);
-  K3_CUDA_LAUNCH_CHECK();
+  normalized_momentum(b, xb_.data());
   const int64_t r = b.r, w = b.w;
   auto product = [&](__nv_bfloat16* y, const void* x, const void* wt, int64_t M, int64_t N, int64_t K, bool w_in_out,
                      int64_t sx, int64_t sw, int64_t sy, double alpha, double beta) {

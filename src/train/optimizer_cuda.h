@@ -86,8 +86,9 @@ class CudaOptimizer {
   void load_state(const OptimizerState& s);
 
  private:
-  void muon_batch(const MuonBatch& b, double lr);       // fp32 Newton–Schulz
-  void muon_batch_bf16(const MuonBatch& b, double lr);  // bf16 Newton–Schulz (newton_schulz_bf16)
+  void normalized_momentum(const MuonBatch& b, uint16_t* x16);  // X = u/‖u‖_F into x_ (and x16)
+  void muon_batch(const MuonBatch& b, double lr);               // fp32 Newton–Schulz
+  void muon_batch_bf16(const MuonBatch& b, double lr);          // bf16 Newton–Schulz (newton_schulz_bf16)
 
   OptimizerConfig cfg_;
   std::vector<ParamPlan> plan_;
@@ -106,11 +107,11 @@ class CudaOptimizer {
 
   // Muon: blocks grouped by shape into batches (a block table on the device) and the Newton–Schulz scratch.
   std::vector<MuonBatch> batches_;
-  cuda::DeviceBuffer<MuonBlock> blocks_;       // every Muon block, batch by batch
-  cuda::DeviceBuffer<float> x_;                // [n·r·w] the momentum direction, normalised (fp32)
-  cuda::DeviceBuffer<float> y_, a_, b_;        // fp32 Newton–Schulz: Y [n·r·w]; A, B [n·r·r]
+  cuda::DeviceBuffer<MuonBlock> blocks_;             // every Muon block, batch by batch
+  cuda::DeviceBuffer<float> x_;                      // [n·r·w] the momentum direction, normalised (fp32)
+  cuda::DeviceBuffer<float> y_, a_, b_;              // fp32 Newton–Schulz: Y [n·r·w]; A, B [n·r·r]
   cuda::DeviceBuffer<uint16_t> xb_, xnb_, ab_, bb_;  // bf16 Newton–Schulz: X, next X [n·r·w]; A, B [n·r·r]
-  cuda::DeviceBuffer<double> partial_, norm_;  // Frobenius norm: partial sums, per block
+  cuda::DeviceBuffer<double> partial_, norm_;        // Frobenius norm: partial sums, per block
 };
 
 // Global L2 norm of grads[0, n) (deterministic two-pass reduction in double: fixed per-block partial

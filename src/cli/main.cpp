@@ -2,12 +2,12 @@
 #include <cstdio>
 
 #include "cli/args.h"
-#include "cli/blas_cpu.h"
 #include "cli/commands.h"
+#include "cli/library_env.h"
 #include "core/error.h"
 
 int main(int argc, char** argv) {
-  k3::cli::reexec_with_fast_blas_kernels(argv);
+  k3::cli::reexec_with_library_settings(argc, argv);
   CLI::App app{"k3: Kimi K3 in C++ (inference and training engine)"};
   app.require_subcommand(1);
   k3::cli::register_logits(app);

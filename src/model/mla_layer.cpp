@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/parallel.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/mla/mla.h"
 #include "kernels/norm/norm.h"
@@ -63,7 +64,7 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
         linear_transposed_forward_f64(&qlat[size_t(h * nR)], qn.data(), s.n, w.kv_b_proj.row_slice(h * dkv, d.Dn));
       }
       opt.bf16(qlat);
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (worth_threads(H * s.n * (p0 + s.n) * d.R))
       for (int64_t h = 0; h < H; ++h)
         mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
                                    ldc, s.n, p0, d, scale);

@@ -39,7 +39,7 @@ inline Outcome run_shell(const std::string& command, const std::string& redirect
 
 // The shell command line that runs K3_BINARY with `args`, each quoted. The binary runs with this test
 // process's OpenBLAS kernels (OPENBLAS_CORETYPE): on a CPU OpenBLAS does not recognise, k3 would
-// otherwise re-execute itself with faster kernels (src/cli/blas_cpu.h), which round differently, and
+// otherwise re-execute itself with faster kernels (src/cli/library_env.h), which round differently, and
 // tests that compare numbers bit for bit across processes would see that, not a bug. For the same
 // reason it runs without the caller's K3_GEMM, which k3 applies to its linears and the library (so
 // this test process) does not read. `env` ("NAME=value ...", values quoted) sets variables for the

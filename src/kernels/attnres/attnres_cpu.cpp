@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/attnres/attnres.h"
 
 namespace k3 {
@@ -10,7 +11,7 @@ namespace k3 {
 void attnres_forward(float* out, const float* const* sources, int S, int64_t N, int64_t D, const float* query,
                      float eps) {
   K3_ASSERT(S >= 1);
-#pragma omp parallel for schedule(static) if (N * D * S > 65536)
+#pragma omp parallel for schedule(static) if (worth_threads(N * D * S))
   for (int64_t n = 0; n < N; ++n) {
     std::vector<double> score(static_cast<size_t>(S));
     double mx = -INFINITY;

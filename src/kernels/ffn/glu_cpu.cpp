@@ -1,5 +1,6 @@
 #include <cmath>
 
+#include "core/parallel.h"
 #include "kernels/ffn/glu.h"
 
 namespace k3 {
@@ -11,7 +12,7 @@ float sigmoidf_stable(float x) {
 }
 
 void glu_forward(float* out, const float* gate, const float* up, int64_t n, const GluParams& p) {
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) if (worth_threads(n))
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i], u = up[i];
     const float s = sigmoidf_stable(g);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/gemm/linear.h"
 #include "kernels/gemm/mxfp4.h"
 
@@ -70,7 +71,7 @@ inline Acc dot(const W* w, const float* x, int64_t n) {
 template <class Acc>
 void linear_small_n(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, const WeightRef& W, bool acc) {
   const int64_t In = W.cols;
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(N * W.rows * In))
   {
     std::vector<float> row;
     if (W.format != WeightRef::Format::F32 && W.format != WeightRef::Format::BF16) row.resize(size_t(In));
@@ -98,7 +99,7 @@ void linear_small_n(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t 
 // Widen rows [r0, r0+n) of W into dst (float or double).
 template <class T>
 void widen_rows(T* dst, const WeightRef& W, int64_t r0, int64_t n) {
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(n * W.cols))
   {
     std::vector<float> tmp;
     if constexpr (!std::is_same_v<T, float>) tmp.resize(size_t(W.cols));
@@ -141,7 +142,7 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
     xa = x;
   } else {
     xw.resize(size_t(N * In));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(N * In))
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < In; ++i) xw[size_t(n * In + i)] = T(x[n * ldx + i]);
     xa = xw.data();
@@ -164,7 +165,7 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
       gemm_nt(N, n, In, xa, lda, wbuf.data(), In, accumulate ? 1.0f : 0.0f, y + r0, ldy);
     } else {
       gemm_nt(N, n, In, xa, lda, wbuf.data(), In, T(0), ybuf.data(), n);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(N * n))
       for (int64_t i = 0; i < N; ++i)
         for (int64_t j = 0; j < n; ++j) {
           float& o = y[i * ldy + r0 + j];

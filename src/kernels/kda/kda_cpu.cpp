@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "kernels/gemm/tiled_f64.h"
 
 namespace k3::kda {
@@ -51,7 +52,7 @@ void short_conv_silu_forward(float* out, const float* x, int64_t T, int64_t C, c
 
   // Input at sequence position s relative to this call: s >= 0 is x[s], s in [-P, -1] is tail[P + s].
   // All outputs are computed from the OLD tail first; the tail is updated afterwards.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(T * C * K))
   for (int64_t t = 0; t < T; ++t) {
     float* o = out + t * C;
     for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
@@ -90,7 +91,7 @@ void l2norm_heads(float* x, int64_t T, int64_t H, int64_t D, float eps) {
   check_dims("l2norm_heads", T, H, D, "D");
   K3_CHECK(eps >= 0.0f, "l2norm_heads: eps must be >= 0, got ", eps);
   const int64_t rows = T * H;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(rows * D))
   for (int64_t r = 0; r < rows; ++r) {
     float* p = x + r * D;
     double ss = 0.0;
@@ -108,7 +109,7 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
   check_dims("gate_forward", T, H, D, "D");
   K3_CHECK(std::isfinite(lower_bound) && lower_bound < 0.0f,
            "gate_forward: lower_bound must be finite and negative, got ", lower_bound);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(T * H * D))
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H; ++h) {
       const float a = std::exp(A_log[h]);
@@ -127,7 +128,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
                            float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
   check_dims("kda_recurrent_forward", T, H, Dk, "Dk");
   K3_CHECK(Dv >= 1, "kda_recurrent_forward: Dv must be >= 1, got ", Dv);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(T * H * Dk * Dv))
   for (int64_t h = 0; h < H; ++h) {
     double* S = state + h * Dk * Dv;
     std::vector<double> u(Dv), dv(Dv), ov(Dv);
@@ -204,7 +205,7 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
   K3_CHECK(chunk_size >= 1, "kda_chunk_forward: chunk_size must be >= 1, got ", chunk_size);
   const int64_t Cs = chunk_size;
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(T * H * Dk * Dv))
   for (int64_t h = 0; h < H; ++h) {
     double* S = state + h * Dk * Dv;
     // Per-head scratch, reused by every chunk of this head.
@@ -328,7 +329,7 @@ void gated_rmsnorm_forward(float* y, const float* o, const float* gate, const fl
   check_dims("gated_rmsnorm_forward", T, H, Dv, "Dv");
   K3_CHECK(eps >= 0.0f, "gated_rmsnorm_forward: eps must be >= 0, got ", eps);
   const int64_t rows = T * H;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(rows * Dv))
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = o + r * Dv;
     const float* gr = gate + r * Dv;

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/parallel.h"
 #include "kernels/mla/mla.h"
 
 namespace k3::mla {
@@ -22,7 +23,7 @@ void softmax_inplace(double* p, int64_t len) {
 void attention_head_expanded(float* out, int64_t ldo, const float* q, int64_t ldq, const double* kvh,
                              const float* cache, int64_t ldc, int64_t n, int64_t p0, const Dims& d, double scale) {
   const int64_t T = p0 + n, dkv = d.Dn + d.Dv;
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(n * T * dkv))
   {
     std::vector<double> p(static_cast<size_t>(T)), o(static_cast<size_t>(d.Dv));
 #pragma omp for schedule(dynamic, 4)

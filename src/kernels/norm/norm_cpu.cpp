@@ -1,12 +1,13 @@
 #include <cmath>
 #include <vector>
 
+#include "core/parallel.h"
 #include "kernels/norm/norm.h"
 
 namespace k3 {
 
 void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D, int64_t ld) {
-#pragma omp parallel for schedule(static) if (N * D > 65536)
+#pragma omp parallel for schedule(static) if (worth_threads(N * D))
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * ld;
     float* yr = y + n * ld;

@@ -27,8 +27,8 @@ void reexec_with_library_settings(int argc, char** argv) {
   bool set_blas = false, set_wait = false;
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr)
     if (const char* better = better_blas_kernels()) set_blas = setenv("OPENBLAS_CORETYPE", better, 1) == 0;
-  const bool trains = argc > 1 && (std::strcmp(argv[1], "train") == 0 || std::strcmp(argv[1], "grad") == 0);
-  if (!trains && std::getenv("OMP_WAIT_POLICY") == nullptr) set_wait = setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0;
+  const bool decodes = argc > 1 && std::strcmp(argv[1], "generate") == 0;
+  if (decodes && std::getenv("OMP_WAIT_POLICY") == nullptr) set_wait = setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0;
   if (!set_blas && !set_wait) return;
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with what the libraries already chose.

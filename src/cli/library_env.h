@@ -11,18 +11,18 @@
 // sleeps. On a machine whose cores other processes also use, the thread the others wait for is often
 // descheduled, and the spinners burn the very core it needs: `k3 generate` on k3-tiny decoded at
 // 15-45 tok/s on 2 cores kept busy by two other processes, against ~400 with one thread
-// (docs/BENCHMARKS.md). OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. Inference gets
-// it (with core/parallel.h keeping small loops on one thread, decoding a tiny model then runs no
-// parallel region at all); training does not, since its barriers are many and it owns the machine:
-// passive waiting cost k3-tiny's CPU training ~10% on an idle machine. libgomp reads the variable
-// only when it loads.
+// (docs/BENCHMARKS.md). OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. `k3 generate`,
+// the interactive decoder, gets it (with core/parallel.h keeping small loops on one thread, decoding
+// a tiny model then runs no parallel region at all). The batch commands do not: their barriers are
+// many, they own the machine, and passive waiting cost them on an idle one (k3-tiny's CPU training
+// ~10%, `k3 eval`'s prefill-heavy passes ~18%). libgomp reads the variable only when it loads.
 #pragma once
 
 namespace k3::cli {
 
 // Sets what is unset of: OPENBLAS_CORETYPE, when OpenBLAS chose Prescott and the CPU supports
-// AVX-512 (SkylakeX kernels) or AVX2+FMA (Haswell kernels); OMP_WAIT_POLICY=PASSIVE, unless the
-// subcommand (argv[1]) trains (`train`, `grad`). If it set anything, re-executes /proc/self/exe with
+// AVX-512 (SkylakeX kernels) or AVX2+FMA (Haswell kernels); OMP_WAIT_POLICY=PASSIVE, when the
+// subcommand (argv[1]) is `generate`. If it set anything, re-executes /proc/self/exe with
 // the same arguments. Returns normally in every other case (including a failed exec, after undoing
 // its settings). A variable that is already set, to anything, is respected: that is also how the
 // re-executed process stops.

@@ -9,13 +9,13 @@
 //
 // OpenMP's wait policy. libgomp's default lets a thread that waits at a barrier spin before it
 // sleeps. On a machine whose cores other processes also use, the thread the others wait for is often
-// descheduled, and the spinners burn the very core it needs: `k3 generate` on k3-tiny decoded at
-// 15-45 tok/s on 2 cores kept busy by two other processes, against ~400 with one thread
-// (docs/BENCHMARKS.md). OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. `k3 generate`,
-// the interactive decoder, gets it (with core/parallel.h keeping small loops on one thread, decoding
-// a tiny model then runs no parallel region at all). The batch commands do not: their barriers are
-// many, they own the machine, and passive waiting cost them on an idle one (k3-tiny's CPU training
-// ~10%, `k3 eval`'s prefill-heavy passes ~18%). libgomp reads the variable only when it loads.
+// descheduled, and the spinners burn the very core it needs: `k3 generate` on 2 busy cores decoded at
+// a fraction of its one-thread speed (docs/BENCHMARKS.md, "CPU decoding on a busy machine").
+// OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once. `k3 generate`, the interactive
+// decoder, gets it (with core/parallel.h keeping small loops on one thread, decoding a tiny model
+// then runs no parallel region at all). The batch commands do not: their barriers are many, they own
+// the machine, and passive waiting slowed CPU training and `k3 eval` on an idle one (the same entry).
+// libgomp reads the variable only when it loads.
 #pragma once
 
 namespace k3::cli {

@@ -76,7 +76,7 @@ double muon_scale(MuonScale s, int64_t rows, int64_t cols, double rms) {
 }
 
 void newton_schulz(const double* G, double* out, int64_t rows, int64_t cols, int steps) {
-  const double a = 3.4445, b = -4.7750, c = 2.0315;
+  constexpr double a = NewtonSchulzQuintic::a, b = NewtonSchulzQuintic::b, c = NewtonSchulzQuintic::c;
   const int64_t n = rows * cols;
   double ss = 0;
   for (int64_t i = 0; i < n; ++i) ss += G[i] * G[i];

@@ -144,6 +144,11 @@ class Optimizer {
   int64_t t_ = 0;
 };
 
+// The quintic's coefficients: X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ (the CPU's newton_schulz and the GPU's).
+struct NewtonSchulzQuintic {
+  static constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
+};
+
 // Newton–Schulz quintic orthogonalisation of a row-major rows×cols matrix G (out may alias G):
 // out ≈ U·S'·Vᵀ for G = U·S·Vᵀ, with S' in [0.682, 1.2024] after 5 steps for every σ/‖G‖_F above
 // ~0.004 (not exactly 1: the quintic trades accuracy for speed; 1.2024 is its maximum on [0, 1]).

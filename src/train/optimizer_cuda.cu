@@ -210,13 +210,17 @@ void segment_norms(const float* x, int64_t count, int64_t len, double* partial, 
   K3_CUDA_LAUNCH_CHECK();
 }
 
-// One strided-batched pedantic fp32 product of the Newton–Schulz iteration (see muon_batch).
-void ns_gemm(gc::GemmContext& ctx, float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K,
-             bool w_in_out, int64_t batch, int64_t stride_x, int64_t stride_w, int64_t stride_y) {
+// One strided-batched product of the Newton–Schulz iteration over a batch's blocks (block i's operands
+// at i·stride): y = alpha·x·op(w), plus beta·y when beta != 0, with operands and result of `type`
+// (F32: pedantic fp32 GEMMs, muon_batch; BF16: fp32 accumulation and epilogue, muon_batch_bf16).
+void ns_gemm(gc::GemmContext& ctx, DType type, void* y, const void* x, const void* w, int64_t M, int64_t N, int64_t K,
+             bool w_in_out, int64_t batch, int64_t stride_x, int64_t stride_w, int64_t stride_y, double alpha = 1.0,
+             double beta = 0.0) {
   gc::LinearParams p;
-  p.y = y, p.y_type = DType::F32, p.x = x, p.w = w, p.in_type = DType::F32;
+  p.y = y, p.y_type = type, p.x = x, p.w = w, p.in_type = type;
   p.M = M, p.N = N, p.K = K, p.w_in_out = w_in_out;
   p.batch = batch, p.stride_x = stride_x, p.stride_w = stride_w, p.stride_y = stride_y;
+  p.alpha = float(alpha), p.beta = float(beta), p.accumulate = beta != 0.0;
   gc::linear_forward(ctx, p);
 }
 
@@ -338,19 +342,19 @@ void CudaOptimizer::normalized_momentum(const MuonBatch& b, uint16_t* x16) {
 // Each product is one strided-batched pedantic fp32 GEMM over the blocks (block i's operands at
 // i·r·w / i·r·r); the polynomial's sums in double.
 void CudaOptimizer::muon_batch(const MuonBatch& b, double lr) {
-  const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
+  constexpr double ca = NewtonSchulzQuintic::a, cb = NewtonSchulzQuintic::b, cc = NewtonSchulzQuintic::c;
   const int64_t n = b.count * b.rows * b.cols, na = b.count * b.r * b.r;
   const MuonBlock* blocks = blocks_.data() + b.first;
   float *X = x_.data(), *Y = y_.data(), *A = a_.data(), *B = b_.data();
   normalized_momentum(b, nullptr);
   const int64_t r = b.r, w = b.w;
   for (int s = 0; s < cfg_.ns_steps; ++s) {
-    ns_gemm(ctx_, A, X, X, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
-    ns_gemm(ctx_, B, A, A, r, r, r, true, b.count, r * r, r * r, r * r);   // B = A·A
-    ns_poly_kernel<<<grid_for(na), kThreads>>>(B, A, na, cb, cc);          // B = b·A + c·A·A
+    ns_gemm(ctx_, DType::F32, A, X, X, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
+    ns_gemm(ctx_, DType::F32, B, A, A, r, r, r, true, b.count, r * r, r * r, r * r);   // B = A·A
+    ns_poly_kernel<<<grid_for(na), kThreads>>>(B, A, na, cb, cc);                      // B = b·A + c·A·A
     K3_CUDA_LAUNCH_CHECK();
-    ns_gemm(ctx_, Y, B, X, r, w, r, true, b.count, r * r, r * w, r * w);  // Y = B·X
-    ns_axpy_kernel<<<grid_for(n), kThreads>>>(X, Y, n, ca);               // X = a·X + Y
+    ns_gemm(ctx_, DType::F32, Y, B, X, r, w, r, true, b.count, r * r, r * w, r * w);  // Y = B·X
+    ns_axpy_kernel<<<grid_for(n), kThreads>>>(X, Y, n, ca);                           // X = a·X + Y
     K3_CUDA_LAUNCH_CHECK();
   }
   muon_update_kernel<<<grid_for(n), kThreads>>>(params_, X, blocks, b.count, b.rows, b.cols, b.tall, lr,
@@ -363,7 +367,7 @@ void CudaOptimizer::muon_batch(const MuonBatch& b, double lr) {
 // each one strided-batched GEMM with fp32 accumulation and a bf16 result; X and X' alternate between
 // xb_ and xnb_.
 void CudaOptimizer::muon_batch_bf16(const MuonBatch& b, double lr) {
-  const double ca = 3.4445, cb = -4.7750, cc = 2.0315;  // the CPU's quintic coefficients
+  constexpr double ca = NewtonSchulzQuintic::a, cb = NewtonSchulzQuintic::b, cc = NewtonSchulzQuintic::c;
   const int64_t n = b.count * b.rows * b.cols, na = b.count * b.r * b.r;
   const MuonBlock* blocks = blocks_.data() + b.first;
   __nv_bfloat16* Xc = reinterpret_cast<__nv_bfloat16*>(xb_.data());
@@ -372,21 +376,13 @@ void CudaOptimizer::muon_batch_bf16(const MuonBatch& b, double lr) {
   __nv_bfloat16* B = reinterpret_cast<__nv_bfloat16*>(bb_.data());
   normalized_momentum(b, xb_.data());
   const int64_t r = b.r, w = b.w;
-  auto product = [&](__nv_bfloat16* y, const void* x, const void* wt, int64_t M, int64_t N, int64_t K, bool w_in_out,
-                     int64_t sx, int64_t sw, int64_t sy, double alpha, double beta) {
-    gc::LinearParams p;
-    p.y = y, p.y_type = DType::BF16, p.x = x, p.w = wt, p.in_type = DType::BF16;
-    p.M = M, p.N = N, p.K = K, p.w_in_out = w_in_out;
-    p.batch = b.count, p.stride_x = sx, p.stride_w = sw, p.stride_y = sy;
-    p.alpha = float(alpha), p.beta = float(beta), p.accumulate = beta != 0.0;
-    gc::linear_forward(ctx_, p);
-  };
+  const DType bf = DType::BF16;
   for (int s = 0; s < cfg_.ns_steps; ++s) {
-    product(A, Xc, Xc, r, r, w, false, r * w, r * w, r * r, 1.0, 0.0);  // A = X·Xᵀ
+    ns_gemm(ctx_, bf, A, Xc, Xc, r, r, w, false, b.count, r * w, r * w, r * r);  // A = X·Xᵀ
     cuda::copy_on_device(B, A, size_t(na) * sizeof(__nv_bfloat16));
-    product(B, A, A, r, r, r, true, r * r, r * r, r * r, cc, cb);  // B = c·A·A + b·A
+    ns_gemm(ctx_, bf, B, A, A, r, r, r, true, b.count, r * r, r * r, r * r, cc, cb);  // B = c·A·A + b·A
     cuda::copy_on_device(Xn, Xc, size_t(n) * sizeof(__nv_bfloat16));
-    product(Xn, B, Xc, r, w, r, true, r * r, r * w, r * w, 1.0, ca);  // X' = B·X + a·X
+    ns_gemm(ctx_, bf, Xn, B, Xc, r, w, r, true, b.count, r * r, r * w, r * w, 1.0, ca);  // X' = B·X + a·X
     std::swap(Xc, Xn);
   }
   muon_update_kernel<<<grid_for(n), kThreads>>>(params_, Xc, blocks, b.count, b.rows, b.cols, b.tall, lr,

@@ -135,11 +135,14 @@ std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t laye
 }
 
 namespace {
-// Mean rows per expert from which one cuBLAS call per expert beats the grouped kernel: the grouped
-// mma.sync kernel wins by 23-50x at k3-1b's experts (~170 rows of 256 x 256 each, where a launch per
-// expert is all overhead) and loses 2x at K3's (4,096 rows of 3072 x 3584), where cuBLAS's Hopper
-// kernels run at their ceiling (docs/BENCHMARKS.md, bench_cuda_train_expert_gemm).
+// Mean rows per expert from which one cuBLAS call per expert beats the grouped kernel: with few rows
+// per expert (k3-1b's ~170 rows of 256 x 256) a launch per expert is all overhead and the grouped
+// mma.sync kernel wins by far; with many (K3's experts, 512 rows and up) cuBLAS's Hopper kernels run
+// near their ceiling and win (docs/BENCHMARKS.md, bench_cuda_train_expert_gemm, places the crossover).
 constexpr int64_t kPerExpertCublasRows = 1024;
+
+// Rows [r0, ...) of a sorted operand's bf16 copy of `width` columns (null in the F32 mode).
+const uint16_t* rows16(const uint16_t* x16, int64_t r0, int64_t width) { return x16 ? x16 + r0 * width : nullptr; }
 }  // namespace
 
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
@@ -196,8 +199,6 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
     moe::cuda::grouped_linear_forward_bf16(tp.ye, tp.he16, experts->w16[2].data(), offd, S, E, L, I, false, ws);
     t.arena.rewind(m);
   } else {
-    // Rows [r0, r0 + n) of a sorted operand and of its bf16 copy (null in the F32 mode).
-    auto rows16 = [](const uint16_t* x16, int64_t r0, int64_t width) { return x16 ? x16 + r0 * width : nullptr; };
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
@@ -277,13 +278,13 @@ void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tp, cons
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
       train_linear_backward(t, dge + r0 * I, false, dye + r0 * L, tp.he + r0 * I, n, W.experts[size_t(e)].down,
-                            tp.he16 ? tp.he16 + r0 * I : nullptr);
+                            rows16(tp.he16, r0, I));
     }
     ffn::cuda::glu_backward_train(dge, due, dge, tp.ge, tp.ue, S * I, glu_params(c));
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[size_t(e)], n = off[size_t(e) + 1] - r0;
       if (n == 0) continue;
-      const uint16_t* zs16 = tp.zs16 ? tp.zs16 + r0 * L : nullptr;
+      const uint16_t* zs16 = rows16(tp.zs16, r0, L);
       train_linear_backward(t, dzs + r0 * L, false, dge + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].gate, zs16);
       train_linear_backward(t, dzs + r0 * L, true, due + r0 * I, tp.zs + r0 * L, n, W.experts[size_t(e)].up, zs16);
     }

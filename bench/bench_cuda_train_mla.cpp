@@ -68,7 +68,8 @@ struct Problem {
         dkv(size_t(T_ * ldkv)),
         dkr(size_t(T_ * 64)),
         cu(2),
-        ws(std::max(mc::attention_backward_workspace_bytes(T_, d), mc::attention_backward_workspace_bytes_bf16(T_, d))),
+        ws(std::max({mc::attention_backward_workspace_bytes(T_, d), mc::attention_backward_workspace_bytes_bf16(T_, d),
+                     mc::attention_forward_workspace_bytes_bf16(T_, d)})),
         scale(float(1.0 / std::sqrt(192.0))) {
     fill_f32(q.data(), q.size(), 1, 1.0f);
     fill_f32(kv.data(), kv.size(), 2, 1.0f);
@@ -80,7 +81,7 @@ struct Problem {
   void forward(bool bf16) {
     if (bf16)
       mc::attention_forward_train_bf16(o.data(), ldo, lse.data(), q.data(), ldq, kv.data(), ldkv, kr.data(), 64,
-                                       cu.data(), 1, T, T, d, scale);
+                                       cu.data(), 1, T, T, d, scale, ws.data());
     else
       mc::attention_forward_train(o.data(), ldo, lse.data(), q.data(), ldq, kv.data(), ldkv, kr.data(), 64, cu.data(),
                                   1, T, T, d, scale);

@@ -29,7 +29,8 @@ namespace mc = k3::mla::cuda;
 namespace {
 
 constexpr double kTol = 1e-5;
-const Kernels kFp32{mc::attention_forward_train, mc::attention_backward_workspace_bytes, mc::attention_backward_train};
+const Kernels kFp32{fp32_forward, no_forward_workspace, mc::attention_backward_workspace_bytes,
+                    mc::attention_backward_train};
 
 TEST(CudaTrainMla, SmallDims) {
   K3_REQUIRE_GPU();

@@ -30,10 +30,10 @@ namespace mc = k3::mla::cuda;
 namespace {
 
 constexpr double kTol = 1e-2;  // bf16 operands (2^-9 relative rounding each), fp32 accumulation
-const Kernels kBf16{mc::attention_forward_train_bf16, mc::attention_backward_workspace_bytes_bf16,
-                    mc::attention_backward_train_bf16};
+const Kernels kBf16{mc::attention_forward_train_bf16, mc::attention_forward_workspace_bytes_bf16,
+                    mc::attention_backward_workspace_bytes_bf16, mc::attention_backward_train_bf16};
 // The fp32 SIMT kernel's o and lse feed the bf16 backward.
-const Kernels kFp32Forward{mc::attention_forward_train, mc::attention_backward_workspace_bytes_bf16,
+const Kernels kFp32Forward{fp32_forward, no_forward_workspace, mc::attention_backward_workspace_bytes_bf16,
                            mc::attention_backward_train_bf16};
 
 TEST(CudaTrainMlaTc, SmallDims) {
@@ -78,13 +78,19 @@ TEST(CudaTrainMlaTc, ArgumentErrors) {
   const mla::Dims ok{2, 16, 8, 16, 0}, wide{1, 200, 57, 16, 0}, no_v{1, 16, 8, 0, 0};
   float* p = nullptr;
   const int32_t* cu = nullptr;
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, wide, 0.1f), Error);
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, no_v, 0.1f), Error);
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 47, p, 64, p, 8, cu, 1, 4, 4, ok, 0.1f), Error);  // ldq
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 7, cu, 1, 4, 4, ok, 0.1f), Error);  // ldr
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 5, 4, ok, 0.1f),
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, wide, 0.1f, p), Error);
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, no_v, 0.1f, p), Error);
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 47, p, 64, p, 8, cu, 1, 4, 4, ok, 0.1f, p), Error);  // ldq
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 7, cu, 1, 4, 4, ok, 0.1f, p), Error);  // ldr
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 5, 4, ok, 0.1f, p),
                Error);  // max_len
-  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, ok, 0.1f), Error);  // nulls
+  EXPECT_THROW(mc::attention_forward_train_bf16(p, 32, p, p, 48, p, 64, p, 8, cu, 1, 4, 4, ok, 0.1f, p),
+               Error);  // nulls
+  {                     // every pointer set but the workspace (never dereferenced: the checks come first)
+    float* f = reinterpret_cast<float*>(uintptr_t(256));
+    const int32_t* cf = reinterpret_cast<const int32_t*>(uintptr_t(256));
+    EXPECT_THROW(mc::attention_forward_train_bf16(f, 32, f, f, 48, f, 64, f, 8, cf, 1, 4, 4, ok, 0.1f, nullptr), Error);
+  }
   EXPECT_THROW(mc::attention_backward_train_bf16(p, 48, p, 63, p, 8, p, 32, p, p, 48, p, 64, p, 8, p, cu, 1, 4, 4, ok,
                                                  0.1f, nullptr),
                Error);  // lddkv

@@ -17,6 +17,7 @@
 #include "core/cuda.h"                   // defines: cuda::DeviceBuffer, cuda::synchronize
 #include "kernels/mla/mla_f64.h"         // defines: mla::attention_forward_f64, mla::attention_backward_f64, ...
 #include "kernels/mla/mla_train_cuda.h"  // defines: mla::cuda::attention_forward_train, ...
+#include "kernels/mla/mla_train_tc_cuda.h"  // defines: mla::cuda::attention_forward_train_bf16, ...
 #include "random.h"                      // defines: randn
 
 namespace k3test::mla_train {
@@ -122,13 +123,22 @@ inline int64_t pad_changes(const std::vector<float>& buf, int64_t ld, int64_t co
   return bad;
 }
 
-// The entry points under test: a forward (o, lse), the size of the backward's workspace, and a backward
-// that takes the forward's o and lse. The fp32 and the bf16 entry points share these signatures.
+// The entry points under test: a forward (o, lse) with the size of its workspace, the size of the
+// backward's workspace, and a backward that takes the forward's o and lse. The bf16 entry points have
+// these signatures; fp32_forward / no_forward_workspace adapt the fp32 forward, which takes none.
 struct Kernels {
-  decltype(&k3::mla::cuda::attention_forward_train) forward;
+  decltype(&k3::mla::cuda::attention_forward_train_bf16) forward;
+  decltype(&k3::mla::cuda::attention_forward_workspace_bytes_bf16) forward_workspace_bytes;
   decltype(&k3::mla::cuda::attention_backward_workspace_bytes) workspace_bytes;
   decltype(&k3::mla::cuda::attention_backward_train) backward;
 };
+inline void fp32_forward(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv, int64_t ldkv,
+                         const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B, int64_t max_len,
+                         int64_t rows, const k3::mla::Dims& d, float scale, void*) {
+  k3::mla::cuda::attention_forward_train(o, ldo, lse, q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, B, max_len, rows, d,
+                                         scale);
+}
+inline size_t no_forward_workspace(int64_t, const k3::mla::Dims&) { return 0; }
 
 // Packs `seqs` in the given order, runs the GPU forward and backward (the backward takes the forward's
 // o and lse), and stores each sequence's results in it. Checks that no padding changed.
@@ -163,8 +173,11 @@ inline void run_gpu(std::vector<Seq>& seqs, const k3::mla::Dims& d, float scale,
   std::vector<unsigned char> ws_init(ws_bytes, 0xFF);
   k3::cuda::DeviceBuffer<unsigned char> ws(ws_init.data(), ws_init.size());
 
+  const size_t fws_bytes = kernels.forward_workspace_bytes(rows, d);
+  std::vector<unsigned char> fws_init(fws_bytes, 0xFF);
+  k3::cuda::DeviceBuffer<unsigned char> fws(fws_init.data(), fws_init.size());
   kernels.forward(o_d.data(), ld.o, lse_d.data(), q_d.data(), ld.q, kv_d.data(), ld.kv, ckv_d.data() + kRotCol, ld.c,
-                  cu_d.data(), B, max_len, rows, d, scale);
+                  cu_d.data(), B, max_len, rows, d, scale, fws.data());
   kernels.backward(dq_d.data(), ld.dq, dkv_d.data(), ld.dkv, dkr_d.data(), ld.dr, do_d.data(), ld.o, o_d.data(),
                    q_d.data(), ld.q, kv_d.data(), ld.kv, ckv_d.data() + kRotCol, ld.c, lse_d.data(), cu_d.data(), B,
                    max_len, rows, d, scale, ws.data());

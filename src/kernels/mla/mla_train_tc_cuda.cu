@@ -8,18 +8,20 @@
 //                                        a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9];
 //   B (16 x 8, "col": k fastest), 2 registers: b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g];
 //   C, D (16 x 8, fp32), 4 registers: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1].
-// Every operand is read from shared memory with plain 32-bit loads of two adjacent bf16:
-//   - A = X (X row-major [m][k] in shared memory): a0 = X[g][k0 + 2t ..], a2 = X[g][k0 + 2t + 8 ..];
-//   - B for a product X Yᵀ (both row-major [rows][k]): B[k][n] = Y[n][k], so b0 = Y[n0 + g][k0 + 2t ..];
-//   - B for a product P Y with Y [k][n] row-major: B[k][n] = Y[k][n] is NOT contiguous in k, so such
-//     Y are stored TRANSPOSED in shared memory (Yt [n][k], written so as they are loaded), and
-//     b0 = Yt[n0 + g][k0 + 2t ..].
+// Operands come from shared memory through ldmatrix.x4 (four 8 x 8 matrices; lanes 8i .. 8i + 7 give
+// the row addresses of matrix i, and thread (g, t) receives row g, columns 2t, 2t + 1 of each; with
+// .trans, rows 2t, 2t + 1 of column g):
+//   - ld_a: A = rows of a row-major tile X[m][k]: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) in the
+//     order a0, a1, a2, a3.
+//   - ld_b_nk: B of a product X Yᵀ, Y row-major [n][k] (B[k][n] = Y[n][k]): one x4 gives b0, b1 of the
+//     n-tile n0 and b0, b1 of the n-tile n0 + 8.
+//   - ld_b_kn: B of a product P Y, Y row-major [k][n]: the same two n-tiles through .trans, so no tile
+//     is ever stored transposed.
 //   - A from accumulators: the C fragments of n-tiles 2c and 2c+1 (columns 16c .. 16c + 15) are
-//     exactly the A fragment of the 16-column chunk c: a0 = (C_2c[0], C_2c[1]), a1 = (C_2c[2], C_2c[3]),
-//     a2 = (C_2c+1[0], C_2c+1[1]), a3 = (C_2c+1[2], C_2c+1[3]), rounded to bf16.
-// Shared rows are D + 8 bf16 long with D a multiple of 16 (or 32/64 for the transposed tiles): the
-// row stride in words is 4 (mod 8) times an odd number, so the 32 lanes' words g·stride + t fall in 32
-// distinct banks: every fragment load is conflict-free.
+//     exactly the A fragment of the 16-column chunk c, rounded to bf16 (acc_to_a).
+// Shared rows are W + 8 bf16 long with W a multiple of 16: a row is 16 (mod 32) words... precisely,
+// the stride in 4-byte words is 4 (mod 8), so the 8 rows of one ldmatrix matrix start in 8 disjoint
+// groups of 4 banks: every ldmatrix is conflict-free, and every row starts on 16 bytes for cp.async.
 // Row statistics in the accumulator layout: row g (and g + 8) of a warp's 16 is spread over the 4
 // lanes 4g .. 4g + 3, so row maxima and sums are xor-shuffles over offsets 1 and 2 (every lane ends
 // with the same bits, since a + b == b + a exactly).
@@ -43,55 +45,60 @@ namespace {
 using train_common::allow_smem;
 using train_common::check_attention;
 using train_common::check_backward;
-using train_common::delta_bytes;
 
 constexpr int kThreads = 128;            // 4 warps of 16 rows each
 constexpr int kFwdBM = 64, kFwdBN = 64;  // forward: queries per block x keys per tile
 constexpr int kDkvBN = 64, kDkvBM = 32;  // dK/dV: keys per block x queries per tile
-constexpr int kDqBM = 64, kDqBN = 64;    // dQ: queries per block x keys per tile
+constexpr int kDqBM = 64, kDqBN = 32;    // dQ: queries per block x keys per tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The packed operands: bf16, head-major [H][rows][W] with W = dqp (q, k) or dvp (v, dO), the head
+// dims rounded up to a multiple of 16 and zero-filled past Dn + Dr or Dv.
 struct AttnArgs {
-  const float* q;
-  int64_t ldq;
-  const float* kv;
-  int64_t ldkv;
-  const float* k_rot;
-  int64_t ldr;
-  const float* d_o;  // backward only
-  int64_t ldo;
-  const float* lse;    // [H, rows], backward only
-  const float* delta;  // [H, rows], backward only
+  const uint16_t* q;
+  const uint16_t* k;  // [k_nope | k_rot] per head (k_rot repeated for every head)
+  const uint16_t* v;
+  const uint16_t* d_o;  // backward only
+  const float* lse2;    // [H, rows] log2(e)·lse, backward only
+  const float* delta;   // [H, rows], backward only
   const int32_t* cu;
   int64_t rows;
   int H, Dn, Dr, Dv;
-  int dqp, dvp;  // Dn + Dr and Dv rounded up to a multiple of 16 (the zero-padded shared widths)
+  int dqp, dvp;  // Dn + Dr and Dv rounded up to a multiple of 16
   float scale, scale_log2;
 };
 
-__device__ __forceinline__ uint16_t to_bf16(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-// Elements [0] and [1] of a bf16 row as one register ([0] in the low half; p is 4-byte aligned).
-__device__ __forceinline__ uint32_t ld2(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
+using ptx::cp_async16;
+using ptx::cp_async4;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
 using ptx::quad_max;
 using ptx::quad_sum;
+using ptx::smem_u32;
 
-// The A fragment of one 16 x 16 chunk of a row-major bf16 tile X (row stride ld): rows 0..15 from
-// `x` (X + row0 * ld + k0).
-__device__ __forceinline__ void load_a(uint32_t (&af)[4], const uint16_t* x, int ld, int g, int t) {
-  const uint16_t* p = x + g * ld + 2 * t;
-  af[0] = ld2(p);
-  af[1] = ld2(p + 8 * ld);
-  af[2] = ld2(p + 8);
-  af[3] = ld2(p + 8 * ld + 8);
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Byte address of element (row, col) of a shared bf16 tile at `tile` with rows of ld elements.
+__device__ __forceinline__ uint32_t at(uint32_t tile, int ld, int row, int col) {
+  return tile + uint32_t(row * ld + col) * 2u;
 }
-// c += A · B for the n-tile whose 8 B columns are rows 0..7 of `y` (Y + n0 * ld + k0; k fastest).
-__device__ __forceinline__ void mma_ab(float (&c)[4], const uint32_t (&af)[4], const uint16_t* y, int ld, int g,
-                                       int t) {
-  const uint16_t* p = y + g * ld + 2 * t;
-  ptx::mma_bf16_16816(c, af, ld2(p), ld2(p + 8));
+// The A fragment of rows row0 .. row0 + 15, columns k0 .. k0 + 15 of a row-major tile.
+__device__ __forceinline__ void ld_a(uint32_t (&a)[4], uint32_t tile, int ld, int row0, int k0, int lane) {
+  ptx::ldmatrix_x4(a, at(tile, ld, row0 + (lane & 15), k0 + (lane >> 4) * 8));
+}
+// B fragments of the n-tiles n0 and n0 + 8 at k0 .. k0 + 15 for X Yᵀ, Y row-major [n][k].
+__device__ __forceinline__ void ld_b_nk(uint32_t (&b)[4], uint32_t tile, int ld, int n0, int k0, int lane) {
+  ptx::ldmatrix_x4(b, at(tile, ld, n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 8));
+}
+// B fragments of the n-tiles n0 and n0 + 8 at k0 .. k0 + 15 for P Y, Y row-major [k][n].
+__device__ __forceinline__ void ld_b_kn(uint32_t (&b)[4], uint32_t tile, int ld, int k0, int n0, int lane) {
+  ptx::ldmatrix_x4_trans(b, at(tile, ld, k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
+}
+// c0 += A · B(n-tile n0), c1 += A · B(n-tile n0 + 8) for b from ld_b_nk / ld_b_kn.
+__device__ __forceinline__ void mma2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  ptx::mma_bf16_16816(c0, a, b[0], b[1]);
+  ptx::mma_bf16_16816(c1, a, b[2], b[3]);
 }
 // The A fragment of the 16-column chunk made of accumulator n-tiles c0 and c1, rounded to bf16.
 __device__ __forceinline__ void acc_to_a(uint32_t (&af)[4], const float (&c0)[4], const float (&c1)[4]) {
@@ -100,73 +107,78 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&af)[4], const float (&c0)[4]
   af[2] = ptx::pack_bf16x2(c1[0], c1[1]);
   af[3] = ptx::pack_bf16x2(c1[2], c1[3]);
 }
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+}
 
-// A bf16 tile of nrows x wpad values from fp32 rows: value (r, c) = a[r*lda + c] for c < wa,
-// b[r*ldb + c - wa] for wa <= c < wa + wb, and 0 for c >= wa + wb or r >= valid (nothing is read
-// for them). Stored row-major dst[r*ld + c] when dst is given, and transposed dstT[c*ldT + r] when
-// dstT is given (both from one read of the value).
-__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int nrows, int wpad,
-                                          int valid, const float* a, int64_t lda, int wa, const float* b, int64_t ldb,
-                                          int wb) {
-  const int w = wa + wb;
-  for (int idx = threadIdx.x; idx < nrows * wpad; idx += kThreads) {
-    const int r = idx / wpad, c = idx - r * wpad;
-    float x = 0.0f;
-    if (r < valid && c < w) x = c < wa ? a[r * lda + c] : b[r * ldb + (c - wa)];
-    const uint16_t y = to_bf16(x);
-    if (dst) dst[r * ld + c] = y;
-    if (dstT) dstT[c * ldT + r] = y;
+// Queues the copy of rows [r0, r0 + n) of one sequence's packed operand (src: its row 0; w elements a
+// row, a multiple of 8) into the shared tile at dst (rows of ld elements), 16 bytes per cp.async.
+// Rows at or past len are zero-filled without a read.
+__device__ __forceinline__ void copy_rows(uint32_t dst, int ld, const uint16_t* src, int w, int r0, int n, int len) {
+  const int segs = w >> 3;
+  for (int i = threadIdx.x; i < n * segs; i += kThreads) {
+    const int r = i / segs, s = i - r * segs;
+    const bool ok = r0 + r < len;
+    cp_async16(at(dst, ld, r, 8 * s), src + int64_t(ok ? r0 + r : 0) * w + 8 * s, ok ? 16 : 0);
+  }
+}
+// Queues log2(e)·lse and Delta of rows [r0, r0 + n) (src: the sequence's row 0 of this head) into
+// dst_l[n] and dst_d[n]; 0 past len (those rows are masked wherever they are used).
+__device__ __forceinline__ void copy_stats(uint32_t dst_l, uint32_t dst_d, const float* lse2, const float* delta,
+                                           int r0, int n, int len) {
+  for (int i = threadIdx.x; i < 2 * n; i += kThreads) {
+    const bool second = i >= n;
+    const int r = second ? i - n : i;
+    const bool ok = r0 + r < len;
+    cp_async4((second ? dst_d : dst_l) + 4u * r, (second ? delta : lse2) + (ok ? r0 + r : 0), ok ? 4 : 0);
   }
 }
 
-// Tiles of rows [r0, r0 + n) of the sequence starting at global row `base` (len rows): q | k | v |
-// dO of head h, bf16 (row-major into dst and/or transposed into dstT; nullptr: not stored), zero-padded to dqp (q, k) or dvp (v, dO) columns and n rows. Row pointers are
-// formed only for rows that exist.
-struct Tiles {
-  const AttnArgs a;
-  int64_t base;
-  int len, h;
-  __device__ int valid(int r0, int n) const { return max(0, min(n, len - r0)); }
-  __device__ int64_t row(int r0) const { return base + min(r0, max(len - 1, 0)); }
-  __device__ void q(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
-    const int dqk = a.Dn + a.Dr;
-    load_tile(dst, ld, dstT, ldT, n, a.dqp, valid(r0, n), a.q + row(r0) * a.ldq + int64_t(h) * dqk, a.ldq, dqk, nullptr,
-              0, 0);
+// ---------------------------------------------------------------------------------------------
+// Packing: one warp per (row, head), lanes over pairs of columns, bf16 round-to-nearest-even.
+
+__device__ __forceinline__ void store_pair(uint16_t* dst, int c, float x0, float x1) {
+  *reinterpret_cast<uint32_t*>(dst + c) = ptx::pack_bf16x2(x0, x1);
+}
+
+__global__ void __launch_bounds__(256)
+    pack_qkv_kernel(uint16_t* __restrict__ qp, uint16_t* __restrict__ kp, uint16_t* __restrict__ vp,
+                    const float* __restrict__ q, int64_t ldq, const float* __restrict__ kv, int64_t ldkv,
+                    const float* __restrict__ k_rot, int64_t ldr, int64_t rows, int H, int Dn, int Dr, int Dv, int dqp,
+                    int dvp) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= rows * H) return;
+  const int64_t r = w / H;
+  const int h = int(w - r * H), dqk = Dn + Dr;
+  const float* qr = q + r * ldq + int64_t(h) * dqk;
+  const float* kn = kv + r * ldkv + int64_t(h) * (Dn + Dv);
+  const float* kr = k_rot + r * ldr;  // read only for Dr > 0
+  const int64_t hr = int64_t(h) * rows + r;
+  auto qv = [&](int c) { return c < dqk ? qr[c] : 0.0f; };
+  auto kval = [&](int c) { return c < Dn ? kn[c] : c < dqk ? kr[c - Dn] : 0.0f; };
+  auto vv = [&](int c) { return c < Dv ? kn[Dn + c] : 0.0f; };
+  for (int c = 2 * lane; c < dqp; c += 64) {
+    store_pair(qp + hr * dqp, c, qv(c), qv(c + 1));
+    store_pair(kp + hr * dqp, c, kval(c), kval(c + 1));
   }
-  __device__ void k(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
-    load_tile(dst, ld, dstT, ldT, n, a.dqp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv), a.ldkv,
-              a.Dn, a.k_rot + row(r0) * a.ldr, a.ldr, a.Dr);
-  }
-  __device__ void v(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
-    load_tile(dst, ld, dstT, ldT, n, a.dvp, valid(r0, n), a.kv + row(r0) * a.ldkv + int64_t(h) * (a.Dn + a.Dv) + a.Dn,
-              a.ldkv, a.Dv, nullptr, 0, 0);
-  }
-  __device__ void d_o(uint16_t* dst, int ld, uint16_t* dstT, int ldT, int r0, int n) const {
-    load_tile(dst, ld, dstT, ldT, n, a.dvp, valid(r0, n), a.d_o + row(r0) * a.ldo + int64_t(h) * a.Dv, a.ldo, a.Dv,
-              nullptr, 0, 0);
-  }
-  // log2(e)·lse and Delta of rows r0.. (0 past the end: those rows are masked wherever they are used).
-  __device__ void stats(float* s_lse2, float* s_delta, int r0, int n) const {
-    for (int r = threadIdx.x; r < n; r += kThreads) {
-      const bool ok = r0 + r < len;
-      const int64_t i = int64_t(h) * a.rows + base + r0 + r;
-      s_lse2[r] = ok ? a.lse[i] * kLog2e : 0.0f;
-      s_delta[r] = ok ? a.delta[i] : 0.0f;
-    }
-  }
-};
+  for (int c = 2 * lane; c < dvp; c += 64) store_pair(vp + hr * dvp, c, vv(c), vv(c + 1));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Forward: block = 64 queries [m0, m0 + 64) of one (sequence, head), warp w owns queries
-// m0 + 16w .. + 15; 64-key tiles 0.. up to the causal end min(len, m0 + 64). NV = 8-column n-tiles
-// of O held per thread (a bucket >= dvp / 8).
+// m0 + 16w .. + 15; 64-key tiles 0.. up to the causal end min(len, m0 + 64), double-buffered (the
+// next tile's cp.async runs under this tile's products). NV = 8-column n-tiles of O held per thread
+// (a bucket >= dvp / 8).
 
 size_t fwd_smem_bytes(int dqp, int dvp) {
-  return size_t(kFwdBM * (dqp + 8) + kFwdBN * (dqp + 8) + dvp * (kFwdBN + 8)) * sizeof(uint16_t);
+  return size_t(kFwdBM * (dqp + 8) + 2 * kFwdBN * (dqp + 8) + 2 * kFwdBN * (dvp + 8)) * sizeof(uint16_t);
 }
 
 template <int NV>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     attn_fwd_tc_kernel(const AttnArgs a, float* __restrict__ o, int64_t ldo, float* __restrict__ lse) {
   extern __shared__ float4 smem4[];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -174,83 +186,101 @@ __global__ void __launch_bounds__(kThreads)
   const int len = a.cu[b + 1] - a.cu[b];
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kFwdBM;  // the heaviest (latest) query blocks first
   if (m0 >= len) return;
-  const int LQ = a.dqp + 8, LVt = kFwdBN + 8, nvt = a.dvp / 8;
-  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem4);  // [64 queries][LQ]
-  uint16_t* sK = sQ + kFwdBM * LQ;                    // [64 keys][LQ]
-  uint16_t* sVt = sK + kFwdBN * LQ;                   // V transposed: [dvp][LVt]
+  const int LQ = a.dqp + 8, LV = a.dvp + 8, nvt = a.dvp / 8;
+  const uint32_t sQ = smem_u32(smem4);             // [64 queries][LQ]
+  const uint32_t sK0 = sQ + kFwdBM * LQ * 2;       // 2 stages of [64 keys][LQ]
+  const uint32_t sV0 = sK0 + 2 * kFwdBN * LQ * 2;  // 2 stages of [64 keys][LV]
+  const uint32_t k_stage = kFwdBN * LQ * 2, v_stage = kFwdBN * LV * 2;
+  const int64_t hrow = int64_t(h) * a.rows + base;
+  const uint16_t *qs = a.q + hrow * a.dqp, *ks = a.k + hrow * a.dqp, *vs = a.v + hrow * a.dvp;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const Tiles tl{a, base, len, h};
-  tl.q(sQ, LQ, nullptr, 0, m0, kFwdBM);
+  const int wq0 = m0 + warp * 16;  // the warp's first query
+  const int kv_end = min(len, m0 + kFwdBM), tiles = (kv_end + kFwdBN - 1) / kFwdBN;
+
+  copy_rows(sQ, LQ, qs, a.dqp, m0, kFwdBM, len);
+  copy_rows(sK0, LQ, ks, a.dqp, 0, kFwdBN, len);
+  copy_rows(sV0, LV, vs, a.dvp, 0, kFwdBN, len);
+  cp_async_commit();
 
   float acc[NV][4];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  zero(acc);
   // Rows g and g + 8 of the warp: running max (log2 units of the scaled scores) and this thread's
   // partial sum of the probabilities (its 16 columns of every tile; the quad's sum at the end).
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
-  const int wq0 = m0 + warp * 16;  // the warp's first query
-  const int kv_end = min(len, m0 + kFwdBM);
-  for (int n0 = 0; n0 < kv_end; n0 += kFwdBN) {
-    __syncthreads();  // the previous tile's K and V are no longer read
-    tl.k(sK, LQ, nullptr, 0, n0, kFwdBN);
-    tl.v(nullptr, 0, sVt, LVt, n0, kFwdBN);
+  for (int it = 0; it < tiles; ++it) {
+    const int n0 = it * kFwdBN;
+    const uint32_t sK = sK0 + (it & 1) * k_stage, sV = sV0 + (it & 1) * v_stage;
+    if (it + 1 < tiles) {  // the stage it fills was last read before the previous iteration's barrier
+      copy_rows(sK0 + ((it + 1) & 1) * k_stage, LQ, ks, a.dqp, n0 + kFwdBN, kFwdBN, len);
+      copy_rows(sV0 + ((it + 1) & 1) * v_stage, LV, vs, a.dvp, n0 + kFwdBN, kFwdBN, len);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the tile just queued has landed
     __syncthreads();
-    if (n0 > wq0 + 15 || wq0 >= len) continue;  // every (query, key) of the warp is masked (warp-uniform)
-
-    float s[8][4];
+    if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
+      float s[8][4];
+      zero(s);
+      for (int kk = 0; kk < a.dqp; kk += 16) {
+        uint32_t af[4];
+        ld_a(af, sQ, LQ, warp * 16, kk, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    for (int kk = 0; kk < a.dqp; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sQ + warp * 16 * LQ + kk, LQ, g, t4);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mma_ab(s[j], af, sK + j * 8 * LQ + kk, LQ, g, t4);
-    }
-
-    // Online softmax; s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2). Masked: -inf.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = wq0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
-        const float x = (key <= t && key < len) ? s[j][e] * a.scale_log2 : -INFINITY;
-        s[j][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        for (int jp = 0; jp < 4; ++jp) {
+          uint32_t bf[4];
+          ld_b_nk(bf, sK, LQ, 16 * jp, kk, lane);
+          mma2(s[2 * jp], s[2 * jp + 1], af, bf);
+        }
       }
-    float m_use[2], alpha[2];
+
+      // Online softmax; s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2). Masked: -inf.
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m_r[r], quad_max(mx[r]));
-      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: exp2(-inf - 0) = 0
-      alpha[r] = exp2f(m_r[r] - m_use[r]);
-      m_r[r] = m_new;
-      l_r[r] *= alpha[r];
-    }
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+          const int t = wq0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
+          const float x = (key <= t && key < len) ? s[j][e] * a.scale_log2 : -INFINITY;
+          s[j][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      float m_use[2], alpha[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[j][e] - m_use[e >> 1]);
-        s[j][e] = p;
-        l_r[e >> 1] += p;
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_r[r], quad_max(mx[r]));
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: exp2(-inf - 0) = 0
+        alpha[r] = exp2f(m_r[r] - m_use[r]);
+        m_r[r] = m_new;
+        l_r[r] *= alpha[r];
       }
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      acc[j][0] *= alpha[0], acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1], acc[j][3] *= alpha[1];
-    }
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[j][e] - m_use[e >> 1]);
+          s[j][e] = p;
+          l_r[e >> 1] += p;
+        }
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        acc[j][0] *= alpha[0], acc[j][1] *= alpha[0];
+        acc[j][2] *= alpha[1], acc[j][3] *= alpha[1];
+      }
 
-    // O += P V per 16-key chunk c; chunks past the warp's last query have P = 0 and are skipped.
+      // O += P V per 16-key chunk c; chunks past the warp's last query have P = 0 and are skipped.
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      if (n0 + 16 * c > wq0 + 15) continue;
-      uint32_t pa[4];
-      acc_to_a(pa, s[2 * c], s[2 * c + 1]);
+      for (int c = 0; c < 4; ++c) {
+        if (n0 + 16 * c > wq0 + 15) continue;
+        uint32_t pa[4];
+        acc_to_a(pa, s[2 * c], s[2 * c + 1]);
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
-        if (j < nvt) mma_ab(acc[j], pa, sVt + j * 8 * LVt + 16 * c, LVt, g, t4);
+        for (int jp = 0; jp < NV / 2; ++jp)
+          if (2 * jp < nvt) {
+            uint32_t bf[4];
+            ld_b_kn(bf, sV, LV, 16 * c, 16 * jp, lane);
+            mma2(acc[2 * jp], acc[2 * jp + 1], pa, bf);
+          }
+      }
     }
+    __syncthreads();  // this stage is read by no warp any more
   }
 
   // o = O / l and lse = ln 2 · (m + log2 l) for the rows that exist (l >= 1: its largest term is 2^0).
@@ -276,10 +306,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // delta[h, r] = Σ_c bf16(dO[r, h*Dv + c]) · O[r, h*Dv + c] (dO rounded as the products dP = dO Vᵀ
 // see it, so Delta = Σ_s P_ts dP_ts up to the rounding of P and v): one warp per (row, head), lanes
-// stride the columns, a double sum reduced by a fixed xor tree, rounded once.
+// stride the columns, a double sum reduced by a fixed xor tree, rounded once. The same warp writes
+// lse2 = log2(e)·lse and packs bf16(dO) (AttnArgs::d_o).
 __global__ void __launch_bounds__(256)
-    attn_delta_tc_kernel(float* __restrict__ delta, const float* __restrict__ d_o, const float* __restrict__ o,
-                         int64_t ldo, int64_t rows, int H, int Dv) {
+    attn_delta_tc_kernel(float* __restrict__ delta, float* __restrict__ lse2, uint16_t* __restrict__ dop,
+                         const float* __restrict__ d_o, const float* __restrict__ o, int64_t ldo,
+                         const float* __restrict__ lse, int64_t rows, int H, int Dv, int dvp) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (w >= rows * H) return;  // the whole warp leaves together
@@ -290,24 +322,30 @@ __global__ void __launch_bounds__(256)
   double acc = 0.0;
   for (int c = lane; c < Dv; c += 32) acc = fma(double(round_bf16(x[c])), double(y[c]), acc);
   acc = rowwise::warp_sum(acc);
-  if (lane == 0) delta[int64_t(h) * rows + r] = float(acc);
+  const int64_t hr = int64_t(h) * rows + r;
+  if (lane == 0) {
+    delta[hr] = float(acc);
+    lse2[hr] = lse[hr] * kLog2e;
+  }
+  for (int c = 2 * lane; c < dvp; c += 64)
+    store_pair(dop + hr * dvp, c, c < Dv ? x[c] : 0.0f, c + 1 < Dv ? x[c + 1] : 0.0f);
 }
 
 size_t dkv_smem_bytes(int dqp, int dvp) {
-  return 2 * kDkvBM * sizeof(float) + size_t(kDkvBN * (dqp + 8) + kDkvBN * (dvp + 8) + kDkvBM * (dqp + 8) +
-                                             dqp * (kDkvBM + 8) + kDkvBM * (dvp + 8) + dvp * (kDkvBM + 8)) *
-                                          sizeof(uint16_t);
+  return 4 * kDkvBM * sizeof(float) +
+         size_t(kDkvBN * (dqp + 8) + kDkvBN * (dvp + 8) + 2 * kDkvBM * (dqp + 8) + 2 * kDkvBM * (dvp + 8)) *
+             sizeof(uint16_t);
 }
 
 // dK and dV of the keys [n0, n0 + 64) of one (sequence, head), warp w owning keys n0 + 16w .. + 15:
-// loops over the 32-query tiles from the one holding key n0 to the sequence's end. Per tile, with
-// keys s as rows and queries t as columns: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (fp32 accumulators), then
-// Pᵀ_st = exp(scale·Sᵀ_st - lse_t), dSᵀ_st = Pᵀ_st (dPᵀ_st - Delta_t), masked to s <= t < len by
-// selection; dV += bf16(Pᵀ) dO and dK += bf16(dSᵀ) Q (Q and dO also stored transposed for those B
-// operands). dK is scaled once at the end; its rot columns go to the per-head scratch dk_rot_h.
+// loops over the 32-query tiles from the one holding key n0 to the sequence's end, double-buffered.
+// Per tile, with keys s as rows and queries t as columns: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (fp32
+// accumulators), then Pᵀ_st = exp(scale·Sᵀ_st - lse_t), dSᵀ_st = Pᵀ_st (dPᵀ_st - Delta_t), masked to
+// s <= t < len by selection; dV += bf16(Pᵀ) dO and dK += bf16(dSᵀ) Q. dK is scaled once at the end;
+// its rot columns go to the per-head scratch dk_rot_h.
 // NQ, NV: 8-column n-tiles of dK and dV per thread (buckets >= dqp / 8, dvp / 8).
 template <int NQ, int NV>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     attn_bwd_dkv_tc_kernel(const AttnArgs a, float* __restrict__ dkv, int64_t lddkv, float* __restrict__ dk_rot_h) {
   extern __shared__ float4 smem4[];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -315,76 +353,103 @@ __global__ void __launch_bounds__(kThreads)
   const int len = a.cu[b + 1] - a.cu[b];
   const int n0 = blockIdx.x * kDkvBN;  // the heaviest (earliest) key blocks first
   if (n0 >= len) return;
-  const int dqk = a.Dn + a.Dr, LQ = a.dqp + 8, LV = a.dvp + 8, LT = kDkvBM + 8;
+  const int dqk = a.Dn + a.Dr, LQ = a.dqp + 8, LV = a.dvp + 8;
   const int nqt = a.dqp / 8, nvt = a.dvp / 8;
-  float* sL = reinterpret_cast<float*>(smem4);              // [32] log2(e)·lse
-  float* sD = sL + kDkvBM;                                  // [32] Delta
-  uint16_t* sK = reinterpret_cast<uint16_t*>(sD + kDkvBM);  // [64 keys][LQ]
-  uint16_t* sV = sK + kDkvBN * LQ;                          // [64 keys][LV]
-  uint16_t* sQ = sV + kDkvBN * LV;                          // [32 queries][LQ]
-  uint16_t* sQt = sQ + kDkvBM * LQ;                         // Q transposed: [dqp][LT]
-  uint16_t* sdO = sQt + a.dqp * LT;                         // [32 queries][LV]
-  uint16_t* sdOt = sdO + kDkvBM * LV;                       // dO transposed: [dvp][LT]
+  const float* stats = reinterpret_cast<const float*>(smem4);  // 2 stages of {log2(e)·lse [32], Delta [32]}
+  const uint32_t sStat0 = smem_u32(smem4);
+  const uint32_t sK = sStat0 + 4 * kDkvBM * 4;      // [64 keys][LQ]
+  const uint32_t sV = sK + kDkvBN * LQ * 2;         // [64 keys][LV]
+  const uint32_t sQ0 = sV + kDkvBN * LV * 2;        // 2 stages of [32 queries][LQ]
+  const uint32_t sdO0 = sQ0 + 2 * kDkvBM * LQ * 2;  // 2 stages of [32 queries][LV]
+  const uint32_t q_stage = kDkvBM * LQ * 2, o_stage = kDkvBM * LV * 2;
+  const int64_t hrow = int64_t(h) * a.rows + base;
+  const uint16_t *qs = a.q + hrow * a.dqp, *ks = a.k + hrow * a.dqp, *vs = a.v + hrow * a.dvp,
+                 *os = a.d_o + hrow * a.dvp;
+  const float *ls = a.lse2 + hrow, *ds = a.delta + hrow;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const Tiles tl{a, base, len, h};
-  tl.k(sK, LQ, nullptr, 0, n0, kDkvBN);
-  tl.v(sV, LV, nullptr, 0, n0, kDkvBN);
+  const int wk0 = n0 + warp * 16;  // the warp's first key
+  const int m_first = n0 / kDkvBM * kDkvBM, tiles = (len - m_first + kDkvBM - 1) / kDkvBM;
+
+  auto queue_tile = [&](int it) {  // Q, dO and statistics of query tile `it` into stage it & 1
+    const int m0 = m_first + it * kDkvBM, st = it & 1;
+    copy_rows(sQ0 + st * q_stage, LQ, qs, a.dqp, m0, kDkvBM, len);
+    copy_rows(sdO0 + st * o_stage, LV, os, a.dvp, m0, kDkvBM, len);
+    copy_stats(sStat0 + st * 2 * kDkvBM * 4, sStat0 + (st * 2 + 1) * kDkvBM * 4, ls, ds, m0, kDkvBM, len);
+  };
+  copy_rows(sK, LQ, ks, a.dqp, n0, kDkvBN, len);
+  copy_rows(sV, LV, vs, a.dvp, n0, kDkvBN, len);
+  queue_tile(0);
+  cp_async_commit();
 
   float dk[NQ][4], dv[NV][4];
-#pragma unroll
-  for (int j = 0; j < NQ; ++j) dk[j][0] = dk[j][1] = dk[j][2] = dk[j][3] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) dv[j][0] = dv[j][1] = dv[j][2] = dv[j][3] = 0.0f;
-  const int wk0 = n0 + warp * 16;  // the warp's first key
-
-  for (int m0 = n0 / kDkvBM * kDkvBM; m0 < len; m0 += kDkvBM) {
-    __syncthreads();  // the previous tile's Q, dO and statistics are no longer read
-    tl.q(sQ, LQ, sQt, LT, m0, kDkvBM);
-    tl.d_o(sdO, LV, sdOt, LT, m0, kDkvBM);
-    tl.stats(sL, sD, m0, kDkvBM);
+  zero(dk);
+  zero(dv);
+  for (int it = 0; it < tiles; ++it) {
+    const int m0 = m_first + it * kDkvBM;
+    const uint32_t sQ = sQ0 + (it & 1) * q_stage, sdO = sdO0 + (it & 1) * o_stage;
+    const float *sL = stats + (it & 1) * 2 * kDkvBM, *sD = sL + kDkvBM;
+    if (it + 1 < tiles) queue_tile(it + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
-    if (wk0 >= len || m0 + kDkvBM - 1 < wk0) continue;  // no key, or every query precedes the warp's keys
-
-    float st[4][4], dpt[4][4];
+    if (wk0 < len && m0 + kDkvBM - 1 >= wk0) {  // else no key, or every query precedes the warp's keys
+      float st[4][4], dpt[4][4];
+      zero(st);
+      zero(dpt);
+      for (int kk = 0; kk < a.dqp; kk += 16) {
+        uint32_t af[4];
+        ld_a(af, sK, LQ, warp * 16, kk, lane);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.0f;
-    for (int kk = 0; kk < a.dqp; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sK + warp * 16 * LQ + kk, LQ, g, t4);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma_ab(st[j], af, sQ + j * 8 * LQ + kk, LQ, g, t4);
-    }
-    for (int kk = 0; kk < a.dvp; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sV + warp * 16 * LV + kk, LV, g, t4);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma_ab(dpt[j], af, sdO + j * 8 * LV + kk, LV, g, t4);
-    }
-    // st[j][e] is (key wk0 + g + 8(e/2), query m0 + 8j + 2t4 + e%2): Pᵀ into st, dSᵀ into dpt.
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = wk0 + g + 8 * (e >> 1), qi = 8 * j + 2 * t4 + (e & 1), t = m0 + qi;
-        const bool seen = key <= t && t < len;
-        const float p = seen ? exp2f(st[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
-        dpt[j][e] = seen ? p * (dpt[j][e] - sD[qi]) : 0.0f;
-        st[j][e] = p;
+        for (int jp = 0; jp < 2; ++jp) {
+          uint32_t bf[4];
+          ld_b_nk(bf, sQ, LQ, 16 * jp, kk, lane);
+          mma2(st[2 * jp], st[2 * jp + 1], af, bf);
+        }
       }
+      for (int kk = 0; kk < a.dvp; kk += 16) {
+        uint32_t af[4];
+        ld_a(af, sV, LV, warp * 16, kk, lane);
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      uint32_t pa[4], da[4];
-      acc_to_a(pa, st[2 * c], st[2 * c + 1]);
-      acc_to_a(da, dpt[2 * c], dpt[2 * c + 1]);
+        for (int jp = 0; jp < 2; ++jp) {
+          uint32_t bf[4];
+          ld_b_nk(bf, sdO, LV, 16 * jp, kk, lane);
+          mma2(dpt[2 * jp], dpt[2 * jp + 1], af, bf);
+        }
+      }
+      // st[j][e] is (key wk0 + g + 8(e/2), query m0 + 8j + 2t4 + e%2): Pᵀ into st, dSᵀ into dpt.
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
-        if (j < nvt) mma_ab(dv[j], pa, sdOt + j * 8 * LT + 16 * c, LT, g, t4);
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int j = 0; j < NQ; ++j)
-        if (j < nqt) mma_ab(dk[j], da, sQt + j * 8 * LT + 16 * c, LT, g, t4);
+        for (int e = 0; e < 4; ++e) {
+          const int key = wk0 + g + 8 * (e >> 1), qi = 8 * j + 2 * t4 + (e & 1), t = m0 + qi;
+          const bool seen = key <= t && t < len;
+          const float p = seen ? exp2f(st[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
+          dpt[j][e] = seen ? p * (dpt[j][e] - sD[qi]) : 0.0f;
+          st[j][e] = p;
+        }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (m0 + 16 * c + 15 < wk0) continue;  // every query of the chunk precedes the warp's keys: P = dS = 0
+        uint32_t pa[4], da[4];
+        acc_to_a(pa, st[2 * c], st[2 * c + 1]);
+        acc_to_a(da, dpt[2 * c], dpt[2 * c + 1]);
+#pragma unroll
+        for (int jp = 0; jp < NV / 2; ++jp)
+          if (2 * jp < nvt) {
+            uint32_t bf[4];
+            ld_b_kn(bf, sdO, LV, 16 * c, 16 * jp, lane);
+            mma2(dv[2 * jp], dv[2 * jp + 1], pa, bf);
+          }
+#pragma unroll
+        for (int jp = 0; jp < NQ / 2; ++jp)
+          if (2 * jp < nqt) {
+            uint32_t bf[4];
+            ld_b_kn(bf, sQ, LQ, 16 * c, 16 * jp, lane);
+            mma2(dk[2 * jp], dk[2 * jp + 1], da, bf);
+          }
+      }
     }
+    __syncthreads();
   }
 
 #pragma unroll
@@ -414,16 +479,16 @@ __global__ void __launch_bounds__(kThreads)
 
 size_t dq_smem_bytes(int dqp, int dvp) {
   return 2 * kDqBM * sizeof(float) +
-         size_t(kDqBM * (dqp + 8) + kDqBM * (dvp + 8) + kDqBN * (dqp + 8) + kDqBN * (dvp + 8) + dqp * (kDqBN + 8)) *
+         size_t(kDqBM * (dqp + 8) + kDqBM * (dvp + 8) + 2 * kDqBN * (dqp + 8) + 2 * kDqBN * (dvp + 8)) *
              sizeof(uint16_t);
 }
 
 // dQ of the queries [m0, m0 + 64) of one (sequence, head), warp w owning queries m0 + 16w .. + 15:
-// loops over the 64-key tiles up to the causal end. S = Q Kᵀ, dP = dO Vᵀ, dS as in the dK/dV
-// kernel, then dQ += bf16(dS) K (K also stored transposed for that B operand), scaled at the end.
+// loops over the 32-key tiles up to the causal end, double-buffered. S = Q Kᵀ, dP = dO Vᵀ, dS as in
+// the dK/dV kernel, then dQ += bf16(dS) K, scaled at the end.
 // NQ: 8-column n-tiles of dQ per thread (a bucket >= dqp / 8).
 template <int NQ>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     attn_bwd_dq_tc_kernel(const AttnArgs a, float* __restrict__ dq, int64_t lddq) {
   extern __shared__ float4 smem4[];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -431,68 +496,90 @@ __global__ void __launch_bounds__(kThreads)
   const int len = a.cu[b + 1] - a.cu[b];
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kDqBM;  // the heaviest (latest) query blocks first
   if (m0 >= len) return;
-  const int dqk = a.Dn + a.Dr, LQ = a.dqp + 8, LV = a.dvp + 8, LT = kDqBN + 8, nqt = a.dqp / 8;
-  float* sL = reinterpret_cast<float*>(smem4);             // [64] log2(e)·lse
-  float* sD = sL + kDqBM;                                  // [64] Delta
-  uint16_t* sQ = reinterpret_cast<uint16_t*>(sD + kDqBM);  // [64 queries][LQ]
-  uint16_t* sdO = sQ + kDqBM * LQ;                         // [64 queries][LV]
-  uint16_t* sK = sdO + kDqBM * LV;                         // [64 keys][LQ]
-  uint16_t* sV = sK + kDqBN * LQ;                          // [64 keys][LV]
-  uint16_t* sKt = sV + kDqBN * LV;                         // K transposed: [dqp][LT]
+  const int dqk = a.Dn + a.Dr, LQ = a.dqp + 8, LV = a.dvp + 8, nqt = a.dqp / 8;
+  const float* sL = reinterpret_cast<const float*>(smem4);  // [64] log2(e)·lse
+  const float* sD = sL + kDqBM;                             // [64] Delta
+  const uint32_t sStat = smem_u32(smem4);
+  const uint32_t sQ = sStat + 2 * kDqBM * 4;      // [64 queries][LQ]
+  const uint32_t sdO = sQ + kDqBM * LQ * 2;       // [64 queries][LV]
+  const uint32_t sK0 = sdO + kDqBM * LV * 2;      // 2 stages of [32 keys][LQ]
+  const uint32_t sV0 = sK0 + 2 * kDqBN * LQ * 2;  // 2 stages of [32 keys][LV]
+  const uint32_t k_stage = kDqBN * LQ * 2, v_stage = kDqBN * LV * 2;
+  const int64_t hrow = int64_t(h) * a.rows + base;
+  const uint16_t *qs = a.q + hrow * a.dqp, *ks = a.k + hrow * a.dqp, *vs = a.v + hrow * a.dvp,
+                 *os = a.d_o + hrow * a.dvp;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const Tiles tl{a, base, len, h};
-  tl.q(sQ, LQ, nullptr, 0, m0, kDqBM);
-  tl.d_o(sdO, LV, nullptr, 0, m0, kDqBM);
-  tl.stats(sL, sD, m0, kDqBM);
+  const int wq0 = m0 + warp * 16;  // the warp's first query
+  const int kv_end = min(len, m0 + kDqBM), tiles = (kv_end + kDqBN - 1) / kDqBN;
+
+  copy_rows(sQ, LQ, qs, a.dqp, m0, kDqBM, len);
+  copy_rows(sdO, LV, os, a.dvp, m0, kDqBM, len);
+  copy_stats(sStat, sStat + kDqBM * 4, a.lse2 + hrow, a.delta + hrow, m0, kDqBM, len);
+  copy_rows(sK0, LQ, ks, a.dqp, 0, kDqBN, len);
+  copy_rows(sV0, LV, vs, a.dvp, 0, kDqBN, len);
+  cp_async_commit();
 
   float acc[NQ][4];
-#pragma unroll
-  for (int j = 0; j < NQ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const int wq0 = m0 + warp * 16;  // the warp's first query
-  const int kv_end = min(len, m0 + kDqBM);
-  for (int n0 = 0; n0 < kv_end; n0 += kDqBN) {
-    __syncthreads();  // the previous tile's K, V are no longer read
-    tl.k(sK, LQ, sKt, LT, n0, kDqBN);
-    tl.v(sV, LV, nullptr, 0, n0, kDqBN);
+  zero(acc);
+  for (int it = 0; it < tiles; ++it) {
+    const int n0 = it * kDqBN;
+    const uint32_t sK = sK0 + (it & 1) * k_stage, sV = sV0 + (it & 1) * v_stage;
+    if (it + 1 < tiles) {
+      copy_rows(sK0 + ((it + 1) & 1) * k_stage, LQ, ks, a.dqp, n0 + kDqBN, kDqBN, len);
+      copy_rows(sV0 + ((it + 1) & 1) * v_stage, LV, vs, a.dvp, n0 + kDqBN, kDqBN, len);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
-    if (n0 > wq0 + 15 || wq0 >= len) continue;  // every (query, key) of the warp is masked (warp-uniform)
-
-    float s[8][4], dp[8][4];
+    if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
+      float s[4][4], dp[4][4];
+      zero(s);
+      zero(dp);
+      for (int kk = 0; kk < a.dqp; kk += 16) {
+        uint32_t af[4];
+        ld_a(af, sQ, LQ, warp * 16, kk, lane);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
-    for (int kk = 0; kk < a.dqp; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sQ + warp * 16 * LQ + kk, LQ, g, t4);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mma_ab(s[j], af, sK + j * 8 * LQ + kk, LQ, g, t4);
-    }
-    for (int kk = 0; kk < a.dvp; kk += 16) {
-      uint32_t af[4];
-      load_a(af, sdO + warp * 16 * LV + kk, LV, g, t4);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mma_ab(dp[j], af, sV + j * 8 * LV + kk, LV, g, t4);
-    }
-    // s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2): dS into s.
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = warp * 16 + g + 8 * (e >> 1), t = m0 + qi, key = n0 + 8 * j + 2 * t4 + (e & 1);
-        const bool seen = key <= t && t < len;
-        const float p = seen ? exp2f(s[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
-        s[j][e] = seen ? p * (dp[j][e] - sD[qi]) : 0.0f;
+        for (int jp = 0; jp < 2; ++jp) {
+          uint32_t bf[4];
+          ld_b_nk(bf, sK, LQ, 16 * jp, kk, lane);
+          mma2(s[2 * jp], s[2 * jp + 1], af, bf);
+        }
       }
+      for (int kk = 0; kk < a.dvp; kk += 16) {
+        uint32_t af[4];
+        ld_a(af, sdO, LV, warp * 16, kk, lane);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      if (n0 + 16 * c > wq0 + 15) continue;  // keys past the warp's last query: dS = 0
-      uint32_t da[4];
-      acc_to_a(da, s[2 * c], s[2 * c + 1]);
+        for (int jp = 0; jp < 2; ++jp) {
+          uint32_t bf[4];
+          ld_b_nk(bf, sV, LV, 16 * jp, kk, lane);
+          mma2(dp[2 * jp], dp[2 * jp + 1], af, bf);
+        }
+      }
+      // s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2): dS into s.
 #pragma unroll
-      for (int j = 0; j < NQ; ++j)
-        if (j < nqt) mma_ab(acc[j], da, sKt + j * 8 * LT + 16 * c, LT, g, t4);
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = warp * 16 + g + 8 * (e >> 1), t = m0 + qi, key = n0 + 8 * j + 2 * t4 + (e & 1);
+          const bool seen = key <= t && t < len;
+          const float p = seen ? exp2f(s[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
+          s[j][e] = seen ? p * (dp[j][e] - sD[qi]) : 0.0f;
+        }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (n0 + 16 * c > wq0 + 15) continue;  // keys past the warp's last query: dS = 0
+        uint32_t da[4];
+        acc_to_a(da, s[2 * c], s[2 * c + 1]);
+#pragma unroll
+        for (int jp = 0; jp < NQ / 2; ++jp)
+          if (2 * jp < nqt) {
+            uint32_t bf[4];
+            ld_b_kn(bf, sK, LQ, 16 * c, 16 * jp, lane);
+            mma2(acc[2 * jp], acc[2 * jp + 1], da, bf);
+          }
+      }
     }
+    __syncthreads();
   }
 
 #pragma unroll
@@ -515,11 +602,46 @@ __global__ void __launch_bounds__(kThreads)
 
 // 8-column n-tiles per thread for a padded width w <= 256: buckets 8 (<= 64), 16 (<= 128), 24 (<= 192), 32.
 int tiles_bucket(int w) { return w <= 64 ? 8 : w <= 128 ? 16 : w <= 192 ? 24 : 32; }
+int pad16(int64_t x) { return int((x + 15) / 16 * 16); }
+size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+
+// Byte offsets of the workspaces' parts. Forward: the packed q, k, v. Backward: Delta [H, rows],
+// log2(e)·lse [H, rows], the per-head dk_rot [H, rows, Dr] (fp32), then the packed q, k, v, dO.
+struct Layout {
+  size_t delta, lse2, dk_rot_h, q, k, v, d_o, end;
+};
+Layout layout(int64_t rows, const Dims& d, bool backward) {
+  const size_t hr = size_t(d.H * rows), qk = round256(hr * pad16(d.Dn + d.Dr) * 2), vo = round256(hr * pad16(d.Dv) * 2);
+  Layout L{};
+  if (backward) {
+    L.lse2 = round256(hr * sizeof(float));
+    L.dk_rot_h = 2 * L.lse2;
+    L.q = L.dk_rot_h + round256(hr * size_t(d.Dr) * sizeof(float));
+  }
+  L.k = L.q + qk, L.v = L.k + qk, L.d_o = L.v + vo;
+  L.end = L.d_o + (backward ? vo : 0);
+  return L;
+}
+size_t workspace_bytes(const char* fn, int64_t rows, const Dims& d, bool backward) {
+  K3_CHECK(rows >= 0 && d.H >= 1 && d.Dn >= 0 && d.Dr >= 0 && d.Dv >= 0, fn, ": bad rows = ", rows, " or dims (H ", d.H,
+           ", Dn ", d.Dn, ", Dr ", d.Dr, ", Dv ", d.Dv, ")");
+  return layout(rows, d, backward).end;
+}
+template <class T>
+T* part(void* ws, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
+}
 
 template <class Kernel, class... Args>
 void launch(Kernel kernel, dim3 grid, size_t smem, Args... args) {
   kernel<<<grid, kThreads, smem>>>(args...);
   K3_CUDA_LAUNCH_CHECK();
+}
+// Blocks of 256 threads for one warp per (row, head).
+unsigned warp_blocks(const char* fn, int64_t rows, int64_t H) {
+  const int64_t blocks = (rows * H * 32 + 255) / 256;
+  K3_CHECK(blocks <= INT32_MAX, fn, ": rows*H = ", rows * H, " is too large");
+  return unsigned(blocks);
 }
 
 template <int NV>
@@ -561,28 +683,42 @@ void dispatch_bwd(const AttnArgs& a, float* dq, int64_t lddq, float* dkv, int64_
   launch_dq<NQ>(a, dq, lddq, B, max_len);
 }
 
-AttnArgs make_args(const float* q, int64_t ldq, const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr,
-                   const int32_t* cu_seqlens, int64_t rows, const Dims& d, float scale) {
+// Packs q, k = [k_nope | k_rot], v into the workspace at L's offsets and returns the kernels'
+// arguments over them.
+AttnArgs pack_operands(const char* fn, void* ws, const Layout& L, const float* q, int64_t ldq, const float* kv,
+                       int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int64_t rows,
+                       const Dims& d, float scale) {
   AttnArgs a{};
-  a.q = q, a.ldq = ldq, a.kv = kv, a.ldkv = ldkv, a.k_rot = k_rot, a.ldr = ldr;
   a.cu = cu_seqlens, a.rows = rows;
   a.H = int(d.H), a.Dn = int(d.Dn), a.Dr = int(d.Dr), a.Dv = int(d.Dv);
-  a.dqp = (a.Dn + a.Dr + 15) / 16 * 16, a.dvp = (a.Dv + 15) / 16 * 16;
+  a.dqp = pad16(a.Dn + a.Dr), a.dvp = pad16(a.Dv);
   a.scale = scale, a.scale_log2 = scale * kLog2e;
+  uint16_t *qp = part<uint16_t>(ws, L.q), *kp = part<uint16_t>(ws, L.k), *vp = part<uint16_t>(ws, L.v);
+  pack_qkv_kernel<<<warp_blocks(fn, rows, d.H), 256>>>(qp, kp, vp, q, ldq, kv, ldkv, k_rot, ldr, rows, a.H, a.Dn, a.Dr,
+                                                       a.Dv, a.dqp, a.dvp);
+  K3_CUDA_LAUNCH_CHECK();
+  a.q = qp, a.k = kp, a.v = vp;
   return a;
 }
 
 }  // namespace
 
+size_t attention_forward_workspace_bytes_bf16(int64_t rows, const Dims& d) {
+  return workspace_bytes("mla::cuda::attention_forward_workspace_bytes_bf16", rows, d, false);
+}
+
 void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                                   int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                                  int64_t max_len, int64_t rows, const Dims& d, float scale) {
+                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace) {
   constexpr const char* fn = "mla::cuda::attention_forward_train_bf16";
   check_attention(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale);
   K3_CHECK(ldo >= d.H * d.Dv, fn, ": ldo = ", ldo, " < H*Dv = ", d.H * d.Dv);
   if (rows == 0 || B == 0) return;
   K3_CHECK(o && lse && q && kv && cu_seqlens && (k_rot || d.Dr == 0), fn, ": null device pointer");
-  const AttnArgs a = make_args(q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
+  K3_CHECK(workspace, fn, ": workspace is null (attention_forward_workspace_bytes_bf16 = ",
+           attention_forward_workspace_bytes_bf16(rows, d), " bytes)");
+  const AttnArgs a =
+      pack_operands(fn, workspace, layout(rows, d, false), q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
   switch (tiles_bucket(a.dvp)) {
     case 8: return launch_fwd<8>(a, o, ldo, lse, B, max_len);
     case 16: return launch_fwd<16>(a, o, ldo, lse, B, max_len);
@@ -592,7 +728,7 @@ void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float
 }
 
 size_t attention_backward_workspace_bytes_bf16(int64_t rows, const Dims& d) {
-  return train_common::backward_workspace_bytes("mla::cuda::attention_backward_workspace_bytes_bf16", rows, d);
+  return workspace_bytes("mla::cuda::attention_backward_workspace_bytes_bf16", rows, d, true);
 }
 
 void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t lddkv, float* dk_rot, int64_t lddr,
@@ -607,17 +743,15 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
            ": null device pointer");
   K3_CHECK(workspace, fn, ": workspace is null (attention_backward_workspace_bytes_bf16 = ",
            attention_backward_workspace_bytes_bf16(rows, d), " bytes)");
-  float* delta = static_cast<float*>(workspace);
-  float* dk_rot_h = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(rows, d));
-
-  const int64_t warps = rows * d.H;
-  const int64_t blocks = (warps * 32 + 255) / 256;
-  K3_CHECK(blocks <= INT32_MAX, fn, ": rows*H = ", warps, " is too large");
-  attn_delta_tc_kernel<<<unsigned(blocks), 256>>>(delta, d_o, o, ldo, rows, int(d.H), int(d.Dv));
+  const Layout L = layout(rows, d, true);
+  AttnArgs a = pack_operands(fn, workspace, L, q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
+  float *delta = part<float>(workspace, L.delta), *lse2 = part<float>(workspace, L.lse2);
+  float* dk_rot_h = part<float>(workspace, L.dk_rot_h);
+  uint16_t* dop = part<uint16_t>(workspace, L.d_o);
+  attn_delta_tc_kernel<<<warp_blocks(fn, rows, d.H), 256>>>(delta, lse2, dop, d_o, o, ldo, lse, rows, int(d.H),
+                                                            int(d.Dv), a.dvp);
   K3_CUDA_LAUNCH_CHECK();
-
-  AttnArgs a = make_args(q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
-  a.d_o = d_o, a.ldo = ldo, a.lse = lse, a.delta = delta;
+  a.d_o = dop, a.lse2 = lse2, a.delta = delta;
   switch (tiles_bucket(a.dqp)) {
     case 8: dispatch_bwd<8>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
     case 16: dispatch_bwd<16>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;

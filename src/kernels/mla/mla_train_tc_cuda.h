@@ -6,14 +6,18 @@
 // stream, and a function returns as soon as its kernels are queued.
 //
 // INPUTS stay fp32 buffers (the trainer's interface does not change): q, k (k_nope | k_rot), v and
-// dO are rounded to bf16 (nearest even) as they are loaded into shared memory; o, lse and every
-// gradient are fp32. Any Dn >= 0, Dr >= 0 with 1 <= Dn + Dr <= 256 and 1 <= Dv <= 256 (K3: 128,
+// dO are rounded to bf16 (nearest even) ONCE, by a packing kernel, into head-major bf16 copies in
+// the caller's workspace ([H][rows][W], W the head dim rounded up to 16, zero-filled); o, lse and
+// every gradient are fp32. Any Dn >= 0, Dr >= 0 with 1 <= Dn + Dr <= 256 and 1 <= Dv <= 256 (K3: 128,
 // 64, 128); any H >= 1.
 //
 // DESIGN (FlashAttention-2 on mma.sync.m16n8k16 bf16 -> fp32; wgmma comes later). 128 threads =
-// 4 warps per block; every warp owns 16 rows of the block's tile; head dims are zero-padded to a
-// multiple of 16 in shared memory, rows past a sequence's end are zero-filled and masked by
-// SELECTION (never multiplied by a 0/1 mask); tiles start at the sequence's first row.
+// 4 warps per block; every warp owns 16 rows of the block's tile. Tiles move global -> shared by
+// cp.async, 16 bytes at a time, DOUBLE-BUFFERED: the next tile's copy runs under this tile's
+// products. Fragments come from shared memory by ldmatrix (.trans for the B operand of P V, dS K,
+// Pᵀ dO and dSᵀ Q, so nothing is stored transposed); rows are padded by 16 bytes, so every ldmatrix
+// is free of bank conflicts. Rows past a sequence's end are zero-filled and masked by SELECTION
+// (never multiplied by a 0/1 mask); tiles start at the sequence's first row.
 //   forward: block = 64 queries of one (sequence, head); loops over 64-key tiles up to the causal
 //            end. S = Q Kᵀ in fp32 accumulators, online softmax in fp32 (running max, per-thread
 //            partial sums), P rounded to bf16 in registers for O += P V. o = O / l, lse = m + log l.
@@ -21,11 +25,13 @@
 //            (a) dK/dV: block = 64 keys, loops over the 32-query tiles that see them:
 //                Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ = exp(Sᵀ - lse), dSᵀ = Pᵀ (dPᵀ - Delta);
 //                dV += bf16(Pᵀ) dO, dK += bf16(dSᵀ) Q;
-//            (b) dQ: block = 64 queries, loops over the 64-key tiles they see; dQ += bf16(dS) K;
+//            (b) dQ: block = 64 queries, loops over the 32-key tiles they see; dQ += bf16(dS) K;
 //            each output element is owned by one thread of one block and summed in a fixed order
 //            (mma.sync's own order is fixed): NO atomics. dk_rot: per-head scratch [H, rows, Dr],
 //            summed over h = 0..H-1 in that order by one kernel. Bitwise reproducible, and a
 //            sequence's results do not depend on what else is packed with it.
+//   Recomputing S and dP in both backward kernels costs 1.44x the backward's nominal products
+//   (K3's dims) and buys the absence of atomics, hence the reproducibility above.
 // NUMERICS: operands bf16 (8 significant bits), every product accumulated in fp32 by the tensor
 //   cores; softmax max-subtracted in fp32 with exp2 (log2(e)·scale folded into the scores), the sum
 //   l of the UNROUNDED fp32 probabilities; lse natural log, fp32. Masked scores are -inf by
@@ -43,15 +49,20 @@ namespace k3::mla::cuda {
 
 #ifdef K3_HAVE_CUDA
 
+// Scratch of attention_forward_train_bf16: the bf16 copies of q, k and v (2·H·rows·(2·pad16(Dn + Dr)
+// + pad16(Dv)) bytes, each part rounded up to 256).
+size_t attention_forward_workspace_bytes_bf16(int64_t rows, const Dims& d);
+
 // As attention_forward_train: o [rows, ldo] (head h at columns h*Dv) and lse [H, rows] OVERWRITTEN,
 // from q [rows, ldq] ([q_nope | q_rot] per head), kv [rows, ldkv] ([k_nope | v] per head) and
-// k_rot [rows, ldr] (shared by the heads); operands rounded to bf16 on load.
+// k_rot [rows, ldr] (shared by the heads); operands rounded to bf16 into `workspace`
+// (attention_forward_workspace_bytes_bf16(rows, d) bytes).
 void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                                   int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                                  int64_t max_len, int64_t rows, const Dims& d, float scale);
+                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace);
 
-// Scratch of attention_backward_train_bf16: Delta [H, rows] and the per-head dk_rot [H, rows, Dr],
-// fp32 (the same size as attention_backward_workspace_bytes).
+// Scratch of attention_backward_train_bf16: Delta and log2(e)·lse [H, rows] and the per-head dk_rot
+// [H, rows, Dr] in fp32, then the bf16 copies of q, k, v and dO.
 size_t attention_backward_workspace_bytes_bf16(int64_t rows, const Dims& d);
 
 // As attention_backward_train: dq, dkv ([dk_nope | dv] per head) and dk_rot (the sum over the heads,
@@ -65,9 +76,12 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
 
 #else  // a build without the CUDA backend: every entry point says so
 
+inline size_t attention_forward_workspace_bytes_bf16(int64_t, const Dims&) {
+  fail("mla::cuda::attention_forward_workspace_bytes_bf16: this build has no CUDA backend");
+}
 inline void attention_forward_train_bf16(float*, int64_t, float*, const float*, int64_t, const float*, int64_t,
                                          const float*, int64_t, const int32_t*, int, int64_t, int64_t, const Dims&,
-                                         float) {
+                                         float, void*) {
   fail("mla::cuda::attention_forward_train_bf16: this build has no CUDA backend");
 }
 inline size_t attention_backward_workspace_bytes_bf16(int64_t, const Dims&) {

@@ -86,10 +86,16 @@ void mla_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, M
   const int64_t ldo = s.H * s.Dv;
   tp.o = t.take<float>(N * ldo), tp.lse = t.take<float>(s.H * N);
   const auto& b = t.batch;
-  const auto attention =
-      t.precision == GpuPrecision::BF16 ? mla::cuda::attention_forward_train_bf16 : mla::cuda::attention_forward_train;
-  attention(tp.o, ldo, tp.lse, tp.q, s.H * s.dq, tp.kv, s.H * s.dkv, tp.ckv + s.R, s.ldc, b.cu_seqlens, b.B, b.max_len,
-            N, s.core(), scale);
+  if (t.precision == GpuPrecision::BF16) {  // bf16 operands on tensor cores, packed into scratch
+    const DeviceArena::Mark m = t.arena.mark();
+    void* ws = t.arena.take_bytes(mla::cuda::attention_forward_workspace_bytes_bf16(N, s.core()));
+    mla::cuda::attention_forward_train_bf16(tp.o, ldo, tp.lse, tp.q, s.H * s.dq, tp.kv, s.H * s.dkv, tp.ckv + s.R,
+                                            s.ldc, b.cu_seqlens, b.B, b.max_len, N, s.core(), scale, ws);
+    t.arena.rewind(m);
+  } else {
+    mla::cuda::attention_forward_train(tp.o, ldo, tp.lse, tp.q, s.H * s.dq, tp.kv, s.H * s.dkv, tp.ckv + s.R, s.ldc,
+                                       b.cu_seqlens, b.B, b.max_len, N, s.core(), scale);
+  }
   // Output gate og = o ⊙ sigmoid(g_proj x), then o_proj.
   if (s.gated) {
     tp.gate = t.take<float>(N * ldo), tp.og = t.take<float>(N * ldo);

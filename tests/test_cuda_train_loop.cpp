@@ -69,6 +69,20 @@ TEST(CudaTrainLoop, MicroBatchesFollowTheWholeStep) {
   }
 }
 
+// Batch-invariant training refuses what it cannot do, up front and by name: fp32, and k3-tiny-a,
+// whose 4-head KDA projections ([4 x 128]) are off the fixed-tile GEMM's grid. (The mode itself is
+// tested on a config it can take: test_cuda_train_model, BatchInvariantLossesDoNotDependOnTheBatch.)
+TEST(CudaTrainLoop, BatchInvariantRefusesWhatItCannotRun) {
+  K3_REQUIRE_GPU();
+  Corpus c;
+  k3test::Outcome r = run_k3(with(with(train_args(c, c.dir.file("f32")), kGpuF32), {"--batch-invariant"}));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("needs the bf16 precision"), std::string::npos) << r.output;
+  r = run_k3(with(train_args(c, c.dir.file("grid")), {"--device", "cuda", "--batch-invariant"}));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("off the fixed-tile GEMM's grid"), std::string::npos) << r.output;
+}
+
 TEST(CudaTrainLoop, Bf16Learns) {
   K3_REQUIRE_GPU();
   Corpus c;

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <random>
 
+#include "core/error.h"
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/cuda/training/cuda_train_model.h"
@@ -216,6 +217,65 @@ TEST(CudaTrainModel, Bf16GroupedExpertsStepNearFloat64) {
   std::printf("BF16 grouped-experts step: loss %.6f vs %.6f; whole-gradient relative L2 %.3g\n", got, want, e);
   print_worst(gpu, cpu);
   EXPECT_LE(e, 5e-2);
+}
+
+// Batch-invariant mode: a sequence's per-token losses are the same bits alone, packed among other
+// sequences of other lengths, in a larger step, and in a training pass; they still compute the model
+// (near the float64 losses), and a batch-invariant step's gradient is near the float64 one.
+TEST(CudaTrainModel, BatchInvariantLossesDoNotDependOnTheBatch) {
+  K3_REQUIRE_GPU();
+  const K3Config& c = cfg_grouped();  // every weight on the fixed-tile GEMM's grid
+  RandomInitOptions ri;
+  ri.seed = 7;
+  ParamStore cpu = ParamStore::random_init(c, ri);
+  const ParamStore P = cpu;
+  auto m = CudaTrainModel::create(c, P, GpuPrecision::BF16);
+  m->set_batch_invariant(true);
+  EXPECT_TRUE(m->batch_invariant());
+  std::mt19937 rng(11);
+  auto random_seq = [&](size_t n) {
+    std::vector<int32_t> s(n);
+    for (int32_t& v : s) v = int32_t(rng() % uint32_t(c.vocab_size));
+    return s;
+  };
+  const std::vector<int32_t> a = random_seq(77);
+  const std::vector<int32_t> x = random_seq(23), y = random_seq(130), z = random_seq(5), w = random_seq(64);
+  std::vector<std::vector<double>> alone, mixed, many, training;
+  const double loss_alone = m->loss({a}, false, 0.0, nullptr, &alone);
+  m->loss({x, a, y}, false, 0.0, nullptr, &mixed);
+  m->loss({y, z, w, x, a, y, w}, false, 0.0, nullptr, &many);
+  m->zero_grads();
+  m->loss({w, a}, true, 1.0, nullptr, &training);
+  ASSERT_EQ(alone.size(), 1u);
+  ASSERT_EQ(alone[0].size(), a.size() - 1);
+  EXPECT_TRUE(mixed[1] == alone[0]) << "packed between two other sequences";
+  EXPECT_TRUE(many[4] == alone[0]) << "in a step of seven sequences";
+  EXPECT_TRUE(training[1] == alone[0]) << "in a training pass";
+  double sum = 0;
+  for (double l : alone[0]) sum += l;
+  EXPECT_NEAR(sum, loss_alone, 1e-5 * loss_alone);  // the summed loss is the token losses' sum
+  const double want = sequence_loss(cpu, c, a, false, 0.0);
+  std::printf("batch-invariant: sequence loss %.6f, float64 %.6f\n", sum, want);
+  EXPECT_NEAR(sum, want, 1e-2 * want);
+
+  // The gradient of a batch-invariant step against float64 (the bar of the other bf16 steps).
+  const Batch b = ids_b();
+  double want_step = 0;
+  cpu.zero_grads();
+  for (const auto& r : b.rows) want_step += sequence_loss(cpu, c, r, true, 1.0 / double(b.count));
+  ParamStore gpu = P;
+  m->zero_grads();
+  const double got = m->loss(b.rows, true, 1.0 / double(b.count));
+  m->download_grads(gpu);
+  EXPECT_NEAR(got, want_step, 1e-2 * want_step);
+  const double e = rel_l2(gpu.grads().data(), cpu.grads().data(), cpu.grads().size());
+  std::printf("batch-invariant BF16 step: loss %.6f vs %.6f; whole-gradient relative L2 %.3g\n", got / double(b.count),
+              want_step / double(b.count), e);
+  EXPECT_LE(e, 5e-2);
+
+  // The mode is bf16's: fp32 GEMMs have no fixed-tile kernel here.
+  auto f32 = CudaTrainModel::create(c, P, GpuPrecision::F32);
+  EXPECT_THROW(f32->set_batch_invariant(true), Error);
 }
 
 TEST(CudaTrainModel, StepIsRepeatableAndSequencesDoNotMix) {

@@ -177,6 +177,11 @@ TEST(TrainLoop, BadOptionsAreClearErrors) {
   r = run_k3(args);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--micro-batch-tokens is for --device cuda"), std::string::npos) << r.output;
+  args = train_args(c, c.dir.file("bi"));
+  args.insert(args.end(), {"--batch-invariant"});
+  r = run_k3(args);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--batch-invariant is for --device cuda"), std::string::npos) << r.output;
   args = train_args(c, c.dir.file("m2"));
   args.insert(args.end(), {"--device", "cuda", "--micro-batch-tokens", "-5"});
   r = run_k3(args);

@@ -114,12 +114,18 @@ void register_train(CLI::App& app) {
                   "fit; a longer sequence is a pass of its own). 0: the whole step in one pass")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  sub->add_flag("--batch-invariant", o->cuda.batch_invariant,
+                "cuda + bf16 only: every GEMM on fixed-tile kernels and the head's vocabulary chunks fixed, so a "
+                "sequence's losses are the same bits whatever else a step holds (for RL: rollout and trainer "
+                "log-probabilities agree); slower, and every weight dimension must be a multiple of 8");
   sub->add_flag("--skip-nonfinite", o->skip_nonfinite,
                 "skip steps with a NaN/Inf loss or gradient instead of stopping");
   sub->callback([o, stages, balance, sequential, device, precision] {
     o->shuffle = !*sequential;
     o->gpu = *device == "cuda";
     if (o->cuda.recompute && !o->gpu) fail("--recompute is for --device cuda (the CPU trainer keeps every activation)");
+    if (o->cuda.batch_invariant && !o->gpu)
+      fail("--batch-invariant is for --device cuda (the CPU trains each sequence on its own in float64)");
     if (o->cuda.micro_batch_tokens > 0 && !o->gpu)
       fail("--micro-batch-tokens is for --device cuda (the CPU trainer runs a step's sequences on --grad-lanes)");
     if (!precision->empty()) {

@@ -33,11 +33,13 @@ class CudaTrainDevice final : public TrainDevice {
         bal_[l] = std::make_unique<CudaQuantileBalancer>(c.num_experts, c.num_experts_per_token, balance, bias[l]);
     hooks_.router_bias = [this](int64_t l) { return bal_[size_t(l)]->bias_device(); };
     if (options.recompute) model_->set_recompute(std::vector<bool>(size_t(c.num_hidden_layers), true));
+    if (options.batch_invariant) model_->set_batch_invariant(true);
   }
 
   std::string describe() const override {
     std::string d = std::string("cuda (") + gpu_precision_name(model_->precision());
     if (opt_.recompute) d += ", activations recomputed";
+    if (opt_.batch_invariant) d += ", batch-invariant";
     if (opt_.micro_batch_tokens > 0) d += ", micro-batches of " + std::to_string(opt_.micro_batch_tokens) + " tokens";
     return d + ", " + cuda::device_summary() + ")";
   }

@@ -59,6 +59,9 @@ struct CudaTrainOptions {
   // than the activations of one pass can hold. 0: the whole step in one pass. The same step either
   // way, up to the order of the fp32 sums.
   int64_t micro_batch_tokens = 0;
+  // Every GEMM on fixed tiles and the head's chunks fixed (CudaTrainModel::set_batch_invariant; bf16
+  // only): a sequence's losses do not depend on what else the step holds.
+  bool batch_invariant = false;
 };
 
 // The GPU trainer (train/cuda_train_device.cpp): P's values are uploaded, and `optimizer` (built on

@@ -33,8 +33,10 @@ struct CudaTrainModel::Impl {
   std::vector<bool> experts_built;                          // (null tables: the per-expert path)
   // The packed batch's index arrays (grown as needed).
   cuda::DeviceBuffer<int32_t> cu_seqlens, chunk_offsets, ids, targets, emb_order, emb_run_start, emb_run_id;
+  cuda::DeviceBuffer<int32_t> all_rows;  // {0, rows}
   cuda::DeviceBuffer<double> loss_sum;
   std::vector<bool> recompute;  // per layer (set_recompute)
+  bool batch_invariant = false;  // set_batch_invariant
 
   Impl(const K3Config& cfg, const train::ParamStore& P, GpuPrecision p)
       : c(cfg),
@@ -169,15 +171,26 @@ class CudaTrainBackend {
     partial = int(node_.size()) - 1;
   }
 
+  // After head(): each row's log-sum-exp and target logit (device [N]), and a host copy of such a row array.
+  const float* lse() const { return lse_; }
+  const float* target_logits() const { return tl_; }
+  std::vector<float> download_rows(const float* p) const {
+    std::vector<float> h(static_cast<size_t>(N_));
+    cuda::copy_to_host(h.data(), p, h.size() * sizeof(float));
+    return h;
+  }
+
   // The head: lm_head over vocabulary chunks with an online log-sum-exp; the [rows, V] logits are
   // never held. Returns the summed loss, on the device.
   const double* head() {
     const int64_t V = c_.vocab_size;
-    chunk_ = std::max<int64_t>(1, std::min<int64_t>(V, kLogitBudget / std::max<int64_t>(N_, 1)));
-    lse_ = t_.take<float>(N_);
+    // The chunk sets the order of the online log-sum-exp's merges: the batch-invariant mode fixes it.
+    chunk_ = t_.batch_invariant ? std::min<int64_t>(V, kInvariantChunk)
+                                : std::max<int64_t>(1, std::min<int64_t>(V, kLogitBudget / std::max<int64_t>(N_, 1)));
+    lse_ = t_.take<float>(N_), tl_ = t_.take<float>(N_);
     xn16_ = bf16_operand(t_, final_.xn, N_, D_);  // every chunk's operand, forward and backward
     const DeviceArena::Mark m = t_.arena.mark();
-    float *mx = t_.take<float>(N_), *sm = t_.take<float>(N_), *tl = t_.take<float>(N_);
+    float *mx = t_.take<float>(N_), *sm = t_.take<float>(N_), *tl = tl_;
     float* logits = t_.take<float>(N_ * chunk_);
     loss::cuda::ce_init(mx, sm, tl, N_);
     for (int64_t v0 = 0; v0 < V; v0 += chunk_) {
@@ -272,6 +285,7 @@ class CudaTrainBackend {
  private:
   // Logits held per chunk: rows × chunk fp32 values (256 MiB).
   static constexpr int64_t kLogitBudget = int64_t(64) << 20;
+  static constexpr int64_t kInvariantChunk = 4096;  // a multiple of 8 (the fixed-tile GEMM's grid)
 
   TrainParam param(TensorKind k, int64_t l = -1) const { return m_.params.at(tn_(k, l)); }
   bool recompute(int64_t l) const { return size_t(l) < m_.recompute.size() && m_.recompute[size_t(l)]; }
@@ -334,6 +348,7 @@ class CudaTrainBackend {
   std::vector<float*> node_, dnode_;
   float* out_ = nullptr;
   float *lse_ = nullptr, *dxn_ = nullptr, *dh_ = nullptr, *dq_ = nullptr;
+  float* tl_ = nullptr;             // [N] each row's target logit (ce_finish's input)
   const uint16_t* xn16_ = nullptr;  // the final norm's output in bf16 (BF16 mode): the lm_head chunks' operand
   int64_t chunk_ = 0;
   const double grad_scale_;
@@ -368,6 +383,13 @@ void CudaTrainModel::upload(const train::ParamStore& P) { impl_->params.upload(P
 void CudaTrainModel::download_values(train::ParamStore& P) const { impl_->params.download_values(P); }
 void CudaTrainModel::download_grads(train::ParamStore& P) const { impl_->params.download_grads(P); }
 gemm::cuda::GemmContext& CudaTrainModel::gemm() { return impl_->gemm; }
+void CudaTrainModel::set_batch_invariant(bool on) {
+  if (on && impl_->precision != GpuPrecision::BF16)
+    fail("batch-invariant GPU training runs on the bf16 fixed-tile GEMMs: it needs the bf16 precision");
+  impl_->batch_invariant = on;
+}
+bool CudaTrainModel::batch_invariant() const { return impl_->batch_invariant; }
+
 void CudaTrainModel::set_recompute(const std::vector<bool>& layers) {
   K3_CHECK(layers.empty() || int64_t(layers.size()) == impl_->c.num_hidden_layers, "set_recompute: ", layers.size(),
            " flags for a model of ", impl_->c.num_hidden_layers, " layers");
@@ -381,7 +403,7 @@ int64_t CudaTrainModel::grouped_expert_layers() const {
 }
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
-                            const GpuStepHooks* hooks) {
+                            const GpuStepHooks* hooks, std::vector<std::vector<double>>* token_losses) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
   // The packed batch: offsets, KDA chunk offsets, ids and next-token targets, embedding runs.
@@ -405,14 +427,16 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   gpu::upload_ints(m.ids, ids), gpu::upload_ints(m.targets, targets);
   gpu::upload_ints(m.emb_order, runs.order), gpu::upload_ints(m.emb_run_start, runs.run_start);
   gpu::upload_ints(m.emb_run_id, runs.run_id);
+  gpu::upload_ints(m.all_rows, {0, int32_t(ids.size())});
 
   gpu::PackedBatch batch;
   batch.B = int(pieces.size()), batch.rows = int64_t(ids.size()), batch.max_len = max_len, batch.chunks = chunks.back();
   batch.cu_seqlens = m.cu_seqlens.data(), batch.chunk_offsets = m.chunk_offsets.data();
-  batch.ids = m.ids.data(), batch.targets = m.targets.data();
+  batch.ids = m.ids.data(), batch.targets = m.targets.data(), batch.all_rows = m.all_rows.data();
 
   m.arena.reset();
   gpu::TrainCtx t{c, m.precision, m.gemm, m.arena, m.params, batch};
+  t.batch_invariant = m.batch_invariant;
   gpu::CudaTrainBackend be(m, t, hooks, grad_scale);
   be.set_embedding_runs(m.emb_order.data(), m.emb_run_start.data(), m.emb_run_id.data(), int64_t(runs.run_id.size()));
   DecoderTape<gpu::CudaTrainBackend::Act> tape;
@@ -420,6 +444,13 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   if (backward) decoder_backward(be, c, tape);
   double loss = 0.0;
   cuda::copy_to_host(&loss, m.loss_sum.data(), sizeof(double));
+  if (token_losses) {  // lse − target logit per predicting row, piece by piece
+    const std::vector<float> lse = be.download_rows(be.lse()), tl = be.download_rows(be.target_logits());
+    token_losses->assign(pieces.size(), {});
+    for (size_t p = 0; p < pieces.size(); ++p)
+      for (int32_t r = cu[p]; r + 1 < cu[p + 1]; ++r)
+        (*token_losses)[p].push_back(double(lse[size_t(r)]) - double(tl[size_t(r)]));
+  }
   return loss;
 }
 

@@ -57,8 +57,10 @@ class CudaTrainModel {
   // Σ over `pieces` of the summed next-token cross-entropy (piece: positions 0..T-1, ids[t+1] the
   // target of t), as train::sequence_loss summed over the pieces. With `backward`, grad_scale × its
   // gradient is ADDED to the device gradient buffer. Waits for the GPU (the loss comes to the host).
+  // token_losses (optional): each piece's per-position losses −log p(ids[t+1]) for t < T−1, the
+  // log-probabilities a policy-gradient step needs, computed in this same pass.
   double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
-              const GpuStepHooks* hooks = nullptr);
+              const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr);
 
   // The device parameters: fp32 values and gradients in P's flat layout (P.offset(name)).
   float* values_device();
@@ -76,6 +78,16 @@ class CudaTrainModel {
   // block sums are kept). Same results bit for bit; the memory of those blocks' tapes is freed.
   // Empty (the default): nothing recomputed. One flag per layer.
   void set_recompute(const std::vector<bool>& layers);
+  // Batch-invariant mode (BF16 only; throws k3::Error otherwise): every GEMM runs on fixed-tile
+  // kernels whose result for a row does not depend on the other rows (the grouped expert GEMM with one
+  // expert for the dense projections and the lm_head, always the grouped GEMMs for the routed
+  // experts), and the head's vocabulary chunks have a fixed size. A sequence's losses are then the
+  // same bits whatever else the step holds and however many sequences it has: what reinforcement
+  // learning needs of the rollout's and the trainer's log-probabilities. Slower (the dense GEMMs leave
+  // cuBLAS); needs every weight on the kernel's grid (dimensions multiples of 8, 16-byte aligned in
+  // the flat layout: k3::Error at the first step otherwise).
+  void set_batch_invariant(bool on);
+  bool batch_invariant() const;
   size_t parameter_bytes() const;  // device memory of values, gradients and the bf16 copy
   // The MoE layers that ran so far whose routed experts can run as grouped GEMMs (BF16 mode, expert
   // tensors 16-byte aligned in the flat layout); the rest run one cuBLAS call per expert, as every

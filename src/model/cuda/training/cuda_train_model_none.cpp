@@ -16,7 +16,8 @@ std::unique_ptr<CudaTrainModel> CudaTrainModel::create(const K3Config&, const tr
 }
 const K3Config& CudaTrainModel::config() const { fail("CudaTrainModel: no CUDA backend"); }
 GpuPrecision CudaTrainModel::precision() const { fail("CudaTrainModel: no CUDA backend"); }
-double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>&, bool, double, const GpuStepHooks*) {
+double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>&, bool, double, const GpuStepHooks*,
+                            std::vector<std::vector<double>>*) {
   fail("CudaTrainModel: no CUDA backend");
 }
 float* CudaTrainModel::values_device() { fail("CudaTrainModel: no CUDA backend"); }
@@ -29,6 +30,8 @@ void CudaTrainModel::download_values(train::ParamStore&) const { fail("CudaTrain
 void CudaTrainModel::download_grads(train::ParamStore&) const { fail("CudaTrainModel: no CUDA backend"); }
 gemm::cuda::GemmContext& CudaTrainModel::gemm() { fail("CudaTrainModel: no CUDA backend"); }
 void CudaTrainModel::set_recompute(const std::vector<bool>&) { fail("CudaTrainModel: no CUDA backend"); }
+void CudaTrainModel::set_batch_invariant(bool) { fail("CudaTrainModel: no CUDA backend"); }
+bool CudaTrainModel::batch_invariant() const { return false; }
 size_t CudaTrainModel::parameter_bytes() const { return 0; }
 int64_t CudaTrainModel::grouped_expert_layers() const { return 0; }
 

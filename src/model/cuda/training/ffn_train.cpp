@@ -152,7 +152,12 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
   const K3Config& c = t.c;
   const int64_t N = t.batch.rows, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
   const int64_t S = N * K;
-  if (S >= kPerExpertCublasRows * E) experts = nullptr;  // many rows per expert: one cuBLAS call each
+  if (t.batch_invariant && !experts)
+    fail("batch-invariant GPU training: layer ", layer,
+         "'s routed experts are off the grouped GEMMs' grid (dimensions multiples of 8, 16-byte aligned in the flat "
+         "parameter layout); this config cannot train batch-invariant");
+  // Many rows per expert: one cuBLAS call each (not batch-invariant: cuBLAS's kernel depends on the rows).
+  if (S >= kPerExpertCublasRows * E && !t.batch_invariant) experts = nullptr;
   const MoeParams W = moe_params(t, layer, experts == nullptr);
   std::unique_ptr<MoeTrainTape, MoeTapeDeleter> owned(new MoeTrainTape);
   MoeTrainTape& tp = *owned;

@@ -73,6 +73,7 @@ struct PackedBatch {
   const int32_t* chunk_offsets = nullptr;     // device [B+1]
   const int32_t* ids = nullptr;               // device [rows]
   const int32_t* targets = nullptr;           // device [rows]: the next id in the sequence, -1 at its last row
+  const int32_t* all_rows = nullptr;          // device [2] = {0, rows}: one "expert" owning every row
 };
 
 // What a block's forward and backward share.
@@ -83,6 +84,9 @@ struct TrainCtx {
   DeviceArena& arena;  // the step's memory: the tape (kept to the end of the step) and scratch (rewound)
   DeviceParams& params;
   const PackedBatch& batch;
+  // Batch-invariant mode (BF16 only; CudaTrainModel::set_batch_invariant): every GEMM on fixed tiles,
+  // so a row's forward never depends on the other rows of the step.
+  bool batch_invariant = false;
 
   template <class T>
   T* take(int64_t n) {

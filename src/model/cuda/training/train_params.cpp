@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
+#include "kernels/moe/expert_gemm_train_cuda.h"
 #include "model/cuda/training/train_context.h"
 
 namespace k3::gpu {
@@ -67,6 +68,22 @@ TrainParam DeviceParams::at(const std::string& name) const {
 size_t DeviceParams::bytes() const { return values_.size() * sizeof(float) * 2 + values16_.size() * sizeof(uint16_t); }
 
 // ---- the training linear layer ------------------------------------------------------------------
+namespace {
+// The batch-invariant mode's GEMMs: the grouped expert kernel with one expert owning all M rows. Each
+// output element is one fp32 chain over k in a fixed order, owned by one CTA, whatever M is
+// (expert_gemm_train_cuda.h), so a row's product never depends on the other rows; cuBLAS's kernel
+// choice and split-k depend on M. The kernel's operand grid is checked here, per weight.
+void check_fixed_tile(const TrainCtx& t, const TrainParam& W, int64_t M) {
+  auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  if (W.rows % 8 != 0 || W.cols % 8 != 0 || !aligned(W.w16, 16) || !aligned(W.g, 8))
+    fail("batch-invariant GPU training: a [", W.rows, " x ", W.cols,
+         "] weight is off the fixed-tile GEMM's grid (rows and columns multiples of 8, 16-byte aligned in the "
+         "flat parameter layout); this config cannot train batch-invariant");
+  K3_CHECK(M == t.batch.rows, "batch-invariant GPU training: a linear over ", M, " rows of a ", t.batch.rows,
+           "-row batch");
+}
+}  // namespace
+
 const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int64_t cols) {
   uint16_t* y = t.take<uint16_t>(M * cols);
   elementwise::cuda::copy_rows(y, DType::BF16, cols, x, DType::F32, ld, M, cols);
@@ -76,6 +93,17 @@ const uint16_t* to_bf16(TrainCtx& t, const float* x, int64_t ld, int64_t M, int6
 void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, int64_t ld_x, int64_t M,
                           const TrainParam& W, bool accumulate, const uint16_t* x16) {
   const DeviceArena::Mark mark = t.arena.mark();
+  if (t.batch_invariant) {
+    check_fixed_tile(t, W, M);
+    const uint16_t* xb = x16 ? x16 : to_bf16(t, x, ld_x, M, W.cols);
+    float* yd = ld_y == W.rows ? y : t.take<float>(M * W.rows);  // a strided y: through a dense copy
+    K3_CHECK(yd == y || !accumulate, "batch-invariant GPU training: an accumulating linear with a strided output");
+    void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(1));
+    moe::cuda::grouped_linear_forward_bf16(yd, xb, W.w16, t.batch.all_rows, M, 1, W.rows, W.cols, accumulate, ws);
+    if (yd != y) elementwise::cuda::copy_rows(y, DType::F32, ld_y, yd, DType::F32, W.rows, M, W.rows);
+    t.arena.rewind(mark);
+    return;
+  }
   gemm::cuda::LinearParams p;
   p.y = y, p.y_type = DType::F32, p.ld_y = ld_y;
   p.M = M, p.N = W.rows, p.K = W.cols;
@@ -93,6 +121,20 @@ void train_linear_forward(TrainCtx& t, float* y, int64_t ld_y, const float* x, i
 void train_linear_backward(TrainCtx& t, float* dx, int64_t ld_dx, bool accumulate_dx, const float* dy, int64_t ld_dy,
                            const float* x, int64_t ld_x, int64_t M, const TrainParam& W, const uint16_t* x16) {
   const DeviceArena::Mark mark = t.arena.mark();
+  if (t.batch_invariant) {  // the fixed-tile kernels (see train_linear_forward)
+    check_fixed_tile(t, W, M);
+    const uint16_t* dyb = to_bf16(t, dy, ld_dy, M, W.rows);
+    const uint16_t* xb = x16 ? x16 : to_bf16(t, x, ld_x, M, W.cols);
+    moe::cuda::grouped_linear_backward_weight_bf16(W.g, dyb, xb, t.batch.all_rows, M, 1, W.rows, W.cols);
+    if (dx) {
+      K3_CHECK(ld_dx == W.cols, "batch-invariant GPU training: a strided input gradient");
+      void* ws = t.arena.take_bytes(moe::cuda::grouped_linear_workspace_bytes(1));
+      moe::cuda::grouped_linear_backward_data_bf16(dx, dyb, W.w16, t.batch.all_rows, M, 1, W.rows, W.cols,
+                                                   accumulate_dx, ws);
+    }
+    t.arena.rewind(mark);
+    return;
+  }
   const bool bf = t.precision == GpuPrecision::BF16;
   const void* dy_in = dy;
   int64_t ld_dy_in = ld_dy;

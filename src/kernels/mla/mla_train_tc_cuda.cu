@@ -112,6 +112,37 @@ __device__ __forceinline__ void zero(float (&c)[N][4]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
 }
+// c = X[row0 .. row0 + 15] · Y[0 .. 2N·8 - 1]ᵀ over w columns (a multiple of 16): the scores and
+// their gradients (S = Q Kᵀ, dP = dO Vᵀ and their transposes). X, Y row-major shared tiles.
+template <int N>
+__device__ __forceinline__ void rows_times_rows_t(float (&c)[N][4], uint32_t x, int ldx, int row0, uint32_t y,
+                                                  int ldy, int w, int lane) {
+  static_assert(N % 2 == 0, "n-tiles come in pairs");
+  zero(c);
+  for (int kk = 0; kk < w; kk += 16) {
+    uint32_t af[4];
+    ld_a(af, x, ldx, row0, kk, lane);
+#pragma unroll
+    for (int jp = 0; jp < N / 2; ++jp) {
+      uint32_t bf[4];
+      ld_b_nk(bf, y, ldy, 16 * jp, kk, lane);
+      mma2(c[2 * jp], c[2 * jp + 1], af, bf);
+    }
+  }
+}
+// acc[j] += a · Y[k0 .. k0 + 15][8j .. 8j + 7] for the n-tiles j < ntiles (even; N a bucket >= it):
+// one 16-row chunk of P V, dS K, Pᵀ dO or dSᵀ Q, with a from acc_to_a. Y a row-major shared tile.
+template <int N>
+__device__ __forceinline__ void add_chunk_times_rows(float (&acc)[N][4], const uint32_t (&a)[4], uint32_t y, int ld,
+                                                     int k0, int ntiles, int lane) {
+#pragma unroll
+  for (int jp = 0; jp < N / 2; ++jp)
+    if (2 * jp < ntiles) {
+      uint32_t bf[4];
+      ld_b_kn(bf, y, ld, k0, 16 * jp, lane);
+      mma2(acc[2 * jp], acc[2 * jp + 1], a, bf);
+    }
+}
 
 // Queues the copy of rows [r0, r0 + n) of one sequence's packed operand (src: its row 0; w elements a
 // row, a multiple of 8) into the shared tile at dst (rows of ld elements), 16 bytes per cp.async.
@@ -219,17 +250,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
       float s[8][4];
-      zero(s);
-      for (int kk = 0; kk < a.dqp; kk += 16) {
-        uint32_t af[4];
-        ld_a(af, sQ, LQ, warp * 16, kk, lane);
-#pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {
-          uint32_t bf[4];
-          ld_b_nk(bf, sK, LQ, 16 * jp, kk, lane);
-          mma2(s[2 * jp], s[2 * jp + 1], af, bf);
-        }
-      }
+      rows_times_rows_t(s, sQ, LQ, warp * 16, sK, LQ, a.dqp, lane);
 
       // Online softmax; s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2). Masked: -inf.
       float mx[2] = {-INFINITY, -INFINITY};
@@ -271,13 +292,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (n0 + 16 * c > wq0 + 15) continue;
         uint32_t pa[4];
         acc_to_a(pa, s[2 * c], s[2 * c + 1]);
-#pragma unroll
-        for (int jp = 0; jp < NV / 2; ++jp)
-          if (2 * jp < nvt) {
-            uint32_t bf[4];
-            ld_b_kn(bf, sV, LV, 16 * c, 16 * jp, lane);
-            mma2(acc[2 * jp], acc[2 * jp + 1], pa, bf);
-          }
+        add_chunk_times_rows(acc, pa, sV, LV, 16 * c, nvt, lane);
       }
     }
     __syncthreads();  // this stage is read by no warp any more
@@ -394,28 +409,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     if (wk0 < len && m0 + kDkvBM - 1 >= wk0) {  // else no key, or every query precedes the warp's keys
       float st[4][4], dpt[4][4];
-      zero(st);
-      zero(dpt);
-      for (int kk = 0; kk < a.dqp; kk += 16) {
-        uint32_t af[4];
-        ld_a(af, sK, LQ, warp * 16, kk, lane);
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t bf[4];
-          ld_b_nk(bf, sQ, LQ, 16 * jp, kk, lane);
-          mma2(st[2 * jp], st[2 * jp + 1], af, bf);
-        }
-      }
-      for (int kk = 0; kk < a.dvp; kk += 16) {
-        uint32_t af[4];
-        ld_a(af, sV, LV, warp * 16, kk, lane);
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t bf[4];
-          ld_b_nk(bf, sdO, LV, 16 * jp, kk, lane);
-          mma2(dpt[2 * jp], dpt[2 * jp + 1], af, bf);
-        }
-      }
+      rows_times_rows_t(st, sK, LQ, warp * 16, sQ, LQ, a.dqp, lane);
+      rows_times_rows_t(dpt, sV, LV, warp * 16, sdO, LV, a.dvp, lane);
       // st[j][e] is (key wk0 + g + 8(e/2), query m0 + 8j + 2t4 + e%2): Pᵀ into st, dSᵀ into dpt.
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -433,20 +428,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         uint32_t pa[4], da[4];
         acc_to_a(pa, st[2 * c], st[2 * c + 1]);
         acc_to_a(da, dpt[2 * c], dpt[2 * c + 1]);
-#pragma unroll
-        for (int jp = 0; jp < NV / 2; ++jp)
-          if (2 * jp < nvt) {
-            uint32_t bf[4];
-            ld_b_kn(bf, sdO, LV, 16 * c, 16 * jp, lane);
-            mma2(dv[2 * jp], dv[2 * jp + 1], pa, bf);
-          }
-#pragma unroll
-        for (int jp = 0; jp < NQ / 2; ++jp)
-          if (2 * jp < nqt) {
-            uint32_t bf[4];
-            ld_b_kn(bf, sQ, LQ, 16 * c, 16 * jp, lane);
-            mma2(dk[2 * jp], dk[2 * jp + 1], da, bf);
-          }
+        add_chunk_times_rows(dv, pa, sdO, LV, 16 * c, nvt, lane);
+        add_chunk_times_rows(dk, da, sQ, LQ, 16 * c, nqt, lane);
       }
     }
     __syncthreads();
@@ -533,28 +516,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
       float s[4][4], dp[4][4];
-      zero(s);
-      zero(dp);
-      for (int kk = 0; kk < a.dqp; kk += 16) {
-        uint32_t af[4];
-        ld_a(af, sQ, LQ, warp * 16, kk, lane);
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t bf[4];
-          ld_b_nk(bf, sK, LQ, 16 * jp, kk, lane);
-          mma2(s[2 * jp], s[2 * jp + 1], af, bf);
-        }
-      }
-      for (int kk = 0; kk < a.dvp; kk += 16) {
-        uint32_t af[4];
-        ld_a(af, sdO, LV, warp * 16, kk, lane);
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t bf[4];
-          ld_b_nk(bf, sV, LV, 16 * jp, kk, lane);
-          mma2(dp[2 * jp], dp[2 * jp + 1], af, bf);
-        }
-      }
+      rows_times_rows_t(s, sQ, LQ, warp * 16, sK, LQ, a.dqp, lane);
+      rows_times_rows_t(dp, sdO, LV, warp * 16, sV, LV, a.dvp, lane);
       // s[j][e] is (query wq0 + g + 8(e/2), key n0 + 8j + 2t4 + e%2): dS into s.
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -570,13 +533,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (n0 + 16 * c > wq0 + 15) continue;  // keys past the warp's last query: dS = 0
         uint32_t da[4];
         acc_to_a(da, s[2 * c], s[2 * c + 1]);
-#pragma unroll
-        for (int jp = 0; jp < NQ / 2; ++jp)
-          if (2 * jp < nqt) {
-            uint32_t bf[4];
-            ld_b_kn(bf, sK, LQ, 16 * c, 16 * jp, lane);
-            mma2(acc[2 * jp], acc[2 * jp + 1], da, bf);
-          }
+        add_chunk_times_rows(acc, da, sK, LQ, 16 * c, nqt, lane);
       }
     }
     __syncthreads();

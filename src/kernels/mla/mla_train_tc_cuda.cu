@@ -19,9 +19,9 @@
 //     is ever stored transposed.
 //   - A from accumulators: the C fragments of n-tiles 2c and 2c+1 (columns 16c .. 16c + 15) are
 //     exactly the A fragment of the 16-column chunk c, rounded to bf16 (acc_to_a).
-// Shared rows are W + 8 bf16 long with W a multiple of 16: a row is 16 (mod 32) words... precisely,
-// the stride in 4-byte words is 4 (mod 8), so the 8 rows of one ldmatrix matrix start in 8 disjoint
-// groups of 4 banks: every ldmatrix is conflict-free, and every row starts on 16 bytes for cp.async.
+// Shared rows are W + 8 bf16 long with W a multiple of 16: the row stride in 4-byte words is
+// 4 (mod 8), so the 8 rows of one ldmatrix matrix start in 8 disjoint groups of 4 banks: every
+// ldmatrix is conflict-free, and every row starts on 16 bytes for cp.async.
 // Row statistics in the accumulator layout: row g (and g + 8) of a warp's 16 is spread over the 4
 // lanes 4g .. 4g + 3, so row maxima and sums are xor-shuffles over offsets 1 and 2 (every lane ends
 // with the same bits, since a + b == b + a exactly).

@@ -29,7 +29,7 @@
 #                     (default 8). On 2 cores shared with other builds, with k3 already built, the
 #                     whole job took 10 min 8 s and 18 min 35 s, step 7 6.4 and 6.2 min of it, most
 #                     of the rest the eval (docs/BENCHMARKS.md, 2026-12-01). On an H200 step 7's caps
-#                     bind first: about 75 s of training
+#                     bind first: step 7 took 110 s
 #   K3_DEMO_DIR       work directory (default out/demo; out/demo-gpu on the GPU)
 #   K3_DEMO_PROMPT    the prompt to continue (default "The jury said")
 #   K3_DEMO_THREADS   threads for training (default: all cores)

@@ -101,7 +101,7 @@ if [ ! -f "$DIR/brown/.done" ]; then
   touch "$DIR/brown/.done"
 else echo "reusing $DIR/brown"; fi
 
-step "4/9 vocabulary: BPE with 3,840 ranks (+256 K3 specials = k3-tiny's 4,096)"
+step "4/9 vocabulary: BPE with 3,840 ranks (+256 K3 specials = the model's 4,096)"
 if [ ! -f "$DIR/tokenizer/tiktoken.model" ]; then
   "$K3" tokenizer train --corpus "$DIR"/brown/train/*.txt --vocab-size 3840 --out "$DIR/tokenizer"
 else echo "reusing $DIR/tokenizer"; fi

@@ -571,7 +571,7 @@ Layout layout(int64_t rows, const Dims& d, bool backward) {
   const size_t hr = size_t(d.H * rows), qk = round256(hr * pad16(d.Dn + d.Dr) * 2), vo = round256(hr * pad16(d.Dv) * 2);
   Layout L{};
   if (backward) {
-    L.lse2 = round256(hr * sizeof(float));
+    L.lse2 = train_common::delta_bytes(rows, d);  // Delta first, then log2(e)·lse
     L.dk_rot_h = 2 * L.lse2;
     L.q = L.dk_rot_h + round256(hr * size_t(d.Dr) * sizeof(float));
   }

@@ -1,102 +1,108 @@
-// The routed experts' grouped GEMMs for training (expert_gemm_train_cuda.h): one templated mma.sync
-// kernel, three operand layouts.
+// The routed experts' grouped GEMMs for training (expert_gemm_train_cuda.h) on Hopper: one
+// warp-specialised wgmma kernel, three operand layouts, fp32 outputs.
 //
-// Each mode is a GEMM C[m, n] = Σ_k A[m, k] B[k, n] per expert, with the tile's operands staged in
-// shared memory in the layout they have in global memory (16-byte cp.async chunks, never a transpose
-// in registers) and fragments read with ldmatrix (k-contiguous tiles) or ldmatrix.trans (m/n-contiguous):
-//   mode            C (rows m × cols n)        A[m, k]             B[k, n]            K
-//   Forward         y rows of e  × out         x[r, k]  k-contig   W_e[n, k] k-contig  in
-//   BackwardData    dx rows of e × in          dy[r, k] k-contig   W_e[k, n] n-contig  out
-//   BackwardWeight  dW_e: out    × in          dy[k, m] m-contig   x[k, n]   n-contig  rows of e
+// Each mode is a GEMM C[m, n] = Σ_k A[m, k] B[k, n] per expert. The operands are staged in shared
+// memory in the layout they have in global memory, never transposed: wgmma reads a K-major operand
+// (k contiguous) or an MN-major one (m or n contiguous) from the same bytes, told which by its
+// transpose bit.
+//   mode            C (rows m × cols n)        A[m, k]              B[k, n]              K
+//   Forward         y rows of e  × out         x[r, k]   K-major    W_e[n, k]  K-major   in
+//   BackwardData    dx rows of e × in          dy[r, k]  K-major    W_e[k, n]  MN-major  out
+//   BackwardWeight  dW_e: out    × in          dy[k, m]  MN-major   x[k, n]    MN-major  rows of e
 // (r, and k in BackwardWeight, are the expert's sorted rows.)
 //
-// Tiles: a CTA of 128 threads (4 warps, 2 along m × 2 along n) computes a BM × 128 tile (BM = 128);
-// each warp a 64 × 64 sub-tile, 32 m16n8 accumulator blocks (128 fp32 registers; ~230 registers a
-// thread, 2 CTAs per SM), k in stages of BK = 32 through a 4-deep cp.async pipeline (20 KB a stage).
-// The 64 × 64 warp tile issues 8 ldmatrix.x4 per 32 MMAs (a 64 × 32 one: 6 per 16): by our estimate,
-// not a measurement, shared-memory bandwidth rather than the tensor cores bounds an mma.sync GEMM on
-// Hopper, so the wider warp tile pays. Shared rows are padded by 16 bytes (80 B rows for a k-contiguous
-// 32-wide tile, 272 B for a 128-wide m/n-contiguous one), so the 8 row addresses of every ldmatrix
-// phase fall in 8 different 16-byte bank groups: conflict-free without a swizzle.
-//
-// Masking: every element outside the expert's rows, past out / in, or past K is zero-filled by
-// cp.async (src-size 0: nothing is read), so it adds exact zeros; rows and columns outside the tile's
-// valid region are never stored. In Forward / BackwardData a warp whose m16 blocks hold no valid row
-// (an expert's last, partial tile) skips their MMAs, which changes no stored value.
-//
+// Tile: 128 rows of C × 256 columns × 64 of K per pipeline stage; the inference kernel's design
+// (moe_gemm_sm90.cu, whose notes on the barriers hold here word for word):
+//   - Warpgroup 2 produces: its 128 threads copy both operand tiles with 16-byte cp.async into
+//     128-byte-swizzled shared memory, zero-filling every chunk outside the expert's rows, past out / in
+//     or past K (src-size 0: nothing is read), so such elements add exact zeros. cp.async rather than
+//     TMA because the trainer's expert matrices are separate buffers named by a pointer table (one
+//     tensor map per expert otherwise), and because an expert's rows end mid-box, where TMA would read
+//     the next expert's rows instead of zeros.
+//   - Warpgroups 0 and 1 consume: each owns 64 rows of C and runs wgmma m64n256k16 (fp32
+//     accumulators, 128 registers a thread), one stage of MMAs in flight while it waits for the next.
+//     A warpgroup whose 64 rows are all past the valid rows (an expert's last row tile, or out < 128)
+//     only keeps the barriers' counts.
+//   - Persistent CTAs take work items from a counter (sm90::schedule_counter) in raster order, so the
+//     CTAs reading one operand tile run side by side and share it through L2.
+// Shared layouts (the tile 1024-byte aligned; swz128 places 16-byte chunk c of a 128-byte row):
+//   K-major R × 64:   row r (64 k = 128 B) at r·128, chunk c holds k 8c..8c+7. Descriptor: SBO 1024 B
+//                     between 8-row groups; the k16 slice kk starts 32·kk bytes in.
+//   MN-major 64 × R:  R/64 atoms of 64 k rows × 64 m/n (8 KB each), atom i holding m/n 64i..64i+63;
+//                     k row k of an atom at k·128, chunk c holds m/n 8c..8c+7. Descriptor: LBO 8 KB
+//                     between atoms along m/n, SBO 1024 B between 8-row groups of k; the k16 slice kk
+//                     starts 2048·kk bytes in. (CUTLASS's canonical GMMA MN-major SW128 layout,
+//                     ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte units.)
 // Scheduling, without a host round trip:
 //   - Forward / BackwardData: tile_prefix_kernel turns the offsets into tiles[e] = Σ_{e' < e}
-//     ceil(n_e' / BM) (tiles[E] = the total). The 1-D grid holds the upper bound (ceil(S / BM) + E) ×
-//     column tiles, column tile fastest (the CTAs of one row tile run side by side and share its A rows
-//     through L2). A CTA's row slot q names the expert e with tiles[e] <= q < tiles[e + 1], found as
-//     #{i : tiles[i] <= q} - 1: the CTA reads tiles[] once (coalesced, independent loads; E = 192:
-//     two a thread) and sums the counts; q >= tiles[E] exits.
-//   - BackwardWeight: the grid is E × (out tiles) × (in tiles), in-tile fastest; CTAs of an expert with
-//     no rows exit (dW_e untouched). The expert's rows are the reduction, zero-padded to BK.
-// Each output element is owned by one CTA and summed in ascending k: deterministic, no atomics.
-#include <cuda_bf16.h>
+//     ceil(n_e' / 128). Item w of tiles[E] × col_tiles: q = w / col_tiles names expert e (the largest
+//     with tiles[e] <= q, found by binary search), whose items run its column tiles in order with its
+//     row tiles innermost (the inference kernel's raster).
+//   - BackwardWeight: item w of E × m_tiles × n_tiles: expert-major, then m tile, then n tile. The
+//     items of an expert with no rows are never handed out (next_item), so dW_e is untouched.
+// Numerics and determinism: every output element is one fp32 accumulator chain, a fixed sequence of
+// wgmma k16 steps from k = 0 up, owned by one CTA; no atomics, no split-k. So results are bitwise the
+// same run to run and whatever the grid or the schedule, and a row's forward / backward-data result
+// does not depend on the other rows of the batch (the batch-invariant mode relies on this).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
 #include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/sm90_ptx.cuh"
 #include "kernels/moe/expert_gemm_train_cuda.h"
+#include "kernels/moe/sm90_pipeline.cuh"
 
 namespace k3::moe::cuda {
 namespace {
 
-using ptx::cp_async_commit;
-using ptx::cp_async_wait;
-using ptx::ldmatrix_x4;
-using ptx::ldmatrix_x4_trans;
-using ptx::smem_u32;
+using bf16 = uint16_t;
+using sm90::swz128;
+using sm90::wait_or_trap;
 
-constexpr int kWarpsM = 2, kWarpsN = 2;  // warps along m and n
-constexpr int kThreads = 32 * kWarpsM * kWarpsN;
-constexpr int kBN = 128, kBK = 32, kStages = 4;
-constexpr int kPad = 8;  // bf16 elements of padding per shared row (16 bytes)
-constexpr int kBM = 128;
+constexpr int BM = 128, BN = 256, BK = 64, kStages = 4, kLag = 2;
+constexpr int kATileBytes = BM * BK * 2;  // 16 KB
+constexpr int kBTileBytes = BN * BK * 2;  // 32 KB
+constexpr int kAtomBytes = 64 * 128;      // one MN-major atom: 64 k rows × 128 B
+constexpr int kThreads = 384;             // consumer warpgroups 0, 1; producer warpgroup 2
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // see moe_gemm_sm90.cu: 2·128·224 + 128·56 = 168·384
+constexpr int kItemSlots = 8;
+constexpr size_t kSmemBytes = size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + kItemSlots * 4 + 1024;
 constexpr int kPrefixThreads = 1024;
+static_assert(kLag >= 1 && kLag <= kStages - 2, "see moe_gemm_sm90.cu's pipeline note");
+static_assert((kStages & (kStages - 1)) == 0, "stage index by mask");
 
 enum class Mode { Forward, BackwardData, BackwardWeight };
 
-// Shared-memory geometry of one mode. A k-major tile is [R][BK + pad] (k contiguous); an m/n-major
-// one [BK][R + pad].
-template <Mode M, int BM>
-struct Geo {
+template <Mode M>
+struct Layout {
   static constexpr bool a_kmajor = M != Mode::BackwardWeight;
   static constexpr bool b_kmajor = M == Mode::Forward;
-  static constexpr int a_ld = a_kmajor ? kBK + kPad : BM + kPad;  // elements per shared row
-  static constexpr int b_ld = b_kmajor ? kBK + kPad : kBN + kPad;
-  static constexpr int a_elems = a_kmajor ? BM * a_ld : kBK * a_ld;  // one stage
-  static constexpr int b_elems = b_kmajor ? kBN * b_ld : kBK * b_ld;
-  static constexpr int stage_elems = a_elems + b_elems;
-  static constexpr size_t smem_bytes = size_t(kStages) * stage_elems * 2;
 };
 
 struct Args {
   float* c;                // Forward: y; BackwardData: dx; BackwardWeight: dW
-  const uint16_t* a;       // Forward: x; else dy
-  const uint16_t* b;       // Forward, BackwardData: W; BackwardWeight: x
+  const bf16* a;           // Forward: x; else dy
+  const bf16* b;           // Forward, BackwardData: W; BackwardWeight: x
+  const bf16* const* b_tab;  // per-expert W_e (Forward, BackwardData), or null: stacked
+  float* const* c_tab;       // per-expert dW_e (BackwardWeight), or null: stacked
   const int32_t* offsets;  // [E + 1]
   const int32_t* tiles;    // [E + 1] row-tile prefix (Forward, BackwardData)
-  // Per-expert pointers instead of a stacked buffer (null: stacked): W_e (Forward, BackwardData) and
-  // dW_e (BackwardWeight).
-  const uint16_t* const* b_tab;
-  float* const* c_tab;
   int E, out, in;
-  int n_tiles;  // column tiles of C
-  int m_tiles;  // BackwardWeight: row tiles of C (out / BM)
+  int col_tiles;  // column tiles of C (256 wide)
+  int m_tiles;    // BackwardWeight: row tiles of C (out / 128)
   bool accumulate;
+  int* counter;
 };
 
 // tiles[e] = Σ_{e' < e} ceil(n_e' / BM) for e <= E. One CTA: each thread sums a contiguous run of
 // experts, an inclusive scan over the threads' sums in shared memory, then each thread writes its run.
 __global__ void __launch_bounds__(kPrefixThreads)
-    tile_prefix_kernel(int32_t* __restrict__ tiles, const int32_t* __restrict__ offsets, int E, int BM) {
+    tile_prefix_kernel(int32_t* __restrict__ tiles, const int32_t* __restrict__ offsets, int E) {
   __shared__ int32_t part[kPrefixThreads];
   const int tid = threadIdx.x;
   const int per = (E + kPrefixThreads - 1) / kPrefixThreads;
@@ -119,209 +125,257 @@ __global__ void __launch_bounds__(kPrefixThreads)
   if (tid == kPrefixThreads - 1) tiles[E] = part[tid];
 }
 
-// One stage of a tile into shared memory (dst: smem_u32 of the stage's tile). R = the tile's m (or n)
-// extent. k-major: R rows of BK; element (r, k) at g + r·ld + k0 + k, valid when r < valid_r and
-// k0 + k < K. m/n-major: BK rows of R; element (k, r) at g + (k0 + k)·ld + r, same validity. K and
-// valid_r move in whole 8-element chunks (out, in are multiples of 8), so a chunk is all in or all out.
-template <bool KMajor, int R, int LD>
-__device__ __forceinline__ void load_tile(uint32_t dst, const uint16_t* __restrict__ g, int64_t ld, int k0, int K,
-                                          int valid_r, int tid) {
-  constexpr int kChunks = R * kBK / 8;
-  static_assert(kChunks % kThreads == 0, "whole chunks per thread");
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    int r, k;
-    if (KMajor) {
-      r = c / (kBK / 8);
-      k = (c % (kBK / 8)) * 8;
-    } else {
-      k = c / (R / 8);
-      r = (c % (R / 8)) * 8;
-    }
-    const bool ok = r < valid_r && k0 + k < K;
-    const uint16_t* src = ok ? (KMajor ? g + int64_t(r) * ld + (k0 + k) : g + int64_t(k0 + k) * ld + r) : g;
-    const uint32_t off = KMajor ? uint32_t(r * LD + k) : uint32_t(k * LD + r);
-    ptx::cp_async16(dst + off * 2, src, ok ? 16 : 0);
-  }
-}
-
-// The MMAs of one BK stage for one warp: its (MI·16) × (NI·8) sub-tile at rows m_w, columns n_w of the
-// block tile. Guard: only m16 blocks mi < mact (warp-uniform) run.
-template <Mode M, int BM, int MI, int NI, bool Guard>
-__device__ __forceinline__ void mma_stage(float (&acc)[MI][NI][4], uint32_t sa, uint32_t sb, int m_w, int n_w, int lane,
-                                          int mact) {
-  using G = Geo<M, BM>;
-#pragma unroll
-  for (int ks = 0; ks < kBK / 16; ++ks) {
-    uint32_t af[MI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      if (Guard && mi >= mact) continue;
-      if (G::a_kmajor) {
-        // matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a0..a3
-        const int r = m_w + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int k = ks * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(af[mi], sa + uint32_t(r * G::a_ld + k) * 2);
-      } else {
-        // stored [k][m]: lane gives row k, the 8 m of one matrix; .trans hands thread t (m = t/4,
-        // k = 2(t%4), +1), the row-major fragment. Same matrix order as above.
-        const int k = ks * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int m = m_w + mi * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4_trans(af[mi], sa + uint32_t(k * G::a_ld + m) * 2);
-      }
-    }
-#pragma unroll
-    for (int nj = 0; nj < NI / 2; ++nj) {
-      // t4[0], t4[1] = b0, b1 of n8 block 2nj; t4[2], t4[3] = those of 2nj + 1
-      uint32_t t4[4];
-      if (G::b_kmajor) {
-        const int n = n_w + nj * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int k = ks * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(t4, sb + uint32_t(n * G::b_ld + k) * 2);
-      } else {
-        const int k = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int n = n_w + nj * 16 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(t4, sb + uint32_t(k * G::b_ld + n) * 2);
-      }
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        if (Guard && mi >= mact) continue;
-        ptx::mma_bf16_16816(acc[mi][2 * nj], af[mi], t4[0], t4[1]);
-        ptx::mma_bf16_16816(acc[mi][2 * nj + 1], af[mi], t4[2], t4[3]);
-      }
-    }
-  }
-}
-
-template <Mode M, int BM>
-__global__ void __launch_bounds__(kThreads, 2) grouped_linear_kernel(const Args p) {
-  using G = Geo<M, BM>;
-  constexpr int WM = BM / kWarpsM, WN = kBN / kWarpsN;  // warp tile
-  constexpr int MI = WM / 16, NI = WN / 8;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  // ---- which tile: expert e, C rows [m0, m0 + valid_m), columns [n0, n0 + valid_n), reduction K
-  int e, m0, nt, valid_m, K, r0;
-  if (M == Mode::BackwardWeight) {
-    const int b = int(blockIdx.x);
-    nt = b % p.n_tiles;
-    const int t = b / p.n_tiles;
-    const int mt = t % p.m_tiles;
-    e = t / p.m_tiles;
-    r0 = p.offsets[e];
-    K = p.offsets[e + 1] - r0;  // the expert's rows
-    if (K <= 0) return;         // no rows: dW_e untouched
-    m0 = mt * BM;
-    valid_m = min(BM, p.out - m0);
-  } else {
-    const int b = int(blockIdx.x);
-    const int q = b / p.n_tiles;  // row-tile slot
-    nt = b - q * p.n_tiles;
-    // e + 1 = #{i in [0, E] : tiles[i] <= q} (tiles[0] = 0 <= q; nondecreasing). E + 1: past the end.
-    // Strided independent loads (one round trip), then a block sum.
-    int cnt = 0;
-    for (int i = tid; i <= p.E; i += kThreads) cnt += p.tiles[i] <= q ? 1 : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-    __shared__ int red[kThreads / 32];
-    if (lane == 0) red[warp] = cnt;
-    __syncthreads();
-    cnt = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) cnt += red[w];
-    if (cnt > p.E) return;
-    e = cnt - 1;
-    r0 = p.offsets[e];
-    const int n_e = p.offsets[e + 1] - r0;
-    m0 = (q - p.tiles[e]) * BM;
-    valid_m = min(BM, n_e - m0);
-    K = M == Mode::Forward ? p.in : p.out;
-  }
-  const int N = M == Mode::BackwardData || M == Mode::BackwardWeight ? p.in : p.out;
-  const int n0 = nt * kBN;
-  const int valid_n = min(kBN, N - n0);
-
-  // ---- global bases of the tile's operands and output
-  const int64_t wsz = int64_t(p.out) * p.in;
-  const uint16_t *ga, *gb;
+// One work item's tile: expert e; C rows [m0, m0 + valid_m), columns [n0, n0 + valid_n); reduction
+// length K; and the global bases of its operands (element (0, 0) of the tile) and output.
+struct Work {
+  int e, valid_m, valid_n, K;
+  const bf16 *ga, *gb;
   int64_t lda, ldb, ldc;
   float* gc;
+};
+
+template <Mode M>
+__device__ __forceinline__ Work work_item(const Args& p, int w) {
+  Work t;
+  const int64_t wsz = int64_t(p.out) * p.in;
+  int m0, n0;
+  if (M == Mode::BackwardWeight) {
+    const int per = p.m_tiles * p.col_tiles;
+    t.e = w / per;
+    const int local = w - t.e * per;
+    m0 = (local / p.col_tiles) * BM;
+    n0 = (local % p.col_tiles) * BN;
+    const int r0 = p.offsets[t.e];
+    t.K = p.offsets[t.e + 1] - r0;
+    t.valid_m = min(BM, p.out - m0);
+    t.valid_n = min(BN, p.in - n0);
+    t.ga = p.a + int64_t(r0) * p.out + m0, t.lda = p.out;  // dy rows k, m contiguous
+    t.gb = p.b + int64_t(r0) * p.in + n0, t.ldb = p.in;    // x rows k, n contiguous
+    t.gc = (p.c_tab ? p.c_tab[t.e] : p.c + t.e * wsz) + int64_t(m0) * p.in + n0, t.ldc = p.in;
+    return t;
+  }
+  const int C = p.col_tiles;
+  const int q = w / C;
+  // e = the largest expert with tiles[e] <= q (tiles nondecreasing, tiles[0] = 0 <= q < tiles[E])
+  int lo = 0, hi = p.E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.tiles[mid] <= q) lo = mid;
+    else hi = mid - 1;
+  }
+  t.e = lo;
+  const int t0 = p.tiles[t.e], R = p.tiles[t.e + 1] - t0;  // R >= 1: q lies in [t0, t0 + R)
+  const int local = w - t0 * C;
+  const int ct = local / R, rt = local % R;
+  const int r0 = p.offsets[t.e];
+  m0 = rt * BM;
+  n0 = ct * BN;
+  t.valid_m = min(BM, p.offsets[t.e + 1] - r0 - m0);
+  const bf16* W = p.b_tab ? p.b_tab[t.e] : p.b + t.e * wsz;
   if (M == Mode::Forward) {
-    ga = p.a + int64_t(r0 + m0) * p.in, lda = p.in;       // x rows, k contiguous
-    gb = (p.b_tab ? p.b_tab[e] : p.b + e * wsz) + int64_t(n0) * p.in, ldb = p.in;  // W_e rows n, k contiguous
-    gc = p.c + int64_t(r0 + m0) * p.out + n0, ldc = p.out;
-  } else if (M == Mode::BackwardData) {
-    ga = p.a + int64_t(r0 + m0) * p.out, lda = p.out;  // dy rows, k contiguous
-    gb = (p.b_tab ? p.b_tab[e] : p.b + e * wsz) + n0, ldb = p.in;  // W_e rows k, n contiguous
-    gc = p.c + int64_t(r0 + m0) * p.in + n0, ldc = p.in;
+    t.K = p.in;
+    t.valid_n = min(BN, p.out - n0);
+    t.ga = p.a + int64_t(r0 + m0) * p.in, t.lda = p.in;  // x rows, k contiguous
+    t.gb = W + int64_t(n0) * p.in, t.ldb = p.in;         // W_e rows n, k contiguous
+    t.gc = p.c + int64_t(r0 + m0) * p.out + n0, t.ldc = p.out;
   } else {
-    ga = p.a + int64_t(r0) * p.out + m0, lda = p.out;  // dy rows k, m contiguous
-    gb = p.b + int64_t(r0) * p.in + n0, ldb = p.in;    // x rows k, n contiguous
-    gc = (p.c_tab ? p.c_tab[e] : p.c + e * wsz) + int64_t(m0) * p.in + n0, ldc = p.in;
+    t.K = p.out;
+    t.valid_n = min(BN, p.in - n0);
+    t.ga = p.a + int64_t(r0 + m0) * p.out, t.lda = p.out;  // dy rows, k contiguous
+    t.gb = W + n0, t.ldb = p.in;                            // W_e rows k, n contiguous
+    t.gc = p.c + int64_t(r0 + m0) * p.in + n0, t.ldc = p.in;
   }
+  return t;
+}
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  const uint32_t s0 = smem_u32(smem);
-  auto stage_a = [&](int s) { return s0 + uint32_t(s * G::stage_elems) * 2; };
-  auto stage_b = [&](int s) { return s0 + uint32_t(s * G::stage_elems + G::a_elems) * 2; };
-  auto load_stage = [&](int s, int kt) {
-    const int k0 = kt * kBK;
-    load_tile<G::a_kmajor, BM, G::a_ld>(stage_a(s), ga, lda, k0, K, valid_m, tid);
-    load_tile<G::b_kmajor, kBN, G::b_ld>(stage_b(s), gb, ldb, k0, K, valid_n, tid);
-  };
-
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-  const int m_w = wm * WM, n_w = wn * WN;
-  // m16 blocks of this warp holding a valid row (warp-uniform)
-  const int mact = min(MI, max(0, (valid_m - m_w + 15) / 16));
-
-  float acc[MI][NI][4];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
-
-  const int KT = (K + kBK - 1) / kBK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load_stage(s, s);
-    cp_async_commit();
+// The next work item for producer thread 0 to publish. Items of an expert with no rows have no stages,
+// so they are never published: the consumers learn each item from the ring when its first stage
+// completes, and a producer running through stage-less items could overwrite ring slots the consumers
+// have not read. The counter is the schedule of every CTA, so a skipped item is skipped for all.
+template <Mode M>
+__device__ __forceinline__ int next_item(const Args& p, int total) {
+  for (;;) {
+    const int w = atomicAdd(p.counter, 1);
+    if (M != Mode::BackwardWeight || w >= total) return w;
+    const int e = w / (p.m_tiles * p.col_tiles);
+    if (p.offsets[e + 1] > p.offsets[e]) return w;
   }
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
-    __syncthreads();               // ... everyone's; and stage kt - 1 is no longer read
-    const int nk = kt + kStages - 1;
-    if (nk < KT) load_stage(nk % kStages, nk);
-    cp_async_commit();
-    const int s = kt % kStages;
-    if (mact == MI) mma_stage<M, BM, MI, NI, false>(acc, stage_a(s), stage_b(s), m_w, n_w, lane, mact);
-    else if (mact > 0) mma_stage<M, BM, MI, NI, true>(acc, stage_a(s), stage_b(s), m_w, n_w, lane, mact);
-  }
-  cp_async_wait<0>();  // nothing left in flight when the CTA exits
+}
 
-  // ---- epilogue: c0, c1 at (row g, cols 2t, 2t + 1); c2, c3 at row g + 8 of each m16 × n8 block
-  const int g = lane >> 2, t = lane & 3;
+// One stage of one operand tile (R = its m or n extent) into shared memory at dst, by the producer's
+// 128 threads (pt). K-major: R rows of 64 k; element (r, k) at g + r·ld + k0 + k. MN-major: 64 k rows
+// of R; element (k, r) at g + (k0 + k)·ld + r. Valid when r < valid and k0 + k < K; valid, out and in
+// move in whole 8-element chunks, so a chunk is all in or all out (K-major K is out or in, also whole).
+template <bool KMajor, int R>
+__device__ __forceinline__ void load_operand(uint32_t dst, const bf16* __restrict__ g, int64_t ld, int k0, int K,
+                                             int valid, int pt) {
+  static_assert(R * BK / 8 % 128 == 0, "whole chunks per producer thread");
+  if (KMajor) {
+    // 8 chunks a row: thread pt takes chunk pt % 8 of rows pt / 8 + 16 i
+    const int c = pt & 7, r0 = pt >> 3;
+    const bool k_ok = k0 + 8 * c < K;
+    const bf16* src = g + int64_t(r0) * ld + k0 + 8 * c;
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
+    for (int i = 0; i < R / 16; ++i) {
+      const int r = r0 + 16 * i;
+      const bool ok = k_ok && r < valid;
+      ptx::cp_async16(dst + swz128(r, c), ok ? src + int64_t(16 * i) * ld : g, ok ? 16 : 0);
+    }
+  } else {
+    // R / 8 chunks a k row: thread pt takes chunk pt % (R / 8) of k rows pt / (R / 8) + (128 / (R / 8)) i
+    constexpr int kPerRow = R / 8, kRowsPerPass = 128 / kPerRow;
+    const int cm = pt % kPerRow, kr0 = pt / kPerRow;
+    const bool r_ok = 8 * cm < valid;
+    const uint32_t atom = uint32_t(cm >> 3) * kAtomBytes;
+    const bf16* src = g + int64_t(k0 + kr0) * ld + 8 * cm;
 #pragma unroll
-    for (int ni = 0; ni < NI; ++ni) {
-      const int col = n_w + ni * 8 + 2 * t;
-      if (col >= valid_n) continue;
+    for (int i = 0; i < BK / kRowsPerPass; ++i) {
+      const int k = kr0 + kRowsPerPass * i;
+      const bool ok = r_ok && k0 + k < K;
+      ptx::cp_async16(dst + atom + swz128(k, cm & 7), ok ? src + int64_t(kRowsPerPass * i) * ld : g, ok ? 16 : 0);
+    }
+  }
+}
+
+// Descriptors (see the layout note above).
+__device__ __forceinline__ uint64_t desc_mn_sw128(uint32_t smem_addr) {
+  return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(kAtomBytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+template <bool KMajor>
+__device__ __forceinline__ uint64_t operand_desc(uint32_t addr) {
+  return KMajor ? ptx::desc_k_sw128(addr) : desc_mn_sw128(addr);
+}
+// The descriptor step of one k16 slice, in 16-byte units: 32 B along a K-major row, 16 k rows of an atom.
+template <bool KMajor>
+constexpr uint64_t k16_step() {
+  return KMajor ? 32 >> 4 : (16 * 128) >> 4;
+}
+
+template <Mode M>
+__global__ void __launch_bounds__(kThreads, 1) grouped_linear_sm90_kernel(const Args p) {
+  using L = Layout<M>;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (ptx::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sA = base;                          // kStages × 16 KB
+  const uint32_t sB = sA + kStages * kATileBytes;    // kStages × 32 KB
+  const uint32_t full = sB + kStages * kBTileBytes;  // kStages mbarriers, 8 B each
+  const uint32_t empty = full + kStages * 8;
+  volatile int* items = reinterpret_cast<volatile int*>(smem_raw + (empty + kStages * 8 - ptx::smem_u32(smem_raw)));
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(full + 8 * s, 128);  // the 128 producer threads
+      ptx::mbar_init(empty + 8 * s, 8);   // the 8 consumer warps
+    }
+    ptx::fence_mbar_init();
+  }
+  __syncthreads();
+
+  const int total = M == Mode::BackwardWeight ? p.E * p.m_tiles * p.col_tiles : p.tiles[p.E] * p.col_tiles;
+
+  if (tid >= 256) {
+    // ---- producer warpgroup ----
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - 256;
+    int it = 0;  // stages issued so far (the ring position runs on across work items)
+    for (int j = 0;; ++j) {
+      if (pt == 0) items[j % kItemSlots] = next_item<M>(p, total);
+      ptx::named_barrier_sync(1, 128);
+      const int w = items[j % kItemSlots];
+      if (w >= total) break;
+      const Work t = work_item<M>(p, w);
+      const int KT = (t.K + BK - 1) / BK;
+      for (int kb = 0; kb < KT; ++kb, ++it) {
+        if (it >= kLag) {  // stage it - kLag: this thread's copies are done; publish them to the async proxy
+          ptx::cp_async_wait<kLag - 1>();
+          ptx::fence_proxy_async_shared();
+          ptx::mbar_arrive(full + 8 * ((it - kLag) & (kStages - 1)));
+        }
+        const int s = it & (kStages - 1);
+        wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+        const int k0 = kb * BK;
+        load_operand<L::a_kmajor, BM>(sA + s * kATileBytes, t.ga, t.lda, k0, t.K, t.valid_m, pt);
+        load_operand<L::b_kmajor, BN>(sB + s * kBTileBytes, t.gb, t.ldb, k0, t.K, t.valid_n, pt);
+        ptx::cp_async_commit();
+      }
+    }
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async_shared();
+    for (int j = max(0, it - kLag); j < it; ++j) ptx::mbar_arrive(full + 8 * (j & (kStages - 1)));
+    // The end, for the consumers: stage `it` completes with no bytes once it is empty, and its item
+    // slot holds a w past the total.
+    const int s = it & (kStages - 1);
+    wait_or_trap(empty + 8 * s, ((it / kStages) & 1) ^ 1);
+    ptx::mbar_arrive(full + 8 * s);
+  } else {
+    // ---- consumer warpgroups ----
+    ptx::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    // this warpgroup's 64 rows of the A tile: 64 K-major rows, or the second MN-major atom
+    const uint32_t a_off = L::a_kmajor ? uint32_t(wg) * 64 * 128 : uint32_t(wg) * kAtomBytes;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    int it = 0;
+    for (int j = 0;; ++j) {
+      // The item's slot is written before its first stage completes (release/acquire).
+      wait_or_trap(full + 8 * (it & (kStages - 1)), (it / kStages) & 1);
+      const int w = items[j % kItemSlots];
+      if (w >= total) break;
+      const Work t = work_item<M>(p, w);
+      const int KT = (t.K + BK - 1) / BK;
+      const bool active = t.valid_m > wg * 64;
+      for (int kb = 0; kb < KT; ++kb, ++it) {
+        const int s = it & (kStages - 1);
+        wait_or_trap(full + 8 * s, (it / kStages) & 1);
+        if (active) {
+          ptx::wgmma_fence();
+          const uint64_t da = operand_desc<L::a_kmajor>(sA + s * kATileBytes + a_off);
+          const uint64_t db = operand_desc<L::b_kmajor>(sB + s * kBTileBytes);
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            ptx::wgmma_m64n256k16_bf16<!L::a_kmajor, !L::b_kmajor>(
+                acc, da + k16_step<L::a_kmajor>() * kk, db + k16_step<L::b_kmajor>() * kk, (kb | kk) != 0);
+          ptx::wgmma_commit();
+        }
+        ptx::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+        if (kb > 0 && lane == 0) ptx::mbar_arrive(empty + 8 * ((it - 1) & (kStages - 1)));
+      }
+      ptx::wgmma_wait<0>();
+      ptx::fence_regs(acc);
+      if (lane == 0) ptx::mbar_arrive(empty + 8 * ((it - 1) & (kStages - 1)));
+      if (!active) continue;
+
+      // Epilogue from the accumulators: thread holds rows r, r + 8 and, per n8 block j, columns
+      // 8j + cq, +1. Rows and columns outside the tile's valid region are not stored. When adding to
+      // the output, the old values of kBatch column pairs are loaded before any is stored, so their
+      // memory latencies overlap (one load in flight at a time made the epilogue cost more than the
+      // products at K3's widths).
+      const bool add = M == Mode::BackwardWeight || p.accumulate;
+      const int rq = lane >> 2, cq = (lane & 3) * 2;
+      constexpr int kBatch = 16;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = m_w + mi * 16 + g + h * 8;
-        if (row >= valid_m) continue;
-        float2* dst = reinterpret_cast<float2*>(gc + int64_t(row) * ldc + col);
-        float2 v = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
-        if (M == Mode::BackwardWeight || p.accumulate) {
-          const float2 o = *dst;
-          v.x += o.x;
-          v.y += o.y;
+        const int r = wg * 64 + warp * 16 + rq + 8 * h;
+        if (r >= t.valid_m) continue;
+        float2* crow = reinterpret_cast<float2*>(t.gc + int64_t(r) * t.ldc + cq);
+#pragma unroll
+        for (int j0 = 0; j0 < 32; j0 += kBatch) {
+          float2 old[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const bool ok = add && 8 * (j0 + u) + cq < t.valid_n;
+            old[u] = ok ? crow[4 * (j0 + u)] : make_float2(0.0f, 0.0f);
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int jn = j0 + u;
+            if (8 * jn + cq >= t.valid_n) continue;
+            crow[4 * jn] = make_float2(acc[4 * jn + 2 * h] + old[u].x, acc[4 * jn + 2 * h + 1] + old[u].y);
+          }
         }
-        *dst = v;
       }
     }
   }
@@ -344,14 +398,16 @@ void check_args(const char* fn, const void* c, const void* a, const void* b, con
   K3_CHECK(E * out * in < (int64_t(1) << 62), "moe::cuda::", fn, ": E·out·in too large");
 }
 
-template <Mode M, int BM>
-void launch(const Args& a, int64_t blocks) {
-  using G = Geo<M, BM>;
-  K3_CHECK(blocks <= INT_MAX, "moe::cuda::grouped_linear: grid of ", blocks, " CTAs too large");
-  if (blocks == 0) return;
-  auto* kern = grouped_linear_kernel<M, BM>;
-  K3_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(G::smem_bytes)));
-  kern<<<unsigned(blocks), kThreads, G::smem_bytes>>>(a);
+template <Mode M>
+void launch(Args p, int64_t max_items) {
+  K3_CHECK(max_items < (int64_t(1) << 31), "moe::cuda::grouped_linear: ", max_items, " work items overflow the index");
+  const int64_t grid = std::min<int64_t>(max_items, sm90::sm_count());
+  if (grid <= 0) return;
+  p.counter = sm90::schedule_counter();
+  K3_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), 0));
+  auto* kern = grouped_linear_sm90_kernel<M>;
+  K3_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  kern<<<unsigned(grid), kThreads, kSmemBytes>>>(p);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -362,22 +418,37 @@ void run_rows(float* c, const void* a, const void* b, const void* const* b_tab, 
   if (S == 0) return;
   K3_CHECK(workspace && aligned(workspace, 4), "moe::cuda::grouped_linear: workspace is null or misaligned");
   int32_t* tiles = static_cast<int32_t*>(workspace);
-  tile_prefix_kernel<<<1, kPrefixThreads>>>(tiles, offsets, int(E), kBM);
+  tile_prefix_kernel<<<1, kPrefixThreads>>>(tiles, offsets, int(E));
   K3_CUDA_LAUNCH_CHECK();
   Args p{};
   p.c = c;
-  p.a = static_cast<const uint16_t*>(a);
-  p.b = static_cast<const uint16_t*>(b);
-  p.b_tab = reinterpret_cast<const uint16_t* const*>(b_tab);
+  p.a = static_cast<const bf16*>(a);
+  p.b = static_cast<const bf16*>(b);
+  p.b_tab = reinterpret_cast<const bf16* const*>(b_tab);
   p.offsets = offsets;
   p.tiles = tiles;
   p.E = int(E), p.out = int(out), p.in = int(in);
   const int64_t N = M == Mode::Forward ? out : in;
-  p.n_tiles = int((N + kBN - 1) / kBN);
-  p.m_tiles = 0;
+  p.col_tiles = int((N + BN - 1) / BN);
   p.accumulate = accumulate;
-  const int64_t slots = (S + kBM - 1) / kBM + E;  // >= Σ_e ceil(n_e / BM)
-  launch<M, kBM>(p, slots * p.n_tiles);
+  const int64_t slots = (S + BM - 1) / BM + E;  // >= Σ_e ceil(n_e / BM)
+  launch<M>(p, slots * p.col_tiles);
+}
+
+void run_weight(float* dW, float* const* dW_tab, const void* dy, const void* x, const int32_t* offsets, int64_t S,
+                int64_t E, int64_t out, int64_t in) {
+  if (S == 0) return;
+  Args p{};
+  p.c = dW;
+  p.c_tab = dW_tab;
+  p.a = static_cast<const bf16*>(dy);
+  p.b = static_cast<const bf16*>(x);
+  p.offsets = offsets;
+  p.E = int(E), p.out = int(out), p.in = int(in);
+  p.col_tiles = int((in + BN - 1) / BN);
+  p.m_tiles = int((out + BM - 1) / BM);
+  p.accumulate = true;
+  launch<Mode::BackwardWeight>(p, E * p.m_tiles * p.col_tiles);
 }
 
 }  // namespace
@@ -406,25 +477,6 @@ void grouped_linear_backward_data_bf16(float* dx, const void* dy, const void* co
   check_args("grouped_linear_backward_data_bf16", dx, dy, W, offsets, S, E, out, in);
   run_rows<Mode::BackwardData>(dx, dy, nullptr, W, offsets, S, E, out, in, accumulate, workspace);
 }
-
-namespace {
-void run_weight(float* dW, float* const* dW_tab, const void* dy, const void* x, const int32_t* offsets, int64_t S,
-                int64_t E, int64_t out, int64_t in) {
-  if (S == 0) return;
-  Args p{};
-  p.c = dW;
-  p.c_tab = dW_tab;
-  p.a = static_cast<const uint16_t*>(dy);
-  p.b = static_cast<const uint16_t*>(x);
-  p.offsets = offsets;
-  p.tiles = nullptr;
-  p.E = int(E), p.out = int(out), p.in = int(in);
-  p.n_tiles = int((in + kBN - 1) / kBN);
-  p.m_tiles = int((out + kBM - 1) / kBM);
-  p.accumulate = true;
-  launch<Mode::BackwardWeight, kBM>(p, E * p.m_tiles * p.n_tiles);
-}
-}  // namespace
 
 void grouped_linear_backward_weight_bf16(float* dW, const void* dy, const void* x, const int32_t* offsets, int64_t S,
                                          int64_t E, int64_t out, int64_t in) {

@@ -1,5 +1,6 @@
 // Training on the GPU: the routed experts' three GEMM kinds over the expert-sorted rows, each ONE
-// launch over all experts on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation, fp32 outputs).
+// launch over all experts on Hopper's warpgroup MMA (wgmma, bf16 operands, fp32 accumulation, fp32
+// outputs; expert_gemm_train_cuda.cu has the design).
 // The one-launch twins of experts_linear_forward / _backward_data / _backward_weight (moe_train_cuda.h)
 // with in_type = BF16, which run one cuBLAS call per expert.
 //
@@ -17,6 +18,8 @@
 // multiples of 8; bf16 pointers 16-byte aligned, fp32 pointers 8-byte aligned; S, E within int32.
 // `workspace` (forward and backward_data) is device scratch of grouped_linear_workspace_bytes(E) bytes:
 // the per-expert prefix of 128-row tiles, rebuilt by every call (so callers may share one buffer).
+// The launches share one device-wide schedule counter with the inference grouped GEMM: issue them on
+// the default stream from one host thread (as the CUDA backend does).
 //
 // Numerics and determinism: every output element is one fp32 accumulator chain over k in ascending
 // blocks of 16 (the tensor core's own order inside a block), owned by one CTA; no atomics, no split-k.

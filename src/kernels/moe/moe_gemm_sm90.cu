@@ -57,6 +57,7 @@
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/sm90_ptx.cuh"
 #include "kernels/moe/moe_gemm_sm90.cuh"
+#include "kernels/moe/sm90_pipeline.cuh"
 
 namespace k3::moe::cuda::sm90 {
 namespace {
@@ -79,21 +80,6 @@ constexpr size_t kSmemBytes =
     size_t(kStages) * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + kItemSlots * 4 + 1024;  // +1024: alignment
 static_assert(kLag >= 1 && kLag <= kStages - 2, "see the pipeline note above");
 
-// A stage wait that cannot hang: a barrier still incomplete after kWaitTrapNs means a broken
-// pipeline (a bug, or a tensor map the copy engine rejected), and a trap turns it into a launch
-// error instead of a hung process.
-constexpr uint64_t kWaitTrapNs = 10ull * 1000 * 1000 * 1000;
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
-  if (ptx::mbar_try_wait(bar, parity)) return;
-  const uint64_t t0 = global_ns();
-  for (uint32_t n = 1; !ptx::mbar_try_wait(bar, parity); ++n)
-    if ((n & 1023u) == 0 && global_ns() - t0 > kWaitTrapNs) __trap();
-}
 static_assert((kStages & (kStages - 1)) == 0, "stage index by mask");
 
 struct Params {
@@ -132,10 +118,6 @@ __device__ __forceinline__ Work work_item(const Params& p, int w) {
   t.n0 = ct * (Glu ? BN / 2 : BN);
   return t;
 }
-
-// Byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-row tile with the 128-byte swizzle (the
-// tile 1024-byte aligned): TMA's SWIZZLE_128B and the wgmma descriptor's layout 1.
-__device__ __forceinline__ uint32_t swz128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
 
 template <bool Glu>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -322,30 +304,6 @@ CUtensorMap weight_map(const void* w, int E, int N, int K, int64_t expert_stride
   return m;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    K3_CUDA_CHECK(cudaGetDevice(&dev));
-    K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
-// The dynamic schedule's counter on the current device (one int, allocated once per device, zeroed on the
-// default stream before each launch). One counter serves every launch, so launches must not overlap: the
-// CUDA backend issues all its work on the default stream from one host thread. Two streams, or two host
-// threads interleaving memset and launch, would need one counter per launch.
-int* schedule_counter() {
-  constexpr int kMaxDevices = 64;
-  static int* counters[kMaxDevices] = {};
-  int dev = 0;
-  K3_CUDA_CHECK(cudaGetDevice(&dev));
-  K3_CHECK(dev >= 0 && dev < kMaxDevices, "moe::cuda: device ", dev, " past ", kMaxDevices);
-  if (counters[dev] == nullptr) K3_CUDA_CHECK(cudaMalloc(&counters[dev], sizeof(int)));
-  return counters[dev];
-}
-
 template <bool Glu>
 void launch(const GroupedGemmArgs& a, Params p) {
   const CUtensorMap m0 = weight_map(a.w0, a.E, a.N, a.K, a.w_stride);
@@ -367,6 +325,26 @@ void launch(const GroupedGemmArgs& a, Params p) {
 }
 
 }  // namespace
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    K3_CUDA_CHECK(cudaGetDevice(&dev));
+    K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+int* schedule_counter() {
+  constexpr int kMaxDevices = 64;
+  static int* counters[kMaxDevices] = {};
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  K3_CHECK(dev >= 0 && dev < kMaxDevices, "moe::cuda: device ", dev, " past ", kMaxDevices);
+  if (counters[dev] == nullptr) K3_CUDA_CHECK(cudaMalloc(&counters[dev], sizeof(int)));
+  return counters[dev];
+}
 
 void grouped_gemm(const GroupedGemmArgs& a) {
   K3_CHECK(a.K % 8 == 0 && a.K > 0 && a.N > 0 && a.w_stride % 16 == 0 && reinterpret_cast<uintptr_t>(a.w0) % 16 == 0 &&

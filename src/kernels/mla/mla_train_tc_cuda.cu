@@ -37,6 +37,7 @@
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/mla/mla_train_common.cuh"
 #include "kernels/mla/mla_train_tc_cuda.h"
+#include "kernels/mla/mla_train_wgmma_cuda.cuh"
 
 namespace k3::mla::cuda {
 
@@ -676,6 +677,9 @@ void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float
            attention_forward_workspace_bytes_bf16(rows, d), " bytes)");
   const AttnArgs a =
       pack_operands(fn, workspace, layout(rows, d, false), q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
+  if (wgmma::forward_fits(a.dqp, a.dvp, a.Dv))  // K3's head dims: the Hopper kernel
+    return wgmma::attention_forward(wgmma::PackedQkv{a.q, a.k, a.v, a.cu, a.rows, a.H, a.Dv, a.scale_log2}, o, ldo,
+                                    lse, B, max_len);
   switch (tiles_bucket(a.dvp)) {
     case 8: return launch_fwd<8>(a, o, ldo, lse, B, max_len);
     case 16: return launch_fwd<16>(a, o, ldo, lse, B, max_len);

@@ -47,8 +47,6 @@
 // or skipping (test KernelVariantsAreBitwiseEqual). The mma.sync kernel runs the same k16 steps in the
 // same order, but nothing documents that wgmma and mma.sync round alike, so the tests compare the two
 // kernels to a tolerance only.
-#include <cuda.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,6 +54,7 @@
 #include "core/cuda_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/sm90_ptx.cuh"
+#include "kernels/common/tensor_map_cuda.h"
 #include "kernels/moe/moe_gemm_sm90.cuh"
 #include "kernels/moe/sm90_pipeline.cuh"
 
@@ -276,32 +275,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link dependency on libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    K3_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    K3_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr, "moe::cuda: cuTensorMapEncodeTiled not found");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // The stacked experts' weights as a 3-D tensor [E][N][K] bf16 with 128 × 64 boxes, 128-byte swizzle;
 // out-of-range rows and k read as zeros.
 CUtensorMap weight_map(const void* w, int E, int N, int K, int64_t expert_stride) {
-  CUtensorMap m;
-  const cuuint64_t dims[3] = {cuuint64_t(K), cuuint64_t(N), cuuint64_t(E)};
-  const cuuint64_t strides[2] = {cuuint64_t(K) * 2, cuuint64_t(expert_stride)};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {BK, kBoxRows, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(w), dims, strides, box,
-                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  K3_CHECK(r == CUDA_SUCCESS, "moe::cuda: cuTensorMapEncodeTiled failed (", int(r), ") for [", E, ", ", N, ", ", K,
-           "] stride ", expert_stride);
-  return m;
+  return cuda_tma::bf16_3d_sw128(w, uint64_t(K), uint64_t(N), uint64_t(E), uint64_t(K) * 2, uint64_t(expert_stride),
+                                 BK, kBoxRows, "the experts' weights");
 }
 
 template <bool Glu>

@@ -5,6 +5,7 @@
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
 //                          [--run TOKENS:SEQ_LEN[:recompute][:mbN] ...] [--micro-batch-tokens N]
+//                          [--optimizer muon|adamw]
 // Each --run is one measurement on the same random parameters (drawn once per config, on every host
 // thread: RandomInitOptions::parallel_streams); without --run, one run of --tokens, --seq-len and
 // --recompute. ":mbN" (or --micro-batch-tokens N for every run) runs each step in passes of at most N
@@ -147,7 +148,8 @@ void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P,
               double(total_b - free_b) / double(1 << 30), 100 * mfu);
 }
 
-void bench(const std::string& config_path, const std::vector<Run>& runs, GpuPrecision precision, int steps) {
+void bench(const std::string& config_path, const std::vector<Run>& runs, GpuPrecision precision, int steps,
+           const std::string& optimizer) {
   const K3Config c = load_config(config_path);
   const auto t0 = std::chrono::steady_clock::now();
   RandomInitOptions ri;
@@ -155,7 +157,15 @@ void bench(const std::string& config_path, const std::vector<Run>& runs, GpuPrec
   ri.parallel_streams = true;  // every host thread (one stream takes minutes at billions of parameters)
   ParamStore P = ParamStore::random_init(c, ri);
   std::vector<double>().swap(P.grads());  // the GPU holds the gradients; the host copy would only cost memory
-  const Optimizer plan(P, OptimizerConfig{}, k3_head_splits(P, c));
+  // --optimizer adamw: AdamW on every trainable tensor (what a plain PyTorch trainer runs, for
+  // bench_torch_train.py beside this), instead of Per-Head Muon on the matrices.
+  const ParamGroupRule rule = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    const ParamGroup g = default_param_group(name, shape);
+    return optimizer == "adamw" && g == ParamGroup::Muon ? ParamGroup::AdamW : g;
+  };
+  const Optimizer plan(P, OptimizerConfig{}, optimizer == "adamw" ? std::map<std::string, int64_t>{}
+                                                                  : k3_head_splits(P, c),
+                       rule);
   std::printf("%s: random parameters drawn on the host in %.1f s\n", config_path.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   for (const Run& r : runs) {
@@ -174,7 +184,7 @@ int main(int argc, char** argv) {
   CLI::App app{"GPU training throughput, memory and MFU"};
   std::vector<std::string> configs;
   int64_t tokens = 8192, seq_len = 2048;
-  std::string precision = "bf16";
+  std::string precision = "bf16", optimizer = "muon";
   int steps = 4;
   bool recompute = false;
   int64_t micro_batch_tokens = 0;
@@ -185,6 +195,9 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision, "bf16 or f32")->capture_default_str();
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_flag("--recompute", recompute, "recompute every layer's blocks in the backward");
+  app.add_option("--optimizer", optimizer, "muon (Per-Head Muon on the matrices, AdamW on the rest) or adamw (AdamW on all)")
+      ->check(CLI::IsMember({"muon", "adamw"}))
+      ->capture_default_str();
   app.add_option("--run", run_specs,
                  "TOKENS:SEQ_LEN[:recompute][:mbN], repeatable: several runs on one initialisation (replaces "
                  "--tokens, --seq-len and --recompute; mbN: passes of at most N tokens)");
@@ -210,7 +223,7 @@ int main(int argc, char** argv) {
     }
     std::printf("%s\n| config | precision | batch | step | tokens/s | device memory | MFU |\n|---|---|---|---|---|---|---|\n",
                 cuda::device_summary().c_str());
-    for (const std::string& c : configs) bench(c, runs, p, steps);
+    for (const std::string& c : configs) bench(c, runs, p, steps, optimizer);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

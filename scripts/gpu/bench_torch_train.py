@@ -38,6 +38,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 
 def stage_reference(ref_src):
@@ -125,10 +126,18 @@ def run_one(model, config, torch, tokens, seq, mb, steps, label):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         total = 0.0
-        for ids in batches:
+        for i, ids in enumerate(batches):
+            t0 = time.time()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(input_ids=ids, labels=ids, use_cache=False)
+            if s == 0 and i == 0:  # the warm-up's first pass compiles and tunes fla's Triton kernels
+                torch.cuda.synchronize()
+                print(f"  warm-up forward: {time.time() - t0:.1f} s", flush=True)
+                t0 = time.time()
             (out.loss / passes).backward()
+            if s == 0 and i == 0:
+                torch.cuda.synchronize()
+                print(f"  warm-up backward: {time.time() - t0:.1f} s", flush=True)
             total += out.loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -161,10 +170,13 @@ def main():
     sys.path.insert(0, stage_reference(os.path.abspath(args.ref_src)))
     import torch
 
+    t0 = time.time()
     model, config = build_model(args.config, torch)
+    torch.cuda.synchronize()
     n = sum(p.numel() for p in model.parameters())
     print(f"{args.config}: {n / 1e9:.3g}B parameters in Moonshot's KimiLinearForCausalLM "
-          f"(torch {torch.__version__}, attention {config._attn_implementation})", flush=True)
+          f"(torch {torch.__version__}, attention {config._attn_implementation}), built in {time.time() - t0:.1f} s",
+          flush=True)
     for spec in args.run or ["8192:2048"]:
         tokens, seq, mb = parse_run(spec)
         try:

@@ -8,10 +8,10 @@ call fla's Triton `chunk_kda` and `ShortConvolution` / `FusedRMSNormGated`. None
 this repository: REF_SRC (a checkout of llm-compressor at that commit, git-ignored) and FLA_SRC (fla's
 source) are brought to the GPU machine for the run only.
 
-What it runs, per `--run TOKENS:SEQ_LEN[:mbN]` (bench_cuda_train's syntax): random token ids, TOKENS
-a step in sequences of SEQ_LEN, in passes of at most N tokens; a step is forward + backward of every
-pass (bf16 autocast over fp32 master weights, as `k3 train --device cuda` holds them), gradient
-clipping at 1.0, and one fused AdamW step over every parameter. The first step is a warm-up
+What it runs, per `--run TOKENS:SEQ_LEN[:mbN]` (bench_cuda_train's syntax): fresh random token ids
+every step, TOKENS a step in sequences of SEQ_LEN, in passes of at most N tokens; a step is forward
++ backward of every pass (bf16 autocast over fp32 master weights, as `k3 train --device cuda` holds
+them), gradient clipping at 1.0, and one fused AdamW step over every parameter. The first step is a warm-up
 (Triton's autotuning, cuBLAS plans); the others are timed with CUDA events, the GPU waited for at
 each step's end (the loss is read back, as our trainer reads its metrics).
 
@@ -118,11 +118,13 @@ def run_one(model, config, torch, tokens, seq, mb, steps, label):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     passes = tokens // mb
-    batches = [torch.randint(0, config.vocab_size, (mb // seq, seq), device="cuda", generator=gen)
-               for _ in range(passes)]
     torch.cuda.reset_peak_memory_stats()
     times = []
     for s in range(steps + 1):
+        # fresh random tokens every step, as bench_cuda_train draws them (a repeated batch would be
+        # memorised within a few steps and make the losses incomparable; the timing is the same)
+        batches = [torch.randint(0, config.vocab_size, (mb // seq, seq), device="cuda", generator=gen)
+                   for _ in range(passes)]
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         total = 0.0

@@ -135,10 +135,11 @@ std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t laye
 }
 
 namespace {
-// Mean rows per expert from which one cuBLAS call per expert beats the grouped kernel: with few rows
+// Mean rows per expert from which one cuBLAS call per expert beats the grouped kernels: with few rows
 // per expert (k3-1b's ~170 rows of 256 x 256) a launch per expert is all overhead and the grouped
-// mma.sync kernel wins by far; with many (K3's experts, 512 rows and up) cuBLAS's Hopper kernels run
-// near their ceiling and win (docs/BENCHMARKS.md, bench_cuda_train_expert_gemm, places the crossover).
+// kernels win by far; with many (K3's experts, ~500 rows and up) cuBLAS's kernels run near their
+// ceiling and the loop is ~10% faster over a linear's three GEMMs (docs/BENCHMARKS.md,
+// bench_cuda_train_expert_gemm; the crossover between is not placed).
 constexpr int64_t kPerExpertCublasRows = 1024;
 
 // Rows [r0, ...) of a sorted operand's bf16 copy of `width` columns (null in the F32 mode).

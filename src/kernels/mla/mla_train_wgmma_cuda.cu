@@ -15,8 +15,7 @@
 //     rows g and g + 8 of its warp's 16, columns 8j + 2t, +1: row statistics are quad shuffles, as in
 //     the mma.sync kernel); P rounded to bf16 into A fragments in registers (two accumulator n8 blocks
 //     are one k16 A fragment); O += P V by up to 8 register-A wgmma m64n128k16 whose B, V [keys][dv],
-//     is read MN-major (dv contiguous) from the same tile. 16-key slices past the warpgroup's last
-//     query (on the diagonal tile) have P = 0 and are skipped.
+//     is read MN-major (dv contiguous) from the same tile.
 //   - Barriers: full[s] completes on the stage's TMA bytes; empty[s] when the 8 consumer warps are
 //     done with it; a warpgroup with no query in the sequence still waits and arrives, so the counts
 //     hold.
@@ -182,11 +181,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         oacc[4 * j + 2] *= alpha[1], oacc[4 * j + 3] *= alpha[1];
       }
       ptx::wgmma_fence();
+      // All 8 slices, also those past the warpgroup's last query on the diagonal tile (their P is 0):
+      // a data-dependent exit from this loop is a divergent path to ptxas, which then serialises the
+      // wgmmas behind a warpgroup arrive (its warning C7520).
 #pragma unroll
-      for (int c = 0; c < kBN / 16; ++c) {
-        if (n0 + 16 * c > wq0 + 63) break;  // P = 0 for every query of the warpgroup (uniform)
+      for (int c = 0; c < kBN / 16; ++c)
         ptx::wgmma_m64n128k16_bf16_rs<1>(oacc, pa[c], desc_v(sV + s * kVBytes + c * 2048), 1);
-      }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(oacc);

@@ -18,5 +18,6 @@ void register_data(CLI::App& app);
 void register_train(CLI::App& app);
 void register_corpus(CLI::App& app);
 void register_eval(CLI::App& app);
+void register_serve(CLI::App& app);
 
 }  // namespace k3::cli

@@ -45,4 +45,17 @@ std::unique_ptr<Engine> load_engine(const std::string& model_dir, const DeviceOp
   return e;
 }
 
+Tokenizer load_tokenizer(const std::string& model_dir, const std::string& tokenizer_dir, const K3Config& cfg) {
+  const std::string dir = tokenizer_dir.empty() ? model_dir : tokenizer_dir;
+  if (!Tokenizer::dir_has_tokenizer(dir))
+    fail(dir,
+         ": no tiktoken.model, so text cannot be tokenised; give --ids, or --tokenizer DIR (e.g. one written by "
+         "`k3 tokenizer train`)");
+  Tokenizer tok = Tokenizer::load_dir(dir);
+  if (tok.vocab_size() > cfg.vocab_size)
+    fail(dir, ": the tokenizer has ", tok.vocab_size(), " ids (", tok.num_ranks(),
+         " ranks + 256 specials) but the model's ", "vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
+  return tok;
+}
+
 }  // namespace k3::cli

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "model/engine.h"
+#include "tokenizer/tokenizer.h"
 
 namespace k3::cli {
 
@@ -18,5 +19,9 @@ EngineOptions engine_options(const DeviceOptions& o);
 
 // Prints a loading line to stderr (device, precision, weight bytes on the GPU).
 std::unique_ptr<Engine> load_engine(const std::string& model_dir, const DeviceOptions& o);
+
+// The tokenizer for text prompts: tokenizer_dir when given, else the model directory's own; an error
+// names what is missing, or a tokenizer with more ids than the model's vocabulary.
+Tokenizer load_tokenizer(const std::string& model_dir, const std::string& tokenizer_dir, const K3Config& cfg);
 
 }  // namespace k3::cli

@@ -13,6 +13,7 @@ namespace k3 {
 struct GenerateResult {
   std::vector<int32_t> tokens;  // generated ids (the eos id included when it stopped the run)
   bool stopped_on_eos = false;
+  bool stopped_by_caller = false;  // generate_until's keep_going said no
   double prefill_seconds = 0.0, decode_seconds = 0.0;
 };
 
@@ -22,5 +23,11 @@ struct GenerateResult {
 using AppendFn = std::function<std::vector<float>(const std::vector<int32_t>& tokens)>;
 GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});
+
+// generate() whose caller decides after each new id whether to go on: keep_going(id) returning false
+// ends the run there (the id is kept; stopped_by_caller is set), as a stop string or a closed
+// connection does for the server. Otherwise it stops as generate() does.
+GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going);
 
 }  // namespace k3

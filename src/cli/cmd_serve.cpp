@@ -1,0 +1,98 @@
+// k3 serve: the OpenAI-compatible HTTP server (serve/server.h) over one model.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "cli/commands.h"
+#include "cli/engine.h"
+#include "core/error.h"
+#if defined(K3_HAVE_SERVE)
+#include "serve/server.h"
+#endif
+
+namespace k3::cli {
+
+#if defined(K3_HAVE_SERVE)
+namespace {
+
+serve::Server* g_server = nullptr;  // for the signal handler: stop() ends listen()
+
+void stop_on_signal(int) {
+  if (g_server) g_server->stop();
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app) {
+  struct Opts {
+    std::string model, tokenizer, model_id, api_key;
+    std::string host = "127.0.0.1";
+    int port = 8000;
+    int64_t max_queue = 64, default_max_tokens = 512;
+    DeviceOptions device;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = app.add_subcommand(
+      "serve",
+      "Serve a model over HTTP with OpenAI's API: POST /v1/chat/completions (K3's XTML chat format, reasoning\n"
+      "apart from content, tool calls; streamed as server-sent events with \"stream\": true), POST\n"
+      "/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). Requests run one at a time in\n"
+      "arrival order; --max-queue more may wait, later ones get 429. Not yet: batching several requests,\n"
+      "logprobs, constrained decoding (response_format json_object/json_schema, tool_choice required or\n"
+      "named: refused with a 400). Stops on SIGINT or SIGTERM.");
+  sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
+  sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model");
+  sub->add_option("--model-id", o->model_id, "the id /v1/models lists and requests name (default: --model's name)");
+  sub->add_option("--host", o->host, "address to listen on")->capture_default_str();
+  sub->add_option("--port", o->port, "port to listen on (0: any free port, printed)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  sub->add_option("--api-key", o->api_key, "require \"Authorization: Bearer KEY\" (default: no key)");
+  sub->add_option("--max-queue", o->max_queue, "requests that may wait for the engine before 429s")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub->add_option("--default-max-tokens", o->default_max_tokens,
+                  "tokens to generate when a request names no max_tokens (cut to the context left)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  add_device_options(sub, o->device);
+  sub->callback([o] {
+    std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
+    Tokenizer tok = load_tokenizer(o->model, o->tokenizer, engine->config());
+    serve::ServeOptions so;
+    so.host = o->host;
+    so.port = o->port;
+    so.api_key = o->api_key;
+    so.max_queue = o->max_queue;
+    so.default_max_tokens = o->default_max_tokens;
+    so.model_id =
+        o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
+    if (so.model_id.empty()) so.model_id = "k3";
+    const std::string description = engine->description();
+    serve::Server server(std::move(engine), std::move(tok), so);
+    const int port = server.bind();
+    std::fprintf(stderr, "k3 serve: %s (%s) at http://%s:%d/v1 (Ctrl-C stops)\n", so.model_id.c_str(),
+                 description.c_str(), so.host.c_str(), port);
+    g_server = &server;
+    std::signal(SIGINT, stop_on_signal);
+    std::signal(SIGTERM, stop_on_signal);
+    server.listen();
+    g_server = nullptr;
+    std::fprintf(stderr, "k3 serve: stopped\n");
+  });
+}
+
+#else  // built without cpp-httplib: the command is there and says what is missing
+
+void register_serve(CLI::App& app) {
+  CLI::App* sub = app.add_subcommand("serve", "Serve a model over HTTP (this build has no HTTP server)");
+  sub->allow_extras();
+  sub->callback([] {
+    fail("k3 serve: this build has no HTTP server; install libcpp-httplib-dev (scripts/setup.sh) and rebuild");
+  });
+}
+
+#endif
+
+}  // namespace k3::cli

@@ -1,0 +1,171 @@
+#include "serve/generation.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+#include "model/generate.h"
+#include "tokenizer/xtml_chat.h"
+#include "tokenizer/xtml_parse.h"
+
+namespace k3::serve {
+
+using ojson = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+ojson Usage::to_json() const {
+  return ojson{{"prompt_tokens", prompt_tokens},
+               {"completion_tokens", completion_tokens},
+               {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The tokens the request may generate: its max_tokens, which must fit the context with the prompt when
+// the request named it; the server's default is cut to what is left.
+int64_t generation_budget(const K3Config& cfg, int64_t prompt_tokens, const GenerationRequest& g) {
+  const int64_t ctx = cfg.max_position_embeddings;
+  if (ctx <= 0) return g.max_tokens;
+  if (prompt_tokens >= ctx)
+    throw bad_request("messages", "the prompt is " + std::to_string(prompt_tokens) +
+                                      " tokens, and this model's context is " + std::to_string(ctx) + " tokens");
+  if (g.max_tokens_given && prompt_tokens + g.max_tokens > ctx)
+    throw bad_request("max_tokens", "this model's maximum context length is " + std::to_string(ctx) +
+                                        " tokens: " + std::to_string(prompt_tokens) + " in the prompt and " +
+                                        std::to_string(g.max_tokens) + " asked for");
+  return std::min(g.max_tokens, ctx - prompt_tokens);
+}
+
+void check_ids(const K3Config& cfg, const std::vector<int32_t>& ids, const char* param) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= cfg.vocab_size)
+      throw bad_request(param, "token id " + std::to_string(id) + " is outside the model's vocabulary of " +
+                                   std::to_string(cfg.vocab_size));
+}
+
+// How much of a channel's text may be sent now: up to a stop string's first byte when one occurs
+// (*hit set), else all but what could still begin one, cut back to a whole UTF-8 character.
+size_t final_prefix(const std::string& text, const std::vector<std::string>& stops, bool* hit) {
+  const size_t p = find_stop(text, stops);
+  if (p != std::string::npos) {
+    *hit = true;
+    return p;
+  }
+  const size_t safe = text.size() - stop_holdback(text, stops);
+  return utf8_complete_prefix(std::string_view(text).substr(0, safe));
+}
+
+}  // namespace
+
+PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req) {
+  PreparedPrompt p;
+  try {
+    p.ids = encode_segments(tok, render_chat(req.body));
+  } catch (const Error& e) {
+    throw bad_request("messages", e.what());
+  }
+  check_ids(cfg, p.ids, "messages");
+  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen);
+  return p;
+}
+
+PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, const CompletionRequest& req) {
+  PreparedPrompt p;
+  p.ids = req.prompt_ids.empty() ? tok.encode(req.prompt_text, false) : req.prompt_ids;
+  if (p.ids.empty()) throw bad_request("prompt", "the prompt encodes to no tokens");
+  check_ids(cfg, p.ids, "prompt");
+  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen);
+  return p;
+}
+
+ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
+                    const std::function<bool(const ChatDelta&)>& emit) {
+  const auto t0 = Clock::now();
+  const K3Config& cfg = engine.config();
+  ChatResult r;
+  r.usage.prompt_tokens = int64_t(prompt.ids.size());
+  const XtmlStart start = req.thinking ? XtmlStart::kThink : XtmlStart::kResponse;
+
+  Sampler sampler(req.gen.sampling);
+  size_t sent_reasoning = 0, sent_content = 0;
+  bool stop_hit = false, cancelled = false;
+  XtmlAssistantMessage msg;
+  std::vector<int32_t> made;
+  Clock::time_point first;
+  const GenerateResult g = generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, [&](int32_t id) {
+    if (made.empty()) first = Clock::now(), r.timing.first_token_seconds = seconds_since(t0);
+    made.push_back(id);
+    msg = parse_assistant(xtml_pieces_from_ids(tok, made), start);
+    ChatDelta d;
+    const size_t think_ok = utf8_complete_prefix(msg.think);
+    if (think_ok > sent_reasoning) d.reasoning = msg.think.substr(sent_reasoning, think_ok - sent_reasoning);
+    const size_t content_ok = final_prefix(msg.response, req.gen.stop, &stop_hit);
+    if (content_ok > sent_content) d.content = msg.response.substr(sent_content, content_ok - sent_content);
+    sent_reasoning = std::max(sent_reasoning, think_ok);
+    sent_content = std::max(sent_content, content_ok);
+    if (emit && (!d.reasoning.empty() || !d.content.empty()) && !emit(d)) cancelled = true;
+    return !cancelled && !stop_hit && !msg.complete;
+  });
+  if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
+  r.tokens = g.tokens;
+  r.usage.completion_tokens = int64_t(g.tokens.size());
+
+  // What is left to send: the rest of the reasoning and of the content (up to a stop string).
+  if (!stop_hit && !cancelled) {
+    ChatDelta d;
+    if (msg.think.size() > sent_reasoning) d.reasoning = msg.think.substr(sent_reasoning);
+    const size_t p = find_stop(msg.response, req.gen.stop);
+    const size_t end = p == std::string::npos ? msg.response.size() : p;
+    stop_hit = p != std::string::npos;
+    if (end > sent_content) d.content = msg.response.substr(sent_content, end - sent_content);
+    sent_content = std::max(sent_content, end);
+    if (emit && (!d.reasoning.empty() || !d.content.empty())) emit(d);
+  }
+  if (stop_hit) msg.response.resize(sent_content), msg.tool_calls.clear();
+  r.message = msg.to_openai();
+  const bool ended = msg.complete || g.stopped_on_eos || stop_hit;
+  r.finish_reason = !msg.tool_calls.empty() && ended ? "tool_calls" : ended ? "stop" : "length";
+  return r;
+}
+
+TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
+                          const PreparedPrompt& prompt, const std::function<bool(const std::string&)>& emit) {
+  const auto t0 = Clock::now();
+  const K3Config& cfg = engine.config();
+  TextResult r;
+  r.usage.prompt_tokens = int64_t(prompt.ids.size());
+
+  Sampler sampler(req.gen.sampling);
+  size_t sent = 0;
+  bool stop_hit = false, cancelled = false;
+  std::string text;
+  std::vector<int32_t> made;
+  Clock::time_point first;
+  const GenerateResult g = generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, [&](int32_t id) {
+    if (made.empty()) first = Clock::now(), r.timing.first_token_seconds = seconds_since(t0);
+    made.push_back(id);
+    if (id == cfg.eos_token_id) return true;  // generate_until stops on it; it is not text
+    text = tok.decode(made);
+    const size_t ok = final_prefix(text, req.gen.stop, &stop_hit);
+    if (emit && ok > sent && !emit(text.substr(sent, ok - sent))) cancelled = true;
+    sent = std::max(sent, ok);
+    return !cancelled && !stop_hit;
+  });
+  if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
+  r.tokens = g.tokens;
+  r.usage.completion_tokens = int64_t(g.tokens.size());
+  if (!stop_hit && !cancelled && text.size() > sent) {
+    const size_t p = find_stop(text, req.gen.stop);
+    stop_hit = p != std::string::npos;
+    const size_t end = stop_hit ? p : text.size();
+    if (emit && end > sent) emit(text.substr(sent, end - sent));
+    sent = std::max(sent, end);
+  }
+  r.text = text.substr(0, sent);
+  r.finish_reason = g.stopped_on_eos || stop_hit ? "stop" : "length";
+  return r;
+}
+
+}  // namespace k3::serve

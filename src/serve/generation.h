@@ -1,0 +1,67 @@
+// One request's generation for `k3 serve`: the prompt tokenised as the endpoint says, tokens sampled
+// until the message ends, a stop string, eos or max_tokens, and what is final sent out as it comes.
+// No HTTP here: serve/server.cpp calls these from its handlers, the tests call them directly.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/engine.h"
+#include "serve/openai_api.h"
+#include "tokenizer/tokenizer.h"
+
+namespace k3::serve {
+
+struct Usage {
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  nlohmann::ordered_json to_json() const;  // {"prompt_tokens", "completion_tokens", "total_tokens"}
+};
+
+struct Timing {
+  double first_token_seconds = 0.0;  // request start (before the prefill) to the first sampled token
+  double decode_seconds = 0.0;       // first token to the last
+};
+
+// New text of the assistant's two channels since the previous call.
+struct ChatDelta {
+  std::string reasoning, content;
+};
+
+struct ChatResult {
+  nlohmann::ordered_json message;  // OpenAI's assistant message: content, reasoning_content, tool_calls
+  std::string finish_reason;       // "stop", "length" or "tool_calls"
+  Usage usage;
+  Timing timing;
+  std::vector<int32_t> tokens;  // the generated ids
+};
+
+struct TextResult {
+  std::string text;
+  std::string finish_reason;  // "stop" or "length"
+  Usage usage;
+  Timing timing;
+  std::vector<int32_t> tokens;
+};
+
+// A request's prompt ids and how many tokens it may generate, checked before anything is sent: a bad
+// message (render_chat's errors), ids outside the vocabulary, a prompt that leaves no room in the
+// model's context, or max_tokens past it throw ApiError (400).
+struct PreparedPrompt {
+  std::vector<int32_t> ids;
+  int64_t budget = 0;
+};
+PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req);
+PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, const CompletionRequest& req);
+
+// emit(...) receives text once it is final: never a cut UTF-8 character, never text that a stop string
+// could still remove. Returning false cancels the request (the client went away): generation stops
+// and the result says what was made so far. Stop strings apply to the content (not the reasoning);
+// the text is cut before the stop string, which is not returned.
+ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
+                    const std::function<bool(const ChatDelta&)>& emit = {});
+TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
+                          const PreparedPrompt& prompt, const std::function<bool(const std::string&)>& emit = {});
+
+}  // namespace k3::serve

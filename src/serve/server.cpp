@@ -1,0 +1,373 @@
+#include "serve/server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <mutex>
+#include <random>
+#include <sstream>
+
+#include "core/error.h"
+#include "serve/generation.h"
+#include "serve/openai_api.h"
+
+namespace k3::serve {
+
+using ojson = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+struct Server::Impl {
+  std::unique_ptr<Engine> engine;
+  Tokenizer tok;
+  ServeOptions o;
+  ApiLimits limits;
+  httplib::Server http;
+  int port = -1;
+
+  // One request at a time on the engine; `queued` counts those running or waiting for it.
+  std::mutex engine_mu;
+  std::atomic<int64_t> queued{0}, running{0};
+  std::atomic<uint64_t> next_id{0};
+  const uint64_t id_salt = std::random_device{}();
+
+  // Metrics.
+  mutable std::mutex stats_mu;
+  int64_t requests_ok = 0, requests_failed = 0, prompt_tokens = 0, generation_tokens = 0;
+  double ttft_sum = 0.0, tpot_sum = 0.0;
+  int64_t ttft_count = 0, tpot_count = 0;
+
+  Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts)
+      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {
+    limits.model_id = o.model_id;
+    limits.default_max_tokens = o.default_max_tokens;
+  }
+
+  std::string new_id(const char* prefix) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "%s-%016llx%08llx", prefix, (unsigned long long)id_salt,
+                  (unsigned long long)next_id.fetch_add(1));
+    return buf;
+  }
+
+  void record(const Usage& u, double wait, double ttft, double decode) {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++requests_ok;
+    prompt_tokens += u.prompt_tokens;
+    generation_tokens += u.completion_tokens;
+    if (u.completion_tokens > 0) ttft_sum += wait + ttft, ++ttft_count;
+    if (u.completion_tokens > 1) tpot_sum += decode, tpot_count += u.completion_tokens - 1;
+  }
+  void record_failure() {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++requests_failed;
+  }
+
+  static void send_error(httplib::Response& res, const ApiError& e) {
+    res.status = e.status;
+    res.set_content(dump(e.body()), "application/json");
+  }
+
+  bool authorized(const httplib::Request& req, httplib::Response& res) const {
+    if (o.api_key.empty()) return true;
+    if (req.get_header_value("Authorization") == "Bearer " + o.api_key) return true;
+    send_error(res, ApiError(401, "invalid_request_error", "", "Incorrect or missing API key", "invalid_api_key"));
+    return false;
+  }
+
+  // A place in the queue, or a 429.
+  bool admit(httplib::Response& res) {
+    if (queued.fetch_add(1) >= o.max_queue + 1) {
+      queued.fetch_sub(1);
+      send_error(res, ApiError(429, "rate_limit_error", "",
+                               "the server is busy: " + std::to_string(o.max_queue) + " requests are waiting"));
+      return false;
+    }
+    return true;
+  }
+
+  // Runs f with the engine to itself; releases the queue place when leave (a streaming response
+  // releases it in its resource releaser instead, which runs even when the provider never does).
+  template <class F>
+  auto with_engine(F&& f, bool leave = true) {
+    struct Leave {
+      Impl* s;
+      bool on;
+      ~Leave() {
+        if (on) s->queued.fetch_sub(1);
+      }
+    } leave_queue{this, leave};
+    std::lock_guard<std::mutex> lock(engine_mu);
+    running.fetch_add(1);
+    struct Done {
+      Impl* s;
+      ~Done() { s->running.fetch_sub(1); }
+    } done{this};
+    return f();
+  }
+
+  ojson envelope(const std::string& id, const char* object) const {
+    return ojson{{"id", id}, {"object", object}, {"created", int64_t(std::time(nullptr))}, {"model", o.model_id}};
+  }
+
+  static bool sse(httplib::DataSink& sink, const ojson& j) {
+    const std::string s = "data: " + dump(j) + "\n\n";
+    return sink.write(s.data(), s.size());
+  }
+  static void sse_done(httplib::DataSink& sink) {
+    static const std::string s = "data: [DONE]\n\n";
+    sink.write(s.data(), s.size());
+    sink.done();
+  }
+
+  void chat(const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    const auto arrived = Clock::now();
+    auto r = std::make_shared<ChatRequest>();
+    auto prompt = std::make_shared<PreparedPrompt>();
+    try {
+      *r = parse_chat_request_body(req.body, limits);
+      *prompt = prepare_chat(engine->config(), tok, *r);
+    } catch (const ApiError& e) {
+      record_failure();
+      return send_error(res, e);
+    }
+    if (!admit(res)) return;
+    const std::string id = new_id("chatcmpl");
+    if (!r->gen.stream) {
+      try {
+        const ChatResult out = with_engine([&] { return run_chat(*engine, tok, *r, *prompt); });
+        const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
+                            out.timing.first_token_seconds - out.timing.decode_seconds;
+        record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
+        ojson body = envelope(id, "chat.completion");
+        body["choices"] = ojson::array({ojson{
+            {"index", 0}, {"message", out.message}, {"logprobs", nullptr}, {"finish_reason", out.finish_reason}}});
+        body["usage"] = out.usage.to_json();
+        res.set_content(dump(body), "application/json");
+      } catch (const Error& e) {
+        record_failure();
+        send_error(res, ApiError(500, "server_error", "", e.what()));
+      }
+      return;
+    }
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, r, prompt, id, arrived](size_t, httplib::DataSink& sink) {
+          auto chunk = [&](const ojson& delta, const ojson& finish) {
+            ojson c = envelope(id, "chat.completion.chunk");
+            c["choices"] =
+                ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+            return c;
+          };
+          try {
+            return with_engine(
+                [&] {
+                  bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
+                  const ChatResult out = run_chat(*engine, tok, *r, *prompt, [&](const ChatDelta& d) {
+                    ojson delta = ojson::object();
+                    if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+                    if (!d.content.empty()) delta["content"] = d.content;
+                    open = open && sse(sink, chunk(delta, nullptr));
+                    return open;
+                  });
+                  const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
+                                      out.timing.first_token_seconds - out.timing.decode_seconds;
+                  record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
+                  if (!open) return false;  // the client went away: end the response
+                  if (out.message.contains("tool_calls")) {
+                    ojson calls = out.message["tool_calls"];
+                    for (size_t i = 0; i < calls.size(); ++i) {
+                      ojson c{{"index", i}};
+                      c.update(calls[i]);
+                      calls[i] = std::move(c);
+                    }
+                    sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
+                  }
+                  sse(sink, chunk(ojson::object(), out.finish_reason));
+                  if (r->gen.include_usage) {
+                    ojson u = envelope(id, "chat.completion.chunk");
+                    u["choices"] = ojson::array();
+                    u["usage"] = out.usage.to_json();
+                    sse(sink, u);
+                  }
+                  sse_done(sink);
+                  return true;
+                },
+                false);
+          } catch (const Error& e) {
+            record_failure();
+            sse(sink, ApiError(500, "server_error", "", e.what()).body());
+            sse_done(sink);
+          }
+          return true;
+        },
+        [this](bool) { queued.fetch_sub(1); });
+  }
+
+  void completion(const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    const auto arrived = Clock::now();
+    auto r = std::make_shared<CompletionRequest>();
+    auto prompt = std::make_shared<PreparedPrompt>();
+    try {
+      *r = parse_completion_request_body(req.body, limits);
+      *prompt = prepare_completion(engine->config(), tok, *r);
+    } catch (const ApiError& e) {
+      record_failure();
+      return send_error(res, e);
+    }
+    if (!admit(res)) return;
+    const std::string id = new_id("cmpl");
+    auto choice = [](const std::string& text, const ojson& finish) {
+      return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    };
+    if (!r->gen.stream) {
+      try {
+        const TextResult out = with_engine([&] { return run_completion(*engine, tok, *r, *prompt); });
+        const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
+                            out.timing.first_token_seconds - out.timing.decode_seconds;
+        record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
+        ojson body = envelope(id, "text_completion");
+        body["choices"] = choice(out.text, out.finish_reason);
+        body["usage"] = out.usage.to_json();
+        res.set_content(dump(body), "application/json");
+      } catch (const Error& e) {
+        record_failure();
+        send_error(res, ApiError(500, "server_error", "", e.what()));
+      }
+      return;
+    }
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, r, prompt, id, arrived, choice](size_t, httplib::DataSink& sink) {
+          try {
+            return with_engine(
+                [&] {
+                  bool open = true;
+                  const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const std::string& text) {
+                    ojson c = envelope(id, "text_completion");
+                    c["choices"] = choice(text, nullptr);
+                    open = open && sse(sink, c);
+                    return open;
+                  });
+                  const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
+                                      out.timing.first_token_seconds - out.timing.decode_seconds;
+                  record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
+                  if (!open) return false;  // the client went away: end the response
+                  ojson c = envelope(id, "text_completion");
+                  c["choices"] = choice("", out.finish_reason);
+                  sse(sink, c);
+                  if (r->gen.include_usage) {
+                    ojson u = envelope(id, "text_completion");
+                    u["choices"] = ojson::array();
+                    u["usage"] = out.usage.to_json();
+                    sse(sink, u);
+                  }
+                  sse_done(sink);
+                  return true;
+                },
+                false);
+          } catch (const Error& e) {
+            record_failure();
+            sse(sink, ApiError(500, "server_error", "", e.what()).body());
+            sse_done(sink);
+          }
+          return true;
+        },
+        [this](bool) { queued.fetch_sub(1); });
+  }
+
+  void routes() {
+    http.set_payload_max_length(o.max_body_bytes);
+    http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(R"({"status":"ok"})", "application/json");
+    });
+    http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+      if (!authorized(req, res)) return;
+      const ojson model{{"id", o.model_id},
+                        {"object", "model"},
+                        {"created", 0},
+                        {"owned_by", "k3cpp"},
+                        {"max_model_len", engine->config().max_position_embeddings}};
+      res.set_content(dump(ojson{{"object", "list"}, {"data", ojson::array({model})}}), "application/json");
+    });
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics(), "text/plain; version=0.0.4");
+    });
+    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { chat(req, res); });
+    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res); });
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      const std::string what = res.status == 404   ? "no route " + req.method + " " + req.path
+                               : res.status == 413 ? "the request body is too large"
+                                                   : "HTTP error " + std::to_string(res.status);
+      res.set_content(dump(ApiError(res.status, "invalid_request_error", "", what).body()), "application/json");
+    });
+    http.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      record_failure();
+      send_error(res, ApiError(500, "server_error", "", what));
+    });
+  }
+
+  std::string metrics() const {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    std::ostringstream m;
+    auto metric = [&](const char* name, const char* type, const char* help, double v) {
+      m << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n" << name << " " << v << "\n";
+    };
+    metric("k3_requests_succeeded_total", "counter", "Requests answered.", double(requests_ok));
+    metric("k3_requests_failed_total", "counter", "Requests refused or failed.", double(requests_failed));
+    const int64_t run = running.load(), q = queued.load();
+    metric("k3_requests_running", "gauge", "Requests generating now.", double(run));
+    metric("k3_requests_waiting", "gauge", "Requests waiting for the engine.", double(std::max<int64_t>(0, q - run)));
+    metric("k3_prompt_tokens_total", "counter", "Prompt tokens processed.", double(prompt_tokens));
+    metric("k3_generation_tokens_total", "counter", "Tokens generated.", double(generation_tokens));
+    metric("k3_time_to_first_token_seconds_sum", "counter", "Arrival to first token, summed.", ttft_sum);
+    metric("k3_time_to_first_token_seconds_count", "counter", "Requests with a first token.", double(ttft_count));
+    metric("k3_time_per_output_token_seconds_sum", "counter", "Decode time after the first token, summed.", tpot_sum);
+    metric("k3_time_per_output_token_seconds_count", "counter", "Tokens after the first.", double(tpot_count));
+    return m.str();
+  }
+};
+
+Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
+    : impl_(std::make_unique<Impl>(std::move(engine), std::move(tok), std::move(o))) {
+  K3_CHECK(impl_->engine, "serve: no engine");
+  K3_CHECK(impl_->o.max_queue >= 0, "serve: max_queue must be >= 0, got ", impl_->o.max_queue);
+  K3_CHECK(impl_->o.default_max_tokens >= 1, "serve: default_max_tokens must be >= 1, got ",
+           impl_->o.default_max_tokens);
+  impl_->routes();
+}
+
+Server::~Server() { stop(); }
+
+int Server::bind() {
+  Impl& s = *impl_;
+  if (s.o.port == 0) s.port = s.http.bind_to_any_port(s.o.host);
+  else s.port = s.http.bind_to_port(s.o.host, s.o.port) ? s.o.port : -1;
+  K3_CHECK(s.port > 0, "serve: cannot listen on ", s.o.host, ":", s.o.port,
+           " (address in use, or not an address of this machine)");
+  return s.port;
+}
+
+void Server::listen() {
+  K3_CHECK(impl_->port > 0, "serve: bind() first");
+  impl_->http.listen_after_bind();
+}
+
+void Server::stop() {
+  if (impl_ && impl_->http.is_running()) impl_->http.stop();
+}
+
+std::string Server::metrics_text() const { return impl_->metrics(); }
+
+}  // namespace k3::serve

@@ -1,0 +1,59 @@
+// `k3 serve`'s HTTP server (cpp-httplib): the OpenAI-compatible endpoints over one engine.
+//
+//   GET  /health                 {"status": "ok"} (no API key needed)
+//   GET  /v1/models              the one model served
+//   POST /v1/chat/completions    chat in K3's XTML format: reasoning_content apart from content, tool
+//                                calls parsed, streamed as server-sent events when "stream" is true
+//   POST /v1/completions         plain text (or token ids) in, text out, streamed likewise
+//   GET  /metrics                Prometheus text: requests, tokens, time to first token and per
+//                                output token
+// Bad requests get OpenAI's error body with status 400 (401 without the API key when one is set,
+// 404 for unknown routes and other models' names, 429 when the queue is full).
+//
+// Requests run one at a time on the engine, in arrival order; up to max_queue more wait, later ones
+// are refused with 429. A streaming request whose client goes away stops generating at the next
+// token.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/engine.h"
+#include "tokenizer/tokenizer.h"
+
+namespace k3::serve {
+
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                   // 0: any free port (bind() returns it)
+  std::string api_key;               // non-empty: requests need "Authorization: Bearer <key>"
+  std::string model_id = "k3";       // what /v1/models lists and requests may name
+  int64_t max_queue = 64;            // requests waiting for the engine before 429s
+  int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)
+  size_t max_body_bytes = 16u << 20;
+};
+
+class Server {
+ public:
+  Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the listening socket; returns the port (the chosen one when options.port is 0). Throws
+  // k3::Error when the address cannot be bound.
+  int bind();
+  // Serves until stop() (from another thread or a signal handler's thread).
+  void listen();
+  void stop();
+
+  // The /metrics text (Prometheus exposition format).
+  std::string metrics_text() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace k3::serve

@@ -1,0 +1,412 @@
+// `k3 serve` (serve/server.h) end to end over HTTP on the loopback, with the k3-tiny fixture model
+// on the CPU and a tokenizer of the first 768 o200k ranks (+256 specials = the fixture's 1024 ids):
+//   - greedy chat and text completions produce exactly the tokens the engine's own generate() makes
+//     for the same prompt ids (the independent truth for the serving loop), and usage counts them:
+//     prompt_tokens equal to the ids render_chat + encode_segments (or the tokenizer) give;
+//   - a streamed response (server-sent events) carries the same reasoning, content and finish reason
+//     as the plain one, chunk by chunk, then the usage chunk and [DONE];
+//   - stop strings cut the text before their first occurrence (finish_reason "stop"), streamed too;
+//   - bad requests get OpenAI's error body with the right status and the offending field named;
+//     an API key, when set, is required everywhere but /health; /metrics counts what was served;
+//   - a second request while one streams, with no queue allowed, gets 429.
+// The pure parsing helpers (utf8_complete_prefix, find_stop, stop_holdback) are checked on strings.
+#include <gtest/gtest.h>
+
+#if defined(K3_HAVE_SERVE)
+#include <httplib.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/engine.h"
+#include "model/generate.h"
+#include "model/sampler.h"
+#include "serve/openai_api.h"
+#include "serve/server.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/xtml_chat.h"
+#include "tokenizer/xtml_parse.h"
+#include "util/compare.h"
+#include "util/temp_dir.h"
+
+namespace {
+
+using json = nlohmann::ordered_json;
+namespace sv = k3::serve;
+
+// The first 768 o200k ranks as a tokenizer directory.
+std::string write_tokenizer(const k3test::TempDir& dir) {
+  std::filesystem::create_directories(dir.path() / "tok");
+  std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
+  std::ofstream out(dir.file("tok/tiktoken.model"));
+  std::string line;
+  for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
+  return dir.file("tok");
+}
+
+// A server on an ephemeral port, listening on its own thread.
+struct Running {
+  std::unique_ptr<sv::Server> server;
+  std::thread thread;
+  int port = 0;
+  Running(const std::string& tok_dir, sv::ServeOptions o) {
+    auto engine = k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{});
+    o.host = "127.0.0.1";
+    o.port = 0;
+    server = std::make_unique<sv::Server>(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o);
+    port = server->bind();
+    thread = std::thread([this] { server->listen(); });
+    httplib::Client c("127.0.0.1", port);
+    for (int i = 0; i < 200 && !c.Get("/health"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ~Running() {
+    server->stop();
+    thread.join();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(120, 0);
+    return c;
+  }
+};
+
+class Serve : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new k3test::TempDir("serve");
+    tok_dir_ = new std::string(write_tokenizer(*dir_));
+    sv::ServeOptions o;
+    o.model_id = "k3-tiny";
+    o.default_max_tokens = 16;
+    running_ = new Running(*tok_dir_, o);
+    tok_ = new k3::Tokenizer(k3::Tokenizer::load_dir(*tok_dir_));
+    engine_ = k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{}).release();
+  }
+  static void TearDownTestSuite() {
+    delete running_;
+    delete engine_;
+    delete tok_;
+    delete tok_dir_;
+    delete dir_;
+  }
+
+  static httplib::Result post(const char* path, const json& body, const httplib::Headers& h = {}) {
+    return running_->client().Post(path, h, body.dump(), "application/json");
+  }
+  // The greedy tokens the engine itself makes after these prompt ids.
+  static std::vector<int32_t> greedy(const std::vector<int32_t>& prompt, int64_t n) {
+    k3::Sampler s(k3::SamplingParams{});
+    return k3::generate(*engine_, prompt, n, s).tokens;
+  }
+  // The data events of a server-sent-event body, [DONE] as a string.
+  static std::vector<json> events(const std::string& body, bool* done) {
+    std::vector<json> out;
+    *done = false;
+    size_t pos = 0;
+    while (pos < body.size()) {
+      const size_t end = body.find("\n\n", pos);
+      const std::string ev = body.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
+      pos = end == std::string::npos ? body.size() : end + 2;
+      if (ev.rfind("data: ", 0) != 0) continue;
+      const std::string data = ev.substr(6);
+      if (data == "[DONE]") *done = true;
+      else out.push_back(json::parse(data));
+    }
+    return out;
+  }
+
+  static inline k3test::TempDir* dir_ = nullptr;
+  static inline std::string* tok_dir_ = nullptr;
+  static inline Running* running_ = nullptr;
+  static inline k3::Tokenizer* tok_ = nullptr;
+  static inline k3::Engine* engine_ = nullptr;
+};
+
+const json kChat = {{"model", "k3-tiny"},
+                    {"messages", json::array({json{{"role", "user"}, {"content", "Name three colours."}}})},
+                    {"temperature", 0},
+                    {"max_tokens", 12}};
+
+TEST_F(Serve, HealthAndModels) {
+  httplib::Client c = running_->client();
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->status, 200);
+  const json j = json::parse(m->body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u);
+  EXPECT_EQ(j["data"][0]["id"], "k3-tiny");
+}
+
+// The chat reply is the engine's own greedy continuation of the rendered prompt, cut where the
+// assistant message ends, parsed into channels; usage counts both sides exactly.
+TEST_F(Serve, ChatIsTheEnginesGreedyContinuation) {
+  auto r = post("/v1/chat/completions", kChat);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "k3-tiny");
+
+  const std::vector<int32_t> prompt = k3::encode_segments(*tok_, k3::render_chat(kChat));
+  std::vector<int32_t> want = greedy(prompt, 12);
+  // the server stops once the message is complete; find that point in the engine's tokens
+  for (size_t n = 1; n <= want.size(); ++n) {
+    const std::vector<int32_t> head(want.begin(), want.begin() + long(n));
+    if (k3::parse_assistant(k3::xtml_pieces_from_ids(*tok_, head), k3::XtmlStart::kThink).complete) {
+      want.resize(n);
+      break;
+    }
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], int64_t(prompt.size()));
+  EXPECT_EQ(j["usage"]["completion_tokens"], int64_t(want.size()));
+  EXPECT_EQ(j["usage"]["total_tokens"], int64_t(prompt.size() + want.size()));
+  const k3::XtmlAssistantMessage msg =
+      k3::parse_assistant(k3::xtml_pieces_from_ids(*tok_, want), k3::XtmlStart::kThink);
+  const json& m = j["choices"][0]["message"];
+  EXPECT_EQ(m["role"], "assistant");
+  EXPECT_EQ(m.value("reasoning_content", std::string()), msg.think);
+  EXPECT_EQ(m["content"].is_null() ? std::string() : m["content"].get<std::string>(), msg.response);
+  const std::string fr = j["choices"][0]["finish_reason"];
+  EXPECT_EQ(fr, msg.complete ? (msg.tool_calls.empty() ? "stop" : "tool_calls") : "length");
+}
+
+TEST_F(Serve, StreamedChatEqualsThePlainOne) {
+  auto plain = post("/v1/chat/completions", kChat);
+  ASSERT_TRUE(plain);
+  ASSERT_EQ(plain->status, 200);
+  const json p = json::parse(plain->body);
+  json body = kChat;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  auto s = post("/v1/chat/completions", body);
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->status, 200);
+  EXPECT_NE(s->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  bool done = false;
+  const std::vector<json> ev = events(s->body, &done);
+  EXPECT_TRUE(done) << "the stream must end with data: [DONE]";
+  ASSERT_GE(ev.size(), 3u);
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string reasoning, content, finish;
+  for (size_t i = 0; i + 1 < ev.size(); ++i) {
+    EXPECT_EQ(ev[i]["object"], "chat.completion.chunk");
+    EXPECT_EQ(ev[i]["id"], ev[0]["id"]);
+    const json& ch = ev[i]["choices"][0];
+    reasoning += ch["delta"].value("reasoning_content", std::string());
+    content += ch["delta"].value("content", std::string());
+    if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
+  }
+  const json& m = p["choices"][0]["message"];
+  EXPECT_EQ(reasoning, m.value("reasoning_content", std::string()));
+  EXPECT_EQ(content, m["content"].is_null() ? std::string() : m["content"].get<std::string>());
+  EXPECT_EQ(finish, p["choices"][0]["finish_reason"]);
+  const json& last = ev.back();
+  EXPECT_TRUE(last["choices"].empty());
+  EXPECT_EQ(last["usage"], p["usage"]);
+}
+
+json completion_body(int64_t max_tokens) {
+  return json{{"prompt", "the cat sat on the mat and"}, {"temperature", 0}, {"max_tokens", max_tokens}};
+}
+
+TEST_F(Serve, CompletionIsTheEnginesGreedyContinuation) {
+  auto r = post("/v1/completions", completion_body(10));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  const std::vector<int32_t> prompt = tok_->encode("the cat sat on the mat and", false);
+  std::vector<int32_t> want = greedy(prompt, 10);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], int64_t(prompt.size()));
+  EXPECT_EQ(j["usage"]["completion_tokens"], int64_t(want.size()));
+  const bool eos = !want.empty() && want.back() == engine_->config().eos_token_id;
+  if (eos) want.pop_back();
+  EXPECT_EQ(j["choices"][0]["text"], tok_->decode(want));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], eos ? "stop" : "length");
+}
+
+// A stop string taken from the middle of the greedy text cuts it there, plain and streamed.
+TEST_F(Serve, StopStringsCutTheText) {
+  auto full = post("/v1/completions", completion_body(16));
+  ASSERT_TRUE(full);
+  ASSERT_EQ(full->status, 200);
+  const std::string text = json::parse(full->body)["choices"][0]["text"];
+  ASSERT_GE(text.size(), 6u) << "the fixture's greedy text is too short for this test: '" << text << "'";
+  const std::string stop = text.substr(text.size() / 2, 2);
+  const size_t cut = text.find(stop);
+  json body = completion_body(16);
+  body["stop"] = json::array({"\x01never", stop});
+  auto r = post("/v1/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["text"], text.substr(0, cut));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+
+  body["stream"] = true;
+  auto s = post("/v1/completions", body);
+  ASSERT_TRUE(s);
+  bool done = false;
+  std::string streamed, finish;
+  for (const json& e : events(s->body, &done)) {
+    streamed += e["choices"][0]["text"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(streamed, text.substr(0, cut));
+  EXPECT_EQ(finish, "stop");
+}
+
+// Status, error type and the field named, for each kind of bad request.
+TEST_F(Serve, BadRequestsGetOpenAiErrors) {
+  struct Case {
+    const char* path;
+    std::string body;
+    int status;
+    const char* param;
+  };
+  auto chat_with = [](const char* key, const json& v) {
+    json b = kChat;
+    b[key] = v;
+    return b.dump();
+  };
+  const std::vector<Case> cases = {
+      {"/v1/chat/completions", "{not json", 400, ""},
+      {"/v1/chat/completions", "[1, 2]", 400, ""},
+      {"/v1/chat/completions", json{{"max_tokens", 4}}.dump(), 400, "messages"},
+      {"/v1/chat/completions", chat_with("temperature", 3), 400, "temperature"},
+      {"/v1/chat/completions", chat_with("temperature", "hot"), 400, "temperature"},
+      {"/v1/chat/completions", chat_with("top_p", 0), 400, "top_p"},
+      {"/v1/chat/completions", chat_with("max_tokens", 0), 400, "max_tokens"},
+      {"/v1/chat/completions", chat_with("max_tokens", 2000000), 400, "max_tokens"},
+      {"/v1/chat/completions", chat_with("n", 2), 400, "n"},
+      {"/v1/chat/completions", chat_with("stop", json::array({"a", "b", "c", "d", "e"})), 400, "stop"},
+      {"/v1/chat/completions", chat_with("logprobs", true), 400, "logprobs"},
+      {"/v1/chat/completions", chat_with("response_format", json{{"type", "json_object"}}), 400,
+       "response_format.type"},
+      {"/v1/chat/completions", chat_with("tool_choice", "required"), 400, "tool_choice"},
+      {"/v1/chat/completions", chat_with("stream_options", json{{"include_usage", true}}), 400, "stream_options"},
+      {"/v1/chat/completions", chat_with("messages", json::array({json{{"role", "wizard"}, {"content", "x"}}})), 400,
+       "messages"},
+      {"/v1/chat/completions", chat_with("model", "gpt-9"), 404, "model"},
+      {"/v1/completions", json{{"max_tokens", 4}}.dump(), 400, "prompt"},
+      {"/v1/completions", json{{"prompt", json::array({1, 5000})}}.dump(), 400, "prompt"},
+      {"/v1/completions", json{{"prompt", ""}}.dump(), 400, "prompt"},
+  };
+  for (const Case& c : cases) {
+    auto r = running_->client().Post(c.path, c.body, "application/json");
+    ASSERT_TRUE(r) << c.body;
+    EXPECT_EQ(r->status, c.status) << c.body << " -> " << r->body;
+    const json j = json::parse(r->body, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << r->body;
+    EXPECT_FALSE(j["error"]["message"].get<std::string>().empty());
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+    if (*c.param) {
+      EXPECT_EQ(j["error"]["param"], c.param) << c.body;
+    }
+  }
+  auto r = running_->client().Get("/v1/nothing");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  EXPECT_TRUE(json::parse(r->body).contains("error"));
+}
+
+TEST_F(Serve, MetricsCountWhatWasServed) {
+  ASSERT_TRUE(post("/v1/completions", completion_body(3)));
+  auto m = running_->client().Get("/metrics");
+  ASSERT_TRUE(m);
+  ASSERT_EQ(m->status, 200);
+  for (const char* name : {"k3_requests_succeeded_total", "k3_generation_tokens_total", "k3_prompt_tokens_total",
+                           "k3_time_to_first_token_seconds_count", "k3_requests_waiting"})
+    EXPECT_NE(m->body.find(std::string("\n") + name + " "), std::string::npos) << name << " missing:\n" << m->body;
+  const size_t at = m->body.find("\nk3_generation_tokens_total ");
+  EXPECT_GT(std::stod(m->body.substr(at + 28)), 0.0);
+}
+
+TEST(ServeAuth, ApiKeyIsRequiredButNotForHealth) {
+  k3test::TempDir dir("serve_auth");
+  sv::ServeOptions o;
+  o.api_key = "sekrit";
+  Running srv(write_tokenizer(dir), o);
+  httplib::Client c = srv.client();
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  auto no = c.Get("/v1/models");
+  ASSERT_TRUE(no);
+  EXPECT_EQ(no->status, 401);
+  EXPECT_EQ(json::parse(no->body)["error"]["code"], "invalid_api_key");
+  auto wrong = c.Get("/v1/models", {{"Authorization", "Bearer nope"}});
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 401);
+  auto yes = c.Get("/v1/models", {{"Authorization", "Bearer sekrit"}});
+  ASSERT_TRUE(yes);
+  EXPECT_EQ(yes->status, 200);
+}
+
+// With no queue, a request that arrives while another streams is refused with 429; the streaming
+// one completes. (The second request is sent from the first one's receiver, on its first chunk.)
+TEST(ServeQueue, FullQueueGets429) {
+  k3test::TempDir dir("serve_queue");
+  sv::ServeOptions o;
+  o.model_id = "k3-tiny";
+  o.max_queue = 0;
+  Running srv(write_tokenizer(dir), o);
+  httplib::Client c = srv.client();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";  // its first chunk (the role) is sent before any token is made
+  req.set_header("Content-Type", "application/json");
+  json body = kChat;
+  body["max_tokens"] = 40;
+  body["stream"] = true;
+  req.body = body.dump();
+  std::atomic<int> second_status{0};
+  std::string streamed;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    streamed.append(data, n);
+    if (second_status == 0) {
+      auto r =
+          srv.client().Post("/v1/completions", json{{"prompt", "hi"}, {"max_tokens", 2}}.dump(), "application/json");
+      second_status = r ? r->status : -1;
+    }
+    return true;
+  };
+  auto r = c.send(req);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(second_status.load(), 429);
+  EXPECT_NE(streamed.find("data: [DONE]"), std::string::npos);
+}
+
+TEST(ServeApi, TextHelpers) {
+  EXPECT_EQ(sv::utf8_complete_prefix("abc"), 3u);
+  EXPECT_EQ(sv::utf8_complete_prefix("a\xC3\xA9"), 3u);  // é whole
+  EXPECT_EQ(sv::utf8_complete_prefix("a\xC3"), 1u);      // é cut after its lead byte
+  EXPECT_EQ(sv::utf8_complete_prefix("a\xE2\x82"), 1u);  // € cut after two of three bytes
+  EXPECT_EQ(sv::utf8_complete_prefix("a\xF0\x9F\x98\x80"), 5u);
+  EXPECT_EQ(sv::find_stop("hello world", {"xyz", "o w", "wor"}), 4u);
+  EXPECT_EQ(sv::find_stop("hello", {"xyz"}), std::string::npos);
+  EXPECT_EQ(sv::stop_holdback("hello wo", {"world"}), 2u);
+  EXPECT_EQ(sv::stop_holdback("hello w", {"world", "lo w!"}), 4u);
+  EXPECT_EQ(sv::stop_holdback("hello", {"xyz"}), 0u);
+  EXPECT_EQ(sv::dump(json{{"t", std::string("a\xFF")}}), "{\"t\":\"a\xEF\xBF\xBD\"}");
+}
+
+}  // namespace
+
+#else
+
+TEST(Serve, NeedsTheHttpServer) { GTEST_SKIP() << "this build has no HTTP server (libcpp-httplib-dev)"; }
+
+#endif

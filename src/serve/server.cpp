@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -51,7 +52,12 @@ struct Server::Impl {
     return buf;
   }
 
-  void record(const Usage& u, double wait, double ttft, double decode) {
+  // One answered request: its tokens, and its time to first token counted from its arrival (the
+  // queue wait included) and per output token after the first.
+  void record(const Usage& u, const Timing& t, Clock::time_point arrived) {
+    const double total = std::chrono::duration<double>(Clock::now() - arrived).count();
+    const double wait = total - t.first_token_seconds - t.decode_seconds;
+    const double ttft = t.first_token_seconds, decode = t.decode_seconds;
     std::lock_guard<std::mutex> lock(stats_mu);
     ++requests_ok;
     prompt_tokens += u.prompt_tokens;
@@ -115,87 +121,59 @@ struct Server::Impl {
     const std::string s = "data: " + dump(j) + "\n\n";
     return sink.write(s.data(), s.size());
   }
+  // The usage chunk (when asked for) and [DONE].
+  void end_stream(httplib::DataSink& sink, const std::string& id, const char* object, bool include_usage,
+                  const Usage& usage) const {
+    if (include_usage) {
+      ojson u = envelope(id, object);
+      u["choices"] = ojson::array();
+      u["usage"] = usage.to_json();
+      sse(sink, u);
+    }
+    sse_done(sink);
+  }
   static void sse_done(httplib::DataSink& sink) {
     static const std::string s = "data: [DONE]\n\n";
     sink.write(s.data(), s.size());
     sink.done();
   }
 
-  void chat(const httplib::Request& req, httplib::Response& res) {
-    if (!authorized(req, res)) return;
-    const auto arrived = Clock::now();
-    auto r = std::make_shared<ChatRequest>();
-    auto prompt = std::make_shared<PreparedPrompt>();
+  // The API key, the body parsed and checked, the prompt tokenised and fitted to the context, then a
+  // place in the queue: false, with the error sent, when any of them refuses.
+  template <class Request, class Parse, class Prepare>
+  bool accept(const httplib::Request& req, httplib::Response& res, Request& r, PreparedPrompt& prompt, Parse parse,
+              Prepare prepare) {
+    if (!authorized(req, res)) return false;
     try {
-      *r = parse_chat_request_body(req.body, limits);
-      *prompt = prepare_chat(engine->config(), tok, *r);
+      r = parse(req.body, limits);
+      prompt = prepare(engine->config(), tok, r);
     } catch (const ApiError& e) {
       record_failure();
-      return send_error(res, e);
+      send_error(res, e);
+      return false;
     }
-    if (!admit(res)) return;
-    const std::string id = new_id("chatcmpl");
-    if (!r->gen.stream) {
-      try {
-        const ChatResult out = with_engine([&] { return run_chat(*engine, tok, *r, *prompt); });
-        const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
-                            out.timing.first_token_seconds - out.timing.decode_seconds;
-        record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
-        ojson body = envelope(id, "chat.completion");
-        body["choices"] = ojson::array({ojson{
-            {"index", 0}, {"message", out.message}, {"logprobs", nullptr}, {"finish_reason", out.finish_reason}}});
-        body["usage"] = out.usage.to_json();
-        res.set_content(dump(body), "application/json");
-      } catch (const Error& e) {
-        record_failure();
-        send_error(res, ApiError(500, "server_error", "", e.what()));
-      }
-      return;
+    return admit(res);
+  }
+
+  // A JSON response made with the engine to itself; an engine error becomes a 500.
+  void respond(httplib::Response& res, const std::function<ojson()>& make) {
+    try {
+      res.set_content(dump(with_engine(make)), "application/json");
+    } catch (const Error& e) {
+      record_failure();
+      send_error(res, ApiError(500, "server_error", "", e.what()));
     }
+  }
+
+  // A server-sent-event response whose events `produce` writes with the engine to itself (false: the
+  // client went away); an engine error becomes an error event. The queue place is released when the
+  // response ends, also when the provider never runs.
+  void stream(httplib::Response& res, std::function<bool(httplib::DataSink&)> produce) {
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, r, prompt, id, arrived](size_t, httplib::DataSink& sink) {
-          auto chunk = [&](const ojson& delta, const ojson& finish) {
-            ojson c = envelope(id, "chat.completion.chunk");
-            c["choices"] =
-                ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
-            return c;
-          };
+        [this, produce](size_t, httplib::DataSink& sink) {
           try {
-            return with_engine(
-                [&] {
-                  bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
-                  const ChatResult out = run_chat(*engine, tok, *r, *prompt, [&](const ChatDelta& d) {
-                    ojson delta = ojson::object();
-                    if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
-                    if (!d.content.empty()) delta["content"] = d.content;
-                    open = open && sse(sink, chunk(delta, nullptr));
-                    return open;
-                  });
-                  const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
-                                      out.timing.first_token_seconds - out.timing.decode_seconds;
-                  record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
-                  if (!open) return false;  // the client went away: end the response
-                  if (out.message.contains("tool_calls")) {
-                    ojson calls = out.message["tool_calls"];
-                    for (size_t i = 0; i < calls.size(); ++i) {
-                      ojson c{{"index", i}};
-                      c.update(calls[i]);
-                      calls[i] = std::move(c);
-                    }
-                    sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
-                  }
-                  sse(sink, chunk(ojson::object(), out.finish_reason));
-                  if (r->gen.include_usage) {
-                    ojson u = envelope(id, "chat.completion.chunk");
-                    u["choices"] = ojson::array();
-                    u["usage"] = out.usage.to_json();
-                    sse(sink, u);
-                  }
-                  sse_done(sink);
-                  return true;
-                },
-                false);
+            return with_engine([&] { return produce(sink); }, false);
           } catch (const Error& e) {
             record_failure();
             sse(sink, ApiError(500, "server_error", "", e.what()).body());
@@ -206,77 +184,90 @@ struct Server::Impl {
         [this](bool) { queued.fetch_sub(1); });
   }
 
+  void chat(const httplib::Request& req, httplib::Response& res) {
+    const auto arrived = Clock::now();
+    auto r = std::make_shared<ChatRequest>();
+    auto prompt = std::make_shared<PreparedPrompt>();
+    if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat)) return;
+    const std::string id = new_id("chatcmpl");
+    if (!r->gen.stream) {
+      return respond(res, [&] {
+        const ChatResult out = run_chat(*engine, tok, *r, *prompt);
+        record(out.usage, out.timing, arrived);
+        ojson body = envelope(id, "chat.completion");
+        body["choices"] = ojson::array({ojson{
+            {"index", 0}, {"message", out.message}, {"logprobs", nullptr}, {"finish_reason", out.finish_reason}}});
+        body["usage"] = out.usage.to_json();
+        return body;
+      });
+    }
+    stream(res, [this, r, prompt, id, arrived](httplib::DataSink& sink) {
+      auto chunk = [&](const ojson& delta, const ojson& finish) {
+        ojson c = envelope(id, "chat.completion.chunk");
+        c["choices"] =
+            ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+        return c;
+      };
+      bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
+      const ChatResult out = run_chat(*engine, tok, *r, *prompt, [&](const ChatDelta& d) {
+        ojson delta = ojson::object();
+        if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+        if (!d.content.empty()) delta["content"] = d.content;
+        open = open && sse(sink, chunk(delta, nullptr));
+        return open;
+      });
+      record(out.usage, out.timing, arrived);
+      if (!open) return false;
+      if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
+        ojson calls = out.message["tool_calls"];
+        for (size_t i = 0; i < calls.size(); ++i) {
+          ojson c{{"index", i}};
+          c.update(calls[i]);
+          calls[i] = std::move(c);
+        }
+        sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
+      }
+      sse(sink, chunk(ojson::object(), out.finish_reason));
+      end_stream(sink, id, "chat.completion.chunk", r->gen.include_usage, out.usage);
+      return true;
+    });
+  }
+
   void completion(const httplib::Request& req, httplib::Response& res) {
-    if (!authorized(req, res)) return;
     const auto arrived = Clock::now();
     auto r = std::make_shared<CompletionRequest>();
     auto prompt = std::make_shared<PreparedPrompt>();
-    try {
-      *r = parse_completion_request_body(req.body, limits);
-      *prompt = prepare_completion(engine->config(), tok, *r);
-    } catch (const ApiError& e) {
-      record_failure();
-      return send_error(res, e);
-    }
-    if (!admit(res)) return;
+    if (!accept(req, res, *r, *prompt, parse_completion_request_body, prepare_completion)) return;
     const std::string id = new_id("cmpl");
     auto choice = [](const std::string& text, const ojson& finish) {
       return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}}});
     };
     if (!r->gen.stream) {
-      try {
-        const TextResult out = with_engine([&] { return run_completion(*engine, tok, *r, *prompt); });
-        const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
-                            out.timing.first_token_seconds - out.timing.decode_seconds;
-        record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
+      return respond(res, [&] {
+        const TextResult out = run_completion(*engine, tok, *r, *prompt);
+        record(out.usage, out.timing, arrived);
         ojson body = envelope(id, "text_completion");
         body["choices"] = choice(out.text, out.finish_reason);
         body["usage"] = out.usage.to_json();
-        res.set_content(dump(body), "application/json");
-      } catch (const Error& e) {
-        record_failure();
-        send_error(res, ApiError(500, "server_error", "", e.what()));
-      }
-      return;
+        return body;
+      });
     }
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, r, prompt, id, arrived, choice](size_t, httplib::DataSink& sink) {
-          try {
-            return with_engine(
-                [&] {
-                  bool open = true;
-                  const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const std::string& text) {
-                    ojson c = envelope(id, "text_completion");
-                    c["choices"] = choice(text, nullptr);
-                    open = open && sse(sink, c);
-                    return open;
-                  });
-                  const double wait = std::chrono::duration<double>(Clock::now() - arrived).count() -
-                                      out.timing.first_token_seconds - out.timing.decode_seconds;
-                  record(out.usage, wait, out.timing.first_token_seconds, out.timing.decode_seconds);
-                  if (!open) return false;  // the client went away: end the response
-                  ojson c = envelope(id, "text_completion");
-                  c["choices"] = choice("", out.finish_reason);
-                  sse(sink, c);
-                  if (r->gen.include_usage) {
-                    ojson u = envelope(id, "text_completion");
-                    u["choices"] = ojson::array();
-                    u["usage"] = out.usage.to_json();
-                    sse(sink, u);
-                  }
-                  sse_done(sink);
-                  return true;
-                },
-                false);
-          } catch (const Error& e) {
-            record_failure();
-            sse(sink, ApiError(500, "server_error", "", e.what()).body());
-            sse_done(sink);
-          }
-          return true;
-        },
-        [this](bool) { queued.fetch_sub(1); });
+    stream(res, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
+      bool open = true;
+      const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const std::string& text) {
+        ojson c = envelope(id, "text_completion");
+        c["choices"] = choice(text, nullptr);
+        open = open && sse(sink, c);
+        return open;
+      });
+      record(out.usage, out.timing, arrived);
+      if (!open) return false;
+      ojson c = envelope(id, "text_completion");
+      c["choices"] = choice("", out.finish_reason);
+      sse(sink, c);
+      end_stream(sink, id, "text_completion", r->gen.include_usage, out.usage);
+      return true;
+    });
   }
 
   void routes() {

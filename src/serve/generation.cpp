@@ -45,16 +45,26 @@ void check_ids(const K3Config& cfg, const std::vector<int32_t>& ids, const char*
                                    std::to_string(cfg.vocab_size));
 }
 
-// How much of a channel's text may be sent now: up to a stop string's first byte when one occurs
-// (*hit set), else all but what could still begin one, cut back to a whole UTF-8 character.
-size_t final_prefix(const std::string& text, const std::vector<std::string>& stops, bool* hit) {
+// The end of a channel's text once generation is over: the first byte of its first stop string
+// (*hit set), else the text's end.
+size_t stop_end(const std::string& text, const std::vector<std::string>& stops, bool* hit) {
   const size_t p = find_stop(text, stops);
-  if (p != std::string::npos) {
+  if (p == std::string::npos) return text.size();
+  *hit = true;
+  return p;
+}
+
+// How much of a channel's text may be sent while generation goes on: up to a stop string's first
+// byte when one occurs (*hit set), else all but what could still begin one, cut back to a whole
+// UTF-8 character.
+size_t final_prefix(const std::string& text, const std::vector<std::string>& stops, bool* hit) {
+  bool here = false;
+  const size_t end = stop_end(text, stops, &here);
+  if (here) {
     *hit = true;
-    return p;
+    return end;
   }
-  const size_t safe = text.size() - stop_holdback(text, stops);
-  return utf8_complete_prefix(std::string_view(text).substr(0, safe));
+  return utf8_complete_prefix(std::string_view(text).substr(0, end - stop_holdback(text, stops)));
 }
 
 }  // namespace
@@ -109,16 +119,13 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
     return !cancelled && !stop_hit && !msg.complete;
   });
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
-  r.tokens = g.tokens;
   r.usage.completion_tokens = int64_t(g.tokens.size());
 
   // What is left to send: the rest of the reasoning and of the content (up to a stop string).
   if (!stop_hit && !cancelled) {
     ChatDelta d;
     if (msg.think.size() > sent_reasoning) d.reasoning = msg.think.substr(sent_reasoning);
-    const size_t p = find_stop(msg.response, req.gen.stop);
-    const size_t end = p == std::string::npos ? msg.response.size() : p;
-    stop_hit = p != std::string::npos;
+    const size_t end = stop_end(msg.response, req.gen.stop, &stop_hit);
     if (end > sent_content) d.content = msg.response.substr(sent_content, end - sent_content);
     sent_content = std::max(sent_content, end);
     if (emit && (!d.reasoning.empty() || !d.content.empty())) emit(d);
@@ -154,12 +161,9 @@ TextResult run_completion(Engine& engine, const Tokenizer& tok, const Completion
     return !cancelled && !stop_hit;
   });
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
-  r.tokens = g.tokens;
   r.usage.completion_tokens = int64_t(g.tokens.size());
   if (!stop_hit && !cancelled && text.size() > sent) {
-    const size_t p = find_stop(text, req.gen.stop);
-    stop_hit = p != std::string::npos;
-    const size_t end = stop_hit ? p : text.size();
+    const size_t end = stop_end(text, req.gen.stop, &stop_hit);
     if (emit && end > sent) emit(text.substr(sent, end - sent));
     sent = std::max(sent, end);
   }

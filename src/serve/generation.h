@@ -34,7 +34,6 @@ struct ChatResult {
   std::string finish_reason;       // "stop", "length" or "tool_calls"
   Usage usage;
   Timing timing;
-  std::vector<int32_t> tokens;  // the generated ids
 };
 
 struct TextResult {
@@ -42,7 +41,6 @@ struct TextResult {
   std::string finish_reason;  // "stop" or "length"
   Usage usage;
   Timing timing;
-  std::vector<int32_t> tokens;
 };
 
 // A request's prompt ids and how many tokens it may generate, checked before anything is sent: a bad

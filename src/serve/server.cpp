@@ -23,7 +23,6 @@ struct Server::Impl {
   std::unique_ptr<Engine> engine;
   Tokenizer tok;
   ServeOptions o;
-  ApiLimits limits;
   httplib::Server http;
   int port = -1;
 
@@ -40,10 +39,9 @@ struct Server::Impl {
   int64_t ttft_count = 0, tpot_count = 0;
 
   Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts)
-      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {
-    limits.model_id = o.model_id;
-    limits.default_max_tokens = o.default_max_tokens;
-  }
+      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {}
+
+  ApiLimits limits() const { return ApiLimits{o.model_id, o.default_max_tokens}; }
 
   std::string new_id(const char* prefix) {
     char buf[48];
@@ -55,15 +53,13 @@ struct Server::Impl {
   // One answered request: its tokens, and its time to first token counted from its arrival (the
   // queue wait included) and per output token after the first.
   void record(const Usage& u, const Timing& t, Clock::time_point arrived) {
-    const double total = std::chrono::duration<double>(Clock::now() - arrived).count();
-    const double wait = total - t.first_token_seconds - t.decode_seconds;
-    const double ttft = t.first_token_seconds, decode = t.decode_seconds;
+    const double since_arrival = std::chrono::duration<double>(Clock::now() - arrived).count();
     std::lock_guard<std::mutex> lock(stats_mu);
     ++requests_ok;
     prompt_tokens += u.prompt_tokens;
     generation_tokens += u.completion_tokens;
-    if (u.completion_tokens > 0) ttft_sum += wait + ttft, ++ttft_count;
-    if (u.completion_tokens > 1) tpot_sum += decode, tpot_count += u.completion_tokens - 1;
+    if (u.completion_tokens > 0) ttft_sum += since_arrival - t.decode_seconds, ++ttft_count;
+    if (u.completion_tokens > 1) tpot_sum += t.decode_seconds, tpot_count += u.completion_tokens - 1;
   }
   void record_failure() {
     std::lock_guard<std::mutex> lock(stats_mu);
@@ -145,7 +141,7 @@ struct Server::Impl {
               Prepare prepare) {
     if (!authorized(req, res)) return false;
     try {
-      r = parse(req.body, limits);
+      r = parse(req.body, limits());
       prompt = prepare(engine->config(), tok, r);
     } catch (const ApiError& e) {
       record_failure();

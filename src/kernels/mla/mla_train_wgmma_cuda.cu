@@ -37,6 +37,7 @@
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/common/sm90_ptx.cuh"
 #include "kernels/common/tensor_map_cuda.h"
+#include "kernels/mla/mla_train_common.cuh"
 #include "kernels/mla/mla_train_wgmma_cuda.cuh"
 
 namespace k3::mla::cuda::wgmma {
@@ -223,12 +224,8 @@ void attention_forward(const PackedQkv& a, float* o, int64_t ldo, float* lse, in
       cuda_tma::bf16_3d_sw128(a.k, kDq, rows, H, kDq * 2, rows * kDq * 2, 64, kBN, "the packed MLA keys");
   const CUtensorMap mv =
       cuda_tma::bf16_3d_sw128(a.v, kDv, rows, H, kDv * 2, rows * kDv * 2, 64, kBN, "the packed MLA values");
-  static bool smem_allowed = false;
-  if (!smem_allowed) {
-    K3_CUDA_CHECK(
-        cudaFuncSetAttribute(attn_fwd_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    smem_allowed = true;
-  }
+  static size_t allowed = 0;
+  train_common::allow_smem(attn_fwd_sm90_kernel, kSmemBytes, allowed);
   const dim3 grid(unsigned((max_len + kBM - 1) / kBM), unsigned(a.H), unsigned(B));
   attn_fwd_sm90_kernel<<<grid, kThreads, kSmemBytes>>>(mq, mk, mv, a, o, ldo, lse);
   K3_CUDA_LAUNCH_CHECK();

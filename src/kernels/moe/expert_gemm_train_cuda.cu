@@ -61,8 +61,8 @@ namespace k3::moe::cuda {
 namespace {
 
 using bf16 = uint16_t;
-using sm90::swz128;
-using sm90::wait_or_trap;
+using ptx::swz128;
+using ptx::wait_or_trap;
 
 constexpr int BM = 128, BN = 256, BK = 64, kStages = 4, kLag = 2;
 constexpr int kATileBytes = BM * BK * 2;  // 16 KB
@@ -351,8 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_linear_sm90_kernel(const 
       // Epilogue from the accumulators: thread holds rows r, r + 8 and, per n8 block j, columns
       // 8j + cq, +1. Rows and columns outside the tile's valid region are not stored. When adding to
       // the output, the old values of kBatch column pairs are loaded before any is stored, so their
-      // memory latencies overlap (one load in flight at a time made the epilogue cost more than the
-      // products at K3's widths).
+      // memory latencies overlap.
       const bool add = M == Mode::BackwardWeight || p.accumulate;
       const int rq = lane >> 2, cq = (lane & 3) * 2;
       constexpr int kBatch = 16;

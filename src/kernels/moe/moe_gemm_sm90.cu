@@ -62,6 +62,8 @@ namespace k3::moe::cuda::sm90 {
 namespace {
 
 using bf16 = uint16_t;
+using ptx::swz128;
+using ptx::wait_or_trap;
 
 constexpr int BM = kTileRows, BN = 256, BK = 64, kStages = 4, kLag = 2;
 constexpr int kBoxRows = 128;                 // one TMA box: 128 weight rows × 64 k

@@ -8,9 +8,6 @@
 
 namespace k3::moe::cuda::sm90 {
 
-using ptx::swz128;
-using ptx::wait_or_trap;
-
 // Multiprocessors of the current device (read once).
 int sm_count();
 

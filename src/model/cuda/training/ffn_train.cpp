@@ -138,7 +138,7 @@ namespace {
 // Mean rows per expert from which one cuBLAS call per expert beats the grouped kernels: with few rows
 // per expert (k3-1b's ~170 rows of 256 x 256) a launch per expert is all overhead and the grouped
 // kernels win by far; with many (K3's experts, ~500 rows and up) cuBLAS's kernels run near their
-// ceiling and the loop is ~10% faster over a linear's three GEMMs (docs/BENCHMARKS.md,
+// ceiling and the loop is faster over a linear's three GEMMs (docs/BENCHMARKS.md,
 // bench_cuda_train_expert_gemm; the crossover between is not placed).
 constexpr int64_t kPerExpertCublasRows = 1024;
 

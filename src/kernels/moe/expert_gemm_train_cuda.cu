@@ -41,7 +41,8 @@
 //   - BackwardWeight: item w of E × m_tiles × n_tiles: expert-major, then m tile, then n tile. The
 //     items of an expert with no rows are never handed out (next_item), so dW_e is untouched.
 // Numerics and determinism: every output element is one fp32 accumulator chain, a fixed sequence of
-// wgmma k16 steps from k = 0 up, owned by one CTA; no atomics, no split-k. So results are bitwise the
+// wgmma k16 steps from k = 0 up, owned by one CTA; no split-k, and an accumulated output receives one
+// add per element (see the epilogue). So results are bitwise the
 // same run to run and whatever the grid or the schedule, and a row's forward / backward-data result
 // does not depend on the other rows of the batch (the batch-invariant mode relies on this).
 #include <cuda_runtime.h>
@@ -349,31 +350,26 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_linear_sm90_kernel(const 
       if (!active) continue;
 
       // Epilogue from the accumulators: thread holds rows r, r + 8 and, per n8 block j, columns
-      // 8j + cq, +1. Rows and columns outside the tile's valid region are not stored. When adding to
-      // the output, the old values of kBatch column pairs are loaded before any is stored, so their
-      // memory latencies overlap.
+      // 8j + cq, +1. Rows and columns outside the tile's valid region are not stored. Adding to the
+      // output is a vector reduction in the memory system (red.global.add): the thread never waits for
+      // an old value (loading them, 64 a thread with the accumulators holding most registers, exposes
+      // one memory latency after another). Each element gets exactly one add in the launch, from the
+      // one thread that owns it, so the result is old + acc rounded once, the same run to run. PTX's
+      // red.add.f32 flushes subnormal operands and results to zero; a weight gradient below 1.2e-38 is
+      // below anything the optimizer can use.
       const bool add = M == Mode::BackwardWeight || p.accumulate;
       const int rq = lane >> 2, cq = (lane & 3) * 2;
-      constexpr int kBatch = 16;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = wg * 64 + warp * 16 + rq + 8 * h;
         if (r >= t.valid_m) continue;
-        float2* crow = reinterpret_cast<float2*>(t.gc + int64_t(r) * t.ldc + cq);
+        float* crow = t.gc + int64_t(r) * t.ldc + cq;
 #pragma unroll
-        for (int j0 = 0; j0 < 32; j0 += kBatch) {
-          float2 old[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const bool ok = add && 8 * (j0 + u) + cq < t.valid_n;
-            old[u] = ok ? crow[4 * (j0 + u)] : make_float2(0.0f, 0.0f);
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int jn = j0 + u;
-            if (8 * jn + cq >= t.valid_n) continue;
-            crow[4 * jn] = make_float2(acc[4 * jn + 2 * h] + old[u].x, acc[4 * jn + 2 * h + 1] + old[u].y);
-          }
+        for (int jn = 0; jn < 32; ++jn) {
+          if (8 * jn + cq >= t.valid_n) continue;
+          const float x = acc[4 * jn + 2 * h], y = acc[4 * jn + 2 * h + 1];
+          if (add) ptx::red_add_f32x2(crow + 8 * jn, x, y);
+          else *reinterpret_cast<float2*>(crow + 8 * jn) = make_float2(x, y);
         }
       }
     }

@@ -7,6 +7,7 @@
 //     every strided operand has a row stride wider than its columns (k_rot is a column slice of a
 //     wider buffer, as in the model); input padding is NaN (so a read of it would show), output
 //     padding holds sentinels that must survive, outputs start as garbage ("overwritten" checked);
+//     K3's widths run on the Hopper (wgmma) kernels, also with Dn + Dr = 180 split 120 + 60;
 //   - a sequence's results are bitwise the same whether it runs alone or packed with others, and
 //     run to run;
 //   - one sequence of 65536 positions: sampled rows and keys against a float64 evaluation;
@@ -43,6 +44,11 @@ TEST(CudaTrainMlaTc, SmallDims) {
 TEST(CudaTrainMlaTc, K3Dims) {
   K3_REQUIRE_GPU();
   check_against_f64(kBf16, {2, 128, 64, 128, 0}, 21, 1.0, kTol);
+}
+// Dn + Dr = 180 padded to K3's 192 (so the Hopper kernels run, with zero columns), split unlike K3's.
+TEST(CudaTrainMlaTc, K3WidthsOtherSplit) {
+  K3_REQUIRE_GPU();
+  check_against_f64(kBf16, {2, 120, 60, 128, 0}, 27, 1.0, kTol);
 }
 TEST(CudaTrainMlaTc, OddDims) {  // Dn + Dr = 53, Dv = 24; peakier softmax
   K3_REQUIRE_GPU();

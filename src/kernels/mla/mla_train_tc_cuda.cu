@@ -659,6 +659,9 @@ AttnArgs pack_operands(const char* fn, void* ws, const Layout& L, const float* q
   return a;
 }
 
+// The Hopper kernels' view of the packed operands.
+wgmma::PackedQkv packed_qkv(const AttnArgs& a) { return {a.q, a.k, a.v, a.cu, a.rows, a.H, a.Dv, a.scale_log2}; }
+
 }  // namespace
 
 size_t attention_forward_workspace_bytes_bf16(int64_t rows, const Dims& d) {
@@ -677,9 +680,8 @@ void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float
            attention_forward_workspace_bytes_bf16(rows, d), " bytes)");
   const AttnArgs a =
       pack_operands(fn, workspace, layout(rows, d, false), q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
-  if (wgmma::forward_fits(a.dqp, a.dvp, a.Dv))  // K3's head dims: the Hopper kernel
-    return wgmma::attention_forward(wgmma::PackedQkv{a.q, a.k, a.v, a.cu, a.rows, a.H, a.Dv, a.scale_log2}, o, ldo,
-                                    lse, B, max_len);
+  if (wgmma::dims_fit(a.dqp, a.dvp, a.Dv))  // K3's head dims: the Hopper kernel
+    return wgmma::attention_forward(packed_qkv(a), o, ldo, lse, B, max_len);
   switch (tiles_bucket(a.dvp)) {
     case 8: return launch_fwd<8>(a, o, ldo, lse, B, max_len);
     case 16: return launch_fwd<16>(a, o, ldo, lse, B, max_len);
@@ -713,11 +715,16 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
                                                             int(d.Dv), a.dvp);
   K3_CUDA_LAUNCH_CHECK();
   a.d_o = dop, a.lse2 = lse2, a.delta = delta;
-  switch (tiles_bucket(a.dqp)) {
-    case 8: dispatch_bwd<8>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
-    case 16: dispatch_bwd<16>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
-    case 24: dispatch_bwd<24>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
-    default: dispatch_bwd<32>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
+  if (wgmma::dims_fit(a.dqp, a.dvp, a.Dv)) {  // K3's head dims: the Hopper kernels
+    wgmma::attention_backward(packed_qkv(a), wgmma::PackedGrad{dop, lse2, delta, a.Dn, a.Dr, a.scale}, dq, lddq, dkv,
+                              lddkv, dk_rot_h, B, max_len);
+  } else {
+    switch (tiles_bucket(a.dqp)) {
+      case 8: dispatch_bwd<8>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
+      case 16: dispatch_bwd<16>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
+      case 24: dispatch_bwd<24>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
+      default: dispatch_bwd<32>(a, dq, lddq, dkv, lddkv, dk_rot_h, B, max_len); break;
+    }
   }
   if (d.Dr > 0) {
     const int64_t n = rows * d.Dr;

@@ -11,7 +11,11 @@
 // every gradient are fp32. Any Dn >= 0, Dr >= 0 with 1 <= Dn + Dr <= 256 and 1 <= Dv <= 256 (K3: 128,
 // 64, 128); any H >= 1.
 //
-// DESIGN (FlashAttention-2 on mma.sync.m16n8k16 bf16 -> fp32; wgmma comes later). 128 threads =
+// At K3's head dims (Dn + Dr padded to 192, Dv = 128) the forward and the backward run on Hopper's
+// warpgroup MMA instead (mla_train_wgmma_cuda.cu, mla_train_wgmma_bwd_cuda.cu: the same semantics and
+// determinism; the backward forms dS from P as rounded to bf16 for dV). Every other shape runs the
+// kernels described here.
+// DESIGN (FlashAttention-2 on mma.sync.m16n8k16 bf16 -> fp32). 128 threads =
 // 4 warps per block; every warp owns 16 rows of the block's tile. Tiles move global -> shared by
 // cp.async, 16 bytes at a time, DOUBLE-BUFFERED: the next tile's copy runs under this tile's
 // products. Fragments come from shared memory by ldmatrix (.trans for the B operand of P V, dS K,

@@ -54,12 +54,6 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 2·128·224 + 128·56
 constexpr size_t kSmemBytes = size_t(kQkBytes) + kStages * size_t(kQkBytes + kVBytes) + 1024 + 64;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// MN-major descriptor of a V tile's k16 slice (see the layout note above).
-__device__ __forceinline__ uint64_t desc_v(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(kBoxBytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-
 __global__ void __launch_bounds__(kThreads, 1)
     attn_fwd_sm90_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                          const __grid_constant__ CUtensorMap mv, const PackedQkv a, float* __restrict__ o,
@@ -187,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // wgmmas behind a warpgroup arrive (its warning C7520).
 #pragma unroll
       for (int c = 0; c < kBN / 16; ++c)
-        ptx::wgmma_m64n128k16_bf16_rs<1>(oacc, pa[c], desc_v(sV + s * kVBytes + c * 2048), 1);
+        ptx::wgmma_m64n128k16_bf16_rs<1>(oacc, pa[c], ptx::desc_mn_sw128(sV + s * kVBytes + c * 2048, kBoxBytes), 1);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(oacc);

@@ -239,13 +239,9 @@ __device__ __forceinline__ void load_operand(uint32_t dst, const bf16* __restric
 }
 
 // Descriptors (see the layout note above).
-__device__ __forceinline__ uint64_t desc_mn_sw128(uint32_t smem_addr) {
-  return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(kAtomBytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
 template <bool KMajor>
 __device__ __forceinline__ uint64_t operand_desc(uint32_t addr) {
-  return KMajor ? ptx::desc_k_sw128(addr) : desc_mn_sw128(addr);
+  return KMajor ? ptx::desc_k_sw128(addr) : ptx::desc_mn_sw128(addr, kAtomBytes);
 }
 // The descriptor step of one k16 slice, in 16-byte units: 32 B along a K-major row, 16 k rows of an atom.
 template <bool KMajor>

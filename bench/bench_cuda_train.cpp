@@ -4,13 +4,15 @@
 //
 //   build/bench_cuda_train --config configs/k3-1b.json [--config configs/k3-shaped-h200.json]
 //                          [--tokens 8192] [--seq-len 2048] [--precision bf16|f32] [--steps 4] [--recompute]
-//                          [--run TOKENS:SEQ_LEN[:recompute][:mbN] ...] [--micro-batch-tokens N]
+//                          [--run TOKENS:SEQ_LEN[:recompute][:mbN][:invariant] ...] [--micro-batch-tokens N]
 //                          [--optimizer muon|adamw]
 // Each --run is one measurement on the same random parameters (drawn once per config, on every host
 // thread: RandomInitOptions::parallel_streams); without --run, one run of --tokens, --seq-len and
 // --recompute. ":mbN" (or --micro-batch-tokens N for every run) runs each step in passes of at most N
 // tokens (gradient accumulation, train_device.h): steps of many tokens, over which Muon's Newton–Schulz
-// amortises as it does at the batch sizes models are trained with.
+// amortises as it does at the batch sizes models are trained with. ":invariant" trains in the
+// batch-invariant mode (`k3 train --batch-invariant`: fixed GEMM tiles and head chunks), so its cost
+// is measured beside the default mode on the same parameters.
 //
 // MFU = model FLOPs per second / the H200's dense BF16 peak (989.4 TFLOP/s), model FLOPs per step =
 //   6 · N_active · tokens                                    (every GEMM, forward + backward)
@@ -83,6 +85,7 @@ struct Run {
   int64_t tokens, seq_len;
   bool recompute;
   int64_t micro_batch_tokens = 0;
+  bool invariant = false;
 };
 
 Run parse_run(const std::string& s, int64_t micro_batch_tokens) {
@@ -91,15 +94,17 @@ Run parse_run(const std::string& s, int64_t micro_batch_tokens) {
   bool ok = std::sscanf(s.c_str(), "%lld:%lld%n", &t, &l, &used) == 2 && t > 0 && l > 0 && t % l == 0;
   Run r{t, l, false, micro_batch_tokens};
   std::string rest = ok ? s.substr(size_t(used)) : "";
-  while (ok && !rest.empty()) {  // ":recompute" and ":mbN", in either order
+  while (ok && !rest.empty()) {  // ":recompute", ":mbN" and ":invariant", in any order
     long long mb = 0;
     int n = 0;
     if (rest.rfind(":recompute", 0) == 0) r.recompute = true, rest = rest.substr(10);
+    else if (rest.rfind(":invariant", 0) == 0) r.invariant = true, rest = rest.substr(10);
     else if (std::sscanf(rest.c_str(), ":mb%lld%n", &mb, &n) == 1 && mb > 0)
       r.micro_batch_tokens = mb, rest = rest.substr(size_t(n));
     else ok = false;
   }
-  if (!ok) fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute][:mbN] with SEQ_LEN dividing TOKENS, N > 0");
+  if (!ok)
+    fail("--run '", s, "': expected TOKENS:SEQ_LEN[:recompute][:mbN][:invariant] with SEQ_LEN dividing TOKENS, N > 0");
   return r;
 }
 
@@ -109,9 +114,11 @@ void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P,
   const bool recompute = run.recompute;
   CudaTrainOptions options;
   options.precision = precision, options.recompute = recompute, options.micro_batch_tokens = run.micro_batch_tokens;
+  options.batch_invariant = run.invariant;
   const std::unique_ptr<TrainDevice> device = make_cuda_train_device(P, c, plan, BalanceOptions{}, options);
   const std::string passes =
-      run.micro_batch_tokens > 0 ? " in passes of " + std::to_string(run.micro_batch_tokens) : std::string();
+      (run.micro_batch_tokens > 0 ? " in passes of " + std::to_string(run.micro_batch_tokens) : std::string()) +
+      (run.invariant ? ", batch-invariant" : "");
 
   std::mt19937_64 rng(3);
   auto batch = [&] {
@@ -199,8 +206,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"muon", "adamw"}))
       ->capture_default_str();
   app.add_option("--run", run_specs,
-                 "TOKENS:SEQ_LEN[:recompute][:mbN], repeatable: several runs on one initialisation (replaces "
-                 "--tokens, --seq-len and --recompute; mbN: passes of at most N tokens)");
+                 "TOKENS:SEQ_LEN[:recompute][:mbN][:invariant], repeatable: several runs on one initialisation "
+                 "(replaces --tokens, --seq-len and --recompute; mbN: passes of at most N tokens; invariant: the "
+                 "batch-invariant mode)");
   app.add_option("--micro-batch-tokens", micro_batch_tokens,
                  "passes of at most this many tokens per step, gradients summed (0: one pass)")
       ->check(CLI::NonNegativeNumber)

@@ -72,6 +72,19 @@ __device__ __forceinline__ void wait_or_exit(uint32_t bar, uint32_t parity) {
     if ((n & 1023u) == 0 && ptx::global_ns() - t0 > ptx::kWaitTrapNs) asm volatile("exit;");
 }
 
+// d[64][64] = R Tᵀ over W columns: R the warpgroup's 64 rows of a resident operand (boxes kResBox
+// apart), T a tile's 64 rows (boxes kTileBox apart), both K-major in 64-column boxes. W/16 wgmma
+// m64n64k16, issued into the open group (the caller fences, commits and waits).
+template <int W>
+__device__ __forceinline__ void issue_rows_times_tile_t(float (&d)[32], uint32_t res, uint32_t tile, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < W / 16; ++kk) {
+    const int blk = kk >> 2, w = kk & 3;
+    const uint64_t da = ptx::desc_k_sw128(res + blk * kResBox + wg * 64 * 128) + 2 * w;
+    ptx::wgmma_m64n64k16_bf16_ss<0, 0>(d, da, ptx::desc_k_sw128(tile + blk * kTileBox) + 2 * w, kk > 0);
+  }
+}
+
 struct Grads {
   float* dq;
   int64_t lddq;
@@ -195,12 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       //    key, query; dQ: query, key).
       float sc[32];
       ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kDq / 16; ++kk) {
-        const int blk = kk >> 2, w = kk & 3;
-        const uint64_t da = ptx::desc_k_sw128(sRX + blk * kResBox + wg * 64 * 128) + 2 * w;
-        ptx::wgmma_m64n64k16_bf16_ss<0, 0>(sc, da, ptx::desc_k_sw128(sx + blk * kTileBox) + 2 * w, kk > 0);
-      }
+      issue_rows_times_tile_t<kDq>(sc, sRX, sx, wg);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(sc);
@@ -235,12 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < kTile / 16; ++c)
           ptx::wgmma_m64n128k16_bf16_rs<1>(acc_y, pa[c], ptx::desc_mn_sw128(sy + c * 2048, kTileBox), 1);
       }
-#pragma unroll
-      for (int kk = 0; kk < kDv / 16; ++kk) {
-        const int blk = kk >> 2, w = kk & 3;
-        const uint64_t da = ptx::desc_k_sw128(sRY + blk * kResBox + wg * 64 * 128) + 2 * w;
-        ptx::wgmma_m64n64k16_bf16_ss<0, 0>(dp, da, ptx::desc_k_sw128(sy + blk * kTileBox) + 2 * w, kk > 0);
-      }
+      issue_rows_times_tile_t<kDv>(dp, sRY, sy, wg);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(dp);

@@ -8,14 +8,19 @@
 //   - stop strings cut the text before their first occurrence (finish_reason "stop"), streamed too;
 //   - bad requests get OpenAI's error body with the right status and the offending field named;
 //     an API key, when set, is required everywhere but /health; /metrics counts what was served;
-//   - a second request while one streams, with no queue allowed, gets 429.
+//   - a second request while one streams, with no queue allowed, gets 429;
+//   - logprobs (chat: logprobs + top_logprobs; completions: logprobs N) are the log_softmax of the
+//     logits the engine's own session gives for the same tokens, with the most probable alternatives
+//     in order; streamed, the chunks' entries put together equal the plain response's.
 // The pure parsing helpers (utf8_complete_prefix, find_stop, stop_holdback) are checked on strings.
 #include <gtest/gtest.h>
 
 #if defined(K3_HAVE_SERVE)
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -23,9 +28,11 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "model/engine.h"
 #include "model/generate.h"
 #include "model/sampler.h"
+#include "serve/logprobs.h"
 #include "serve/openai_api.h"
 #include "serve/server.h"
 #include "tokenizer/tokenizer.h"
@@ -267,6 +274,137 @@ TEST_F(Serve, StopStringsCutTheText) {
   EXPECT_EQ(finish, "stop");
 }
 
+// A token's text as a JSON string shows it: bytes that are not UTF-8 replaced (its `bytes` carry them).
+std::string shown(const std::string& text) {
+  return json::parse(json(text).dump(-1, ' ', false, json::error_handler_t::replace)).get<std::string>();
+}
+
+// The expected log-probabilities of a greedy run after `prompt`: per step, the chosen (argmax) id's
+// log_softmax and the n most probable ids', from the engine's own session.
+struct StepTruth {
+  int32_t id;
+  double logprob;
+  std::vector<std::pair<int32_t, double>> top;
+};
+std::vector<StepTruth> greedy_truth(k3::Engine& engine, const std::vector<int32_t>& prompt, size_t steps, int n) {
+  const k3::AppendFn session = engine.session();
+  std::vector<float> logits = session(prompt);
+  std::vector<StepTruth> out;
+  for (size_t i = 0; i < steps; ++i) {
+    const int64_t V = int64_t(logits.size());
+    double mx = -INFINITY, sum = 0.0;
+    for (float x : logits) mx = std::max(mx, double(x));
+    for (float x : logits) sum += std::exp(double(x) - mx);
+    const double lse = mx + std::log(sum);
+    StepTruth t;
+    t.id = k3::argmax(logits.data(), V);
+    t.logprob = double(logits[size_t(t.id)]) - lse;
+    std::vector<int32_t> ids(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) ids[size_t(v)] = int32_t(v);
+    std::stable_sort(ids.begin(), ids.end(),
+                     [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)]; });
+    for (int k = 0; k < n; ++k) t.top.emplace_back(ids[size_t(k)], double(logits[size_t(ids[size_t(k)])]) - lse);
+    out.push_back(t);
+    logits = session({t.id});
+  }
+  return out;
+}
+
+TEST_F(Serve, ChatLogprobsAreTheModelsLogSoftmax) {
+  json body = kChat;
+  body["logprobs"] = true;
+  body["top_logprobs"] = 3;
+  auto r = post("/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const json& lp = j["choices"][0]["logprobs"]["content"];
+  ASSERT_TRUE(lp.is_array()) << r->body;
+  ASSERT_EQ(int64_t(lp.size()), j["usage"]["completion_tokens"].get<int64_t>());
+  const std::vector<int32_t> prompt = k3::encode_segments(*tok_, k3::render_chat(kChat));
+  const std::vector<StepTruth> truth = greedy_truth(*engine_, prompt, lp.size(), 3);
+  for (size_t i = 0; i < lp.size(); ++i) {
+    const json& e = lp[i];
+    const std::string text = tok_->decode({truth[i].id});
+    EXPECT_EQ(e["token"], shown(text)) << "token " << i;
+    std::vector<int> bytes;
+    for (unsigned char c : text) bytes.push_back(int(c));
+    EXPECT_EQ(e["bytes"], json(bytes));
+    EXPECT_NEAR(e["logprob"].get<double>(), truth[i].logprob, 1e-5) << "token " << i;
+    ASSERT_EQ(e["top_logprobs"].size(), 3u);
+    for (int k = 0; k < 3; ++k) {
+      const std::string alt = tok_->decode({truth[i].top[size_t(k)].first});
+      EXPECT_EQ(e["top_logprobs"][k]["token"], shown(alt)) << i << "/" << k;
+      std::vector<int> alt_bytes;
+      for (unsigned char c : alt) alt_bytes.push_back(int(c));
+      EXPECT_EQ(e["top_logprobs"][k]["bytes"], json(alt_bytes));
+      EXPECT_NEAR(e["top_logprobs"][k]["logprob"].get<double>(), truth[i].top[size_t(k)].second, 1e-5);
+    }
+  }
+
+  // Streamed: the chunks' entries, in order, are the plain response's.
+  body["stream"] = true;
+  auto s = post("/v1/chat/completions", body);
+  ASSERT_TRUE(s);
+  bool done = false;
+  json streamed = json::array();
+  for (const json& ev : events(s->body, &done)) {
+    if (ev["choices"].empty() || ev["choices"][0]["logprobs"].is_null()) continue;
+    for (const json& e : ev["choices"][0]["logprobs"]["content"]) streamed.push_back(e);
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(streamed, lp);
+}
+
+TEST_F(Serve, CompletionLogprobsAreTheModelsLogSoftmax) {
+  json body = completion_body(8);
+  body["logprobs"] = 2;
+  auto r = post("/v1/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const json& lp = j["choices"][0]["logprobs"];
+  const size_t n = lp["tokens"].size();
+  ASSERT_EQ(int64_t(n), j["usage"]["completion_tokens"].get<int64_t>());
+  ASSERT_EQ(lp["token_logprobs"].size(), n);
+  ASSERT_EQ(lp["top_logprobs"].size(), n);
+  ASSERT_EQ(lp["text_offset"].size(), n);
+  const std::vector<StepTruth> truth = greedy_truth(*engine_, tok_->encode("the cat sat on the mat and", false), n, 2);
+  std::string joined;  // the tokens' bytes, which text_offset counts
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string text = tok_->decode({truth[i].id});
+    EXPECT_EQ(lp["tokens"][i], shown(text));
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), truth[i].logprob, 1e-5);
+    EXPECT_EQ(lp["text_offset"][i].get<int64_t>(), int64_t(joined.size()));
+    joined += text;
+    ids.push_back(truth[i].id);
+    const json& top = lp["top_logprobs"][i];
+    for (const auto& [id, want] : truth[i].top) {
+      const std::string alt = shown(tok_->decode({id}));
+      ASSERT_TRUE(top.contains(alt)) << top.dump();
+      EXPECT_NEAR(top[alt].get<double>(), want, 1e-5);
+    }
+  }
+  if (j["choices"][0]["finish_reason"] == "length") {
+    EXPECT_EQ(j["choices"][0]["text"], shown(tok_->decode(ids)));
+  }
+
+  body["stream"] = true;
+  auto s = post("/v1/completions", body);
+  ASSERT_TRUE(s);
+  bool done = false;
+  json tokens = json::array(), offsets = json::array();
+  for (const json& ev : events(s->body, &done)) {
+    if (ev["choices"].empty() || ev["choices"][0]["logprobs"].is_null()) continue;
+    for (const json& t : ev["choices"][0]["logprobs"]["tokens"]) tokens.push_back(t);
+    for (const json& o : ev["choices"][0]["logprobs"]["text_offset"]) offsets.push_back(o);
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(tokens, lp["tokens"]);
+  EXPECT_EQ(offsets, lp["text_offset"]);
+}
+
 // Status, error type and the field named, for each kind of bad request.
 TEST_F(Serve, BadRequestsGetOpenAiErrors) {
   struct Case {
@@ -291,7 +429,18 @@ TEST_F(Serve, BadRequestsGetOpenAiErrors) {
       {"/v1/chat/completions", chat_with("max_tokens", 2000000), 400, "max_tokens"},
       {"/v1/chat/completions", chat_with("n", 2), 400, "n"},
       {"/v1/chat/completions", chat_with("stop", json::array({"a", "b", "c", "d", "e"})), 400, "stop"},
-      {"/v1/chat/completions", chat_with("logprobs", true), 400, "logprobs"},
+      {"/v1/chat/completions", chat_with("logprobs", 1), 400, "logprobs"},
+      {"/v1/chat/completions", chat_with("top_logprobs", 2), 400, "top_logprobs"},  // without logprobs: true
+      {"/v1/chat/completions",
+       [] {
+         json b = kChat;
+         b["logprobs"] = true;
+         b["top_logprobs"] = 21;
+         return b.dump();
+       }(),
+       400, "top_logprobs"},
+      {"/v1/completions", json{{"prompt", "a"}, {"logprobs", 6}}.dump(), 400, "logprobs"},
+      {"/v1/completions", json{{"prompt", "a"}, {"logprobs", true}}.dump(), 400, "logprobs"},
       {"/v1/chat/completions", chat_with("response_format", json{{"type", "json_object"}}), 400,
        "response_format.type"},
       {"/v1/chat/completions", chat_with("tool_choice", "required"), 400, "tool_choice"},
@@ -404,6 +553,23 @@ TEST(ServeApi, TextHelpers) {
 }
 
 }  // namespace
+
+// token_logprob on a hand-made distribution: exact log-probabilities, ties toward the lower id, a
+// masked (-inf) logit at -inf, a bad id refused.
+TEST(ServeApi, TokenLogprob) {
+  const float logits[5] = {0.0f, std::log(3.0f), std::log(3.0f), -INFINITY, std::log(2.0f)};  // 1 : 3 : 3 : 0 : 2
+  const sv::TokenLogprob t = sv::token_logprob(logits, 5, 4, 3);
+  EXPECT_NEAR(t.logprob, std::log(2.0 / 9.0), 1e-6);
+  ASSERT_EQ(t.top.size(), 3u);
+  EXPECT_EQ(t.top[0].first, 1);
+  EXPECT_EQ(t.top[1].first, 2);
+  EXPECT_EQ(t.top[2].first, 4);
+  EXPECT_NEAR(t.top[0].second, std::log(3.0 / 9.0), 1e-6);
+  const sv::TokenLogprob masked = sv::token_logprob(logits, 5, 3, 0);
+  EXPECT_TRUE(std::isinf(masked.logprob) && masked.logprob < 0);
+  EXPECT_TRUE(masked.top.empty());
+  EXPECT_THROW(sv::token_logprob(logits, 5, 5, 0), k3::Error);
+}
 
 #else
 

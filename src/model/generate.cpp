@@ -15,8 +15,8 @@ GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::
 }
 
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
-                              int64_t max_new_tokens, Sampler& sampler,
-                              const std::function<bool(int32_t)>& keep_going) {
+                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
+                              const StepObserver& observe) {
   K3_CHECK(!prompt.empty(), "generate: the prompt is empty");
   K3_CHECK(max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ", max_new_tokens);
   const int64_t V = cfg.vocab_size, eos = cfg.eos_token_id;
@@ -30,6 +30,7 @@ GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const
   for (int64_t i = 0; i < max_new_tokens; ++i) {
     const int32_t next = sampler.sample(logits.data(), V);
     r.tokens.push_back(next);
+    if (observe) observe(logits.data(), V, next);
     const bool go_on = keep_going ? keep_going(next) : true;
     if (next == eos) {
       r.stopped_on_eos = true;

@@ -24,10 +24,15 @@ using AppendFn = std::function<std::vector<float>(const std::vector<int32_t>& to
 GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});
 
+// Sees each step's logits [V] (the model's, before any sampling transform) and the id chosen from them.
+using StepObserver = std::function<void(const float* logits, int64_t V, int32_t id)>;
+
 // generate() whose caller decides after each new id whether to go on: keep_going(id) returning false
 // ends the run there (the id is kept; stopped_by_caller is set), as a stop string or a closed
-// connection does for the server. Otherwise it stops as generate() does.
+// connection does for the server. Otherwise it stops as generate() does. observe (optional) is called
+// with each step's logits and id before keep_going.
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
-                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going);
+                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
+                              const StepObserver& observe = {});
 
 }  // namespace k3

@@ -67,6 +67,24 @@ size_t final_prefix(const std::string& text, const std::vector<std::string>& sto
   return utf8_complete_prefix(std::string_view(text).substr(0, end - stop_holdback(text, stops)));
 }
 
+// Collects the generated tokens' log-probabilities when the request asks for them, and hands out the
+// entries not yet sent.
+struct LogprobLog {
+  explicit LogprobLog(int top) : n_top(top) {}
+  int n_top;  // -1: not asked for
+  std::vector<TokenLogprob> all;
+  size_t sent = 0;
+  StepObserver observer() {
+    if (n_top < 0) return {};
+    return [this](const float* logits, int64_t V, int32_t id) { all.push_back(token_logprob(logits, V, id, n_top)); };
+  }
+  std::vector<TokenLogprob> take() {
+    std::vector<TokenLogprob> out(all.begin() + std::ptrdiff_t(sent), all.end());
+    sent = all.size();
+    return out;
+  }
+};
+
 }  // namespace
 
 PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req) {
@@ -103,8 +121,9 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
   bool stop_hit = false, cancelled = false;
   XtmlAssistantMessage msg;
   std::vector<int32_t> made;
+  LogprobLog lps(req.gen.top_logprobs);
   Clock::time_point first;
-  const GenerateResult g = generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, [&](int32_t id) {
+  auto step = [&](int32_t id) {
     if (made.empty()) first = Clock::now(), r.timing.first_token_seconds = seconds_since(t0);
     made.push_back(id);
     msg = parse_assistant(xtml_pieces_from_ids(tok, made), start);
@@ -115,21 +134,31 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
     if (content_ok > sent_content) d.content = msg.response.substr(sent_content, content_ok - sent_content);
     sent_reasoning = std::max(sent_reasoning, think_ok);
     sent_content = std::max(sent_content, content_ok);
-    if (emit && (!d.reasoning.empty() || !d.content.empty()) && !emit(d)) cancelled = true;
+    if (emit && (!d.reasoning.empty() || !d.content.empty())) {
+      d.logprobs = lps.take();
+      if (!emit(d)) cancelled = true;
+    }
     return !cancelled && !stop_hit && !msg.complete;
-  });
+  };
+  const GenerateResult g =
+      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
 
-  // What is left to send: the rest of the reasoning and of the content (up to a stop string).
-  if (!stop_hit && !cancelled) {
+  // What is left to send: the rest of the reasoning and of the content (up to a stop string), and the
+  // log-probabilities not sent yet.
+  if (!cancelled) {
     ChatDelta d;
-    if (msg.think.size() > sent_reasoning) d.reasoning = msg.think.substr(sent_reasoning);
-    const size_t end = stop_end(msg.response, req.gen.stop, &stop_hit);
-    if (end > sent_content) d.content = msg.response.substr(sent_content, end - sent_content);
-    sent_content = std::max(sent_content, end);
-    if (emit && (!d.reasoning.empty() || !d.content.empty())) emit(d);
+    if (!stop_hit) {
+      if (msg.think.size() > sent_reasoning) d.reasoning = msg.think.substr(sent_reasoning);
+      const size_t end = stop_end(msg.response, req.gen.stop, &stop_hit);
+      if (end > sent_content) d.content = msg.response.substr(sent_content, end - sent_content);
+      sent_content = std::max(sent_content, end);
+    }
+    d.logprobs = lps.take();
+    if (emit && (!d.reasoning.empty() || !d.content.empty() || !d.logprobs.empty())) emit(d);
   }
+  r.logprobs = std::move(lps.all);
   if (stop_hit) msg.response.resize(sent_content), msg.tool_calls.clear();
   r.message = msg.to_openai();
   const bool ended = msg.complete || g.stopped_on_eos || stop_hit;
@@ -138,7 +167,7 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
 }
 
 TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
-                          const PreparedPrompt& prompt, const std::function<bool(const std::string&)>& emit) {
+                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit) {
   const auto t0 = Clock::now();
   const K3Config& cfg = engine.config();
   TextResult r;
@@ -149,25 +178,34 @@ TextResult run_completion(Engine& engine, const Tokenizer& tok, const Completion
   bool stop_hit = false, cancelled = false;
   std::string text;
   std::vector<int32_t> made;
+  LogprobLog lps(req.gen.top_logprobs);
   Clock::time_point first;
-  const GenerateResult g = generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, [&](int32_t id) {
+  auto step = [&](int32_t id) {
     if (made.empty()) first = Clock::now(), r.timing.first_token_seconds = seconds_since(t0);
     made.push_back(id);
     if (id == cfg.eos_token_id) return true;  // generate_until stops on it; it is not text
     text = tok.decode(made);
     const size_t ok = final_prefix(text, req.gen.stop, &stop_hit);
-    if (emit && ok > sent && !emit(text.substr(sent, ok - sent))) cancelled = true;
+    if (emit && ok > sent && !emit(TextDelta{text.substr(sent, ok - sent), lps.take()})) cancelled = true;
     sent = std::max(sent, ok);
     return !cancelled && !stop_hit;
-  });
+  };
+  const GenerateResult g =
+      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
-  if (!stop_hit && !cancelled && text.size() > sent) {
-    const size_t end = stop_end(text, req.gen.stop, &stop_hit);
-    if (emit && end > sent) emit(text.substr(sent, end - sent));
-    sent = std::max(sent, end);
+  if (!cancelled) {
+    TextDelta d;
+    if (!stop_hit && text.size() > sent) {
+      const size_t end = stop_end(text, req.gen.stop, &stop_hit);
+      if (end > sent) d.text = text.substr(sent, end - sent);
+      sent = std::max(sent, end);
+    }
+    d.logprobs = lps.take();
+    if (emit && (!d.text.empty() || !d.logprobs.empty())) emit(d);
   }
   r.text = text.substr(0, sent);
+  r.logprobs = std::move(lps.all);
   r.finish_reason = g.stopped_on_eos || stop_hit ? "stop" : "length";
   return r;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/engine.h"
+#include "serve/logprobs.h"
 #include "serve/openai_api.h"
 #include "tokenizer/tokenizer.h"
 
@@ -24,9 +25,17 @@ struct Timing {
   double decode_seconds = 0.0;       // first token to the last
 };
 
-// New text of the assistant's two channels since the previous call.
+// New text of the assistant's two channels since the previous call, and (when the request asked for
+// log-probabilities) the entries of the tokens generated since then.
 struct ChatDelta {
   std::string reasoning, content;
+  std::vector<TokenLogprob> logprobs;
+};
+
+// New completion text since the previous call, with its tokens' log-probabilities as ChatDelta's.
+struct TextDelta {
+  std::string text;
+  std::vector<TokenLogprob> logprobs;
 };
 
 struct ChatResult {
@@ -34,6 +43,7 @@ struct ChatResult {
   std::string finish_reason;       // "stop", "length" or "tool_calls"
   Usage usage;
   Timing timing;
+  std::vector<TokenLogprob> logprobs;  // every generated token's, when asked for (think channel included)
 };
 
 struct TextResult {
@@ -41,6 +51,7 @@ struct TextResult {
   std::string finish_reason;  // "stop" or "length"
   Usage usage;
   Timing timing;
+  std::vector<TokenLogprob> logprobs;  // every generated token's, when asked for
 };
 
 // A request's prompt ids and how many tokens it may generate, checked before anything is sent: a bad
@@ -56,10 +67,12 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
 // emit(...) receives text once it is final: never a cut UTF-8 character, never text that a stop string
 // could still remove. Returning false cancels the request (the client went away): generation stops
 // and the result says what was made so far. Stop strings apply to the content (not the reasoning);
-// the text is cut before the stop string, which is not returned.
+// the text is cut before the stop string, which is not returned. With log-probabilities asked for,
+// each delta carries the entries of the tokens generated since the previous one, and a last delta
+// (possibly without text) the rest: over a stream they are every generated token's, in order.
 ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
                     const std::function<bool(const ChatDelta&)>& emit = {});
 TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
-                          const PreparedPrompt& prompt, const std::function<bool(const std::string&)>& emit = {});
+                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit = {});
 
 }  // namespace k3::serve

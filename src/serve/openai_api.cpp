@@ -136,9 +136,17 @@ GenerationRequest generation_fields(const ojson& b, const ApiLimits& limits, boo
     if (number_field(b, key, 0.0, -2.0, 2.0) != 0.0)
       throw bad_request(key, std::string(key) + " is not supported by k3 serve yet (only 0)");
   }
-  if (bool_field(b, "logprobs", false) || (b.contains("top_logprobs") && !b["top_logprobs"].is_null()))
-    throw bad_request(b.contains("top_logprobs") ? "top_logprobs" : "logprobs",
-                      "logprobs are not supported by k3 serve yet");
+  if (chat) {
+    const std::optional<int64_t> top = int_field(b, "top_logprobs");
+    if (top && (*top < 0 || *top > 20))
+      throw bad_request("top_logprobs", "top_logprobs must be in [0, 20], got " + std::to_string(*top));
+    const bool on = bool_field(b, "logprobs", false);
+    if (top && !on) throw bad_request("top_logprobs", "top_logprobs needs logprobs to be true");
+    if (on) g.top_logprobs = int(top.value_or(0));
+  } else if (const std::optional<int64_t> n = int_field(b, "logprobs")) {
+    if (*n < 0 || *n > 5) throw bad_request("logprobs", "logprobs must be in [0, 5], got " + std::to_string(*n));
+    g.top_logprobs = int(*n);
+  }
   if (b.contains("logit_bias") && !b["logit_bias"].is_null() && !b["logit_bias"].empty())
     throw bad_request("logit_bias", "logit_bias is not supported by k3 serve yet");
   return g;

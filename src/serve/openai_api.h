@@ -31,6 +31,9 @@ struct GenerationRequest {
   SamplingParams sampling;        // greedy when temperature is 0
   std::vector<std::string> stop;  // at most 4 non-empty strings
   bool stream = false, include_usage = false;
+  // -1: no log-probabilities; else each generated token's, with this many alternatives (chat:
+  // `logprobs: true` and `top_logprobs` 0..20; completions: `logprobs` 0..5).
+  int top_logprobs = -1;
 };
 
 // /v1/chat/completions: the body as render_chat (tokenizer/xtml_chat.h) reads it, and whether the

@@ -109,6 +109,11 @@ struct Server::Impl {
     return f();
   }
 
+  // OpenAI's choices[].logprobs of a chat response or chunk.
+  ojson chat_lp(const std::vector<TokenLogprob>& lps) const {
+    return ojson{{"content", chat_logprobs(tok, lps)}, {"refusal", nullptr}};
+  }
+
   ojson envelope(const std::string& id, const char* object) const {
     return ojson{{"id", id}, {"object", object}, {"created", int64_t(std::time(nullptr))}, {"model", o.model_id}};
   }
@@ -191,17 +196,19 @@ struct Server::Impl {
         const ChatResult out = run_chat(*engine, tok, *r, *prompt);
         record(out.usage, out.timing, arrived);
         ojson body = envelope(id, "chat.completion");
-        body["choices"] = ojson::array({ojson{
-            {"index", 0}, {"message", out.message}, {"logprobs", nullptr}, {"finish_reason", out.finish_reason}}});
+        const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
+        body["choices"] = ojson::array(
+            {ojson{{"index", 0}, {"message", out.message}, {"logprobs", lp}, {"finish_reason", out.finish_reason}}});
         body["usage"] = out.usage.to_json();
         return body;
       });
     }
     stream(res, [this, r, prompt, id, arrived](httplib::DataSink& sink) {
-      auto chunk = [&](const ojson& delta, const ojson& finish) {
+      auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
         ojson c = envelope(id, "chat.completion.chunk");
+        const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
         c["choices"] =
-            ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+            ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}});
         return c;
       };
       bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
@@ -209,7 +216,7 @@ struct Server::Impl {
         ojson delta = ojson::object();
         if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
         if (!d.content.empty()) delta["content"] = d.content;
-        open = open && sse(sink, chunk(delta, nullptr));
+        open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
         return open;
       });
       record(out.usage, out.timing, arrived);
@@ -235,24 +242,31 @@ struct Server::Impl {
     auto prompt = std::make_shared<PreparedPrompt>();
     if (!accept(req, res, *r, *prompt, parse_completion_request_body, prepare_completion)) return;
     const std::string id = new_id("cmpl");
-    auto choice = [](const std::string& text, const ojson& finish) {
-      return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}}});
+    auto choice = [](const std::string& text, const ojson& finish, const ojson& lp = nullptr) {
+      return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", lp}, {"finish_reason", finish}}});
     };
     if (!r->gen.stream) {
       return respond(res, [&] {
         const TextResult out = run_completion(*engine, tok, *r, *prompt);
         record(out.usage, out.timing, arrived);
         ojson body = envelope(id, "text_completion");
-        body["choices"] = choice(out.text, out.finish_reason);
+        const ojson lp = r->gen.top_logprobs >= 0 ? completion_logprobs(tok, out.logprobs) : ojson(nullptr);
+        body["choices"] = choice(out.text, out.finish_reason, lp);
         body["usage"] = out.usage.to_json();
         return body;
       });
     }
     stream(res, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
       bool open = true;
-      const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const std::string& text) {
+      int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
+      const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const TextDelta& d) {
         ojson c = envelope(id, "text_completion");
-        c["choices"] = choice(text, nullptr);
+        ojson lp = nullptr;
+        if (!d.logprobs.empty()) {
+          lp = completion_logprobs(tok, d.logprobs, offset);
+          for (const TokenLogprob& t : d.logprobs) offset += int64_t(token_text(tok, t.id).size());
+        }
+        c["choices"] = choice(d.text, nullptr, lp);
         open = open && sse(sink, c);
         return open;
       });

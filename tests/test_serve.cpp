@@ -11,7 +11,12 @@
 //   - a second request while one streams, with no queue allowed, gets 429;
 //   - logprobs (chat: logprobs + top_logprobs; completions: logprobs N) are the log_softmax of the
 //     logits the engine's own session gives for the same tokens, with the most probable alternatives
-//     in order; streamed, the chunks' entries put together equal the plain response's.
+//     in order; streamed, the chunks' entries put together equal the plain response's;
+//   - constrained decoding on the fixture's random weights: a json_schema reply is a document the
+//     schema accepts (checked field by field), a json_object reply an object (or, cut by max_tokens,
+//     a prefix of one), tool_choice "none" never calls a tool, streamed or not; the JSON automaton
+//     agrees with nlohmann's parser on thousands of random strings, and unsupported schema keywords
+//     are a 400 naming them.
 // The pure parsing helpers (utf8_complete_prefix, find_stop, stop_holdback) are checked on strings.
 #include <gtest/gtest.h>
 
@@ -24,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +38,7 @@
 #include "model/engine.h"
 #include "model/generate.h"
 #include "model/sampler.h"
+#include "serve/json_matcher.h"
 #include "serve/logprobs.h"
 #include "serve/openai_api.h"
 #include "serve/server.h"
@@ -405,6 +412,108 @@ TEST_F(Serve, CompletionLogprobsAreTheModelsLogSoftmax) {
   EXPECT_EQ(offsets, lp["text_offset"]);
 }
 
+// Constrained decoding on random weights: the reply is what the schema allows, whatever the model.
+const json kSchema = {{"type", "object"},
+                      {"properties",
+                       {{"ok", {{"type", "boolean"}}},
+                        {"level", {{"enum", {"low", "high"}}}},
+                        {"n", {{"type", "integer"}}},
+                        {"tag", {{"type", "string"}, {"maxLength", 3}}}}},
+                      {"required", {"ok", "level", "n"}},
+                      {"additionalProperties", false}};
+
+void expect_schema_document(const std::string& content) {
+  const json v = json::parse(content, nullptr, false);
+  ASSERT_TRUE(v.is_object()) << "not a JSON object: '" << content << "'";
+  ASSERT_TRUE(v.contains("ok") && v["ok"].is_boolean()) << content;
+  ASSERT_TRUE(v.contains("level") && (v["level"] == "low" || v["level"] == "high")) << content;
+  ASSERT_TRUE(v.contains("n") && v["n"].is_number_integer()) << content;
+  for (const auto& [k, x] : v.items()) EXPECT_TRUE(k == "ok" || k == "level" || k == "n" || k == "tag") << content;
+  if (v.contains("tag")) {
+    ASSERT_TRUE(v["tag"].is_string()) << content;
+    EXPECT_LE(v["tag"].get<std::string>().size(), 3u * 4) << content;  // 3 characters of at most 4 bytes
+  }
+}
+
+TEST_F(Serve, JsonSchemaRepliesFollowTheSchema) {
+  for (const double temperature : {0.0, 1.0, 1.5}) {
+    for (const int seed : {1, 2, 3}) {
+      json body = kChat;
+      body["thinking"] = false;
+      body["temperature"] = temperature;
+      body["seed"] = seed;
+      body["max_tokens"] = 400;
+      body["response_format"] = {{"type", "json_schema"}, {"json_schema", {{"name", "r"}, {"schema", kSchema}}}};
+      auto r = post("/v1/chat/completions", body);
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      const json j = json::parse(r->body);
+      SCOPED_TRACE("temperature " + std::to_string(temperature) + ", seed " + std::to_string(seed));
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");  // the schema's documents are short
+      expect_schema_document(j["choices"][0]["message"]["content"].get<std::string>());
+      EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+      if (temperature == 1.5 && seed == 3) {  // streamed: the same reply
+        body["stream"] = true;
+        auto s = post("/v1/chat/completions", body);
+        ASSERT_TRUE(s);
+        bool done = false;
+        std::string content;
+        for (const json& ev : events(s->body, &done))
+          if (!ev["choices"].empty()) content += ev["choices"][0]["delta"].value("content", std::string());
+        EXPECT_TRUE(done);
+        EXPECT_EQ(content, j["choices"][0]["message"]["content"]);
+      }
+    }
+  }
+}
+
+TEST_F(Serve, JsonObjectRepliesAreObjects) {
+  const sv::JsonSchema any_object = sv::JsonSchema::any_object();
+  for (const int seed : {1, 2, 3, 4}) {
+    json body = kChat;
+    body["thinking"] = seed % 2 == 0;  // the think channel stays free
+    body["temperature"] = 1.0;
+    body["seed"] = seed;
+    body["max_tokens"] = 200;
+    body["response_format"] = {{"type", "json_object"}};
+    auto r = post("/v1/chat/completions", body);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    const json& m = j["choices"][0]["message"];
+    const std::string content = m["content"].is_null() ? std::string() : m["content"].get<std::string>();
+    sv::JsonMatcher matcher(any_object);
+    for (unsigned char c : content) ASSERT_TRUE(matcher.feed(c)) << "not a prefix of an object: '" << content << "'";
+    if (j["choices"][0]["finish_reason"] == "stop") {
+      EXPECT_TRUE(matcher.complete()) << content;
+      EXPECT_TRUE(json::parse(content, nullptr, false).is_object()) << content;
+    } else {
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+    }
+  }
+}
+
+TEST_F(Serve, ToolChoiceNoneNeverCallsATool) {
+  for (const int seed : {1, 2, 3}) {
+    json body = kChat;
+    body["temperature"] = 1.0;
+    body["seed"] = seed;
+    body["max_tokens"] = 64;
+    body["tools"] =
+        json::array({json{{"type", "function"},
+                          {"function",
+                           {{"name", "get_weather"},
+                            {"parameters", {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}}}}}}});
+    body["tool_choice"] = "none";
+    auto r = post("/v1/chat/completions", body);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls")) << r->body;
+    EXPECT_NE(j["choices"][0]["finish_reason"], "tool_calls");
+  }
+}
+
 // Status, error type and the field named, for each kind of bad request.
 TEST_F(Serve, BadRequestsGetOpenAiErrors) {
   struct Case {
@@ -441,8 +550,11 @@ TEST_F(Serve, BadRequestsGetOpenAiErrors) {
        400, "top_logprobs"},
       {"/v1/completions", json{{"prompt", "a"}, {"logprobs", 6}}.dump(), 400, "logprobs"},
       {"/v1/completions", json{{"prompt", "a"}, {"logprobs", true}}.dump(), 400, "logprobs"},
-      {"/v1/chat/completions", chat_with("response_format", json{{"type", "json_object"}}), 400,
-       "response_format.type"},
+      {"/v1/chat/completions", chat_with("response_format", json{{"type", "yaml"}}), 400, "response_format.type"},
+      {"/v1/chat/completions",
+       chat_with("response_format",
+                 json{{"type", "json_schema"}, {"json_schema", {{"schema", {{"type", "string"}, {"pattern", "^a"}}}}}}),
+       400, "response_format.json_schema.schema"},
       {"/v1/chat/completions", chat_with("tool_choice", "required"), 400, "tool_choice"},
       {"/v1/chat/completions", chat_with("stream_options", json{{"include_usage", true}}), 400, "stream_options"},
       {"/v1/chat/completions", chat_with("messages", json::array({json{{"role", "wizard"}, {"content", "x"}}})), 400,
@@ -569,6 +681,72 @@ TEST(ServeApi, TokenLogprob) {
   EXPECT_TRUE(std::isinf(masked.logprob) && masked.logprob < 0);
   EXPECT_TRUE(masked.top.empty());
   EXPECT_THROW(sv::token_logprob(logits, 5, 5, 0), k3::Error);
+}
+
+// The JSON automaton against nlohmann's parser: on random strings over JSON's characters, a string
+// is accepted whole exactly when it is a JSON document, and every prefix of a document is accepted.
+TEST(ServeJson, AnyValueAgreesWithAParser) {
+  const sv::JsonSchema any = sv::JsonSchema::compile(nlohmann::json::object());
+  const std::string alphabet = "{}[]\":,-.01eE9trunlfas \\u\xc3\xa9";
+  std::mt19937 rng(7);
+  int documents = 0;
+  for (int trial = 0; trial < 60000; ++trial) {
+    std::string t;
+    const size_t len = 1 + rng() % 10;
+    for (size_t i = 0; i < len; ++i) t.push_back(alphabet[rng() % alphabet.size()]);
+    if (trial % 3 == 0)
+      t = json::parse("[1, {\"a\": [true, null, \"x\\u00e9\"]}, -0.5e3]").dump().substr(0, len + 5) + t;
+    sv::JsonMatcher m(any);
+    size_t fed = 0;
+    while (fed < t.size() && m.feed(uint8_t(t[fed]))) ++fed;
+    const bool accepted = fed == t.size() && m.complete();
+    const bool parses = json::accept(t);
+    documents += parses;
+    ASSERT_EQ(accepted, parses) << "'" << t << "' (stopped at byte " << fed << ")";
+  }
+  EXPECT_GT(documents, 100);
+}
+
+TEST(ServeJson, SchemaIsEnforcedByteByByte) {
+  const sv::JsonSchema s = sv::JsonSchema::compile(
+      nlohmann::json::parse(R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+        "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+        "required": ["name", "age"], "additionalProperties": false})"));
+  // (text, bytes accepted before the first refusal; npos: all, and the document is complete)
+  const std::vector<std::pair<std::string, size_t>> cases = {
+      {R"({"name":"Bob","age":42})", std::string::npos},
+      {R"({ "age": -7, "tags": ["a", "b"], "name": "x\u00e9" })", std::string::npos},
+      {R"({"name":"Bob"})", 13},          // "age" is required
+      {R"({"nam":1})", 5},                // not a property
+      {R"({"name":"toolong"})", 14},      // maxLength 5
+      {R"({"name":"a","age":1.5})", 19},  // an integer
+      {R"({"tags":["c"]})", 10},          // not in the enum
+      {R"({"tags":["a","a","a"]})", 16},  // maxItems 2
+      {R"({"age":1,"age":2})", 10},       // given twice: no key left starts with a
+      {"{" + std::string(17, ' '), 17},   // at most 16 whitespace bytes
+  };
+  for (const auto& [text, stop] : cases) {
+    sv::JsonMatcher m(s);
+    size_t fed = 0;
+    while (fed < text.size() && m.feed(uint8_t(text[fed]))) ++fed;
+    if (stop == std::string::npos) {
+      EXPECT_EQ(fed, text.size()) << text;
+      EXPECT_TRUE(m.complete()) << text;
+    } else {
+      EXPECT_EQ(fed, stop) << text;
+    }
+  }
+}
+
+TEST(ServeJson, UnsupportedSchemasAreRefused) {
+  for (const char* bad :
+       {R"({"type": "string", "pattern": "^a"})", R"({"anyOf": [{"type": "string"}, {"enum": ["x"]}]})",
+        R"({"required": ["x"], "additionalProperties": false})", R"({"type": "date"})", R"({"$ref": "#/defs/a"})",
+        R"(false)"}) {
+    EXPECT_THROW(sv::JsonSchema::compile(nlohmann::json::parse(bad)), sv::SchemaError) << bad;
+  }
+  EXPECT_NO_THROW(sv::JsonSchema::compile(nlohmann::json::parse(
+      R"({"title": "t", "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]})")));
 }
 
 #else

@@ -27,12 +27,16 @@ GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::
 // Sees each step's logits [V] (the model's, before any sampling transform) and the id chosen from them.
 using StepObserver = std::function<void(const float* logits, int64_t V, int32_t id)>;
 
+// Masks a step's logits in place before sampling (-inf on the ids that may not come next).
+using LogitsMask = std::function<void(float* logits, int64_t V)>;
+
 // generate() whose caller decides after each new id whether to go on: keep_going(id) returning false
 // ends the run there (the id is kept; stopped_by_caller is set), as a stop string or a closed
 // connection does for the server. Otherwise it stops as generate() does. observe (optional) is called
-// with each step's logits and id before keep_going.
+// with each step's logits (unmasked) and id before keep_going; mask (optional) restricts what the
+// sampler may pick (constrained decoding).
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
-                              const StepObserver& observe = {});
+                              const StepObserver& observe = {}, const LogitsMask& mask = {});
 
 }  // namespace k3

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
+#include <optional>
 
 #include "core/error.h"
 #include "model/generate.h"
@@ -109,7 +111,7 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
 }
 
 ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
-                    const std::function<bool(const ChatDelta&)>& emit) {
+                    const std::function<bool(const ChatDelta&)>& emit, const TokenTrie* trie) {
   const auto t0 = Clock::now();
   const K3Config& cfg = engine.config();
   ChatResult r;
@@ -122,9 +124,16 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
   XtmlAssistantMessage msg;
   std::vector<int32_t> made;
   LogprobLog lps(req.gen.top_logprobs);
+  std::unique_ptr<TokenTrie> own_trie;
+  std::optional<TurnConstraint> grammar;
+  if (req.constrained) {
+    if (!trie) own_trie = std::make_unique<TokenTrie>(tok), trie = own_trie.get();
+    grammar.emplace(tok, *trie, TurnSpec{req.thinking, req.schema});
+  }
   Clock::time_point first;
   auto step = [&](int32_t id) {
     if (made.empty()) first = Clock::now(), r.timing.first_token_seconds = seconds_since(t0);
+    K3_CHECK(!grammar || grammar->accept(id), "constrained decoding: token ", id, " was sampled past the mask");
     made.push_back(id);
     msg = parse_assistant(xtml_pieces_from_ids(tok, made), start);
     ChatDelta d;
@@ -140,8 +149,10 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
     }
     return !cancelled && !stop_hit && !msg.complete;
   };
+  LogitsMask mask;
+  if (grammar) mask = [&](float* logits, int64_t V) { grammar->mask(logits, V); };
   const GenerateResult g =
-      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
+      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), mask);
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
 

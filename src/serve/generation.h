@@ -11,6 +11,7 @@
 #include "model/engine.h"
 #include "serve/logprobs.h"
 #include "serve/openai_api.h"
+#include "serve/turn_constraint.h"
 #include "tokenizer/tokenizer.h"
 
 namespace k3::serve {
@@ -70,8 +71,10 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
 // the text is cut before the stop string, which is not returned. With log-probabilities asked for,
 // each delta carries the entries of the tokens generated since the previous one, and a last delta
 // (possibly without text) the rest: over a stream they are every generated token's, in order.
+// A constrained request (ChatRequest::constrained) samples only what keeps the turn in its grammar
+// (serve/turn_constraint.h) over `trie`, the tokenizer's (built here when null).
 ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
-                    const std::function<bool(const ChatDelta&)>& emit = {});
+                    const std::function<bool(const ChatDelta&)>& emit = {}, const TokenTrie* trie = nullptr);
 TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
                           const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit = {});
 

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "tokenizer/xtml_chat.h"
 
 namespace k3::serve {
 
@@ -168,16 +169,30 @@ ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limi
     if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string())
       throw bad_request("response_format", "response_format must be an object with a string type");
     const std::string type = rf["type"].get<std::string>();
-    if (type != "text")
+    if (type == "json_object") {
+      r.constrained = true;
+      r.schema = std::make_shared<const JsonSchema>(JsonSchema::any_object());
+    } else if (type == "json_schema") {
+      const ojson schema = response_format_schema(rf);  // what the prompt shows the model
+      if (schema.is_null())
+        throw bad_request("response_format.json_schema", "response_format json_schema needs json_schema.schema");
+      try {
+        r.schema = std::make_shared<const JsonSchema>(JsonSchema::compile(nlohmann::json::parse(schema.dump())));
+      } catch (const SchemaError& e) {
+        throw bad_request("response_format.json_schema.schema", e.what());
+      }
+      r.constrained = true;
+    } else if (type != "text") {
       throw bad_request("response_format.type",
-                        "response_format " + type + " needs constrained decoding, which k3 serve does not have yet");
+                        "response_format type must be text, json_object or json_schema, got " + type);
+    }
   }
   if (b.contains("tool_choice") && !b["tool_choice"].is_null()) {
     const ojson& tc = b["tool_choice"];
-    const bool plain = tc.is_string() && (tc == "auto" || tc == "none");
-    if (!plain)
+    if (tc == "none") r.constrained = true;  // no tools block, enforced
+    else if (tc != "auto")
       throw bad_request("tool_choice", "tool_choice " + tc.dump() +
-                                           " needs constrained decoding, which k3 serve does not have yet "
+                                           " needs a forced tool call, which k3 serve does not have yet "
                                            "(\"auto\" and \"none\" work)");
   }
   return r;

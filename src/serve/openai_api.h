@@ -3,6 +3,7 @@
 // No HTTP here (serve/server.h has that), so every rule is testable on strings.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "model/sampler.h"
+#include "serve/json_matcher.h"
 
 namespace k3::serve {
 
@@ -42,6 +44,10 @@ struct ChatRequest {
   nlohmann::ordered_json body;
   GenerationRequest gen;
   bool thinking = true;
+  // Constrained decoding (serve/turn_constraint.h): on for a JSON response_format (its schema here;
+  // json_object: any object) and for tool_choice "none" (no tools block; free text when no schema).
+  bool constrained = false;
+  std::shared_ptr<const JsonSchema> schema;
 };
 
 // /v1/completions: a prompt as text or as token ids.

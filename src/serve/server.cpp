@@ -39,7 +39,8 @@ struct Server::Impl {
   int64_t ttft_count = 0, tpot_count = 0;
 
   Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts)
-      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {}
+      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)), trie(tok) {}
+  const TokenTrie trie;  // the vocabulary's bytes, for constrained decoding
 
   ApiLimits limits() const { return ApiLimits{o.model_id, o.default_max_tokens}; }
 
@@ -193,7 +194,7 @@ struct Server::Impl {
     const std::string id = new_id("chatcmpl");
     if (!r->gen.stream) {
       return respond(res, [&] {
-        const ChatResult out = run_chat(*engine, tok, *r, *prompt);
+        const ChatResult out = run_chat(*engine, tok, *r, *prompt, {}, &trie);
         record(out.usage, out.timing, arrived);
         ojson body = envelope(id, "chat.completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
@@ -212,13 +213,16 @@ struct Server::Impl {
         return c;
       };
       bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
-      const ChatResult out = run_chat(*engine, tok, *r, *prompt, [&](const ChatDelta& d) {
-        ojson delta = ojson::object();
-        if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
-        if (!d.content.empty()) delta["content"] = d.content;
-        open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
-        return open;
-      });
+      const ChatResult out = run_chat(
+          *engine, tok, *r, *prompt,
+          [&](const ChatDelta& d) {
+            ojson delta = ojson::object();
+            if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+            if (!d.content.empty()) delta["content"] = d.content;
+            open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
+            return open;
+          },
+          &trie);
       record(out.usage, out.timing, arrived);
       if (!open) return false;
       if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index

@@ -281,9 +281,10 @@ bool bool_field(const ojson& req, const char* key, bool dflt) {
   return req[key].get<bool>();
 }
 
-// The schema of a json_schema response format: response_format.json_schema.schema (or the
-// json_schema object itself when it has no "schema"), as the reference's extract_response_schema.
-ojson response_schema(const ojson& rf) {
+}  // namespace
+
+// As the reference's extract_response_schema.
+ojson response_format_schema(const ojson& rf) {
   if (!rf.is_object() || !rf.contains("json_schema") || rf["json_schema"].is_null()) return nullptr;
   const ojson& js = rf["json_schema"];
   if (!js.is_object()) return js;
@@ -291,8 +292,6 @@ ojson response_schema(const ojson& rf) {
   if (js.contains("json_schema")) return js["json_schema"];
   return js;
 }
-
-}  // namespace
 
 std::vector<ChatSegment> render_chat(const ojson& req) {
   if (!req.is_object()) fail("chat request: expected a JSON object with 'messages'");
@@ -435,7 +434,7 @@ std::vector<ChatSegment> render_chat(const ojson& req) {
     if (type == "json_object") {
       w.internal_system("response-format", head);
     } else if (type == "json_schema") {
-      const std::string schema = python_json_dumps(deep_sorted(response_schema(rf)), /*compact=*/true);
+      const std::string schema = python_json_dumps(deep_sorted(response_format_schema(rf)), /*compact=*/true);
       w.internal_system("response-format",
                         head + "\nThe JSON data must match the following schema:\n```json\n" + schema + "\n```");
     }

@@ -41,6 +41,11 @@ inline constexpr const char* kXtmlImagePlaceholder = "<|kimi_image_placeholder|>
 // Segments of a request; throws k3::Error naming the offending field (e.g. messages[2].role).
 std::vector<ChatSegment> render_chat(const nlohmann::ordered_json& request);
 
+// The schema of a json_schema response format as the reference extracts it: response_format
+// .json_schema.schema, else .json_schema.json_schema, else the json_schema object itself; null when
+// there is none.
+nlohmann::ordered_json response_format_schema(const nlohmann::ordered_json& response_format);
+
 // The rendered prompt: the segments' texts concatenated.
 std::string join_segments(const std::vector<ChatSegment>& segments);
 

@@ -14,7 +14,8 @@
 //     in order; streamed, the chunks' entries put together equal the plain response's;
 //   - constrained decoding on the fixture's random weights: a json_schema reply is a document the
 //     schema accepts (checked field by field), a json_object reply an object (or, cut by max_tokens,
-//     a prefix of one), tool_choice "none" never calls a tool, streamed or not; the JSON automaton
+//     a prefix of one), tool_choice "none" never calls a tool, "required" or a named function makes
+//     exactly one call whose arguments the tool's schema accepts, streamed or not; the JSON automaton
 //     agrees with nlohmann's parser on thousands of random strings, and unsupported schema keywords
 //     are a 400 naming them.
 // The pure parsing helpers (utf8_complete_prefix, find_stop, stop_holdback) are checked on strings.
@@ -514,6 +515,83 @@ TEST_F(Serve, ToolChoiceNoneNeverCallsATool) {
   }
 }
 
+// Forced calls on random weights: one call to a declared tool, its arguments what its schema allows.
+const json kTools =
+    json::array({json{{"type", "function"},
+                      {"function",
+                       {{"name", "get_weather"},
+                        {"parameters",
+                         {{"type", "object"},
+                          {"properties", {{"city", {{"enum", {"Paris", "Oslo"}}}}, {"days", {{"type", "integer"}}}}},
+                          {"required", {"city"}},
+                          {"additionalProperties", false}}}}}},
+                 json{{"type", "function"},
+                      {"function",
+                       {{"name", "get_time"},
+                        {"parameters",
+                         {{"type", "object"},
+                          {"properties", {{"zone", {{"type", "string"}, {"maxLength", 4}}}}},
+                          {"required", {"zone"}},
+                          {"additionalProperties", false}}}}}}});
+
+void expect_valid_call(const json& call, const std::string& only_name = "") {
+  ASSERT_EQ(call["type"], "function");
+  const std::string name = call["function"]["name"];
+  if (!only_name.empty()) {
+    EXPECT_EQ(name, only_name);
+  }
+  const json args = json::parse(call["function"]["arguments"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(args.is_object()) << call.dump();
+  if (name == "get_weather") {
+    ASSERT_TRUE(args.contains("city") && (args["city"] == "Paris" || args["city"] == "Oslo")) << args.dump();
+    if (args.contains("days")) {
+      EXPECT_TRUE(args["days"].is_number_integer()) << args.dump();
+    }
+    for (const auto& [k, v] : args.items()) EXPECT_TRUE(k == "city" || k == "days") << args.dump();
+  } else {
+    ASSERT_EQ(name, "get_time");
+    ASSERT_TRUE(args.contains("zone") && args["zone"].is_string()) << args.dump();
+    EXPECT_EQ(args.size(), 1u) << args.dump();
+  }
+}
+
+TEST_F(Serve, ForcedToolCallsFollowTheToolsSchemas) {
+  for (const json& choice : {json("required"), json{{"type", "function"}, {"function", {{"name", "get_time"}}}}}) {
+    for (const int seed : {1, 2, 3}) {
+      json body = kChat;
+      body["thinking"] = false;
+      body["temperature"] = 1.0;
+      body["seed"] = seed;
+      body["max_tokens"] = 300;
+      body["tools"] = kTools;
+      body["tool_choice"] = choice;
+      auto r = post("/v1/chat/completions", body);
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      const json j = json::parse(r->body);
+      SCOPED_TRACE(choice.dump() + ", seed " + std::to_string(seed));
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+      const json& m = j["choices"][0]["message"];
+      ASSERT_TRUE(m.contains("tool_calls")) << r->body;
+      ASSERT_EQ(m["tool_calls"].size(), 1u);
+      expect_valid_call(m["tool_calls"][0], choice.is_object() ? "get_time" : "");
+      if (seed == 1) {  // streamed: the same call
+        body["stream"] = true;
+        auto s = post("/v1/chat/completions", body);
+        ASSERT_TRUE(s);
+        bool done = false;
+        json calls;
+        for (const json& ev : events(s->body, &done))
+          if (!ev["choices"].empty() && ev["choices"][0]["delta"].contains("tool_calls"))
+            calls = ev["choices"][0]["delta"]["tool_calls"];
+        EXPECT_TRUE(done);
+        ASSERT_EQ(calls.size(), 1u);
+        EXPECT_EQ(calls[0]["function"], m["tool_calls"][0]["function"]);
+      }
+    }
+  }
+}
+
 // Status, error type and the field named, for each kind of bad request.
 TEST_F(Serve, BadRequestsGetOpenAiErrors) {
   struct Case {
@@ -555,7 +633,26 @@ TEST_F(Serve, BadRequestsGetOpenAiErrors) {
        chat_with("response_format",
                  json{{"type", "json_schema"}, {"json_schema", {{"schema", {{"type", "string"}, {"pattern", "^a"}}}}}}),
        400, "response_format.json_schema.schema"},
-      {"/v1/chat/completions", chat_with("tool_choice", "required"), 400, "tool_choice"},
+      {"/v1/chat/completions", chat_with("tool_choice", "required"), 400, "tool_choice"},  // no tools
+      {"/v1/chat/completions", chat_with("tool_choice", "sometimes"), 400, "tool_choice"},
+      {"/v1/chat/completions",
+       [] {
+         json b = kChat;
+         b["tools"] = kTools;
+         b["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_stock"}}}};
+         return b.dump();
+       }(),
+       400, "tool_choice"},
+      {"/v1/chat/completions",
+       [] {
+         json b = kChat;
+         b["tools"] = json::array(
+             {json{{"type", "function"},
+                   {"function", {{"name", "f"}, {"parameters", {{"type", "object"}, {"minProperties", 1}}}}}}});
+         b["tool_choice"] = "required";
+         return b.dump();
+       }(),
+       400, "tools[0].function.parameters"},
       {"/v1/chat/completions", chat_with("stream_options", json{{"include_usage", true}}), 400, "stream_options"},
       {"/v1/chat/completions", chat_with("messages", json::array({json{{"role", "wizard"}, {"content", "x"}}})), 400,
        "messages"},

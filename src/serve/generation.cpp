@@ -128,7 +128,7 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
   std::optional<TurnConstraint> grammar;
   if (req.constrained) {
     if (!trie) own_trie = std::make_unique<TokenTrie>(tok), trie = own_trie.get();
-    grammar.emplace(tok, *trie, TurnSpec{req.thinking, req.schema});
+    grammar.emplace(tok, *trie, TurnSpec{req.thinking, req.schema, req.forced});
   }
   Clock::time_point first;
   auto step = [&](int32_t id) {

@@ -1,5 +1,7 @@
 #include "serve/openai_api.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 
@@ -153,6 +155,45 @@ GenerationRequest generation_fields(const ojson& b, const ApiLimits& limits, boo
   return g;
 }
 
+// The tools a request declares (its `tools`, and any system message's), for a forced call: each one's
+// name and parameter schema (none: any object). A name a forced call could not write back exactly,
+// or a schema constrained decoding cannot hold, is a 400.
+std::vector<ForcedTool> declared_tools(const ojson& b) {
+  std::vector<std::pair<const ojson*, std::string>> lists;
+  if (b.contains("tools") && b["tools"].is_array()) lists.push_back({&b["tools"], "tools"});
+  for (size_t i = 0; i < b["messages"].size(); ++i) {
+    const ojson& m = b["messages"][i];
+    if (m.is_object() && m.contains("tools") && m["tools"].is_array())
+      lists.push_back({&m["tools"], "messages[" + std::to_string(i) + "].tools"});
+  }
+  std::vector<ForcedTool> out;
+  for (const auto& [list, where] : lists) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      const std::string at = where + "[" + std::to_string(i) + "]";
+      const ojson& t = (*list)[i];
+      const ojson& fn = t.is_object() && t.contains("function") ? t["function"] : t;
+      if (!fn.is_object() || !fn.contains("name") || !fn["name"].is_string())
+        throw bad_request(at, "a tool needs a function name");
+      ForcedTool f;
+      f.name = fn["name"].get<std::string>();
+      const bool plain = !f.name.empty() && std::all_of(f.name.begin(), f.name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
+      });
+      if (!plain) throw bad_request(at, "a forced call needs tool names of letters, digits, '_', '-' and '.'");
+      try {
+        f.parameters =
+            std::make_shared<const JsonSchema>(fn.contains("parameters") && !fn["parameters"].is_null()
+                                                   ? JsonSchema::compile(nlohmann::json::parse(fn["parameters"].dump()))
+                                                   : JsonSchema::any_object());
+      } catch (const SchemaError& e) {
+        throw bad_request(at + ".function.parameters", e.what());
+      }
+      out.push_back(std::move(f));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limits) {
@@ -189,11 +230,29 @@ ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limi
   }
   if (b.contains("tool_choice") && !b["tool_choice"].is_null()) {
     const ojson& tc = b["tool_choice"];
-    if (tc == "none") r.constrained = true;  // no tools block, enforced
-    else if (tc != "auto")
-      throw bad_request("tool_choice", "tool_choice " + tc.dump() +
-                                           " needs a forced tool call, which k3 serve does not have yet "
-                                           "(\"auto\" and \"none\" work)");
+    if (tc == "none") {
+      r.constrained = true;  // no tools block, enforced
+    } else if (tc == "required" || (tc.is_object() && tc.value("type", "") == "function")) {
+      std::vector<ForcedTool> tools = declared_tools(b);
+      if (tools.empty()) throw bad_request("tool_choice", "tool_choice " + tc.dump() + " needs tools");
+      if (tc.is_object()) {
+        if (!tc.contains("function") || !tc["function"].is_object() || !tc["function"].contains("name") ||
+            !tc["function"]["name"].is_string())
+          throw bad_request("tool_choice", "tool_choice needs function.name");
+        const std::string name = tc["function"]["name"].get<std::string>();
+        const auto it = std::find_if(tools.begin(), tools.end(), [&](const ForcedTool& t) { return t.name == name; });
+        if (it == tools.end())
+          throw bad_request("tool_choice", "tool_choice names '" + name + "', which is not a tool");
+        tools = {*it};
+      }
+      if (!r.schema) r.forced = std::move(tools), r.constrained = true;
+      else throw bad_request("tool_choice", "a forced tool call and a JSON response_format exclude each other");
+    } else if (tc != "auto") {
+      throw bad_request("tool_choice",
+                        "tool_choice must be \"auto\", \"none\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}, got " +
+                            tc.dump());
+    }
   }
   return r;
 }

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "model/sampler.h"
-#include "serve/json_matcher.h"
+#include "serve/turn_constraint.h"
 
 namespace k3::serve {
 
@@ -45,9 +45,12 @@ struct ChatRequest {
   GenerationRequest gen;
   bool thinking = true;
   // Constrained decoding (serve/turn_constraint.h): on for a JSON response_format (its schema here;
-  // json_object: any object) and for tool_choice "none" (no tools block; free text when no schema).
+  // json_object: any object), for tool_choice "none" (no tools block; free text when no schema) and
+  // for a forced call.
   bool constrained = false;
   std::shared_ptr<const JsonSchema> schema;
+  // tool_choice "required" (every declared tool) or a named function: the one call is forced.
+  std::vector<ForcedTool> forced;
 };
 
 // /v1/completions: a prompt as text or as token ids.

@@ -70,15 +70,29 @@ TurnConstraint::TurnConstraint(const Tokenizer& tok, const TokenTrie& trie, Turn
     steps_.push_back(Step{K::kFree, "", 0});
     special(close), literal("think"), special(sep), special(open), literal("response"), special(sep);
   }
-  steps_.push_back(Step{spec_.schema ? K::kJson : K::kFree, "", 0});
-  special(close), literal("response"), special(sep);
+  if (spec_.forced.empty()) {
+    steps_.push_back(Step{spec_.schema ? K::kJson : K::kFree, "", 0});
+    special(close), literal("response"), special(sep);
+  } else {
+    special(close), literal("response"), special(sep);  // an empty response
+    special(open), literal("tools"), special(sep);
+    special(open), literal("call tool=\"");
+    steps_.push_back(Step{K::kChoice, "", 0});
+    special(sep);
+    special(open), literal("json type=\"object\""), special(sep);
+    steps_.push_back(Step{K::kJson, "", 0});
+    special(close), literal("json"), special(sep), special(close), literal("call"), special(sep);
+    special(close), literal("tools"), special(sep);
+  }
   special(close), literal("message"), special(sep), special(eom);
   enter(state_, 0);
 }
 
 void TurnConstraint::enter(State& s, size_t step) const {
   s.step = step, s.pos = 0;
-  if (step < steps_.size() && steps_[step].kind == Step::Kind::kJson) s.json.emplace(*spec_.schema);
+  s.typed.clear();
+  if (step < steps_.size() && steps_[step].kind == Step::Kind::kJson)
+    s.json.emplace(s.choice >= 0 ? *spec_.forced[size_t(s.choice)].parameters : *spec_.schema);
   else s.json.reset();
 }
 
@@ -93,6 +107,21 @@ bool TurnConstraint::feed_byte(State& s, uint8_t c) const {
       return true;
     case Step::Kind::kSpecial: return false;
     case Step::Kind::kJson: return s.json->feed(c);
+    case Step::Kind::kChoice: {
+      s.typed.push_back(char(c));
+      bool any = false;
+      for (size_t i = 0; i < spec_.forced.size(); ++i) {
+        const std::string t = choice_text(spec_.forced[i]);
+        if (t.size() < s.typed.size() || t.compare(0, s.typed.size(), s.typed) != 0) continue;
+        any = true;
+        if (t.size() == s.typed.size()) {  // ends with a quote, which no name holds: one match
+          s.choice = int(i);
+          enter(s, s.step + 1);
+          break;
+        }
+      }
+      return any;
+    }
   }
   return false;
 }
@@ -114,7 +143,8 @@ bool TurnConstraint::feed_special(State& s, int32_t id) const {
         return false;
       enter(s, s.step + 2);
       return true;
-    case Step::Kind::kLiteral: return false;
+    case Step::Kind::kLiteral:
+    case Step::Kind::kChoice: return false;
   }
   return false;
 }

@@ -3,10 +3,15 @@
 // -inf before sampling), so the reply parses whatever the weights are.
 //
 //   [think text] <|close|>think<|sep|><|open|>response<|sep|>   (when the turn starts thinking)
-//   RESPONSE <|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>
+//   RESPONSE <|close|>response<|sep|> [TOOLS] <|close|>message<|sep|><|end_of_msg|>
 //
 // RESPONSE is a JSON document the schema accepts (serve/json_matcher.h; response_format json_object
-// or json_schema), or free text; there is no tools block (tool_choice "none", or a response format).
+// or json_schema), or free text, and there is no TOOLS block (tool_choice "none", or a response
+// format). A forced call (tool_choice "required" or a named function) instead leaves RESPONSE empty
+// and makes TOOLS exactly one call to one of the given tools, its arguments a JSON object that tool's
+// parameter schema accepts:
+//   <|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|><|open|>json type="object"<|sep|>
+//   ARGUMENTS<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>
 // The think text is free. A mask walks the vocabulary's byte trie with a copy of the automaton and
 // keeps the tokens whose every byte it accepts, plus the structural special tokens the grammar
 // expects next; every other id, special or beyond the tokenizer, is masked.
@@ -42,9 +47,16 @@ class TokenTrie {
   std::vector<int32_t> same_;
 };
 
+// A tool a forced call may name: its name (letters, digits, '_', '-', '.') and its parameters' schema.
+struct ForcedTool {
+  std::string name;
+  std::shared_ptr<const JsonSchema> parameters;
+};
+
 struct TurnSpec {
   bool thinking = true;                      // the generation prompt opened the think channel
   std::shared_ptr<const JsonSchema> schema;  // the response's schema; null: free text
+  std::vector<ForcedTool> forced;            // non-empty: exactly one call to one of these
 };
 
 class TurnConstraint {
@@ -59,14 +71,19 @@ class TurnConstraint {
 
  private:
   struct Step {
-    enum class Kind : uint8_t { kFree, kLiteral, kSpecial, kJson } kind;
+    // kChoice: one of the forced tools' `NAME" index="1"` (the State remembers which); kJson: the
+    // response's schema, or the chosen tool's parameters after a kChoice.
+    enum class Kind : uint8_t { kFree, kLiteral, kSpecial, kJson, kChoice } kind;
     std::string text;     // kLiteral
     int32_t special = 0;  // kSpecial
   };
   struct State {
     size_t step = 0, pos = 0;
+    int choice = -1;                  // the forced tool being called
+    std::string typed;                // kChoice: the bytes so far
     std::optional<JsonMatcher> json;  // in a kJson step
   };
+  static std::string choice_text(const ForcedTool& t) { return t.name + "\" index=\"1\""; }
   void enter(State& s, size_t step) const;
   bool feed_byte(State& s, uint8_t c) const;
   bool feed_special(State& s, int32_t id) const;

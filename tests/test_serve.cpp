@@ -17,7 +17,10 @@
 //     a prefix of one), tool_choice "none" never calls a tool, "required" or a named function makes
 //     exactly one call whose arguments the tool's schema accepts, streamed or not; the JSON automaton
 //     agrees with nlohmann's parser on thousands of random strings, and unsupported schema keywords
-//     are a 400 naming them.
+//     are a 400 naming them;
+//   - the official OpenAI client (npm openai) drives the server as a black box
+//     (tests/tools/serve_openai_client.mjs: streaming, json_schema and tool arguments validated with
+//     ajv, logprobs, completions, errors).
 // The pure parsing helpers (utf8_complete_prefix, find_stop, stop_holdback) are checked on strings.
 #include <gtest/gtest.h>
 
@@ -27,6 +30,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -590,6 +595,31 @@ TEST_F(Serve, ForcedToolCallsFollowTheToolsSchemas) {
       }
     }
   }
+}
+
+// The official OpenAI client (npm openai, with ajv for the JSON) drives the server as a black box:
+// tests/tools/serve_openai_client.mjs's checks must all hold. Skips where node or the packages
+// (scripts/setup.sh puts them in .deps/npm) are missing.
+TEST_F(Serve, OfficialOpenAiClientDrivesTheServer) {
+  const std::string src = K3_SOURCE_DIR;
+  if (std::system("node --version > /dev/null 2>&1") != 0) GTEST_SKIP() << "no node";
+  for (const char* pkg : {"openai", "ajv"})
+    if (!std::filesystem::exists(src + "/.deps/npm/node_modules/" + pkg + "/package.json"))
+      GTEST_SKIP() << "npm package " << pkg << " is not in .deps/npm (scripts/setup.sh installs it)";
+  const std::string cmd = "node " + src +
+                          "/tests/tools/serve_openai_client.mjs http://127.0.0.1:" + std::to_string(running_->port) +
+                          "/v1 k3-tiny 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int rc = pclose(p);
+  std::printf("%s", out.c_str());
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out.find("FAIL"), std::string::npos);
+  EXPECT_NE(out.find("ok   errors: an unsupported schema keyword is a 400"), std::string::npos)
+      << "not every check ran";
 }
 
 // Status, error type and the field named, for each kind of bad request.

@@ -8,7 +8,9 @@
 //   - stop strings cut the text before their first occurrence (finish_reason "stop"), streamed too;
 //   - bad requests get OpenAI's error body with the right status and the offending field named;
 //     an API key, when set, is required everywhere but /health; /metrics counts what was served;
-//   - a second request while one streams, with no queue allowed, gets 429;
+//   - a second request while one streams, with no queue allowed, gets 429; past --request-timeout a
+//     generating request stops (finish_reason "length") and a waiting one gets 503 (a scripted
+//     engine with slow steps: tests/util/scripted_engine.h);
 //   - logprobs (chat: logprobs + top_logprobs; completions: logprobs N) are the log_softmax of the
 //     logits the engine's own session gives for the same tokens, with the most probable alternatives
 //     in order; streamed, the chunks' entries put together equal the plain response's;
@@ -52,6 +54,7 @@
 #include "tokenizer/xtml_chat.h"
 #include "tokenizer/xtml_parse.h"
 #include "util/compare.h"
+#include "util/scripted_engine.h"
 #include "util/temp_dir.h"
 
 namespace {
@@ -74,8 +77,9 @@ struct Running {
   std::unique_ptr<sv::Server> server;
   std::thread thread;
   int port = 0;
-  Running(const std::string& tok_dir, sv::ServeOptions o) {
-    auto engine = k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{});
+  Running(const std::string& tok_dir, sv::ServeOptions o)
+      : Running(k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{}), tok_dir, std::move(o)) {}
+  Running(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, sv::ServeOptions o) {
     o.host = "127.0.0.1";
     o.port = 0;
     server = std::make_unique<sv::Server>(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o);
@@ -744,6 +748,51 @@ TEST(ServeAuth, ApiKeyIsRequiredButNotForHealth) {
 
 // With no queue, a request that arrives while another streams is refused with 429; the streaming
 // one completes. (The second request is sent from the first one's receiver, on its first chunk.)
+// --request-timeout 0.3 s on a scripted engine whose every forward takes 1 s: the first request's
+// prefill ends past its deadline, so it stops at its first token (finish_reason "length"); a second
+// request, arriving 50 ms later, is still waiting for the engine at its own deadline and gets a 503;
+// /metrics counts both.
+TEST(ServeTimeout, RequestsStopAtTheirDeadline) {
+  k3test::TempDir dir("serve-timeout");
+  const std::string tok_dir = write_tokenizer(dir);
+  const k3::K3Config cfg = k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{})->config();
+  const k3::Tokenizer tok = k3::Tokenizer::load_dir(tok_dir);
+  const int32_t a = tok.encode("a", false).at(0);
+  sv::ServeOptions o;
+  o.model_id = "scripted";
+  o.request_timeout_seconds = 0.3;
+  Running running(std::make_unique<k3test::ScriptedEngine>(cfg, std::vector<int32_t>(2000, a),
+                                                           std::chrono::milliseconds(1000)),
+                  tok_dir, o);
+  const json body = {{"prompt", "x"}, {"max_tokens", 1000}, {"temperature", 0}};
+  int second_status = 0;
+  std::string second_body;
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (auto r = running.client().Post("/v1/completions", body.dump(), "application/json"))
+      second_status = r->status, second_body = r->body;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto first = running.client().Post("/v1/completions", body.dump(), "application/json");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  later.join();
+  ASSERT_TRUE(first);
+  ASSERT_EQ(first->status, 200) << first->body;
+  const json j = json::parse(first->body);
+  const int64_t n = j["usage"]["completion_tokens"];
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(n, 1) << "the deadline passed during the prefill";
+  EXPECT_EQ(j["choices"][0]["text"], std::string(size_t(n), 'a'));
+  EXPECT_LT(took, 5.0);
+  EXPECT_EQ(second_status, 503) << second_body;
+  const json err = json::parse(second_body, nullptr, false);
+  ASSERT_TRUE(err.is_object() && err.contains("error")) << second_body;
+  EXPECT_EQ(err["error"]["type"], "server_error") << second_body;
+  auto m = running.client().Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_NE(m->body.find("k3_requests_timed_out_total 2"), std::string::npos) << m->body;
+}
+
 TEST(ServeQueue, FullQueueGets429) {
   k3test::TempDir dir("serve_queue");
   sv::ServeOptions o;

@@ -30,6 +30,7 @@ void register_serve(CLI::App& app) {
     std::string host = "127.0.0.1";
     int port = 8000;
     int64_t max_queue = 64, default_max_tokens = 512;
+    double request_timeout = 600.0;
     DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
@@ -40,7 +41,7 @@ void register_serve(CLI::App& app) {
       "/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). logprobs, and constrained\n"
       "decoding for response_format json_object/json_schema and tool_choice none/required/named. Requests run\n"
       "one at a time in arrival order; --max-queue more may wait, later ones get 429. Not yet: batching\n"
-      "several requests, a prefix cache, per-request timeouts. Stops on SIGINT or SIGTERM.");
+      "several requests, a prefix cache. Stops on SIGINT or SIGTERM.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model");
   sub->add_option("--model-id", o->model_id, "the id /v1/models lists and requests name (default: --model's name)");
@@ -56,6 +57,11 @@ void register_serve(CLI::App& app) {
                   "tokens to generate when a request names no max_tokens (cut to the context left)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  sub->add_option("--request-timeout", o->request_timeout,
+                  "seconds from a request's arrival: waiting for the engine past it gives 503, generating past "
+                  "it stops (finish_reason \"length\"); 0: no limit")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   add_device_options(sub, o->device);
   sub->callback([o] {
     std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
@@ -66,6 +72,7 @@ void register_serve(CLI::App& app) {
     so.api_key = o->api_key;
     so.max_queue = o->max_queue;
     so.default_max_tokens = o->default_max_tokens;
+    so.request_timeout_seconds = o->request_timeout;
     so.model_id =
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";

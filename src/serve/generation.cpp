@@ -147,7 +147,8 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
       d.logprobs = lps.take();
       if (!emit(d)) cancelled = true;
     }
-    return !cancelled && !stop_hit && !msg.complete;
+    if (Clock::now() > req.gen.deadline) r.timed_out = true;
+    return !cancelled && !stop_hit && !msg.complete && !r.timed_out;
   };
   LogitsMask mask;
   if (grammar) mask = [&](float* logits, int64_t V) { grammar->mask(logits, V); };
@@ -199,7 +200,8 @@ TextResult run_completion(Engine& engine, const Tokenizer& tok, const Completion
     const size_t ok = final_prefix(text, req.gen.stop, &stop_hit);
     if (emit && ok > sent && !emit(TextDelta{text.substr(sent, ok - sent), lps.take()})) cancelled = true;
     sent = std::max(sent, ok);
-    return !cancelled && !stop_hit;
+    if (Clock::now() > req.gen.deadline) r.timed_out = true;
+    return !cancelled && !stop_hit && !r.timed_out;
   };
   const GenerateResult g =
       generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());

@@ -45,6 +45,7 @@ struct ChatResult {
   Usage usage;
   Timing timing;
   std::vector<TokenLogprob> logprobs;  // every generated token's, when asked for (think channel included)
+  bool timed_out = false;              // stopped at the request's deadline (finish_reason "length")
 };
 
 struct TextResult {
@@ -53,6 +54,7 @@ struct TextResult {
   Usage usage;
   Timing timing;
   std::vector<TokenLogprob> logprobs;  // every generated token's, when asked for
+  bool timed_out = false;              // stopped at the request's deadline (finish_reason "length")
 };
 
 // A request's prompt ids and how many tokens it may generate, checked before anything is sent: a bad

@@ -2,6 +2,7 @@
 // field a 400 that names it, in OpenAI's error body), and the JSON of responses and stream chunks.
 // No HTTP here (serve/server.h has that), so every rule is testable on strings.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -36,6 +37,9 @@ struct GenerationRequest {
   // -1: no log-probabilities; else each generated token's, with this many alternatives (chat:
   // `logprobs: true` and `top_logprobs` 0..20; completions: `logprobs` 0..5).
   int top_logprobs = -1;
+  // Set by the server (--request-timeout, from the request's arrival): generation stops at the first
+  // token past it.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
 // /v1/chat/completions: the body as render_chat (tokenizer/xtml_chat.h) reads it, and whether the

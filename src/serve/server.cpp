@@ -3,6 +3,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <functional>
@@ -34,7 +35,7 @@ struct Server::Impl {
 
   // Metrics.
   mutable std::mutex stats_mu;
-  int64_t requests_ok = 0, requests_failed = 0, prompt_tokens = 0, generation_tokens = 0;
+  int64_t requests_ok = 0, requests_failed = 0, requests_timed_out = 0, prompt_tokens = 0, generation_tokens = 0;
   double ttft_sum = 0.0, tpot_sum = 0.0;
   int64_t ttft_count = 0, tpot_count = 0;
 
@@ -53,18 +54,35 @@ struct Server::Impl {
 
   // One answered request: its tokens, and its time to first token counted from its arrival (the
   // queue wait included) and per output token after the first.
-  void record(const Usage& u, const Timing& t, Clock::time_point arrived) {
+  void record(const Usage& u, const Timing& t, Clock::time_point arrived, bool timed_out) {
     const double since_arrival = std::chrono::duration<double>(Clock::now() - arrived).count();
     std::lock_guard<std::mutex> lock(stats_mu);
     ++requests_ok;
+    requests_timed_out += timed_out;
     prompt_tokens += u.prompt_tokens;
     generation_tokens += u.completion_tokens;
     if (u.completion_tokens > 0) ttft_sum += since_arrival - t.decode_seconds, ++ttft_count;
     if (u.completion_tokens > 1) tpot_sum += t.decode_seconds, tpot_count += u.completion_tokens - 1;
   }
-  void record_failure() {
+  void record_failure(bool timed_out = false) {
     std::lock_guard<std::mutex> lock(stats_mu);
     ++requests_failed;
+    requests_timed_out += timed_out;
+  }
+
+  // The request's deadline from its arrival, and the check that it has not passed while the request
+  // waited for the engine (a 503 if it has).
+  void set_deadline(GenerationRequest& g, Clock::time_point arrived) const {
+    if (o.request_timeout_seconds > 0)
+      g.deadline = arrived + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(o.request_timeout_seconds));
+  }
+  void check_waited(const GenerationRequest& g) {
+    if (Clock::now() <= g.deadline) return;
+    record_failure(true);
+    throw ApiError(503, "server_error", "",
+                   "the request timed out after waiting for the engine (--request-timeout " +
+                       std::to_string(o.request_timeout_seconds) + " s)");
   }
 
   static void send_error(httplib::Response& res, const ApiError& e) {
@@ -144,10 +162,11 @@ struct Server::Impl {
   // place in the queue: false, with the error sent, when any of them refuses.
   template <class Request, class Parse, class Prepare>
   bool accept(const httplib::Request& req, httplib::Response& res, Request& r, PreparedPrompt& prompt, Parse parse,
-              Prepare prepare) {
+              Prepare prepare, Clock::time_point arrived) {
     if (!authorized(req, res)) return false;
     try {
       r = parse(req.body, limits());
+      set_deadline(r.gen, arrived);
       prompt = prepare(engine->config(), tok, r);
     } catch (const ApiError& e) {
       record_failure();
@@ -161,6 +180,8 @@ struct Server::Impl {
   void respond(httplib::Response& res, const std::function<ojson()>& make) {
     try {
       res.set_content(dump(with_engine(make)), "application/json");
+    } catch (const ApiError& e) {
+      send_error(res, e);
     } catch (const Error& e) {
       record_failure();
       send_error(res, ApiError(500, "server_error", "", e.what()));
@@ -176,6 +197,9 @@ struct Server::Impl {
         [this, produce](size_t, httplib::DataSink& sink) {
           try {
             return with_engine([&] { return produce(sink); }, false);
+          } catch (const ApiError& e) {
+            sse(sink, e.body());
+            sse_done(sink);
           } catch (const Error& e) {
             record_failure();
             sse(sink, ApiError(500, "server_error", "", e.what()).body());
@@ -190,12 +214,13 @@ struct Server::Impl {
     const auto arrived = Clock::now();
     auto r = std::make_shared<ChatRequest>();
     auto prompt = std::make_shared<PreparedPrompt>();
-    if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat)) return;
+    if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat, arrived)) return;
     const std::string id = new_id("chatcmpl");
     if (!r->gen.stream) {
       return respond(res, [&] {
+        check_waited(r->gen);
         const ChatResult out = run_chat(*engine, tok, *r, *prompt, {}, &trie);
-        record(out.usage, out.timing, arrived);
+        record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
         body["choices"] = ojson::array(
@@ -212,6 +237,7 @@ struct Server::Impl {
             ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}});
         return c;
       };
+      check_waited(r->gen);
       bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
       const ChatResult out = run_chat(
           *engine, tok, *r, *prompt,
@@ -223,7 +249,7 @@ struct Server::Impl {
             return open;
           },
           &trie);
-      record(out.usage, out.timing, arrived);
+      record(out.usage, out.timing, arrived, out.timed_out);
       if (!open) return false;
       if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
         ojson calls = out.message["tool_calls"];
@@ -244,15 +270,16 @@ struct Server::Impl {
     const auto arrived = Clock::now();
     auto r = std::make_shared<CompletionRequest>();
     auto prompt = std::make_shared<PreparedPrompt>();
-    if (!accept(req, res, *r, *prompt, parse_completion_request_body, prepare_completion)) return;
+    if (!accept(req, res, *r, *prompt, parse_completion_request_body, prepare_completion, arrived)) return;
     const std::string id = new_id("cmpl");
     auto choice = [](const std::string& text, const ojson& finish, const ojson& lp = nullptr) {
       return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", lp}, {"finish_reason", finish}}});
     };
     if (!r->gen.stream) {
       return respond(res, [&] {
+        check_waited(r->gen);
         const TextResult out = run_completion(*engine, tok, *r, *prompt);
-        record(out.usage, out.timing, arrived);
+        record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "text_completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? completion_logprobs(tok, out.logprobs) : ojson(nullptr);
         body["choices"] = choice(out.text, out.finish_reason, lp);
@@ -261,6 +288,7 @@ struct Server::Impl {
       });
     }
     stream(res, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
+      check_waited(r->gen);
       bool open = true;
       int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
       const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const TextDelta& d) {
@@ -274,7 +302,7 @@ struct Server::Impl {
         open = open && sse(sink, c);
         return open;
       });
-      record(out.usage, out.timing, arrived);
+      record(out.usage, out.timing, arrived, out.timed_out);
       if (!open) return false;
       ojson c = envelope(id, "text_completion");
       c["choices"] = choice("", out.finish_reason);
@@ -331,6 +359,8 @@ struct Server::Impl {
     };
     metric("k3_requests_succeeded_total", "counter", "Requests answered.", double(requests_ok));
     metric("k3_requests_failed_total", "counter", "Requests refused or failed.", double(requests_failed));
+    metric("k3_requests_timed_out_total", "counter", "Requests cut or refused at their timeout.",
+           double(requests_timed_out));
     const int64_t run = running.load(), q = queued.load();
     metric("k3_requests_running", "gauge", "Requests generating now.", double(run));
     metric("k3_requests_waiting", "gauge", "Requests waiting for the engine.", double(std::max<int64_t>(0, q - run)));
@@ -350,6 +380,8 @@ Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
   K3_CHECK(impl_->o.max_queue >= 0, "serve: max_queue must be >= 0, got ", impl_->o.max_queue);
   K3_CHECK(impl_->o.default_max_tokens >= 1, "serve: default_max_tokens must be >= 1, got ",
            impl_->o.default_max_tokens);
+  K3_CHECK(std::isfinite(impl_->o.request_timeout_seconds) && impl_->o.request_timeout_seconds >= 0,
+           "serve: request_timeout_seconds must be finite and >= 0, got ", impl_->o.request_timeout_seconds);
   impl_->routes();
 }
 

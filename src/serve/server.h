@@ -13,7 +13,7 @@
 //
 // Requests run one at a time on the engine, in arrival order; up to max_queue more wait, later ones
 // are refused with 429. A streaming request whose client goes away stops generating at the next
-// token.
+// token; one past its timeout too.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -32,6 +32,9 @@ struct ServeOptions {
   std::string model_id = "k3";       // what /v1/models lists and requests may name
   int64_t max_queue = 64;            // requests waiting for the engine before 429s
   int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)
+  // From a request's arrival: a request still waiting for the engine then gets 503, one generating
+  // stops at its next token (finish_reason "length"). 0: no limit.
+  double request_timeout_seconds = 600.0;
   size_t max_body_bytes = 16u << 20;
 };
 

@@ -8,6 +8,8 @@
 //   - stop strings cut the text before their first occurrence (finish_reason "stop"), streamed too;
 //   - bad requests get OpenAI's error body with the right status and the offending field named;
 //     an API key, when set, is required everywhere but /health; /metrics counts what was served;
+//     an oversized body, bytes that are not UTF-8, 10,000 messages and a client hanging up mid-stream
+//     each get a 4xx or a clean close, and the server goes on serving;
 //   - a second request while one streams, with no queue allowed, gets 429; past --request-timeout a
 //     generating request stops (finish_reason "length") and a waiting one gets 503 (a scripted
 //     engine with slow steps: tests/util/scripted_engine.h);
@@ -107,6 +109,7 @@ class Serve : public ::testing::Test {
     sv::ServeOptions o;
     o.model_id = "k3-tiny";
     o.default_max_tokens = 16;
+    o.max_prompt_tokens = 8192;
     running_ = new Running(*tok_dir_, o);
     tok_ = new k3::Tokenizer(k3::Tokenizer::load_dir(*tok_dir_));
     engine_ = k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{}).release();
@@ -624,6 +627,56 @@ TEST_F(Serve, OfficialOpenAiClientDrivesTheServer) {
   EXPECT_EQ(out.find("FAIL"), std::string::npos);
   EXPECT_NE(out.find("ok   errors: an unsupported schema keyword is a 400"), std::string::npos)
       << "not every check ran";
+}
+
+// Hostile input never takes the server down: a body past its limit (413), bytes that are not UTF-8
+// (400), 10,000 messages (400: past --max-prompt-tokens, before any prefill), a streaming client
+// that hangs up after the first chunk (a clean close). After each, /health answers and a normal request is served.
+TEST_F(Serve, BadInputLeavesTheServerUp) {
+  auto healthy = [&] {
+    auto h = running_->client().Get("/health");
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->status, 200);
+    auto r = post("/v1/completions", completion_body(2));
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+  };
+  const std::string huge(size_t(17) << 20, ' ');
+  auto big = running_->client().Post("/v1/chat/completions", huge, "application/json");
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  EXPECT_TRUE(json::parse(big->body, nullptr, false).contains("error")) << big->body;
+  healthy();
+
+  std::string bad = kChat.dump();
+  bad.replace(bad.find("Name"), 4, "\xff\xfe\xc3(");
+  auto utf = running_->client().Post("/v1/chat/completions", bad, "application/json");
+  ASSERT_TRUE(utf);
+  EXPECT_EQ(utf->status, 400) << utf->body;
+  healthy();
+
+  json many = kChat;
+  many["messages"] = json::array();
+  for (int i = 0; i < 10000; ++i) many["messages"].push_back(json{{"role", "user"}, {"content", "hello there"}});
+  auto m = post("/v1/chat/completions", many);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 400) << m->body.substr(0, 300);
+  healthy();
+
+  httplib::Client c = running_->client();
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.set_header("Content-Type", "application/json");
+  json body = kChat;
+  body["max_tokens"] = 200;
+  body["stream"] = true;
+  req.body = body.dump();
+  int chunks = 0;
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 2; };  // hang up
+  c.send(req);
+  EXPECT_GE(chunks, 1);
+  healthy();
 }
 
 // Status, error type and the field named, for each kind of bad request.

@@ -31,6 +31,7 @@ void register_serve(CLI::App& app) {
     int port = 8000;
     int64_t max_queue = 64, default_max_tokens = 512;
     double request_timeout = 600.0;
+    int64_t max_prompt_tokens = 0;
     DeviceOptions device;
   };
   auto o = std::make_shared<Opts>();
@@ -62,6 +63,11 @@ void register_serve(CLI::App& app) {
                   "it stops (finish_reason \"length\"); 0: no limit")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  sub->add_option("--max-prompt-tokens", o->max_prompt_tokens,
+                  "longer prompts get a 400 before anything runs (a prefill cannot be interrupted); 0: the "
+                  "model's context")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   add_device_options(sub, o->device);
   sub->callback([o] {
     std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
@@ -73,6 +79,7 @@ void register_serve(CLI::App& app) {
     so.max_queue = o->max_queue;
     so.default_max_tokens = o->default_max_tokens;
     so.request_timeout_seconds = o->request_timeout;
+    so.max_prompt_tokens = o->max_prompt_tokens;
     so.model_id =
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";

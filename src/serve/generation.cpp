@@ -27,12 +27,16 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 // The tokens the request may generate: its max_tokens, which must fit the context with the prompt when
 // the request named it; the server's default is cut to what is left.
-int64_t generation_budget(const K3Config& cfg, int64_t prompt_tokens, const GenerationRequest& g) {
+// A prompt longer than the server's --max-prompt-tokens is refused the same way.
+int64_t generation_budget(const K3Config& cfg, int64_t prompt_tokens, const GenerationRequest& g, const char* param) {
+  if (g.max_prompt_tokens > 0 && prompt_tokens > g.max_prompt_tokens)
+    throw bad_request(param, "the prompt is " + std::to_string(prompt_tokens) +
+                                 " tokens, and this server takes at most " + std::to_string(g.max_prompt_tokens));
   const int64_t ctx = cfg.max_position_embeddings;
   if (ctx <= 0) return g.max_tokens;
   if (prompt_tokens >= ctx)
-    throw bad_request("messages", "the prompt is " + std::to_string(prompt_tokens) +
-                                      " tokens, and this model's context is " + std::to_string(ctx) + " tokens");
+    throw bad_request(param, "the prompt is " + std::to_string(prompt_tokens) +
+                                 " tokens, and this model's context is " + std::to_string(ctx) + " tokens");
   if (g.max_tokens_given && prompt_tokens + g.max_tokens > ctx)
     throw bad_request("max_tokens", "this model's maximum context length is " + std::to_string(ctx) +
                                         " tokens: " + std::to_string(prompt_tokens) + " in the prompt and " +
@@ -97,7 +101,7 @@ PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const Cha
     throw bad_request("messages", e.what());
   }
   check_ids(cfg, p.ids, "messages");
-  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen);
+  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen, "messages");
   return p;
 }
 
@@ -106,7 +110,7 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
   p.ids = req.prompt_ids.empty() ? tok.encode(req.prompt_text, false) : req.prompt_ids;
   if (p.ids.empty()) throw bad_request("prompt", "the prompt encodes to no tokens");
   check_ids(cfg, p.ids, "prompt");
-  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen);
+  p.budget = generation_budget(cfg, int64_t(p.ids.size()), req.gen, "prompt");
   return p;
 }
 

@@ -40,6 +40,7 @@ struct GenerationRequest {
   // Set by the server (--request-timeout, from the request's arrival): generation stops at the first
   // token past it.
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  int64_t max_prompt_tokens = 0;  // set by the server (--max-prompt-tokens); 0: the model's context
 };
 
 // /v1/chat/completions: the body as render_chat (tokenizer/xtml_chat.h) reads it, and whether the

@@ -167,6 +167,7 @@ struct Server::Impl {
     try {
       r = parse(req.body, limits());
       set_deadline(r.gen, arrived);
+      r.gen.max_prompt_tokens = o.max_prompt_tokens;
       prompt = prepare(engine->config(), tok, r);
     } catch (const ApiError& e) {
       record_failure();
@@ -380,6 +381,7 @@ Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
   K3_CHECK(impl_->o.max_queue >= 0, "serve: max_queue must be >= 0, got ", impl_->o.max_queue);
   K3_CHECK(impl_->o.default_max_tokens >= 1, "serve: default_max_tokens must be >= 1, got ",
            impl_->o.default_max_tokens);
+  K3_CHECK(impl_->o.max_prompt_tokens >= 0, "serve: max_prompt_tokens must be >= 0, got ", impl_->o.max_prompt_tokens);
   K3_CHECK(std::isfinite(impl_->o.request_timeout_seconds) && impl_->o.request_timeout_seconds >= 0,
            "serve: request_timeout_seconds must be finite and >= 0, got ", impl_->o.request_timeout_seconds);
   impl_->routes();

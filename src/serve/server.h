@@ -35,6 +35,9 @@ struct ServeOptions {
   // From a request's arrival: a request still waiting for the engine then gets 503, one generating
   // stops at its next token (finish_reason "length"). 0: no limit.
   double request_timeout_seconds = 600.0;
+  // Longer prompts get a 400 before anything runs (a prefill cannot be interrupted); 0: the model's
+  // context.
+  int64_t max_prompt_tokens = 0;
   size_t max_body_bytes = 16u << 20;
 };
 

@@ -73,7 +73,7 @@ ojson chat_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps) 
   return content;
 }
 
-ojson completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, int64_t offset) {
+ojson completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, int64_t& offset) {
   ojson tokens = ojson::array(), token_lps = ojson::array(), tops = ojson::array(), offsets = ojson::array();
   for (const TokenLogprob& t : lps) {
     const std::string text = token_text(tok, t.id);

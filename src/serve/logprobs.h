@@ -33,8 +33,8 @@ std::string token_text(const Tokenizer& tok, int32_t id);
 nlohmann::ordered_json chat_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps);
 
 // Completions: {"tokens", "token_logprobs", "top_logprobs": [{text: logprob, ...}], "text_offset"},
-// the offsets in bytes of the completion's text, starting at `offset`.
-nlohmann::ordered_json completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps,
-                                           int64_t offset = 0);
+// the offsets in bytes of the completion's text, starting at `offset`, which is left past these
+// tokens (a stream's next chunk starts there).
+nlohmann::ordered_json completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, int64_t& offset);
 
 }  // namespace k3::serve

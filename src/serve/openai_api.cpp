@@ -155,6 +155,16 @@ GenerationRequest generation_fields(const ojson& b, const ApiLimits& limits, boo
   return g;
 }
 
+// A schema from the request, compiled for constrained decoding; what it cannot hold is a 400 naming
+// `param`.
+std::shared_ptr<const JsonSchema> request_schema(const ojson& schema, const std::string& param) {
+  try {
+    return std::make_shared<const JsonSchema>(JsonSchema::compile(nlohmann::json::parse(schema.dump())));
+  } catch (const SchemaError& e) {
+    throw bad_request(param, e.what());
+  }
+}
+
 // The tools a request declares (its `tools`, and any system message's), for a forced call: each one's
 // name and parameter schema (none: any object). A name a forced call could not write back exactly,
 // or a schema constrained decoding cannot hold, is a 400.
@@ -180,14 +190,9 @@ std::vector<ForcedTool> declared_tools(const ojson& b) {
         return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
       });
       if (!plain) throw bad_request(at, "a forced call needs tool names of letters, digits, '_', '-' and '.'");
-      try {
-        f.parameters =
-            std::make_shared<const JsonSchema>(fn.contains("parameters") && !fn["parameters"].is_null()
-                                                   ? JsonSchema::compile(nlohmann::json::parse(fn["parameters"].dump()))
-                                                   : JsonSchema::any_object());
-      } catch (const SchemaError& e) {
-        throw bad_request(at + ".function.parameters", e.what());
-      }
+      f.parameters = fn.contains("parameters") && !fn["parameters"].is_null()
+                         ? request_schema(fn["parameters"], at + ".function.parameters")
+                         : std::make_shared<const JsonSchema>(JsonSchema::any_object());
       out.push_back(std::move(f));
     }
   }
@@ -217,11 +222,7 @@ ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limi
       const ojson schema = response_format_schema(rf);  // what the prompt shows the model
       if (schema.is_null())
         throw bad_request("response_format.json_schema", "response_format json_schema needs json_schema.schema");
-      try {
-        r.schema = std::make_shared<const JsonSchema>(JsonSchema::compile(nlohmann::json::parse(schema.dump())));
-      } catch (const SchemaError& e) {
-        throw bad_request("response_format.json_schema.schema", e.what());
-      }
+      r.schema = request_schema(schema, "response_format.json_schema.schema");
       r.constrained = true;
     } else if (type != "text") {
       throw bad_request("response_format.type",

@@ -40,8 +40,17 @@ struct Server::Impl {
   int64_t ttft_count = 0, tpot_count = 0;
 
   Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts)
-      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)), trie(tok) {}
-  const TokenTrie trie;  // the vocabulary's bytes, for constrained decoding
+      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {}
+
+  // The vocabulary's byte trie for constrained decoding, built by the first request that needs it
+  // (about a second at 200K ranks; a server that never constrains never pays it). Only called with
+  // the engine held, so one request builds it.
+  std::unique_ptr<const TokenTrie> trie_;
+  const TokenTrie* trie_for(const ChatRequest& r) {
+    if (!r.constrained) return nullptr;
+    if (!trie_) trie_ = std::make_unique<const TokenTrie>(tok);
+    return trie_.get();
+  }
 
   ApiLimits limits() const { return ApiLimits{o.model_id, o.default_max_tokens}; }
 
@@ -70,8 +79,8 @@ struct Server::Impl {
     requests_timed_out += timed_out;
   }
 
-  // The request's deadline from its arrival, and the check that it has not passed while the request
-  // waited for the engine (a 503 if it has).
+  // The request's deadline from its arrival, and the check, once it has the engine, that the deadline
+  // did not pass while it waited (a 503 if it did).
   void set_deadline(GenerationRequest& g, Clock::time_point arrived) const {
     if (o.request_timeout_seconds > 0)
       g.deadline = arrived + std::chrono::duration_cast<Clock::duration>(
@@ -178,9 +187,13 @@ struct Server::Impl {
   }
 
   // A JSON response made with the engine to itself; an engine error becomes a 500.
-  void respond(httplib::Response& res, const std::function<ojson()>& make) {
+  void respond(httplib::Response& res, const GenerationRequest& g, const std::function<ojson()>& make) {
     try {
-      res.set_content(dump(with_engine(make)), "application/json");
+      res.set_content(dump(with_engine([&] {
+                        check_waited(g);
+                        return make();
+                      })),
+                      "application/json");
     } catch (const ApiError& e) {
       send_error(res, e);
     } catch (const Error& e) {
@@ -192,12 +205,17 @@ struct Server::Impl {
   // A server-sent-event response whose events `produce` writes with the engine to itself (false: the
   // client went away); an engine error becomes an error event. The queue place is released when the
   // response ends, also when the provider never runs.
-  void stream(httplib::Response& res, std::function<bool(httplib::DataSink&)> produce) {
+  void stream(httplib::Response& res, const GenerationRequest& g, std::function<bool(httplib::DataSink&)> produce) {
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, produce](size_t, httplib::DataSink& sink) {
+        [this, produce, g](size_t, httplib::DataSink& sink) {
           try {
-            return with_engine([&] { return produce(sink); }, false);
+            return with_engine(
+                [&] {
+                  check_waited(g);
+                  return produce(sink);
+                },
+                false);
           } catch (const ApiError& e) {
             sse(sink, e.body());
             sse_done(sink);
@@ -218,9 +236,8 @@ struct Server::Impl {
     if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat, arrived)) return;
     const std::string id = new_id("chatcmpl");
     if (!r->gen.stream) {
-      return respond(res, [&] {
-        check_waited(r->gen);
-        const ChatResult out = run_chat(*engine, tok, *r, *prompt, {}, &trie);
+      return respond(res, r->gen, [&] {
+        const ChatResult out = run_chat(*engine, tok, *r, *prompt, {}, trie_for(*r));
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
@@ -230,7 +247,7 @@ struct Server::Impl {
         return body;
       });
     }
-    stream(res, [this, r, prompt, id, arrived](httplib::DataSink& sink) {
+    stream(res, r->gen, [this, r, prompt, id, arrived](httplib::DataSink& sink) {
       auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
         ojson c = envelope(id, "chat.completion.chunk");
         const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
@@ -238,7 +255,6 @@ struct Server::Impl {
             ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}});
         return c;
       };
-      check_waited(r->gen);
       bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
       const ChatResult out = run_chat(
           *engine, tok, *r, *prompt,
@@ -249,7 +265,7 @@ struct Server::Impl {
             open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
             return open;
           },
-          &trie);
+          trie_for(*r));
       record(out.usage, out.timing, arrived, out.timed_out);
       if (!open) return false;
       if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
@@ -277,28 +293,23 @@ struct Server::Impl {
       return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", lp}, {"finish_reason", finish}}});
     };
     if (!r->gen.stream) {
-      return respond(res, [&] {
-        check_waited(r->gen);
+      return respond(res, r->gen, [&] {
         const TextResult out = run_completion(*engine, tok, *r, *prompt);
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "text_completion");
-        const ojson lp = r->gen.top_logprobs >= 0 ? completion_logprobs(tok, out.logprobs) : ojson(nullptr);
+        int64_t offset = 0;
+        const ojson lp = r->gen.top_logprobs >= 0 ? completion_logprobs(tok, out.logprobs, offset) : ojson(nullptr);
         body["choices"] = choice(out.text, out.finish_reason, lp);
         body["usage"] = out.usage.to_json();
         return body;
       });
     }
-    stream(res, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
-      check_waited(r->gen);
+    stream(res, r->gen, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
       bool open = true;
       int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
       const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const TextDelta& d) {
         ojson c = envelope(id, "text_completion");
-        ojson lp = nullptr;
-        if (!d.logprobs.empty()) {
-          lp = completion_logprobs(tok, d.logprobs, offset);
-          for (const TokenLogprob& t : d.logprobs) offset += int64_t(token_text(tok, t.id).size());
-        }
+        const ojson lp = d.logprobs.empty() ? ojson(nullptr) : completion_logprobs(tok, d.logprobs, offset);
         c["choices"] = choice(d.text, nullptr, lp);
         open = open && sse(sink, c);
         return open;

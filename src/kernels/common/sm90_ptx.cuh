@@ -70,8 +70,9 @@ __device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
 
 // *p += (x, y) performed by the memory system (a vector reduction: no value comes back, so nothing
 // waits for the old value's latency). fp32 adds rounded to nearest; PTX flushes subnormal operands and
-// results of red.add.f32 to zero. p 8-byte aligned, in global memory. Deterministic wherever each element receives at most one such add per
-// kernel (the result is old + v whatever else runs); not an order-free sum of many adds.
+// results of red.add.f32 to zero. p 8-byte aligned, in global memory. Deterministic wherever each
+// element receives at most one such add per kernel (the result is old + v whatever else runs); not an
+// order-free sum of many adds.
 __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 }

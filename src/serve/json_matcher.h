@@ -108,7 +108,6 @@ class JsonMatcher {
   const JsonSchema* schema_;
   std::vector<Frame> stack_;
   int ws_ = 0;  // whitespace bytes since the last token
-  bool done_ = false;
 };
 
 }  // namespace k3::serve

@@ -66,8 +66,6 @@ class TurnConstraint {
   void mask(float* logits, int64_t V) const;
   // Advances past id; false (and nothing changed) when id cannot come next.
   bool accept(int32_t id);
-  // Whether the turn is over (<|end_of_msg|> accepted).
-  bool finished() const { return state_.step >= steps_.size(); }
 
  private:
   struct Step {

@@ -5,12 +5,15 @@
 //
 // Each time is the median of --reps runs (after --warmup), CUDA events around the calls: "fwd" is one
 // forward (prep + sequential kernel, saving every chunk's entering state), "fwd+bwd" a forward and a backward
-// (prep, sequential and chunk-parallel kernels). B sequences of T tokens each, packed (cu_seqlens), fp32
-// q, k, v, g, beta, d_o as the training path holds them (the bf16 kernels round operands to bf16 inside).
+// (the bf16 kernels' backward reads the forward's chunk items from its tape; the fp32 kernels' backward runs
+// prep again). B sequences of T tokens each, packed (cu_seqlens), fp32 q, k, v, g, beta, d_o as the training
+// path holds them (the bf16 kernels round operands to bf16 inside).
 // "x fla" = fla chunk_kda's published time at the shape (ANCHORS.md: bf16 inputs, K3 gate, in-kernel q/k
 // L2 norm and beta sigmoid, which these kernels do not do) divided by ours: > 1 means faster than fla.
-// Memory: the saved states are chunks * H * D * D fp32 (4.3 GB at B1 T32768 H32), the backward workspace as much
-// again in bf16. --no-f32 skips the fp32 SIMT kernels. Exits 0 with a message when there is no GPU.
+// Memory: the fp32 kernels save chunks * H * D * D fp32 states (4.3 GB at B1 T32768 H32); the bf16 kernels' tape
+// holds them in bf16 beside the chunk items (0.72x that), and their backward workspace is the states' size in
+// bf16 again plus rows * H * D fp32. --no-f32 skips the fp32 SIMT kernels. Exits 0 with a message when there is
+// no GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -95,13 +98,12 @@ void run_shape(const Shape& s, int warmup, int reps, bool with_f32) {
     std::printf("\n");
   };
   {
-    const size_t wsb = std::max(kc::kda_chunk_forward_train_bf16_workspace_bytes(p),
-                                kc::kda_chunk_backward_train_bf16_workspace_bytes(p));
-    DeviceBuffer<unsigned char> ws(wsb);
-    auto fwd = [&] { kc::kda_chunk_forward_train_bf16(p, o.data(), states.data(), ws.data()); };
+    DeviceBuffer<unsigned char> ws(kc::kda_chunk_backward_train_bf16_workspace_bytes(p)),
+        saved(kc::kda_chunk_train_bf16_saved_bytes(p));
+    auto fwd = [&] { kc::kda_chunk_forward_train_bf16(p, o.data(), saved.data()); };
     auto fb = [&] {
       fwd();
-      kc::kda_chunk_backward_train_bf16(p, d_o, states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
+      kc::kda_chunk_backward_train_bf16(p, d_o, saved.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
                                         ws.data());
     };
     row("bf16 tc", median_ms(fwd, warmup, reps), median_ms(fb, warmup, reps));

@@ -28,24 +28,22 @@ namespace kc = k3::kda::cuda;
 using namespace k3test::kda_train;
 
 constexpr double kTol = 1e-5;
-const Kernels kFp32{kc::kda_chunk_forward_train_workspace_bytes, kc::kda_chunk_backward_train_workspace_bytes,
-                    kc::kda_chunk_forward_train, kc::kda_chunk_backward_train};
 
 }  // namespace
 
 // Every output against the f64 twin, at every head dim and gate regime.
 TEST(CudaTrainKdaChunk, MatchesF64Twin) {
   K3_REQUIRE_GPU();
-  check_against_f64(kFp32, kTol);
+  check_against_f64(kFp32Kernels, kTol);
 }
 
 // A sequence's outputs do not depend on what is packed with it, and a batch gives the same bits run to run.
 TEST(CudaTrainKdaChunk, DeterministicAndIndependentOfPacking) {
   K3_REQUIRE_GPU();
-  check_packing_independent(kFp32, kTol);
+  check_packing_independent(kFp32Kernels, kTol);
 }
 
 // Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed).
-TEST(CudaTrainKdaChunk, RejectsBadArguments) { check_rejects_bad_arguments(kFp32); }
+TEST(CudaTrainKdaChunk, RejectsBadArguments) { check_rejects_bad_arguments(kFp32Kernels); }
 
 #endif  // K3_HAVE_CUDA

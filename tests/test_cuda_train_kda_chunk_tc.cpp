@@ -30,10 +30,6 @@ namespace kc = k3::kda::cuda;
 using namespace k3test::kda_train;
 
 constexpr double kTol = 1e-2;
-const Kernels kBf16{kc::kda_chunk_forward_train_bf16_workspace_bytes, kc::kda_chunk_backward_train_bf16_workspace_bytes,
-                    kc::kda_chunk_forward_train_bf16, kc::kda_chunk_backward_train_bf16};
-const Kernels kFp32{kc::kda_chunk_forward_train_workspace_bytes, kc::kda_chunk_backward_train_workspace_bytes,
-                    kc::kda_chunk_forward_train, kc::kda_chunk_backward_train};
 
 }  // namespace
 
@@ -41,16 +37,16 @@ const Kernels kFp32{kc::kda_chunk_forward_train_workspace_bytes, kc::kda_chunk_b
 TEST(CudaTrainKdaChunkTc, MatchesF64Twin) {
   K3_REQUIRE_GPU();
   // The fp32 SIMT kernels on the same batches as a cross-check, at their own bar (1e-5).
-  check_against_f64(kBf16, kTol, &kFp32, 1e-5);
+  check_against_f64(kBf16Kernels, kTol, &kFp32Kernels, 1e-5);
 }
 
 // A sequence's outputs do not depend on what is packed with it, and a batch gives the same bits run to run.
 TEST(CudaTrainKdaChunkTc, DeterministicAndIndependentOfPacking) {
   K3_REQUIRE_GPU();
-  check_packing_independent(kBf16, kTol);
+  check_packing_independent(kBf16Kernels, kTol);
 }
 
 // Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed).
-TEST(CudaTrainKdaChunkTc, RejectsBadArguments) { check_rejects_bad_arguments(kBf16); }
+TEST(CudaTrainKdaChunkTc, RejectsBadArguments) { check_rejects_bad_arguments(kBf16Kernels); }
 
 #endif  // K3_HAVE_CUDA

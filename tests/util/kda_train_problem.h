@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
+#include "kernels/kda/kda_chunk_train_tc_cuda.h"
 
 namespace k3test::kda_train {
 
@@ -142,14 +143,45 @@ inline Vec download(const DeviceBuffer<float>& d, size_t n, const char* name) {
   return h;
 }
 
-// The entry points under test: the forward's and the backward's workspace sizes, the forward, and the backward
-// (which takes the forward's states). The fp32 and the bf16 entry points share these signatures.
+// The entry points under test in one shape: the forward's tape (the fp32 kernels' tape is their fp32 states), the
+// workspaces (0: none), the forward, the backward (which reads the tape), and the tape's states as fp32 key-major
+// [chunks, H, D, D] for the comparison.
 struct Kernels {
-  decltype(&k3::kda::cuda::kda_chunk_forward_train_workspace_bytes) forward_workspace_bytes;
-  decltype(&k3::kda::cuda::kda_chunk_backward_train_workspace_bytes) backward_workspace_bytes;
-  decltype(&k3::kda::cuda::kda_chunk_forward_train) forward;
-  decltype(&k3::kda::cuda::kda_chunk_backward_train) backward;
+  size_t (*saved_bytes)(const k3::kda::cuda::KdaTrainParams&);
+  size_t (*forward_workspace_bytes)(const k3::kda::cuda::KdaTrainParams&);
+  size_t (*backward_workspace_bytes)(const k3::kda::cuda::KdaTrainParams&);
+  void (*forward)(const k3::kda::cuda::KdaTrainParams&, float* o, void* saved, void* workspace);
+  void (*backward)(const k3::kda::cuda::KdaTrainParams&, const float* d_o, const void* saved, float* dq, float* dk,
+                   float* dv, float* dg, float* dbeta, void* workspace);
+  void (*states)(const k3::kda::cuda::KdaTrainParams&, const void* saved, float* states);
 };
+
+inline const Kernels kFp32Kernels{
+    [](const k3::kda::cuda::KdaTrainParams& p) {
+      (void)k3::kda::cuda::kda_chunk_forward_train_workspace_bytes(p);  // the argument checks
+      return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * sizeof(float);
+    },
+    k3::kda::cuda::kda_chunk_forward_train_workspace_bytes,
+    k3::kda::cuda::kda_chunk_backward_train_workspace_bytes,
+    [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void* ws) {
+      k3::kda::cuda::kda_chunk_forward_train(p, o, static_cast<float*>(saved), ws);
+    },
+    [](const k3::kda::cuda::KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk, float* dv,
+       float* dg, float* dbeta, void* ws) {
+      k3::kda::cuda::kda_chunk_backward_train(p, d_o, static_cast<const float*>(saved), dq, dk, dv, dg, dbeta, ws);
+    },
+    [](const k3::kda::cuda::KdaTrainParams& p, const void* saved, float* states) {
+      k3::cuda::copy_on_device(states, saved, size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 4);
+    }};
+
+inline const Kernels kBf16Kernels{k3::kda::cuda::kda_chunk_train_bf16_saved_bytes,
+                                  [](const k3::kda::cuda::KdaTrainParams&) { return size_t(0); },
+                                  k3::kda::cuda::kda_chunk_backward_train_bf16_workspace_bytes,
+                                  [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void*) {
+                                    k3::kda::cuda::kda_chunk_forward_train_bf16(p, o, saved);
+                                  },
+                                  k3::kda::cuda::kda_chunk_backward_train_bf16,
+                                  k3::kda::cuda::kda_chunk_train_bf16_states};
 
 inline GpuOutputs run_gpu(const Batch& bt, const Kernels& kernels) {
   const size_t nx = size_t(bt.rows) * bt.H * bt.D, nb = size_t(bt.rows) * bt.H;
@@ -173,12 +205,13 @@ inline GpuOutputs run_gpu(const Batch& bt, const Kernels& kernels) {
   p.D = bt.D;
   p.scale = bt.scale;
   const size_t ws_bytes = std::max(kernels.forward_workspace_bytes(p), kernels.backward_workspace_bytes(p));
-  DeviceBuffer<unsigned char> ws(std::max<size_t>(ws_bytes, 16));
+  DeviceBuffer<unsigned char> ws(std::max<size_t>(ws_bytes, 16)), saved(std::max<size_t>(kernels.saved_bytes(p), 16));
   DeviceBuffer<float> o = nan_buffer(nx), states = nan_buffer(ns);
   DeviceBuffer<float> dq = nan_buffer(nx), dk = nan_buffer(nx), dv = nan_buffer(nx), dg = nan_buffer(nx),
                       dbeta = nan_buffer(nb);
-  kernels.forward(p, o.data(), states.data(), ws.data());
-  kernels.backward(p, d_o.data(), states.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), ws.data());
+  kernels.forward(p, o.data(), saved.data(), ws.data());
+  kernels.backward(p, d_o.data(), saved.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), ws.data());
+  kernels.states(p, saved.data(), states.data());
   k3::cuda::synchronize();
   GpuOutputs r;
   r.o = download(o, nx, "o");
@@ -273,15 +306,15 @@ inline void check_rejects_bad_arguments(const Kernels& kernels) {
   p.H = 2;
   p.D = 64;
   p.scale = 0.125f;
-  EXPECT_GT(kernels.forward_workspace_bytes(p), 0u);
+  EXPECT_GE(kernels.saved_bytes(p), size_t(p.chunks * p.H * p.D * p.D) * 2);  // at least the states in bf16
   EXPECT_GT(kernels.backward_workspace_bytes(p), kernels.forward_workspace_bytes(p));
   float dummy[4] = {};
   alignas(16) unsigned char ws[16];
   {
     k3::kda::cuda::KdaTrainParams b = p;
     b.D = 48;
-    EXPECT_THROW(kernels.forward_workspace_bytes(b), k3::Error);
-    EXPECT_THROW(kernels.forward(b, dummy, dummy, ws), k3::Error);
+    EXPECT_THROW(kernels.saved_bytes(b), k3::Error);
+    EXPECT_THROW(kernels.forward(b, dummy, ws, ws), k3::Error);
   }
   {
     k3::kda::cuda::KdaTrainParams b = p;
@@ -291,15 +324,16 @@ inline void check_rejects_bad_arguments(const Kernels& kernels) {
   {
     k3::kda::cuda::KdaTrainParams b = p;
     b.chunks = 1;  // 20 rows need at least 2 chunks
-    EXPECT_THROW(kernels.forward(b, dummy, dummy, ws), k3::Error);
+    EXPECT_THROW(kernels.forward(b, dummy, ws, ws), k3::Error);
   }
   // Null inputs (rows > 0) are rejected before launch.
-  EXPECT_THROW(kernels.forward(p, dummy, dummy, ws), k3::Error);
-  EXPECT_THROW(kernels.backward(p, dummy, dummy, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
+  EXPECT_THROW(kernels.forward(p, dummy, ws, ws), k3::Error);
+  EXPECT_THROW(kernels.backward(p, dummy, ws, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
   // rows = 0 is a no-op that touches nothing.
   k3::kda::cuda::KdaTrainParams e;
   e.H = 2;
   e.D = 32;
+  EXPECT_EQ(kernels.saved_bytes(e), 0u);
   EXPECT_EQ(kernels.forward_workspace_bytes(e), 0u);
   EXPECT_NO_THROW(kernels.forward(e, nullptr, nullptr, nullptr));
   EXPECT_NO_THROW(kernels.backward(e, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr));

@@ -54,6 +54,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The inverse of pack_bf16x2 (exact: a bf16 is a float with its low 16 bits zero).
+__device__ __forceinline__ float2 unpack_bf16x2(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
 // 16 bytes global -> shared (dst: smem_u32), bypassing L1. src_bytes < 16 zero-fills the rest; 0
 // reads nothing (rows past the end of the data: the destination must still hold finite zeros).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {

@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/cuda_check.cuh"
@@ -222,6 +223,18 @@ __device__ __forceinline__ void load_item_async(ItemSmem<D>& dst, const unsigned
   ptx::cp_async_commit();
 }
 
+// Stores a warp's 16 rows of a D x D state (S^T or dS^T, held as D/8 accumulator tiles 16 x 8 along the keys) to
+// `rows` (row 0 of the warp, row stride D) as bf16: lane pairs (keys 8 nt + 2q, +1) at rows g and g + 8.
+template <int D>
+__device__ __forceinline__ void store_state_rows(bf16* rows, const float (&S)[D / 8][4]) {
+  const int g = lane_id() >> 2, q = lane_id() & 3;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    *reinterpret_cast<uint32_t*>(rows + g * D + nt * 8 + 2 * q) = ptx::pack_bf16x2(S[nt][0], S[nt][1]);
+    *reinterpret_cast<uint32_t*>(rows + (g + 8) * D + nt * 8 + 2 * q) = ptx::pack_bf16x2(S[nt][2], S[nt][3]);
+  }
+}
+
 template <int D>
 struct SeqSmem {
   ItemSmem<D> st[2];  // double buffer
@@ -231,12 +244,12 @@ struct SeqSmem {
 // columns v0 .. v0 + 15 as S^T (16 values x D keys): S[nt] is the accumulator tile of keys 8 nt .. 8 nt + 7.
 template <int D>
 __global__ void __launch_bounds__(kSeqWarps * 32)
-    fwd_seq_kernel(KdaTrainParams p, const unsigned char* items, float* o, float* states) {
+    fwd_seq_kernel(KdaTrainParams p, const unsigned char* items, float* o, bf16* states) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
   constexpr int LD = ld_of<D>(), NT = kSeqWarps * 32;
   const int b = blockIdx.x, h = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
+  const int warp = threadIdx.x / 32, q = lane_id() & 3;
   const int v0 = (blockIdx.z * kSeqWarps + warp) * 16;
   const int64_t begin = p.cu_seqlens[b], end = p.cu_seqlens[b + 1], c0 = p.chunk_offsets[b];
   const int64_t nch = (end - begin + C - 1) / C;
@@ -267,12 +280,8 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
     }
     __syncthreads();  // item lc visible to every warp
     const ItemSmem<D>& it = sm.st[lc & 1];
-    // Save S0 (key-major S[c][j]).
-    float* st = states + (ci * p.H + h) * D * D + v0;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[(nt * 8 + 2 * q + (e & 1)) * D + g + (e >> 1) * 8] = S[nt][e];
+    // Save S0^T (value-major, bf16): each lane's key pairs 8 nt + 2q, +1 at value rows g and g + 8.
+    store_state_rows<D>(states + ((ci * p.H + h) * D + v0) * D, S);
     // S0^T as A operands (keys 16 ks .. 16 ks + 15), for Y^T and O^T.
     float pk[2][4], ok[2][4];
     zero2(pk);
@@ -374,13 +383,8 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
     }
     __syncthreads();
     const ItemSmem<D>& it = sm.st[lc & 1];
-    // Save dS (the gradient w.r.t. the state leaving this chunk), key-major, bf16.
-    bf16* dst = dstates + (ci * p.H + h) * D * D + v0;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dst[(nt * 8 + 2 * q + (e & 1)) * D + g + (e >> 1) * 8] = __float2bfloat16_rn(dS[nt][e]);
+    // Save dS^T (the gradient w.r.t. the state leaving this chunk), value-major, bf16.
+    store_state_rows<D>(dstates + ((ci * p.H + h) * D + v0) * D, dS);
     // dU^T = dS^T Kd^T + dO^T M.
     float du[2][4];
     zero2(du);
@@ -449,71 +453,76 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
 }
 
 // ---- backward, chunk-parallel part --------------------------------------------------------------------------
+// Shared memory of bwd_chunk. `big` holds S0^T and dS^T (value-major [j][c], bf16, rows padded) through phase 3;
+// then Qr, Kr, Ki (bf16 [C][LD] each) and dGamma, dKd*Kd (fp32 [C][D] each, after the three tiles).
 template <int D>
 struct BwdChunkSmem {
-  bf16 S0[D][ld_of<D>()], dS[D][ld_of<D>()];  // key-major [c][j]
-  bf16 Kt[C][ld_of<D>()], Qt[C][ld_of<D>()], Kd[C][ld_of<D>()], Qr[C][ld_of<D>()], Kr[C][ld_of<D>()], Ki[C][ld_of<D>()];
-  bf16 dO[C][ld_of<D>()], dX[C][ld_of<D>()], Y[C][ld_of<D>()], U[C][ld_of<D>()];
+  static constexpr int LD = ld_of<D>();
+  static constexpr int kStateElems = D * LD;                           // one padded D x D bf16 tile
+  static constexpr int kTileElems = C * LD;                            // one padded 16 x D bf16 tile
+  static constexpr int kF32Off = (3 * kTileElems * 2 + 15) / 16 * 16;  // bytes: dgam, ykd after Qr, Kr, Ki
+  static constexpr int kBigBytes =
+      2 * kStateElems * 2 > kF32Off + 2 * C* D * 4 ? 2 * kStateElems * 2 : kF32Off + 2 * C* D * 4;
+  alignas(16) unsigned char big[kBigBytes];
+  bf16 Kt[C][LD], dO[C][LD], dX[C][LD];
+  bf16 UT[D][kLdT];  // U^T [value][token]
   bf16 Aw[C][kLdT], A[C][kLdT], dA[C][kLdT], dM[C][kLdT];
-  float gam[C][D];   // Gamma (padded rows: g = 0)
-  float dgam[C][D];  // dGamma, then (per channel) its reverse cumulative sum
-  float ykd[C][D];   // dKd * Kd, the terms of dGamma_{n-1} through Kd's P
-  float dgl[D];      // rowsum(S0 * dS)
+  float gam[C][D];  // Gamma (padded rows: g = 0)
+  float dgl[D];     // sum_j S0[c][j] dS[c][j] per key channel c
   float part[D / 16][C];
   float dMd[C];  // the diagonal of dO U^T (fp32)
+
+  __device__ bf16* S0T() { return reinterpret_cast<bf16*>(big); }
+  __device__ bf16* dST() { return reinterpret_cast<bf16*>(big) + kStateElems; }
+  __device__ bf16* Qr() { return reinterpret_cast<bf16*>(big); }
+  __device__ bf16* Kr() { return reinterpret_cast<bf16*>(big) + kTileElems; }
+  __device__ bf16* Ki() { return reinterpret_cast<bf16*>(big) + 2 * kTileElems; }
+  __device__ float (*dgam())[D] { return reinterpret_cast<float(*)[D]>(big + kF32Off); }
+  __device__ float (*ykd())[D] { return reinterpret_cast<float(*)[D]>(big + kF32Off + C * D * 4); }
 };
 
-// One CTA of 2 D threads (D / 16 warps) per (chunk, head). Warp w owns output columns 16 w .. 16 w + 15 of every
-// 16 x D product (value columns for Y, U, X; key channels for the gradients).
+// One CTA of 2 D threads (D / 16 warps) per (chunk, head). Warp w owns value rows 16 w .. 16 w + 15 of Y^T, U^T,
+// X^T (phase 2) and key channels 16 w .. 16 w + 15 of the gradients (phases 3-5).
 template <int D>
-__global__ void __launch_bounds__(2 * D)
-    bwd_chunk_kernel(KdaTrainParams p, const unsigned char* items, const float* d_o, const float* states,
+__global__ void __launch_bounds__(2 * D, 2)
+    bwd_chunk_kernel(KdaTrainParams p, const unsigned char* items, const bf16* states, const float* d_o,
                      const bf16* dstates, const float* dB, const float* dv, float* dq, float* dk, float* dg,
                      float* dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdChunkSmem<D>& s = *reinterpret_cast<BwdChunkSmem<D>*>(smem_raw);
+  using Sm = BwdChunkSmem<D>;
+  Sm& s = *reinterpret_cast<Sm*>(smem_raw);
   using I = Item<D>;
-  constexpr int LD = ld_of<D>(), NT = 2 * D;
+  constexpr int LD = ld_of<D>(), NT = 2 * D, RP = D / 8;  // RP: 16-byte pieces per bf16 row of D
   const int64_t ci = blockIdx.x;
-  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32;
+  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
   const ChunkLoc L = locate_chunk(p, ci);
   const int n = L.n;
   const int64_t row0 = L.row0, HD = int64_t(p.H) * D, hD = int64_t(h) * D;
   const unsigned char* it = items + (ci * p.H + h) * I::kBytes;
-  const float* S0g = states + (ci * p.H + h) * D * D;
+  const bf16* S0g = states + (ci * p.H + h) * D * D;
   const bf16* dSg = dstates + (ci * p.H + h) * D * D;
+  bf16* const S0T = s.S0T();
+  bf16* const dST = s.dST();
 
-  // Phase 1: the elementwise decays (threads c < D), the state tiles, dO, dX and the item's Aw, A (all).
-  if (tid < D) {
-    const int c = tid;
-    const int64_t base = row0 * HD + hD + c;
-    float G = 0.f;
-    for (int r = 0; r < C; ++r) {
-      G += r < n ? p.g[base + r * HD] : 0.f;
-      s.gam[r][c] = G;
-    }
-    const float Gl = s.gam[n - 1][c], Gm = s.gam[kMid][c];
-    for (int r = 0; r < C; ++r) {
-      const float qv = r < n ? p.scale * p.q[base + r * HD] : 0.f;
-      const float kv = r < n ? p.k[base + r * HD] : 0.f;
-      const float gr = s.gam[r][c], E = expf(gr), er = expf(gr - Gm);
-      s.Qt[r][c] = __float2bfloat16_rn(qv * E);
-      s.Kt[r][c] = __float2bfloat16_rn(kv * E);
-      s.Kd[r][c] = __float2bfloat16_rn(kv * expf(Gl - gr));
-      s.Qr[r][c] = __float2bfloat16_rn(qv * er);
-      s.Kr[r][c] = __float2bfloat16_rn(kv * er);
-      s.Ki[r][c] = __float2bfloat16_rn(kv * expf(Gm - gr));
-    }
+  // Phase 1: S0^T, dS^T, Kt, Aw, A by cp.async; meanwhile dO, dX (bf16 tiles), the decays (threads c < D), and
+  // into registers this warp's V^T and dB^T (phase 2) and this thread's q, k (phase 3b).
+  for (int i = tid; i < 2 * D * RP; i += NT) {
+    const int m = i / (D * RP), r = (i / RP) % D, pc = i % RP;
+    ptx::cp_async16(ptx::smem_u32((m == 0 ? S0T : dST) + r * LD + pc * 8), (m == 0 ? S0g : dSg) + r * D + pc * 8, 16);
   }
-  for (int i = tid; i < D * D / 4; i += NT) {  // S0 (fp32) -> bf16, dS copied; 4 elements per step
-    const int c = (4 * i) / D, j = (4 * i) % D;
-    const float4 x = *reinterpret_cast<const float4*>(S0g + 4 * i);
-    *reinterpret_cast<uint32_t*>(&s.S0[c][j]) = ptx::pack_bf16x2(x.x, x.y);
-    *reinterpret_cast<uint32_t*>(&s.S0[c][j + 2]) = ptx::pack_bf16x2(x.z, x.w);
-    *reinterpret_cast<uint2*>(&s.dS[c][j]) = *reinterpret_cast<const uint2*>(dSg + 4 * i);
+  for (int i = tid; i < C * RP; i += NT) {
+    const int r = i / RP, pc = i % RP;
+    ptx::cp_async16(ptx::smem_u32(&s.Kt[r][pc * 8]), it + I::kKt + (r * D + pc * 8) * 2, 16);
   }
-  for (int i = tid; i < C * D / 2; i += NT) {
-    const int r = (2 * i) / D, c = (2 * i) % D;
+  if (tid < 4 * C) {
+    const int t = tid / (2 * C), r = (tid / 2) % C, pc = tid % 2;
+    ptx::cp_async16(ptx::smem_u32(t == 0 ? &s.Aw[r][pc * 8] : &s.A[r][pc * 8]),
+                    it + (t == 0 ? I::kAw : I::kA) + (r * C + pc * 8) * 2, 16);
+  }
+  ptx::cp_async_commit();
+#pragma unroll
+  for (int k = 0; k < C / 4; ++k) {  // C D / 2 pairs over 2 D threads
+    const int i = tid + k * NT, r = (2 * i) / D, c = (2 * i) % D;
     float2 o = make_float2(0.f, 0.f), x = make_float2(0.f, 0.f);
     if (r < n) {
       o = *reinterpret_cast<const float2*>(d_o + (row0 + r) * HD + hD + c);
@@ -522,101 +531,133 @@ __global__ void __launch_bounds__(2 * D)
     *reinterpret_cast<uint32_t*>(&s.dO[r][c]) = ptx::pack_bf16x2(o.x, o.y);
     *reinterpret_cast<uint32_t*>(&s.dX[r][c]) = ptx::pack_bf16x2(x.x, x.y);
   }
-  for (int i = tid; i < C * C; i += NT) {
-    const int r = i / C, c = i % C;
-    s.Aw[r][c] = reinterpret_cast<const bf16*>(it + I::kAw)[i];
-    s.A[r][c] = reinterpret_cast<const bf16*>(it + I::kA)[i];
+  const int v0 = warp * 16;  // phase 2: value rows; phases 3-5: key channels (n0)
+  float y[2][4], db[2][4];   // V^T, dB^T (value row, token column)
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = frag_col(j, e);
+      const int64_t off = (row0 + tok) * HD + hD + v0 + frag_row(e);
+      y[j][e] = tok < n ? p.v[off] : 0.f;
+      db[j][e] = tok < n ? dB[off] : 0.f;
+    }
+  const int c_own = tid % D, r_own = tid / D;  // phase 3b: channel c_own of rows r_own, r_own + 2, ..
+  float qv[C / 2], kv[C / 2];
+#pragma unroll
+  for (int i = 0; i < C / 2; ++i) {
+    const int r = r_own + 2 * i;
+    const int64_t off = (row0 + r) * HD + hD + c_own;
+    qv[i] = r < n ? p.scale * p.q[off] : 0.f;
+    kv[i] = r < n ? p.k[off] : 0.f;
   }
+  if (tid < D) {
+    float gin[C];
+#pragma unroll
+    for (int r = 0; r < C; ++r) gin[r] = r < n ? p.g[(row0 + r) * HD + hD + tid] : 0.f;
+    float G = 0.f;
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      G += gin[r];
+      s.gam[r][tid] = G;
+    }
+  }
+  ptx::cp_async_wait<0>();
   __syncthreads();
 
-  const int lane = lane_id(), q = lane & 3;
-  const int n0 = warp * 16;
-  // rowsum(S0 * dS) per channel (threads c < D; fixed order), from the bf16 tiles.
-  if (tid < D) {
-    float a = 0.f;
-    for (int j = 0; j < D; ++j) a = fmaf(__bfloat162float(s.S0[tid][j]), __bfloat162float(s.dS[tid][j]), a);
-    s.dgl[tid] = a;
-  }
-  // Phase 2 (warp w, value columns n0 ..): Y = V - Kt S0, U = Aw Y, X = Y - A U, dbeta partials dB . X.
+  // Phase 2 (warp w, value rows v0 ..): Y^T = V^T - S0^T Kt^T, U^T = Y^T Aw^T (to shared memory), X^T = Y^T - U^T
+  // A^T, and the dbeta partials sum_j dB[r][j] X[r][j] over the warp's 16 values.
   {
-    float y[2][4];
-    zero2(y);
+    float acc[2][4];
+    zero2(acc);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4], b[4];
-      lda_row(a, &s.Kt[0][0], LD, ks * 16);
-      ldb_kn(b, &s.S0[0][0], LD, ks * 16, n0);  // B[c][j] = S0[c][j]
-      mma2(y, a, b);
+      lda_row(a, S0T + v0 * LD, LD, ks * 16);  // A[j][c] = S0^T[v0 + j][c]
+      ldb_nk(b, &s.Kt[0][0], LD, 0, ks * 16);  // B[c][t] = Kt[t][c]
+      mma2(acc, a, b);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = frag_row(e), col = n0 + frag_col(j, e);
-        y[j][e] = (r < n ? p.v[(row0 + r) * HD + hD + col] : 0.f) - y[j][e];
-        s.Y[r][col] = __float2bfloat16_rn(y[j][e]);
-      }
-    __syncwarp();
+      for (int e = 0; e < 4; ++e) y[j][e] -= acc[j][e];
     float u[2][4];
     zero2(u);
     {
       uint32_t a[4], b[4];
-      lda_row(a, &s.Aw[0][0], kLdT, 0);
-      ldb_kn(b, &s.Y[0][0], LD, 0, n0);  // B[s][j] = Y[s][j]
+      pack_a(a, y[0], y[1]);
+      ldb_nk(b, &s.Aw[0][0], kLdT, 0, 0);  // B[s][r] = Aw[r][s]
       mma2(u, a, b);
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s.U[frag_row(e)][n0 + frag_col(j, e)] = __float2bfloat16_rn(u[j][e]);
-    __syncwarp();
-    float au[2][4];
-    zero2(au);
+    for (int j = 0; j < 2; ++j) {
+      *reinterpret_cast<uint32_t*>(&s.UT[v0 + g][8 * j + 2 * q]) = ptx::pack_bf16x2(u[j][0], u[j][1]);
+      *reinterpret_cast<uint32_t*>(&s.UT[v0 + g + 8][8 * j + 2 * q]) = ptx::pack_bf16x2(u[j][2], u[j][3]);
+    }
+    float ax[2][4];
+    zero2(ax);
     {
       uint32_t a[4], b[4];
-      lda_row(a, &s.A[0][0], kLdT, 0);
-      ldb_kn(b, &s.U[0][0], LD, 0, n0);
-      mma2(au, a, b);
+      pack_a(a, u[0], u[1]);
+      ldb_nk(b, &s.A[0][0], kLdT, 0, 0);  // B[s][r] = A[r][s]
+      mma2(ax, a, b);
     }
-    float pr[2] = {0.f, 0.f};  // rows g, g + 8
+    float pt[2][2];  // token 8 j + 2 q + i
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = frag_row(e), col = n0 + frag_col(j, e);
-        const float x = y[j][e] - au[j][e];
-        if (r < n) pr[e >> 1] = fmaf(dB[(row0 + r) * HD + hD + col], x, pr[e >> 1]);
-      }
+      for (int i = 0; i < 2; ++i) {
+        pt[j][i] = db[j][i] * (y[j][i] - ax[j][i]) + db[j][i + 2] * (y[j][i + 2] - ax[j][i + 2]);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      pr[i] += __shfl_xor_sync(0xffffffffu, pr[i], 1);
-      pr[i] += __shfl_xor_sync(0xffffffffu, pr[i], 2);
-    }
-    if (q == 0) {
-      s.part[warp][lane >> 2] = pr[0];
-      s.part[warp][(lane >> 2) + 8] = pr[1];
+        for (int m = 4; m < 32; m *= 2) pt[j][i] += __shfl_xor_sync(0xffffffffu, pt[j][i], m);
+      }
+    if (g == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s.part[warp][8 * j + 2 * q] = pt[j][0];
+        s.part[warp][8 * j + 2 * q + 1] = pt[j][1];
+      }
     }
   }
-  __syncthreads();  // U complete
+  __syncthreads();  // U^T complete
 
-  // Phase 3 (warp w, key channels n0 ..): dQt = dO S0^T, dKt = -dX S0^T, dKd = U dS^T; warps 0, 1: dM, dA.
-  // dM keeps its strictly lower part for the pair chain; its diagonal (M_rr = Q_r . k_r, no decay) goes to dq, dk
-  // directly: through Qr Ki its Gamma terms would be two O(1) products that cancel exactly, leaving bf16 noise.
+  // Phase 3 (warp w, key channels n0 ..): dQt = dO S0^T, dKt = -dX S0^T, dKd = U dS^T, and rowsum(S0 * dS) from the
+  // same B fragments; warps 0, 1: dM, dA. dM keeps its strictly lower part for the pair chain; its diagonal (M_rr =
+  // Q_r . k_r, no decay) goes to dq, dk directly: through Qr Ki its Gamma terms would be two O(1) products that
+  // cancel exactly, leaving bf16 noise.
+  const int n0 = v0;
   float dqt[2][4], dkt[2][4], dkd[2][4];
   zero2(dqt);
   zero2(dkt);
   zero2(dkd);
+  {
+    float gl[2] = {0.f, 0.f};  // keys n0 + g, n0 + 8 + g
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    uint32_t ao[4], ax[4], au[4], bs[4], bd[4];
-    lda_row(ao, &s.dO[0][0], LD, ks * 16);
-    lda_row(ax, &s.dX[0][0], LD, ks * 16);
-    lda_row(au, &s.U[0][0], LD, ks * 16);
-    ldb_nk(bs, &s.S0[0][0], LD, n0, ks * 16);  // B[j][c] = S0[c][j]
-    ldb_nk(bd, &s.dS[0][0], LD, n0, ks * 16);
-    mma2(dqt, ao, bs);
-    mma2(dkt, ax, bs);
-    mma2(dkd, au, bd);
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ao[4], ax[4], au[4], bs[4], bd[4];
+      lda_row(ao, &s.dO[0][0], LD, ks * 16);
+      lda_row(ax, &s.dX[0][0], LD, ks * 16);
+      lda_trans(au, &s.UT[0][0], kLdT, ks * 16, 0);  // A[t][j] = U^T[j][t]
+      ldb_kn(bs, S0T, LD, ks * 16, n0);              // B[j][c] = S0^T[j][c]
+      ldb_kn(bd, dST, LD, ks * 16, n0);
+      mma2(dqt, ao, bs);
+      mma2(dkt, ax, bs);
+      mma2(dkd, au, bd);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 a = ptx::unpack_bf16x2(bs[i]), b = ptx::unpack_bf16x2(bd[i]);
+        gl[i >> 1] = fmaf(a.x, b.x, fmaf(a.y, b.y, gl[i >> 1]));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      gl[i] += __shfl_xor_sync(0xffffffffu, gl[i], 1);
+      gl[i] += __shfl_xor_sync(0xffffffffu, gl[i], 2);
+    }
+    if (q == 0) {
+      s.dgl[n0 + g] = gl[0];
+      s.dgl[n0 + 8 + g] = gl[1];
+    }
   }
   if (warp < 2) {
     float acc[2][4];
@@ -625,7 +666,7 @@ __global__ void __launch_bounds__(2 * D)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4], b[4];
       lda_row(a, warp == 0 ? &s.dO[0][0] : &s.dX[0][0], LD, ks * 16);
-      ldb_nk(b, &s.U[0][0], LD, 0, ks * 16);  // B[j][s] = U[s][j]
+      ldb_kn(b, &s.UT[0][0], kLdT, ks * 16, 0);  // B[j][s] = U^T[j][s]
       mma2(acc, a, b);
     }
 #pragma unroll
@@ -638,6 +679,21 @@ __global__ void __launch_bounds__(2 * D)
           if (r == sc) s.dMd[r] = acc[j][e];
         } else s.dA[r][sc] = __float2bfloat16_rn(r > sc ? -acc[j][e] : 0.f);
       }
+  }
+  __syncthreads();  // S0^T, dS^T read for the last time
+
+  // Phase 3b: Qr, Kr, Ki where S0^T was (channel c_own of rows r_own, r_own + 2, ..).
+  {
+    bf16 *Qr = s.Qr(), *Kr = s.Kr(), *Ki = s.Ki();
+    const float Gm = s.gam[kMid][c_own];
+#pragma unroll
+    for (int i = 0; i < C / 2; ++i) {
+      const int r = r_own + 2 * i;
+      const float gr = s.gam[r][c_own], er = expf(gr - Gm), ei = expf(Gm - gr);
+      Qr[r * LD + c_own] = __float2bfloat16_rn(qv[i] * er);
+      Kr[r * LD + c_own] = __float2bfloat16_rn(kv[i] * er);
+      Ki[r * LD + c_own] = __float2bfloat16_rn(kv[i] * ei);
+    }
   }
   __syncthreads();
 
@@ -652,46 +708,58 @@ __global__ void __launch_bounds__(2 * D)
     lda_row(am, &s.dM[0][0], kLdT, 0);
     lda_trans(aat, &s.dA[0][0], kLdT, 0, 0);  // A[s][r] = dA[r][s]
     lda_trans(amt, &s.dM[0][0], kLdT, 0, 0);
-    ldb_kn(bi, &s.Ki[0][0], LD, 0, n0);  // B[s][c] = Ki[s][c]
-    ldb_kn(br, &s.Kr[0][0], LD, 0, n0);
-    ldb_kn(bq, &s.Qr[0][0], LD, 0, n0);
+    ldb_kn(bi, s.Ki(), LD, 0, n0);  // B[s][c] = Ki[s][c]
+    ldb_kn(br, s.Kr(), LD, 0, n0);
+    ldb_kn(bq, s.Qr(), LD, 0, n0);
     mma2(dkr, aa, bi);
     mma2(dqr, am, bi);
     mma2(dki, aat, br);
     mma2(dki, amt, bq);
   }
-  // Phase 5: the elementwise chain rule per accumulator element (r, c), in fp32 from the fp32 inputs.
+  // Phase 5: the elementwise chain rule per accumulator pair (r, c), (r, c + 1), in fp32 from the fp32 inputs.
+  float(*dgam)[D] = s.dgam();
+  float(*ykd)[D] = s.ykd();
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = frag_row(e), c = n0 + frag_col(j, e);
-      float dgam = 0.f, y = 0.f;
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = g + 8 * hh, c = n0 + 8 * j + 2 * q;
+      float2 dgam2 = make_float2(0.f, 0.f), y2 = make_float2(0.f, 0.f);
       if (r < n) {
         const int64_t off = (row0 + r) * HD + hD + c;
-        const float qv = p.scale * p.q[off], kv = p.k[off];
-        const float gr = s.gam[r][c], Gm = s.gam[kMid][c], Gl = s.gam[n - 1][c];
-        const float E = expf(gr), eP = expf(Gl - gr), eR = expf(gr - Gm), eI = expf(Gm - gr);
-        const float gqt = dqt[j][e], gkt = -dkt[j][e], gkd = dkd[j][e], gqr = dqr[j][e], gkr = dkr[j][e],
-                    gki = dki[j][e];
-        const float dmd = s.dMd[r];
-        dq[off] = p.scale * (gqt * E + gqr * eR + dmd * kv);
-        dk[off] = gkt * E + gkd * eP + gkr * eR + gki * eI + dmd * qv;
-        y = r == n - 1 ? 0.f : gkd * (kv * eP);  // Kd_{n-1} = k_{n-1}: no dependence on Gamma
-        dgam = gqt * (qv * E) + gkt * (kv * E) - y + gqr * (qv * eR) + gkr * (kv * eR) - gki * (kv * eI);
+        const float2 q2 = *reinterpret_cast<const float2*>(p.q + off), k2 = *reinterpret_cast<const float2*>(p.k + off);
+        float dq2[2], dk2[2], dgm[2], yy[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int e = 2 * hh + i;
+          const float qv_ = p.scale * (i == 0 ? q2.x : q2.y), kv_ = i == 0 ? k2.x : k2.y;
+          const float gr = s.gam[r][c + i], Gm = s.gam[kMid][c + i], Gl = s.gam[n - 1][c + i];
+          const float E = expf(gr), eP = expf(Gl - gr), eR = expf(gr - Gm), eI = expf(Gm - gr);
+          const float gqt = dqt[j][e], gkt = -dkt[j][e], gkd = dkd[j][e], gqr = dqr[j][e], gkr = dkr[j][e],
+                      gki = dki[j][e];
+          const float dmd = s.dMd[r];
+          dq2[i] = p.scale * (gqt * E + gqr * eR + dmd * kv_);
+          dk2[i] = gkt * E + gkd * eP + gkr * eR + gki * eI + dmd * qv_;
+          yy[i] = r == n - 1 ? 0.f : gkd * (kv_ * eP);  // Kd_{n-1} = k_{n-1}: no dependence on Gamma
+          dgm[i] = gqt * (qv_ * E) + gkt * (kv_ * E) - yy[i] + gqr * (qv_ * eR) + gkr * (kv_ * eR) - gki * (kv_ * eI);
+        }
+        *reinterpret_cast<float2*>(dq + off) = make_float2(dq2[0], dq2[1]);
+        *reinterpret_cast<float2*>(dk + off) = make_float2(dk2[0], dk2[1]);
+        dgam2 = make_float2(dgm[0], dgm[1]);
+        y2 = make_float2(yy[0], yy[1]);
       }
-      s.dgam[r][c] = dgam;
-      s.ykd[r][c] = y;
+      *reinterpret_cast<float2*>(&dgam[r][c]) = dgam2;
+      *reinterpret_cast<float2*>(&ykd[r][c]) = y2;
     }
   __syncthreads();
   // Phase 6: dGamma_{n-1} += sum_r dKd_r Kd_r + El rowsum(S0 dS); dg = reverse cumulative sum (per channel).
   if (tid < D) {
     const int c = tid;
     float ysum = 0.f;
-    for (int r = 0; r < n; ++r) ysum += s.ykd[r][c];
+    for (int r = 0; r < n; ++r) ysum += ykd[r][c];
     float acc = expf(s.gam[n - 1][c]) * s.dgl[c] + ysum;
     for (int r = n - 1; r >= 0; --r) {
-      acc += s.dgam[r][c];
+      acc += dgam[r][c];
       dg[(row0 + r) * HD + hD + c] = acc;
     }
   } else if (tid - D < n) {
@@ -702,12 +770,24 @@ __global__ void __launch_bounds__(2 * D)
   }
 }
 
+// The tape's bf16 S0^T [chunks, H, D, D] (value-major) as fp32 key-major states.
+__global__ void states_to_f32_kernel(const bf16* st, float* out, int64_t mats, int D) {
+  const int64_t DD = int64_t(D) * D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < mats * DD;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / DD;
+    const int c = int((i % DD) / D), j = int(i % D);  // out[m][c][j] = S^T[m][j][c]
+    out[i] = __bfloat162float(st[m * DD + int64_t(j) * D + c]);
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------------------
 constexpr size_t kMaxSmem = 227 * 1024;
-static_assert(sizeof(BwdChunkSmem<128>) <= kMaxSmem && sizeof(SeqSmem<128>) <= kMaxSmem,
-              "shared memory over the per-block limit");
+static_assert(sizeof(BwdChunkSmem<128>) <= kMaxSmem / 2 - 1024 && sizeof(SeqSmem<128>) <= kMaxSmem,
+              "bwd_chunk runs two CTAs per SM at D = 128");
 
 size_t item_bytes(int D) { return size_t(100 * D + 1536); }
+size_t states_bytes(const KdaTrainParams& p) { return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 2; }
 
 template <class Kernel, class... Args>
 void launch(Kernel kernel, bool& attr_set, dim3 grid, int threads, size_t smem, Args... args) {
@@ -720,73 +800,84 @@ void launch(Kernel kernel, bool& attr_set, dim3 grid, int threads, size_t smem, 
 }
 
 template <int D>
-void run_prep(const KdaTrainParams& p, unsigned char* items) {
-  prep_kernel<D><<<dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D>>>(p, items);
-  K3_CUDA_LAUNCH_CHECK();
-}
-
-template <int D>
 dim3 seq_grid(const KdaTrainParams& p) {
   return dim3(unsigned(p.B), unsigned(p.H), unsigned(D / (16 * kSeqWarps)));
 }
 
 template <int D>
-void forward(const KdaTrainParams& p, float* o, float* states, void* workspace) {
-  auto* items = static_cast<unsigned char*>(workspace);
-  run_prep<D>(p, items);
+void forward(const KdaTrainParams& p, float* o, void* saved) {
+  auto* states = static_cast<bf16*>(saved);
+  auto* items = static_cast<unsigned char*>(saved) + states_bytes(p);
+  prep_kernel<D><<<dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D>>>(p, items);
+  K3_CUDA_LAUNCH_CHECK();
   static bool attr = false;
   launch(fwd_seq_kernel<D>, attr, seq_grid<D>(p), kSeqWarps * 32, sizeof(SeqSmem<D>), p,
          static_cast<const unsigned char*>(items), o, states);
 }
 
 template <int D>
-void backward(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk, float* dv,
-              float* dg, float* dbeta, void* workspace) {
-  auto* items = static_cast<unsigned char*>(workspace);
-  const size_t CH = size_t(p.chunks) * size_t(p.H);
-  bf16* dstates = reinterpret_cast<bf16*>(items + CH * item_bytes(D));
-  float* dB = reinterpret_cast<float*>(dstates + CH * D * D);
-  run_prep<D>(p, items);
+void backward(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk, float* dv, float* dg,
+              float* dbeta, void* workspace) {
+  const auto* states = static_cast<const bf16*>(saved);
+  const auto* items = static_cast<const unsigned char*>(saved) + states_bytes(p);
+  auto* dstates = static_cast<bf16*>(workspace);
+  float* dB = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + states_bytes(p));
   static bool attr_seq = false, attr_chunk = false;
-  launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), kSeqWarps * 32, sizeof(SeqSmem<D>), p,
-         static_cast<const unsigned char*>(items), d_o, dstates, dB, dv);
+  launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), kSeqWarps * 32, sizeof(SeqSmem<D>), p, items, d_o, dstates, dB,
+         dv);
   launch(bwd_chunk_kernel<D>, attr_chunk, dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D, sizeof(BwdChunkSmem<D>), p,
-         static_cast<const unsigned char*>(items), d_o, states, static_cast<const bf16*>(dstates),
-         static_cast<const float*>(dB), static_cast<const float*>(dv), dq, dk, dg, dbeta);
+         items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const float*>(dB),
+         static_cast<const float*>(dv), dq, dk, dg, dbeta);
 }
 
 }  // namespace
 
-size_t kda_chunk_forward_train_bf16_workspace_bytes(const KdaTrainParams& p) {
-  chunk_train::check_params("kda_chunk_forward_train_bf16_workspace_bytes", p);
-  return size_t(p.chunks) * size_t(p.H) * item_bytes(p.D);
+size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p) {
+  chunk_train::check_params("kda_chunk_train_bf16_saved_bytes", p);
+  return states_bytes(p) + size_t(p.chunks) * size_t(p.H) * item_bytes(p.D);
 }
 
 size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p) {
   chunk_train::check_params("kda_chunk_backward_train_bf16_workspace_bytes", p);
-  const size_t CH = size_t(p.chunks) * size_t(p.H), D = size_t(p.D);
-  return CH * item_bytes(p.D) + CH * D * D * 2 + size_t(p.rows) * size_t(p.H) * D * 4;
+  return states_bytes(p) + size_t(p.rows) * size_t(p.H) * size_t(p.D) * 4;
 }
 
-void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, float* states, void* workspace) {
+void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved) {
   const char* fn = "kda_chunk_forward_train_bf16";
-  if (!chunk_train::check_forward(fn, p, o, states, workspace)) return;
+  chunk_train::check_params(fn, p);
+  if (p.rows == 0) return;
+  chunk_train::check_pointers(fn, p);
+  K3_CHECK(o != nullptr, fn, ": o must be non-null");
+  chunk_train::check_workspace(fn, saved, "the tape (saved)");
   switch (p.D) {
-    case 32: forward<32>(p, o, states, workspace); break;
-    case 64: forward<64>(p, o, states, workspace); break;
-    default: forward<128>(p, o, states, workspace); break;
+    case 32: forward<32>(p, o, saved); break;
+    case 64: forward<64>(p, o, saved); break;
+    default: forward<128>(p, o, saved); break;
   }
 }
 
-void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk,
+void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk,
                                    float* dv, float* dg, float* dbeta, void* workspace) {
   const char* fn = "kda_chunk_backward_train_bf16";
-  if (!chunk_train::check_backward(fn, p, d_o, states, dq, dk, dv, dg, dbeta, workspace)) return;
+  if (!chunk_train::check_backward(fn, p, d_o, saved, dq, dk, dv, dg, dbeta, workspace)) return;
+  chunk_train::check_workspace(fn, saved, "the tape (saved)");
   switch (p.D) {
-    case 32: backward<32>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;
-    case 64: backward<64>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;
-    default: backward<128>(p, d_o, states, dq, dk, dv, dg, dbeta, workspace); break;
+    case 32: backward<32>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
+    case 64: backward<64>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
+    default: backward<128>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
   }
+}
+
+void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, float* states) {
+  const char* fn = "kda_chunk_train_bf16_states";
+  chunk_train::check_params(fn, p);
+  if (p.chunks == 0) return;
+  chunk_train::check_workspace(fn, saved, "the tape (saved)");
+  K3_CHECK(states != nullptr, fn, ": states must be non-null");
+  const int64_t mats = p.chunks * int64_t(p.H);
+  const int64_t blocks = std::min<int64_t>((mats * p.D * p.D + 255) / 256, 65536);
+  states_to_f32_kernel<<<unsigned(blocks), 256>>>(static_cast<const bf16*>(saved), states, mats, p.D);
+  K3_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace k3::kda::cuda

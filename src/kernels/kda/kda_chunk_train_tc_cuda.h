@@ -1,6 +1,6 @@
 // The KDA recurrence core for TRAINING on the GPU (sm_90a) on TENSOR CORES: the bf16-operand twin of
 // kda_chunk_forward_train / kda_chunk_backward_train (kda_chunk_train_cuda.h: same KdaTrainParams, same packed
-// varlen contract, same outputs and overwrite rules, same meaning of `states`). Every 16x16, 16xD and DxD product
+// varlen contract, same outputs and overwrite rules; the states travel in a tape, below). Every 16x16, 16xD and DxD product
 // is mma.sync m16n8k16 with bf16 operands and fp32 accumulators; the state, the state gradient, the decays and
 // the gate math stay fp32. Plain C++ (no CUDA headers): DEVICE pointers, the default stream, asynchronous.
 //
@@ -27,15 +27,21 @@
 // DESIGN (four kernels; warps of 32 lanes own 16 output columns; no atomics):
 //   prep     one CTA (2D threads) per chunk and head, all chunks in parallel: the elementwise decays (fp32), A and
 //            M (tensor cores), Aw (a 16x16 unit-triangular solve, one lane per column), written to an "item"
-//            of bf16 tiles Kt, Qt, Kd [16][D], Aw, A, M [16][16] and fp32 El [D] (100 D + 1536 bytes).
+//            of bf16 tiles Kt, Qt, Kd [16][D], Aw, A, M [16][16] and fp32 El [D] (100 D + 1536 bytes). Runs once,
+//            in the forward: the items are part of the tape the backward reads.
 //   fwd_seq  one CTA of 2 warps per (sequence, head, 32 value columns): each warp keeps its 16 columns of S^T
 //            (16 x D, fp32 mma accumulators in registers) across the sequence's chunks; the accumulator tiles of
 //            S^T, Y^T and U^T are repacked in registers as the A operand of the next product. Chunk items are
-//            double-buffered in shared memory with cp.async. Saves S0 per chunk (fp32), writes O.
-//   bwd_seq  the same grid, chunks in reverse, dS^T in registers; saves dS (bf16) per chunk, writes dv = dX and
+//            double-buffered in shared memory with cp.async. Saves S0^T per chunk (bf16), writes O.
+//   bwd_seq  the same grid, chunks in reverse, dS^T in registers; saves dS^T (bf16) per chunk, writes dv = dX and
 //            dB (fp32, workspace).
-//   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel: recomputes Y, U, X
-//            from the saved S0, then every product above, then the elementwise chain and the reverse cumsum.
+//   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel, two CTAs per SM at
+//            D = 128 (100 KB of shared memory each): S0^T, dS^T and the item's tiles arrive by cp.async while dO,
+//            dX and the decays load; Y^T, U^T, X^T from S0^T (value rows per warp, as fwd_seq), then every
+//            product above (key columns per warp), then the elementwise chain and the reverse cumsum. Qr, Kr, Ki
+//            are built where S0^T was, once its products are done.
+// The saved states are bf16 because every product that reads them takes bf16 operands anyway (the rounding the
+// backward would apply on loading them); the state itself is carried in fp32 through the sequential walks.
 // Every sequence's numbers come from its own rows only by the same code; results are bitwise reproducible and
 // independent of the other sequences of the batch.
 //
@@ -53,7 +59,7 @@
 //     dS are carried in fp32 accumulators, so rounding does not compound along a sequence (the recurrence is
 //     contractive). g must be >= -5 per token for these range claims (K3's bound); g > 0 is not supported.
 //
-// CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; workspace 16-byte aligned, caller-owned).
+// CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; tape and workspace 16-byte aligned, caller-owned).
 #pragma once
 #include <cstddef>
 
@@ -61,15 +67,21 @@
 
 namespace k3::kda::cuda {
 
-// o [rows, H*D] and states [chunks, H, D, D] (fp32, the state entering each chunk) OVERWRITTEN.
-// Workspace: chunks * H * (100 D + 1536) bytes.
-size_t kda_chunk_forward_train_bf16_workspace_bytes(const KdaTrainParams& p);
-void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, float* states, void* workspace);
+// The forward's tape for the backward ("saved", caller-owned, 16-byte aligned): bf16 S0^T per chunk, value-major
+// [chunks, H, D (value), D (key)], then the chunk items [chunks, H] of 100 D + 1536 bytes.
+size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p);
+
+// o [rows, H*D] and saved OVERWRITTEN. No workspace beyond the tape.
+void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved);
 
 // dq, dk, dv, dg [rows, H*D] and dbeta [rows, H] OVERWRITTEN (dg w.r.t. the per-token g), given d_o and the
-// forward's states. Workspace: the forward's, plus chunks * H * D * D bf16 (dS per chunk) and rows * H * D fp32 (dB).
+// forward's tape. Workspace: chunks * H * D * D bf16 (dS^T per chunk) and rows * H * D fp32 (dB).
 size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p);
-void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const float* states, float* dq, float* dk,
+void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk,
                                    float* dv, float* dg, float* dbeta, void* workspace);
+
+// The tape's states as fp32 key-major S[dk][dv] per chunk and head, [chunks, H, D, D] OVERWRITTEN (the layout of
+// kda_chunk_forward_train's states): for tests and inspection.
+void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, float* states);
 
 }  // namespace k3::kda::cuda

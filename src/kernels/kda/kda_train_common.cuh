@@ -49,13 +49,14 @@ inline void check_pointers(const char* fn, const KdaTrainParams& p) {
   K3_CHECK(p.B >= 1, fn, ": B must be >= 1 when rows > 0, got ", p.B);
 }
 
-inline void check_workspace(const char* fn, const void* workspace) {
-  K3_CHECK(workspace != nullptr, fn, ": workspace is null");
-  K3_CHECK(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, fn, ": workspace must be 16-byte aligned");
+// A caller-owned device buffer (`what`: the workspace, the tape) must be non-null and 16-byte aligned.
+inline void check_workspace(const char* fn, const void* workspace, const char* what = "workspace") {
+  K3_CHECK(workspace != nullptr, fn, ": ", what, " is null");
+  K3_CHECK(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, fn, ": ", what, " must be 16-byte aligned");
 }
 
 // The checks of the forward entry point `fn`; false when rows = 0 (nothing to do, pointers not checked).
-inline bool check_forward(const char* fn, const KdaTrainParams& p, const float* o, const float* states,
+inline bool check_forward(const char* fn, const KdaTrainParams& p, const float* o, const void* states,
                           const void* workspace) {
   check_params(fn, p);
   if (p.rows == 0) return false;
@@ -66,7 +67,7 @@ inline bool check_forward(const char* fn, const KdaTrainParams& p, const float* 
 }
 
 // The checks of the backward entry point `fn`; false when rows = 0 (nothing to do, pointers not checked).
-inline bool check_backward(const char* fn, const KdaTrainParams& p, const float* d_o, const float* states,
+inline bool check_backward(const char* fn, const KdaTrainParams& p, const float* d_o, const void* states,
                            const float* dq, const float* dk, const float* dv, const float* dg, const float* dbeta,
                            const void* workspace) {
   check_params(fn, p);

@@ -52,7 +52,11 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
     *a = t.take<float>(N * HD);
   for (float** a : {&tp.q_inv, &tp.k_inv, &tp.beta, &tp.o_inv}) *a = t.take<float>(N * H);
   tp.fa = t.take<float>(N * D);
-  tp.states = t.take<float>(t.batch.chunks * H * D * D);
+  {
+    const kda::cuda::KdaTrainParams p = core_params(t, tp);
+    tp.saved = t.precision == GpuPrecision::BF16 ? t.arena.take_bytes(kda::cuda::kda_chunk_train_bf16_saved_bytes(p))
+                                                 : static_cast<void*>(t.take<float>(t.batch.chunks * H * D * D));
+  }
 
   // 1. q/k/v projections, causal conv + SiLU (v's SiLU output is the recurrence's v).
   train_linear_forward(t, tp.qp, x, N, W.q, tp.x16);
@@ -77,11 +81,10 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
     const DeviceArena::Mark mark = t.arena.mark();
     const kda::cuda::KdaTrainParams p = core_params(t, tp);
     if (t.precision == GpuPrecision::BF16) {  // bf16 operands on tensor cores, fp32 state
-      void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_forward_train_bf16_workspace_bytes(p));
-      kda::cuda::kda_chunk_forward_train_bf16(p, tp.o, tp.states, ws);
+      kda::cuda::kda_chunk_forward_train_bf16(p, tp.o, tp.saved);
     } else {
       void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_forward_train_workspace_bytes(p));
-      kda::cuda::kda_chunk_forward_train(p, tp.o, tp.states, ws);
+      kda::cuda::kda_chunk_forward_train(p, tp.o, static_cast<float*>(tp.saved), ws);
     }
     t.arena.rewind(mark);
   }
@@ -120,10 +123,10 @@ void kda_train_backward(TrainCtx& t, int64_t layer, const KdaTrainTape& tp, cons
     const kda::cuda::KdaTrainParams p = core_params(t, tp);
     if (t.precision == GpuPrecision::BF16) {
       void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_backward_train_bf16_workspace_bytes(p));
-      kda::cuda::kda_chunk_backward_train_bf16(p, d_o, tp.states, dq, dk, dv, dg, dbeta, ws);
+      kda::cuda::kda_chunk_backward_train_bf16(p, d_o, tp.saved, dq, dk, dv, dg, dbeta, ws);
     } else {
       void* ws = t.arena.take_bytes(kda::cuda::kda_chunk_backward_train_workspace_bytes(p));
-      kda::cuda::kda_chunk_backward_train(p, d_o, tp.states, dq, dk, dv, dg, dbeta, ws);
+      kda::cuda::kda_chunk_backward_train(p, d_o, static_cast<const float*>(tp.saved), dq, dk, dv, dg, dbeta, ws);
     }
     t.arena.rewind(m);
   }

@@ -140,7 +140,7 @@ struct KdaTrainTape {
   float* o;              // [rows, HD]
   float* o_inv;          // [rows, H]
   float *gp, *on;        // [rows, HD]
-  float* states;         // [chunks, H, D, D]
+  void* saved;           // the recurrence's tape: fp32 states [chunks, H, D, D] (FP32) or the bf16 kernels' tape
 };
 struct MlaTrainTape {
   const float* x = nullptr;

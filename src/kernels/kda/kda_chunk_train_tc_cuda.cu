@@ -31,7 +31,6 @@ using chunk_train::locate_chunk;
 using bf16 = __nv_bfloat16;
 constexpr int kMid = 7;       // the re-reference position of A and M (Gamma_m)
 constexpr int kLdT = 24;      // row stride (bf16) of a 16x16 tile in shared memory: 48 bytes, conflict-free ldmatrix
-constexpr int kSeqWarps = 2;  // warps per CTA of the sequential kernels (16 value columns each)
 
 template <int D>
 constexpr int ld_of() {  // row stride (bf16) of [16][D] and [D][D] tiles: D + 8 (a 16-byte shift per row)
@@ -84,13 +83,22 @@ __device__ __forceinline__ int frag_row(int e) { return (lane_id() >> 2) + (e >>
 __device__ __forceinline__ int frag_col(int j, int e) { return 8 * j + 2 * (lane_id() & 3) + (e & 1); }
 
 // ---- chunks --------------------------------------------------------------------------------------------------
-// The per-(chunk, head) item in the workspace (bytes): bf16 Kt, Qt, Kd [16][D] (dense rows), Aw, A, M [16][16],
-// fp32 El [D]. Rows >= n of every tile are zero.
+// The per-(chunk, head) item in the tape, stored exactly as the kernels hold it in shared memory (ItemSmem), so a
+// copy is one flat run of 16-byte pieces: bf16 Kt, Qt, Kd [16][D + 8], Aw, A, M [16][kLdT], fp32 El [D] (bytes
+// 100 D + 3072). Rows >= n of every tile are zero; the pad columns are zero.
+template <int D>
+struct ItemSmem {
+  bf16 Kt[C][ld_of<D>()], Qt[C][ld_of<D>()], Kd[C][ld_of<D>()];
+  bf16 Aw[C][kLdT], A[C][kLdT], M[C][kLdT];
+  float El[D];
+};
 template <int D>
 struct Item {
-  static constexpr int kKt = 0, kQt = 32 * D, kKd = 64 * D, kAw = 96 * D, kA = kAw + 512, kM = kAw + 1024,
-                       kEl = kAw + 1536, kBytes = kEl + 4 * D;
-  static_assert(kBytes % 16 == 0 && kEl % 16 == 0, "item tiles are copied in 16-byte pieces");
+  static constexpr int kBig = C * ld_of<D>() * 2, kSmall = C * kLdT * 2;  // bytes of one tile
+  static constexpr int kKt = 0, kQt = kBig, kKd = 2 * kBig, kAw = 3 * kBig, kA = kAw + kSmall, kM = kA + kSmall,
+                       kEl = kM + kSmall, kBytes = kEl + 4 * D;
+  static_assert(kBytes % 16 == 0 && kEl % 16 == 0 && kAw % 16 == 0, "item tiles are copied in 16-byte pieces");
+  static_assert(sizeof(ItemSmem<D>) == kBytes, "the item is stored as ItemSmem holds it");
 };
 
 // ---- prep ---------------------------------------------------------------------------------------------------
@@ -101,9 +109,16 @@ struct PrepSmem {
   float beta[C];
 };
 
-// One CTA of 2 D threads per (chunk, head). Threads c < D: channel c of the elementwise phase.
+// One CTA of max(D, 64) threads per (chunk, head) (the products need two warps). Threads c < D: channel c of the
+// elementwise phase, where most of the time goes: no thread idles there, and the SM hides the phases' latency
+// with other CTAs (8 of them at D = 128).
 template <int D>
-__global__ void __launch_bounds__(2 * D) prep_kernel(KdaTrainParams p, unsigned char* items) {
+constexpr int prep_threads() {
+  return D < 64 ? 64 : D;
+}
+
+template <int D>
+__global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kernel(KdaTrainParams p, unsigned char* items) {
   __shared__ __align__(16) PrepSmem<D> s;
   using I = Item<D>;
   constexpr int LD = ld_of<D>();
@@ -116,6 +131,11 @@ __global__ void __launch_bounds__(2 * D) prep_kernel(KdaTrainParams p, unsigned 
   bf16* Kt = reinterpret_cast<bf16*>(it + I::kKt);
   bf16* Qt = reinterpret_cast<bf16*>(it + I::kQt);
   bf16* Kd = reinterpret_cast<bf16*>(it + I::kKd);
+  for (int i = tid; i < 6 * C; i += prep_threads<D>()) {  // the pad columns of the six tiles: 16 bytes of zeros per row
+    const int t = i / C, r = i % C;
+    const int off = t < 3 ? I::kKt + t * I::kBig + (r * LD + D) * 2 : I::kAw + (t - 3) * I::kSmall + (r * kLdT + C) * 2;
+    *reinterpret_cast<uint4*>(it + off) = make_uint4(0u, 0u, 0u, 0u);
+  }
   if (tid < D) {
     const int c = tid;
     const int64_t base = L.row0 * HD + int64_t(h) * D + c;
@@ -126,15 +146,15 @@ __global__ void __launch_bounds__(2 * D) prep_kernel(KdaTrainParams p, unsigned 
       G += r < n ? p.g[base + r * HD] : 0.f;  // padded rows: g = 0 (their k, q are 0)
       gam[r] = G;
     }
-    const float Gl = gam[n - 1], Gm = gam[kMid];
+    const float Gl = G, Gm = gam[kMid];  // G = Gamma_{n-1}: padded rows add g = 0
 #pragma unroll
     for (int r = 0; r < C; ++r) {
       const float qv = r < n ? p.scale * p.q[base + r * HD] : 0.f;
       const float kv = r < n ? p.k[base + r * HD] : 0.f;
       const float E = expf(gam[r]);
-      Qt[r * D + c] = __float2bfloat16_rn(qv * E);
-      Kt[r * D + c] = __float2bfloat16_rn(kv * E);
-      Kd[r * D + c] = __float2bfloat16_rn(kv * expf(Gl - gam[r]));
+      Qt[r * LD + c] = __float2bfloat16_rn(qv * E);
+      Kt[r * LD + c] = __float2bfloat16_rn(kv * E);
+      Kd[r * LD + c] = __float2bfloat16_rn(kv * expf(Gl - gam[r]));
       const float er = expf(gam[r] - Gm);
       s.Qr[r][c] = __float2bfloat16_rn(qv * er);
       s.Kr[r][c] = __float2bfloat16_rn(kv * er);
@@ -164,7 +184,7 @@ __global__ void __launch_bounds__(2 * D) prep_kernel(KdaTrainParams p, unsigned 
         const int r = frag_row(e), sc = frag_col(j, e);
         const float v = (warp == 0 ? r > sc : r >= sc) ? acc[j][e] : 0.f;
         if (warp == 0) s.A[r][sc] = v;
-        out[r * C + sc] = __float2bfloat16_rn(v);
+        out[r * kLdT + sc] = __float2bfloat16_rn(v);
       }
   }
   __syncthreads();
@@ -180,48 +200,63 @@ __global__ void __launch_bounds__(2 * D) prep_kernel(KdaTrainParams p, unsigned 
 #pragma unroll
       for (int j = 0; j < i; ++j) acc = fmaf(-s.A[i][j], x[j], acc);
       x[i] = s.beta[i] * acc;
-      Aw[i * C + col] = __float2bfloat16_rn(x[i]);
+      Aw[i * kLdT + col] = __float2bfloat16_rn(x[i]);
     }
   }
 }
 
 // ---- sequential kernels ---------------------------------------------------------------------------------------
-// A chunk item in shared memory (padded rows).
+// One CTA of seq_warps<D>() warps per (sequence, head, NV = 16 * warps value columns). The chunk's item and its
+// fp32 [16][NV] tile of V (forward) or dO (backward) arrive by cp.async kStages - 1 chunks ahead, so a step waits
+// on neither: at a few CTAs per SM the step's latency is the kernels' time (ANCHORS/CUDA.md: the inference
+// recurrence's measurements), and a load issued in the step that uses it costs a memory round trip each step.
 template <int D>
-struct ItemSmem {
-  bf16 Kt[C][ld_of<D>()], Qt[C][ld_of<D>()], Kd[C][ld_of<D>()];
-  bf16 Aw[C][kLdT], A[C][kLdT], M[C][kLdT];
-  float El[D];
+constexpr int seq_warps() {
+  return D >= 64 ? 4 : 2;
+}
+constexpr int kStages = 4;
+
+template <int D>
+struct SeqStage {
+  static constexpr int NV = 16 * seq_warps<D>(), kLdX = NV + 4;  // +4 floats: the fragment reads of 4 token rows
+                                                                 // (8 banks apart) x 8 values hit 32 banks
+  ItemSmem<D> it;
+  float X[C][kLdX];  // V or dO: token rows, the CTA's value columns
+};
+template <int D>
+struct SeqSmem {
+  SeqStage<D> st[kStages];
 };
 
-// Queues the copy of item `src` into `dst` (cp.async, 16-byte pieces, all threads of the CTA).
+// Queues the copies of chunk (item `item`, token rows from `x` with row stride HD, n of them valid) into stage `st`;
+// rows >= n of X are zero-filled. Every thread of the CTA takes part; one commit group.
 template <int D>
-__device__ __forceinline__ void load_item_async(ItemSmem<D>& dst, const unsigned char* src, int nthreads) {
-  using I = Item<D>;
-  constexpr int RowPieces = D / 8;  // 16-byte pieces per [D] bf16 row
-  constexpr int BigPieces = 3 * C * RowPieces, SmallPieces = 3 * C * 2, ElPieces = D / 4;
-  for (int i = threadIdx.x; i < BigPieces + SmallPieces + ElPieces; i += nthreads) {
-    const void* from;
-    void* to;
-    if (i < BigPieces) {
-      const int t = i / (C * RowPieces), r = (i / RowPieces) % C, pc = i % RowPieces;
-      bf16* tile = t == 0 ? &dst.Kt[0][0] : t == 1 ? &dst.Qt[0][0] : &dst.Kd[0][0];
-      from = src + (t == 0 ? I::kKt : t == 1 ? I::kQt : I::kKd) + (r * D + pc * 8) * 2;
-      to = tile + r * ld_of<D>() + pc * 8;
-    } else if (i < BigPieces + SmallPieces) {
-      const int k = i - BigPieces, t = k / (2 * C), r = (k / 2) % C, pc = k % 2;
-      bf16* tile = t == 0 ? &dst.Aw[0][0] : t == 1 ? &dst.A[0][0] : &dst.M[0][0];
-      from = src + (t == 0 ? I::kAw : t == 1 ? I::kA : I::kM) + (r * C + pc * 8) * 2;
-      to = tile + r * kLdT + pc * 8;
-    } else {
-      const int k = i - BigPieces - SmallPieces;
-      from = src + I::kEl + k * 16;
-      to = &dst.El[k * 4];
-    }
-    ptx::cp_async16(ptx::smem_u32(to), from, 16);
+__device__ __forceinline__ void load_stage(SeqStage<D>& st, const unsigned char* item, const float* x, int64_t HD,
+                                           int n) {
+  constexpr int NT = 32 * seq_warps<D>(), kPieces = Item<D>::kBytes / 16, NV = SeqStage<D>::NV, RP = NV / 4;
+  const uint32_t dst = ptx::smem_u32(&st.it);
+#pragma unroll
+  for (int k = 0; k < (kPieces + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT;
+    if (kPieces % NT == 0 || i < kPieces) ptx::cp_async16(dst + i * 16, item + i * 16, 16);
   }
-  ptx::cp_async_commit();
+#pragma unroll
+  for (int k = 0; k < (C * RP + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT, r = i / RP, pc = i % RP;
+    if ((C * RP) % NT == 0 || i < C * RP)
+      ptx::cp_async16(ptx::smem_u32(&st.X[r][pc * 4]), x + (r < n ? r * HD + pc * 4 : 0), r < n ? 16 : 0);
+  }
 }
+
+// Where step i of a sequence's walk reads and writes: its chunk (forward: i, backward: nch - 1 - i).
+struct SeqWalk {
+  int64_t begin, end, c0, nch;
+  __device__ int64_t chunk(int64_t i, bool reverse) const { return reverse ? nch - 1 - i : i; }
+  __device__ int rows(int64_t lc) const {
+    const int64_t left = end - (begin + C * lc);
+    return int(left < C ? left : C);
+  }
+};
 
 // Stores a warp's 16 rows of a D x D state (S^T or dS^T, held as D/8 accumulator tiles 16 x 8 along the keys) to
 // `rows` (row 0 of the warp, row stride D) as bf16: lane pairs (keys 8 nt + 2q, +1) at rows g and g + 8.
@@ -235,53 +270,56 @@ __device__ __forceinline__ void store_state_rows(bf16* rows, const float (&S)[D 
   }
 }
 
-template <int D>
-struct SeqSmem {
-  ItemSmem<D> st[2];  // double buffer
-};
+// The walk's pipeline: stages for steps 0 .. kStages - 2 queued before the loop; step i queues step i + kStages - 1
+// and waits for its own. `x` is V (forward) or dO (backward), at the CTA's first value column.
+template <int D, bool kReverse>
+__device__ __forceinline__ void queue_step(SeqSmem<D>& sm, const SeqWalk& w, int64_t i, const unsigned char* items,
+                                           const float* x, int H, int h) {
+  if (i < w.nch) {
+    const int64_t lc = w.chunk(i, kReverse);
+    load_stage<D>(sm.st[i % kStages], items + ((w.c0 + lc) * H + h) * Item<D>::kBytes,
+                  x + (w.begin + C * lc) * int64_t(H) * D, int64_t(H) * D, w.rows(lc));
+  }
+  ptx::cp_async_commit();  // possibly empty: the wait below counts groups
+}
 
-// Forward: one CTA of kSeqWarps warps per (sequence, head, 16 kSeqWarps value columns); warp w keeps the state
-// columns v0 .. v0 + 15 as S^T (16 values x D keys): S[nt] is the accumulator tile of keys 8 nt .. 8 nt + 7.
+// Forward: warp w keeps the state columns v0 .. v0 + 15 as S^T (16 values x D keys): S[nt] is the accumulator
+// tile of keys 8 nt .. 8 nt + 7.
 template <int D>
-__global__ void __launch_bounds__(kSeqWarps * 32)
+__global__ void __launch_bounds__(seq_warps<D>() * 32)
     fwd_seq_kernel(KdaTrainParams p, const unsigned char* items, float* o, bf16* states) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
-  constexpr int LD = ld_of<D>(), NT = kSeqWarps * 32;
+  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV;
   const int b = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, q = lane_id() & 3;
-  const int v0 = (blockIdx.z * kSeqWarps + warp) * 16;
-  const int64_t begin = p.cu_seqlens[b], end = p.cu_seqlens[b + 1], c0 = p.chunk_offsets[b];
-  const int64_t nch = (end - begin + C - 1) / C;
+  const int wv = warp * 16, v0 = blockIdx.z * NV + wv;
+  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b], (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
   const int64_t HD = int64_t(p.H) * D, colbase = int64_t(h) * D + v0;
+  const float* x = p.v + int64_t(h) * D + blockIdx.z * NV;
   float S[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) S[nt][e] = 0.f;
-  if (nch > 0) load_item_async<D>(sm.st[0], items + (c0 * p.H + h) * Item<D>::kBytes, NT);
-  for (int64_t lc = 0; lc < nch; ++lc) {
-    const int64_t ci = c0 + lc, row0 = begin + C * lc;
-    const int n = int(end - row0 < C ? end - row0 : C);
-    // V^T of this chunk (accumulator layout: value row, token column), read before waiting on the item.
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) queue_step<D, false>(sm, w, i, items, x, p.H, h);
+  for (int64_t lc = 0; lc < w.nch; ++lc) {
+    const int64_t ci = w.c0 + lc, row0 = w.begin + C * lc;
+    const int n = w.rows(lc);
+    queue_step<D, false>(sm, w, lc + kStages - 1, items, x, p.H, h);
+    ptx::cp_async_wait<kStages - 1>();
+    __syncthreads();  // stage lc visible to every warp
+    const SeqStage<D>& st = sm.st[lc % kStages];
+    const ItemSmem<D>& it = st.it;
+    // Save S0^T (value-major, bf16).
+    store_state_rows<D>(states + ((ci * p.H + h) * D + v0) * D, S);
+    // V^T (accumulator layout: value row, token column).
     float y[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = frag_col(j, e), val = frag_row(e);
-        y[j][e] = tok < n ? p.v[(row0 + tok) * HD + colbase + val] : 0.f;
-      }
-    if (lc + 1 < nch) {
-      load_item_async<D>(sm.st[(lc + 1) & 1], items + ((ci + 1) * p.H + h) * Item<D>::kBytes, NT);
-      ptx::cp_async_wait<1>();
-    } else {
-      ptx::cp_async_wait<0>();
-    }
-    __syncthreads();  // item lc visible to every warp
-    const ItemSmem<D>& it = sm.st[lc & 1];
-    // Save S0^T (value-major, bf16): each lane's key pairs 8 nt + 2q, +1 at value rows g and g + 8.
-    store_state_rows<D>(states + ((ci * p.H + h) * D + v0) * D, S);
+      for (int e = 0; e < 4; ++e) y[j][e] = st.X[frag_col(j, e)][wv + frag_row(e)];
     // S0^T as A operands (keys 16 ks .. 16 ks + 15), for Y^T and O^T.
     float pk[2][4], ok[2][4];
     zero2(pk);
@@ -323,7 +361,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
         const int tok = frag_col(j, e), val = frag_row(e);
         if (tok < n) o[(row0 + tok) * HD + colbase + val] = ok[j][e];
       }
-      // S^T <- S^T Diag(El) + U^T Kd.
+    // S^T <- S^T Diag(El) + U^T Kd.
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
       const float2 el = *reinterpret_cast<const float2*>(&it.El[nt * 8 + 2 * q]);
@@ -339,52 +377,49 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
       ptx::mma_bf16_16816(S[2 * np], au, b[0], b[1]);
       ptx::mma_bf16_16816(S[2 * np + 1], au, b[2], b[3]);
     }
-    __syncthreads();  // every warp is done with buffer lc & 1 before it is refilled with chunk lc + 2
+    __syncthreads();  // every warp is done with stage lc before step lc + 1 refills it
   }
+  ptx::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
 }
 
 // Backward, sequential part: the forward's grid, chunks in reverse; warp w keeps dS^T (16 values x D keys).
 template <int D>
-__global__ void __launch_bounds__(kSeqWarps * 32)
+__global__ void __launch_bounds__(seq_warps<D>() * 32)
     bwd_seq_kernel(KdaTrainParams p, const unsigned char* items, const float* d_o, bf16* dstates, float* dB,
                    float* dv) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
-  constexpr int LD = ld_of<D>(), NT = kSeqWarps * 32;
+  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV;
   const int b = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
-  const int v0 = (blockIdx.z * kSeqWarps + warp) * 16;
-  const int64_t begin = p.cu_seqlens[b], end = p.cu_seqlens[b + 1], c0 = p.chunk_offsets[b];
-  const int64_t nch = (end - begin + C - 1) / C;
+  const int wv = warp * 16, v0 = blockIdx.z * NV + wv;
+  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b], (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
   const int64_t HD = int64_t(p.H) * D, colbase = int64_t(h) * D + v0;
+  const float* x = d_o + int64_t(h) * D + blockIdx.z * NV;
   float dS[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dS[nt][e] = 0.f;
-  if (nch > 0) load_item_async<D>(sm.st[(nch - 1) & 1], items + ((c0 + nch - 1) * p.H + h) * Item<D>::kBytes, NT);
-  for (int64_t lc = nch - 1; lc >= 0; --lc) {
-    const int64_t ci = c0 + lc, row0 = begin + C * lc;
-    const int n = int(end - row0 < C ? end - row0 : C);
-    // dO^T as an A operand: A[val][tok] = dO[tok][val].
-    uint32_t ado[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int val = g + (i & 1) * 8, tok = 2 * q + (i >> 1) * 8;
-      const float x0 = tok < n ? d_o[(row0 + tok) * HD + colbase + val] : 0.f;
-      const float x1 = tok + 1 < n ? d_o[(row0 + tok + 1) * HD + colbase + val] : 0.f;
-      ado[i] = ptx::pack_bf16x2(x0, x1);
-    }
-    if (lc > 0) {
-      load_item_async<D>(sm.st[(lc - 1) & 1], items + ((ci - 1) * p.H + h) * Item<D>::kBytes, NT);
-      ptx::cp_async_wait<1>();
-    } else {
-      ptx::cp_async_wait<0>();
-    }
+  for (int i = 0; i < kStages - 1; ++i) queue_step<D, true>(sm, w, i, items, x, p.H, h);
+  for (int64_t i = 0; i < w.nch; ++i) {
+    const int64_t lc = w.chunk(i, true), ci = w.c0 + lc, row0 = w.begin + C * lc;
+    const int n = w.rows(lc);
+    queue_step<D, true>(sm, w, i + kStages - 1, items, x, p.H, h);
+    ptx::cp_async_wait<kStages - 1>();
     __syncthreads();
-    const ItemSmem<D>& it = sm.st[lc & 1];
+    const SeqStage<D>& st = sm.st[i % kStages];
+    const ItemSmem<D>& it = st.it;
     // Save dS^T (the gradient w.r.t. the state leaving this chunk), value-major, bf16.
     store_state_rows<D>(dstates + ((ci * p.H + h) * D + v0) * D, dS);
+    // dO^T as an A operand: A[val][tok] = dO[tok][val] (rows past the chunk's end are zero).
+    uint32_t ado[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int val = wv + g + (k & 1) * 8, tok = 2 * q + (k >> 1) * 8;
+      ado[k] = ptx::pack_bf16x2(st.X[tok][val], st.X[tok + 1][val]);
+    }
     // dU^T = dS^T Kd^T + dO^T M.
     float du[2][4];
     zero2(du);
@@ -429,7 +464,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
           dB[off] = du[j][e] - ax[j][e];
         }
       }
-      // dS^T <- dS^T Diag(El) + dO^T Qt - dX^T Kt.
+    // dS^T <- dS^T Diag(El) + dO^T Qt - dX^T Kt.
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
       const float2 el = *reinterpret_cast<const float2*>(&it.El[nt * 8 + 2 * q]);
@@ -448,8 +483,9 @@ __global__ void __launch_bounds__(kSeqWarps * 32)
       ptx::mma_bf16_16816(dS[2 * np], adxn, bk[0], bk[1]);
       ptx::mma_bf16_16816(dS[2 * np + 1], adxn, bk[2], bk[3]);
     }
-    __syncthreads();  // buffer lc & 1 free for chunk lc - 2
+    __syncthreads();  // stage i free for step i + 1's refill
   }
+  ptx::cp_async_wait<0>();
 }
 
 // ---- backward, chunk-parallel part --------------------------------------------------------------------------
@@ -510,15 +546,10 @@ __global__ void __launch_bounds__(2 * D, 2)
     const int m = i / (D * RP), r = (i / RP) % D, pc = i % RP;
     ptx::cp_async16(ptx::smem_u32((m == 0 ? S0T : dST) + r * LD + pc * 8), (m == 0 ? S0g : dSg) + r * D + pc * 8, 16);
   }
-  for (int i = tid; i < C * RP; i += NT) {
-    const int r = i / RP, pc = i % RP;
-    ptx::cp_async16(ptx::smem_u32(&s.Kt[r][pc * 8]), it + I::kKt + (r * D + pc * 8) * 2, 16);
-  }
-  if (tid < 4 * C) {
-    const int t = tid / (2 * C), r = (tid / 2) % C, pc = tid % 2;
-    ptx::cp_async16(ptx::smem_u32(t == 0 ? &s.Aw[r][pc * 8] : &s.A[r][pc * 8]),
-                    it + (t == 0 ? I::kAw : I::kA) + (r * C + pc * 8) * 2, 16);
-  }
+  // Kt, then Aw and A (adjacent in the item and in shared memory): flat runs of 16-byte pieces.
+  for (int i = tid; i < I::kBig / 16; i += NT) ptx::cp_async16(ptx::smem_u32(&s.Kt[0][0]) + i * 16, it + I::kKt + i * 16, 16);
+  for (int i = tid; i < 2 * I::kSmall / 16; i += NT)
+    ptx::cp_async16(ptx::smem_u32(&s.Aw[0][0]) + i * 16, it + I::kAw + i * 16, 16);
   ptx::cp_async_commit();
 #pragma unroll
   for (int k = 0; k < C / 4; ++k) {  // C D / 2 pairs over 2 D threads
@@ -786,7 +817,9 @@ constexpr size_t kMaxSmem = 227 * 1024;
 static_assert(sizeof(BwdChunkSmem<128>) <= kMaxSmem / 2 - 1024 && sizeof(SeqSmem<128>) <= kMaxSmem,
               "bwd_chunk runs two CTAs per SM at D = 128");
 
-size_t item_bytes(int D) { return size_t(100 * D + 1536); }
+size_t item_bytes(int D) {
+  return size_t(D == 32 ? Item<32>::kBytes : D == 64 ? Item<64>::kBytes : Item<128>::kBytes);
+}
 size_t states_bytes(const KdaTrainParams& p) { return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 2; }
 
 template <class Kernel, class... Args>
@@ -801,17 +834,17 @@ void launch(Kernel kernel, bool& attr_set, dim3 grid, int threads, size_t smem, 
 
 template <int D>
 dim3 seq_grid(const KdaTrainParams& p) {
-  return dim3(unsigned(p.B), unsigned(p.H), unsigned(D / (16 * kSeqWarps)));
+  return dim3(unsigned(p.B), unsigned(p.H), unsigned(D / SeqStage<D>::NV));
 }
 
 template <int D>
 void forward(const KdaTrainParams& p, float* o, void* saved) {
   auto* states = static_cast<bf16*>(saved);
   auto* items = static_cast<unsigned char*>(saved) + states_bytes(p);
-  prep_kernel<D><<<dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D>>>(p, items);
+  prep_kernel<D><<<dim3(unsigned(p.chunks), unsigned(p.H)), prep_threads<D>()>>>(p, items);
   K3_CUDA_LAUNCH_CHECK();
   static bool attr = false;
-  launch(fwd_seq_kernel<D>, attr, seq_grid<D>(p), kSeqWarps * 32, sizeof(SeqSmem<D>), p,
+  launch(fwd_seq_kernel<D>, attr, seq_grid<D>(p), seq_warps<D>() * 32, sizeof(SeqSmem<D>), p,
          static_cast<const unsigned char*>(items), o, states);
 }
 
@@ -823,7 +856,7 @@ void backward(const KdaTrainParams& p, const float* d_o, const void* saved, floa
   auto* dstates = static_cast<bf16*>(workspace);
   float* dB = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + states_bytes(p));
   static bool attr_seq = false, attr_chunk = false;
-  launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), kSeqWarps * 32, sizeof(SeqSmem<D>), p, items, d_o, dstates, dB,
+  launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), seq_warps<D>() * 32, sizeof(SeqSmem<D>), p, items, d_o, dstates, dB,
          dv);
   launch(bwd_chunk_kernel<D>, attr_chunk, dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D, sizeof(BwdChunkSmem<D>), p,
          items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const float*>(dB),
@@ -849,6 +882,7 @@ void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved
   chunk_train::check_pointers(fn, p);
   K3_CHECK(o != nullptr, fn, ": o must be non-null");
   chunk_train::check_workspace(fn, saved, "the tape (saved)");
+  K3_CHECK(reinterpret_cast<uintptr_t>(p.v) % 16 == 0, fn, ": v must be 16-byte aligned");
   switch (p.D) {
     case 32: forward<32>(p, o, saved); break;
     case 64: forward<64>(p, o, saved); break;
@@ -861,6 +895,7 @@ void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, co
   const char* fn = "kda_chunk_backward_train_bf16";
   if (!chunk_train::check_backward(fn, p, d_o, saved, dq, dk, dv, dg, dbeta, workspace)) return;
   chunk_train::check_workspace(fn, saved, "the tape (saved)");
+  K3_CHECK(reinterpret_cast<uintptr_t>(d_o) % 16 == 0, fn, ": d_o must be 16-byte aligned");
   switch (p.D) {
     case 32: backward<32>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
     case 64: backward<64>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;

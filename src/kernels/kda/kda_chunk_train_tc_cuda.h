@@ -25,16 +25,18 @@
 //   bound: docs/NUMERICS.md, "bf16 tensor-core KDA training".)
 //
 // DESIGN (four kernels; warps of 32 lanes own 16 output columns; no atomics):
-//   prep     one CTA (2D threads) per chunk and head, all chunks in parallel: the elementwise decays (fp32), A and
+//   prep     one CTA (max(D, 64) threads) per chunk and head, all chunks in parallel: the elementwise decays (fp32), A and
 //            M (tensor cores), Aw (a 16x16 unit-triangular solve, one lane per column), written to an "item"
-//            of bf16 tiles Kt, Qt, Kd [16][D], Aw, A, M [16][16] and fp32 El [D] (100 D + 1536 bytes). Runs once,
-//            in the forward: the items are part of the tape the backward reads.
-//   fwd_seq  one CTA of 2 warps per (sequence, head, 32 value columns): each warp keeps its 16 columns of S^T
-//            (16 x D, fp32 mma accumulators in registers) across the sequence's chunks; the accumulator tiles of
-//            S^T, Y^T and U^T are repacked in registers as the A operand of the next product. Chunk items are
-//            double-buffered in shared memory with cp.async. Saves S0^T per chunk (bf16), writes O.
-//   bwd_seq  the same grid, chunks in reverse, dS^T in registers; saves dS^T (bf16) per chunk, writes dv = dX and
-//            dB (fp32, workspace).
+//            of bf16 tiles Kt, Qt, Kd [16][D], Aw, A, M [16][16] and fp32 El [D], stored with the padded rows the
+//            other kernels hold them in (100 D + 3072 bytes, copied as one flat run). Runs once, in the forward:
+//            the items are part of the tape the backward reads.
+//   fwd_seq  one CTA of 4 warps (2 at D = 32) per (sequence, head, 64 (32) value columns): each warp keeps its 16
+//            columns of S^T (16 x D, fp32 mma accumulators in registers) across the sequence's chunks; the
+//            accumulator tiles of S^T, Y^T and U^T are repacked in registers as the A operand of the next product.
+//            A chunk's item and its V tile arrive by cp.async three chunks ahead (4 stages), so a step waits on no
+//            memory. Saves S0^T per chunk (bf16), writes O.
+//   bwd_seq  the same grid, chunks in reverse, dS^T in registers, dO staged as V is; saves dS^T (bf16) per chunk,
+//            writes dv = dX and dB (fp32, workspace).
 //   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel, two CTAs per SM at
 //            D = 128 (100 KB of shared memory each): S0^T, dS^T and the item's tiles arrive by cp.async while dO,
 //            dX and the decays load; Y^T, U^T, X^T from S0^T (value rows per warp, as fwd_seq), then every
@@ -68,10 +70,11 @@
 namespace k3::kda::cuda {
 
 // The forward's tape for the backward ("saved", caller-owned, 16-byte aligned): bf16 S0^T per chunk, value-major
-// [chunks, H, D (value), D (key)], then the chunk items [chunks, H] of 100 D + 1536 bytes.
+// [chunks, H, D (value), D (key)], then the chunk items [chunks, H] of 100 D + 3072 bytes.
 size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p);
 
-// o [rows, H*D] and saved OVERWRITTEN. No workspace beyond the tape.
+// o [rows, H*D] and saved OVERWRITTEN. No workspace beyond the tape. v must be 16-byte aligned (its tiles are
+// copied in 16-byte pieces), as d_o in the backward.
 void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved);
 
 // dq, dk, dv, dg [rows, H*D] and dbeta [rows, H] OVERWRITTEN (dg w.r.t. the per-token g), given d_o and the

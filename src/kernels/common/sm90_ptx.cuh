@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) PTX the warp-specialised tensor-core kernels use: mbarriers, the bulk tensor
-// copy engine (TMA), the generic->async proxy fence, warpgroup MMA (wgmma) with shared-memory operand
+// copy engine (TMA) and its plain bulk stores, stmatrix, the generic->async proxy fence, warpgroup MMA (wgmma) with shared-memory operand
 // descriptors, and setmaxnreg. For .cu files built for sm_90a only (wgmma and setmaxnreg need the "a"
 // target). The sm_80 forms (mma.sync, ldmatrix, cp.async) are in mma_sm80.cuh.
 //
@@ -103,6 +103,33 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 // before later async-proxy accesses (wgmma operand reads, TMA) that synchronise with it.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- bulk copies out of shared memory, stmatrix ----------------------------------------------------------
+
+// The inverse of ldmatrix.x4: lanes 8i .. 8i + 7 give the row addresses of 8x8 bf16 matrix i; register i of lane t
+// holds row t / 4, columns 2 (t % 4), +1 of matrix i (an mma accumulator tile's layout, packed in pairs).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared to global memory by the bulk-copy engine,
+// no tensor map. Completion is tracked per issuing thread in bulk groups: commit, then wait for the reads of all
+// but the newest N groups (the shared source may be rewritten) or for all of them to complete.
+__device__ __forceinline__ void bulk_store(void* gdst, uint32_t ssrc, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gdst), "r"(ssrc), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ---- warpgroup MMA ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include "core/cuda_check.cuh"
 #include "core/error.h"
 #include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/sm90_ptx.cuh"
 #include "kernels/kda/kda_chunk_train_tc_cuda.h"
 #include "kernels/kda/kda_train_common.cuh"
 
@@ -109,9 +110,9 @@ struct PrepSmem {
   float beta[C];
 };
 
-// One CTA of max(D, 64) threads per (chunk, head) (the products need two warps). Threads c < D: channel c of the
-// elementwise phase, where most of the time goes: no thread idles there, and the SM hides the phases' latency
-// with other CTAs (8 of them at D = 128).
+// One CTA of max(D, 64) threads per (chunk, head) (the products need two warps). Threads < D run the elementwise
+// phase, where most of the time goes: no thread idles there, and the SM hides the phases' latency with other CTAs
+// (8 of them at D = 128).
 template <int D>
 constexpr int prep_threads() {
   return D < 64 ? 64 : D;
@@ -136,33 +137,54 @@ __global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kern
     const int off = t < 3 ? I::kKt + t * I::kBig + (r * LD + D) * 2 : I::kAw + (t - 3) * I::kSmall + (r * kLdT + C) * 2;
     *reinterpret_cast<uint4*>(it + off) = make_uint4(0u, 0u, 0u, 0u);
   }
+  // Phase 1, threads < D: a channel pair (c, c + 1) over half the rows each: lanes 0-15 of a warp rows 0-7, lanes
+  // 16-31 rows 8-15 of the same 16 pairs (paired loads and stores; the halves' sums meet by shuffles). Padded
+  // rows: g = q = k = 0, so Gamma stays Gamma_{n-1} after the last row.
   if (tid < D) {
-    const int c = tid;
-    const int64_t base = L.row0 * HD + int64_t(h) * D + c;
-    float gam[C];
-    float G = 0.f;
+    const int l = tid & 31, half = l >> 4, c = 2 * ((tid >> 5) * 16 + (l & 15));
+    const int64_t base = (L.row0 + half * 8) * HD + int64_t(h) * D + c;
+    float2 gin[C / 2], qv[C / 2], kv[C / 2];
 #pragma unroll
-    for (int r = 0; r < C; ++r) {
-      G += r < n ? p.g[base + r * HD] : 0.f;  // padded rows: g = 0 (their k, q are 0)
-      gam[r] = G;
+    for (int i = 0; i < C / 2; ++i) {
+      const bool ok = half * 8 + i < n;
+      const int64_t off = base + i * HD;
+      gin[i] = ok ? *reinterpret_cast<const float2*>(p.g + off) : make_float2(0.f, 0.f);
+      qv[i] = ok ? *reinterpret_cast<const float2*>(p.q + off) : make_float2(0.f, 0.f);
+      kv[i] = ok ? *reinterpret_cast<const float2*>(p.k + off) : make_float2(0.f, 0.f);
     }
-    const float Gl = G, Gm = gam[kMid];  // G = Gamma_{n-1}: padded rows add g = 0
+    float2 gam[C / 2], G = make_float2(0.f, 0.f);
 #pragma unroll
-    for (int r = 0; r < C; ++r) {
-      const float qv = r < n ? p.scale * p.q[base + r * HD] : 0.f;
-      const float kv = r < n ? p.k[base + r * HD] : 0.f;
-      const float E = expf(gam[r]);
-      Qt[r * LD + c] = __float2bfloat16_rn(qv * E);
-      Kt[r * LD + c] = __float2bfloat16_rn(kv * E);
-      Kd[r * LD + c] = __float2bfloat16_rn(kv * expf(Gl - gam[r]));
-      const float er = expf(gam[r] - Gm);
-      s.Qr[r][c] = __float2bfloat16_rn(qv * er);
-      s.Kr[r][c] = __float2bfloat16_rn(kv * er);
-      s.Ki[r][c] = __float2bfloat16_rn(kv * expf(Gm - gam[r]));
+    for (int i = 0; i < C / 2; ++i) {
+      G.x += gin[i].x;
+      G.y += gin[i].y;
+      gam[i] = G;
     }
-    reinterpret_cast<float*>(it + I::kEl)[c] = expf(Gl);
-    if (c < C) s.beta[c] = c < n ? p.beta[(L.row0 + c) * p.H + h] : 0.f;  // C <= D
+    // Gm = Gamma_7 (the first half's total), Gl = Gamma_15 = Gamma_{n-1} (the second half's, after adding Gm).
+    const float2 Gm = make_float2(__shfl_sync(0xffffffffu, G.x, l & 15), __shfl_sync(0xffffffffu, G.y, l & 15));
+    if (half) {
+#pragma unroll
+      for (int i = 0; i < C / 2; ++i) gam[i].x += Gm.x, gam[i].y += Gm.y;
+    }
+    const float2 Gl = make_float2(__shfl_sync(0xffffffffu, gam[C / 2 - 1].x, (l & 15) + 16),
+                                  __shfl_sync(0xffffffffu, gam[C / 2 - 1].y, (l & 15) + 16));
+#pragma unroll
+    for (int i = 0; i < C / 2; ++i) {
+      const int r = half * 8 + i;
+      const float qx = p.scale * qv[i].x, qy = p.scale * qv[i].y, kx = kv[i].x, ky = kv[i].y;
+      const float Ex = expf(gam[i].x), Ey = expf(gam[i].y);
+      const float Px = expf(Gl.x - gam[i].x), Py = expf(Gl.y - gam[i].y);
+      const float Rx = expf(gam[i].x - Gm.x), Ry = expf(gam[i].y - Gm.y);
+      const float Ix = expf(Gm.x - gam[i].x), Iy = expf(Gm.y - gam[i].y);
+      *reinterpret_cast<uint32_t*>(Qt + r * LD + c) = ptx::pack_bf16x2(qx * Ex, qy * Ey);
+      *reinterpret_cast<uint32_t*>(Kt + r * LD + c) = ptx::pack_bf16x2(kx * Ex, ky * Ey);
+      *reinterpret_cast<uint32_t*>(Kd + r * LD + c) = ptx::pack_bf16x2(kx * Px, ky * Py);
+      *reinterpret_cast<uint32_t*>(&s.Qr[r][c]) = ptx::pack_bf16x2(qx * Rx, qy * Ry);
+      *reinterpret_cast<uint32_t*>(&s.Kr[r][c]) = ptx::pack_bf16x2(kx * Rx, ky * Ry);
+      *reinterpret_cast<uint32_t*>(&s.Ki[r][c]) = ptx::pack_bf16x2(kx * Ix, ky * Iy);
+    }
+    if (half) *reinterpret_cast<float2*>(it + I::kEl + c * 4) = make_float2(expf(Gl.x), expf(Gl.y));
   }
+  if (tid < C) s.beta[tid] = tid < n ? p.beta[(L.row0 + tid) * p.H + h] : 0.f;
   __syncthreads();
   // Warp 0: A = StrictLower(Kr Ki^T); warp 1: M = Lower(Qr Ki^T). Masks are selects (the upper triangle may be huge).
   if (warp < 2) {
@@ -226,6 +248,7 @@ struct SeqStage {
 template <int D>
 struct SeqSmem {
   SeqStage<D> st[kStages];
+  alignas(16) bf16 out[2][seq_warps<D>()][C * D];  // StateOut's staging rows, two per warp
 };
 
 // Queues the copies of chunk (item `item`, token rows from `x` with row stride HD, n of them valid) into stage `st`;
@@ -258,68 +281,138 @@ struct SeqWalk {
   }
 };
 
-// Stores a warp's 16 rows of a D x D state (S^T or dS^T, held as D/8 accumulator tiles 16 x 8 along the keys) to
-// `rows` (row 0 of the warp, row stride D) as bf16: lane pairs (keys 8 nt + 2q, +1) at rows g and g + 8.
+// The saved states (S0^T, dS^T: value rows j, key columns c, bf16) are stored with the 16-byte pieces of each row
+// permuted: logical piece c / 8 of row j at piece (c / 8) ^ (j & mask), mask = min(8, D / 8) - 1. That is the
+// layout StateOut writes without bank conflicts and copies out in one piece; readers undo it (state_col).
 template <int D>
-__device__ __forceinline__ void store_state_rows(bf16* rows, const float (&S)[D / 8][4]) {
-  const int g = lane_id() >> 2, q = lane_id() & 3;
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    *reinterpret_cast<uint32_t*>(rows + g * D + nt * 8 + 2 * q) = ptx::pack_bf16x2(S[nt][0], S[nt][1]);
-    *reinterpret_cast<uint32_t*>(rows + (g + 8) * D + nt * 8 + 2 * q) = ptx::pack_bf16x2(S[nt][2], S[nt][3]);
-  }
+constexpr int state_swizzle() {
+  return (D / 8 >= 8 ? 8 : D / 8) - 1;
+}
+__host__ __device__ constexpr int state_col(int j, int c, int swizzle) {
+  return (((c >> 3) ^ (j & swizzle)) << 3) | (c & 7);
 }
 
+// A warp's 16 rows of a D x D state (S^T or dS^T) leave through shared memory: the A operand of each k-step of the
+// step's first product (the state's bf16 pairs, keys 16 ks .. 16 ks + 15) is also written by stmatrix into the
+// warp's staging rows (dense, pieces permuted as above: the 8 rows of a matrix land in 8 distinct bank groups), and
+// lane 0 copies the 16 rows, contiguous in the tape, to global memory in one bulk copy. Two staging buffers, so a
+// step's copy overlaps the next step. This replaces 32 scattered 4-byte stores per lane and step, whose queue
+// delayed the ldmatrix loads behind them (and a copy per row, which the compiler issues lane by lane).
+template <int D>
+struct StateOut {
+  static constexpr int kSwz = state_swizzle<D>();
+  uint32_t rows;  // this step's staging rows [16][D] (shared window)
+  // Waits until the copy that last read `buf` (two steps ago) is done with it.
+  __device__ __forceinline__ void begin(uint32_t buf) {
+    rows = buf;
+    if (lane_id() == 0) ptx::bulk_wait_read<1>();
+    __syncwarp();
+  }
+  __device__ __forceinline__ void put(int ks, const uint32_t (&a)[4]) {
+    const int l = lane_id();  // row (l & 7) of matrix l / 8: rows + 8 (bit 0 of the matrix), keys + 8 (bit 1)
+    const int row = (l & 7) + ((l >> 3) & 1) * 8;
+    ptx::stmatrix_x4(rows + (row * D + state_col(row, ks * 16 + (l >> 4) * 8, kSwz)) * 2, a);
+  }
+  __device__ __forceinline__ void end(bf16* global_rows) {
+    ptx::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane_id() == 0) {
+      ptx::bulk_store(global_rows, rows, C * D * 2);
+      ptx::bulk_commit();
+    }
+  }
+  // Before the CTA exits: its copies have read their shared source.
+  __device__ __forceinline__ static void drain() {
+    if (lane_id() == 0) ptx::bulk_wait<0>();
+  }
+};
+
 // The walk's pipeline: stages for steps 0 .. kStages - 2 queued before the loop; step i queues step i + kStages - 1
-// and waits for its own. `x` is V (forward) or dO (backward), at the CTA's first value column.
+// into stage (i + kStages - 1) mod kStages and waits for its own. `x` is V (forward) or dO (backward), at the CTA's
+// first value column.
 template <int D, bool kReverse>
-__device__ __forceinline__ void queue_step(SeqSmem<D>& sm, const SeqWalk& w, int64_t i, const unsigned char* items,
-                                           const float* x, int H, int h) {
+__device__ __forceinline__ void queue_step(SeqSmem<D>& sm, const SeqWalk& w, int64_t i, int stage,
+                                           const unsigned char* items, const float* x, int H, int h) {
   if (i < w.nch) {
     const int64_t lc = w.chunk(i, kReverse);
-    load_stage<D>(sm.st[i % kStages], items + ((w.c0 + lc) * H + h) * Item<D>::kBytes,
+    load_stage<D>(sm.st[stage], items + ((w.c0 + lc) * H + h) * Item<D>::kBytes,
                   x + (w.begin + C * lc) * int64_t(H) * D, int64_t(H) * D, w.rows(lc));
   }
   ptx::cp_async_commit();  // possibly empty: the wait below counts groups
 }
 
+// This lane's part of an ldmatrix row address (bytes) into a tile of row stride ld elements, for ldb_nk and ldb_kn
+// (the same formulas): the sequential kernels add it to a tile's 32-bit shared address once per step, and the k/n
+// offsets are compile-time constants, so a load costs no address arithmetic (the step's time follows its
+// instruction count).
+struct LaneOff {
+  uint32_t nk, kn;
+  __device__ __forceinline__ explicit LaneOff(int ld) {
+    const int l = lane_id();
+    nk = uint32_t((((l & 7) + (l >> 4) * 8) * ld + ((l >> 3) & 1) * 8) * 2);
+    kn = uint32_t((((l & 7) + ((l >> 3) & 1) * 8) * ld + (l >> 4) * 8) * 2);
+  }
+};
+
+// The shared addresses of a stage's tiles (bytes).
+template <int D>
+struct StageAddr {
+  uint32_t Kt, Qt, Kd, Aw, A, M;
+  const float* El;
+  const float* X;
+  __device__ __forceinline__ StageAddr(const SeqStage<D>& st) {
+    const uint32_t base = ptx::smem_u32(&st);
+    Kt = base + Item<D>::kKt, Qt = base + Item<D>::kQt, Kd = base + Item<D>::kKd;
+    Aw = base + Item<D>::kAw, A = base + Item<D>::kA, M = base + Item<D>::kM;
+    El = st.it.El;
+    X = &st.X[0][0];
+  }
+};
+
 // Forward: warp w keeps the state columns v0 .. v0 + 15 as S^T (16 values x D keys): S[nt] is the accumulator
 // tile of keys 8 nt .. 8 nt + 7.
 template <int D>
-__global__ void __launch_bounds__(seq_warps<D>() * 32)
+__global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
     fwd_seq_kernel(KdaTrainParams p, const unsigned char* items, float* o, bf16* states) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
-  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV;
+  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV, kLdX = SeqStage<D>::kLdX;
   const int b = blockIdx.x, h = blockIdx.y;
-  const int warp = threadIdx.x / 32, q = lane_id() & 3;
+  const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
   const int wv = warp * 16, v0 = blockIdx.z * NV + wv;
-  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b], (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
-  const int64_t HD = int64_t(p.H) * D, colbase = int64_t(h) * D + v0;
+  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b],
+                  (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
+  const int64_t HD = int64_t(p.H) * D;
   const float* x = p.v + int64_t(h) * D + blockIdx.z * NV;
+  const LaneOff big(LD), small(kLdT);
+  const int xo = 2 * q * kLdX + wv + g;  // X[2q][wv + g]: this lane's first V^T element
+  // o's element (token row0 + 2q, column v0 + g); (8 j + (e & 1)) HD + 8 (e >> 1) from there.
+  float* o_lane = o + (w.begin + 2 * q) * HD + int64_t(h) * D + v0 + g;
+  bf16* st_rows = states + ((w.c0 * p.H + h) * D + v0) * D;  // chunk c0's S0^T rows of this warp
+  const int64_t st_step = int64_t(p.H) * D * D;
   float S[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) S[nt][e] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) queue_step<D, false>(sm, w, i, items, x, p.H, h);
+  for (int i = 0; i < kStages - 1; ++i) queue_step<D, false>(sm, w, i, i, items, x, p.H, h);
+  int stage = 0;
   for (int64_t lc = 0; lc < w.nch; ++lc) {
-    const int64_t ci = w.c0 + lc, row0 = w.begin + C * lc;
     const int n = w.rows(lc);
-    queue_step<D, false>(sm, w, lc + kStages - 1, items, x, p.H, h);
+    queue_step<D, false>(sm, w, lc + kStages - 1, (stage + kStages - 1) % kStages, items, x, p.H, h);
     ptx::cp_async_wait<kStages - 1>();
     __syncthreads();  // stage lc visible to every warp
-    const SeqStage<D>& st = sm.st[lc % kStages];
-    const ItemSmem<D>& it = st.it;
-    // Save S0^T (value-major, bf16).
-    store_state_rows<D>(states + ((ci * p.H + h) * D + v0) * D, S);
+    const StageAddr<D> sa(sm.st[stage]);
+    // S0^T leaves (value-major, bf16) from the A operands of the first product.
+    StateOut<D> so;
+    so.begin(ptx::smem_u32(&sm.out[lc & 1][warp][0]));
     // V^T (accumulator layout: value row, token column).
     float y[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[j][e] = st.X[frag_col(j, e)][wv + frag_row(e)];
+      for (int e = 0; e < 4; ++e) y[j][e] = sa.X[xo + (8 * j + (e & 1)) * kLdX + 8 * (e >> 1)];
     // S0^T as A operands (keys 16 ks .. 16 ks + 15), for Y^T and O^T.
     float pk[2][4], ok[2][4];
     zero2(pk);
@@ -328,11 +421,14 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4], b0[4], b1[4];
       pack_a(a, S[2 * ks], S[2 * ks + 1]);
-      ldb_nk(b0, &it.Kt[0][0], LD, 0, ks * 16);  // B[c][t] = Kt[t][c]
-      ldb_nk(b1, &it.Qt[0][0], LD, 0, ks * 16);
+      so.put(ks, a);
+      ptx::ldmatrix_x4(b0, sa.Kt + big.nk + ks * 32);  // B[c][t] = Kt[t][c]
+      ptx::ldmatrix_x4(b1, sa.Qt + big.nk + ks * 32);
       mma2(pk, a, b0);
       mma2(ok, a, b1);
     }
+    so.end(st_rows);
+    st_rows += st_step;
     // Y^T = V^T - S0^T Kt^T; U^T = Y^T Aw^T.
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -341,30 +437,29 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     float u[2][4];
     zero2(u);
     {
-      uint32_t a[4], b[4];
+      uint32_t a[4], bb[4];
       pack_a(a, y[0], y[1]);
-      ldb_nk(b, &it.Aw[0][0], kLdT, 0, 0);  // B[s][r] = Aw[r][s]
-      mma2(u, a, b);
+      ptx::ldmatrix_x4(bb, sa.Aw + small.nk);  // B[s][r] = Aw[r][s]
+      mma2(u, a, bb);
     }
     uint32_t au[4];
     pack_a(au, u[0], u[1]);
     // O^T = S0^T Qt^T + U^T M^T.
     {
-      uint32_t b[4];
-      ldb_nk(b, &it.M[0][0], kLdT, 0, 0);  // B[s][r] = M[r][s]
-      mma2(ok, au, b);
+      uint32_t bb[4];
+      ptx::ldmatrix_x4(bb, sa.M + small.nk);  // B[s][r] = M[r][s]
+      mma2(ok, au, bb);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = frag_col(j, e), val = frag_row(e);
-        if (tok < n) o[(row0 + tok) * HD + colbase + val] = ok[j][e];
-      }
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * q + (e & 1) < n) o_lane[(8 * j + (e & 1)) * HD + 8 * (e >> 1)] = ok[j][e];
+    o_lane += C * HD;
     // S^T <- S^T Diag(El) + U^T Kd.
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
-      const float2 el = *reinterpret_cast<const float2*>(&it.El[nt * 8 + 2 * q]);
+      const float2 el = *reinterpret_cast<const float2*>(sa.El + nt * 8 + 2 * q);
       S[nt][0] *= el.x;
       S[nt][1] *= el.y;
       S[nt][2] *= el.x;
@@ -372,53 +467,64 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     }
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {
-      uint32_t b[4];
-      ldb_kn(b, &it.Kd[0][0], LD, 0, np * 16);  // B[t][c] = Kd[t][c]
-      ptx::mma_bf16_16816(S[2 * np], au, b[0], b[1]);
-      ptx::mma_bf16_16816(S[2 * np + 1], au, b[2], b[3]);
+      uint32_t bb[4];
+      ptx::ldmatrix_x4_trans(bb, sa.Kd + big.kn + np * 32);  // B[t][c] = Kd[t][c]
+      ptx::mma_bf16_16816(S[2 * np], au, bb[0], bb[1]);
+      ptx::mma_bf16_16816(S[2 * np + 1], au, bb[2], bb[3]);
     }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
     __syncthreads();  // every warp is done with stage lc before step lc + 1 refills it
   }
   ptx::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+  StateOut<D>::drain();
 }
 
 // Backward, sequential part: the forward's grid, chunks in reverse; warp w keeps dS^T (16 values x D keys).
 template <int D>
-__global__ void __launch_bounds__(seq_warps<D>() * 32)
+__global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
     bwd_seq_kernel(KdaTrainParams p, const unsigned char* items, const float* d_o, bf16* dstates, float* dB,
                    float* dv) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
-  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV;
+  constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV, kLdX = SeqStage<D>::kLdX;
   const int b = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
   const int wv = warp * 16, v0 = blockIdx.z * NV + wv;
-  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b], (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
-  const int64_t HD = int64_t(p.H) * D, colbase = int64_t(h) * D + v0;
+  const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b],
+                  (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
+  const int64_t HD = int64_t(p.H) * D;
   const float* x = d_o + int64_t(h) * D + blockIdx.z * NV;
+  const LaneOff big(LD), small(kLdT);
+  const int xo = 2 * q * kLdX + wv + g;  // X[2q][wv + g]: this lane's first dO^T element
+  // dv's and dB's element (token 2q of the last chunk, column v0 + g); (8 j + (e & 1)) HD + 8 (e >> 1) from there.
+  const int64_t lane_off = (w.begin + C * (w.nch - 1) + 2 * q) * HD + int64_t(h) * D + v0 + g;
+  float* dv_lane = dv + lane_off;
+  float* dB_lane = dB + lane_off;
+  const int64_t st_step = int64_t(p.H) * D * D;
+  bf16* st_rows = dstates + (((w.c0 + w.nch - 1) * p.H + h) * D + v0) * D;  // the last chunk's dS^T rows
   float dS[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dS[nt][e] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) queue_step<D, true>(sm, w, i, items, x, p.H, h);
+  for (int i = 0; i < kStages - 1; ++i) queue_step<D, true>(sm, w, i, i, items, x, p.H, h);
+  int stage = 0;
   for (int64_t i = 0; i < w.nch; ++i) {
-    const int64_t lc = w.chunk(i, true), ci = w.c0 + lc, row0 = w.begin + C * lc;
-    const int n = w.rows(lc);
-    queue_step<D, true>(sm, w, i + kStages - 1, items, x, p.H, h);
+    const int n = w.rows(w.chunk(i, true));
+    queue_step<D, true>(sm, w, i + kStages - 1, (stage + kStages - 1) % kStages, items, x, p.H, h);
     ptx::cp_async_wait<kStages - 1>();
     __syncthreads();
-    const SeqStage<D>& st = sm.st[i % kStages];
-    const ItemSmem<D>& it = st.it;
-    // Save dS^T (the gradient w.r.t. the state leaving this chunk), value-major, bf16.
-    store_state_rows<D>(dstates + ((ci * p.H + h) * D + v0) * D, dS);
+    const StageAddr<D> sa(sm.st[stage]);
+    // dS^T (the gradient w.r.t. the state leaving this chunk) leaves as S0^T does in the forward.
+    StateOut<D> so;
+    so.begin(ptx::smem_u32(&sm.out[i & 1][warp][0]));
     // dO^T as an A operand: A[val][tok] = dO[tok][val] (rows past the chunk's end are zero).
     uint32_t ado[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int val = wv + g + (k & 1) * 8, tok = 2 * q + (k >> 1) * 8;
-      ado[k] = ptx::pack_bf16x2(st.X[tok][val], st.X[tok + 1][val]);
+      const int off = xo + (k & 1) * 8 + (k >> 1) * 8 * kLdX;  // value g + 8 (k & 1), token 2q + 8 (k >> 1)
+      ado[k] = ptx::pack_bf16x2(sa.X[off], sa.X[off + kLdX]);
     }
     // dU^T = dS^T Kd^T + dO^T M.
     float du[2][4];
@@ -427,12 +533,15 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4], bb[4];
       pack_a(a, dS[2 * ks], dS[2 * ks + 1]);
-      ldb_nk(bb, &it.Kd[0][0], LD, 0, ks * 16);  // B[c][t] = Kd[t][c]
+      so.put(ks, a);
+      ptx::ldmatrix_x4(bb, sa.Kd + big.nk + ks * 32);  // B[c][t] = Kd[t][c]
       mma2(du, a, bb);
     }
+    so.end(st_rows);
+    st_rows -= st_step;
     {
       uint32_t bb[4];
-      ldb_kn(bb, &it.M[0][0], kLdT, 0, 0);  // B[t][r] = M[t][r]
+      ptx::ldmatrix_x4_trans(bb, sa.M + small.kn);  // B[t][r] = M[t][r]
       mma2(du, ado, bb);
     }
     // dX^T = dU^T Aw; dB^T = dU^T - dX^T A.
@@ -442,7 +551,7 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     {
       uint32_t a[4], bb[4];
       pack_a(a, du[0], du[1]);
-      ldb_kn(bb, &it.Aw[0][0], kLdT, 0, 0);  // B[t][r] = Aw[t][r]
+      ptx::ldmatrix_x4_trans(bb, sa.Aw + small.kn);  // B[t][r] = Aw[t][r]
       mma2(dx, a, bb);
     }
     uint32_t adx[4], adxn[4];
@@ -450,24 +559,24 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
     pack_a(adxn, dx[0], dx[1], -1.f);
     {
       uint32_t bb[4];
-      ldb_kn(bb, &it.A[0][0], kLdT, 0, 0);  // B[t][r] = A[t][r]
+      ptx::ldmatrix_x4_trans(bb, sa.A + small.kn);  // B[t][r] = A[t][r]
       mma2(ax, adx, bb);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = frag_col(j, e), val = frag_row(e);
-        if (tok < n) {
-          const int64_t off = (row0 + tok) * HD + colbase + val;
-          dv[off] = dx[j][e];
-          dB[off] = du[j][e] - ax[j][e];
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * q + (e & 1) < n) {
+          const int64_t off = (8 * j + (e & 1)) * HD + 8 * (e >> 1);
+          dv_lane[off] = dx[j][e];
+          dB_lane[off] = du[j][e] - ax[j][e];
         }
-      }
+    dv_lane -= C * HD;
+    dB_lane -= C * HD;
     // dS^T <- dS^T Diag(El) + dO^T Qt - dX^T Kt.
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
-      const float2 el = *reinterpret_cast<const float2*>(&it.El[nt * 8 + 2 * q]);
+      const float2 el = *reinterpret_cast<const float2*>(sa.El + nt * 8 + 2 * q);
       dS[nt][0] *= el.x;
       dS[nt][1] *= el.y;
       dS[nt][2] *= el.x;
@@ -476,16 +585,18 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32)
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {
       uint32_t bq[4], bk[4];
-      ldb_kn(bq, &it.Qt[0][0], LD, 0, np * 16);  // B[t][c] = Qt[t][c]
-      ldb_kn(bk, &it.Kt[0][0], LD, 0, np * 16);
+      ptx::ldmatrix_x4_trans(bq, sa.Qt + big.kn + np * 32);  // B[t][c] = Qt[t][c]
+      ptx::ldmatrix_x4_trans(bk, sa.Kt + big.kn + np * 32);
       ptx::mma_bf16_16816(dS[2 * np], ado, bq[0], bq[1]);
       ptx::mma_bf16_16816(dS[2 * np + 1], ado, bq[2], bq[3]);
       ptx::mma_bf16_16816(dS[2 * np], adxn, bk[0], bk[1]);
       ptx::mma_bf16_16816(dS[2 * np + 1], adxn, bk[2], bk[3]);
     }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
     __syncthreads();  // stage i free for step i + 1's refill
   }
   ptx::cp_async_wait<0>();
+  StateOut<D>::drain();
 }
 
 // ---- backward, chunk-parallel part --------------------------------------------------------------------------
@@ -540,16 +651,22 @@ __global__ void __launch_bounds__(2 * D, 2)
   bf16* const S0T = s.S0T();
   bf16* const dST = s.dST();
 
-  // Phase 1: S0^T, dS^T, Kt, Aw, A by cp.async; meanwhile dO, dX (bf16 tiles), the decays (threads c < D), and
-  // into registers this warp's V^T and dB^T (phase 2) and this thread's q, k (phase 3b).
-  for (int i = tid; i < 2 * D * RP; i += NT) {
-    const int m = i / (D * RP), r = (i / RP) % D, pc = i % RP;
-    ptx::cp_async16(ptx::smem_u32((m == 0 ? S0T : dST) + r * LD + pc * 8), (m == 0 ? S0g : dSg) + r * D + pc * 8, 16);
-  }
+  // Phase 1: S0^T, Kt, Aw, A by cp.async (one group), dS^T (a second group, not needed before phase 3); meanwhile
+  // dO, dX (bf16 tiles), the decays (threads c < D), and into registers this warp's V^T and dB^T (phase 2) and this
+  // thread's q, k (phase 3b). The tape's permuted state pieces go back in order.
+  auto load_state = [&](bf16* dst, const bf16* src) {
+    for (int i = tid; i < D * RP; i += NT) {
+      const int r = i / RP, pc = i % RP;
+      ptx::cp_async16(ptx::smem_u32(dst + r * LD + state_col(r, pc * 8, state_swizzle<D>())), src + r * D + pc * 8, 16);
+    }
+  };
+  load_state(S0T, S0g);
   // Kt, then Aw and A (adjacent in the item and in shared memory): flat runs of 16-byte pieces.
   for (int i = tid; i < I::kBig / 16; i += NT) ptx::cp_async16(ptx::smem_u32(&s.Kt[0][0]) + i * 16, it + I::kKt + i * 16, 16);
   for (int i = tid; i < 2 * I::kSmall / 16; i += NT)
     ptx::cp_async16(ptx::smem_u32(&s.Aw[0][0]) + i * 16, it + I::kAw + i * 16, 16);
+  ptx::cp_async_commit();
+  load_state(dST, dSg);
   ptx::cp_async_commit();
 #pragma unroll
   for (int k = 0; k < C / 4; ++k) {  // C D / 2 pairs over 2 D threads
@@ -593,7 +710,7 @@ __global__ void __launch_bounds__(2 * D, 2)
       s.gam[r][tid] = G;
     }
   }
-  ptx::cp_async_wait<0>();
+  ptx::cp_async_wait<1>();  // S0^T and the item's tiles
   __syncthreads();
 
   // Phase 2 (warp w, value rows v0 ..): Y^T = V^T - S0^T Kt^T, U^T = Y^T Aw^T (to shared memory), X^T = Y^T - U^T
@@ -650,7 +767,8 @@ __global__ void __launch_bounds__(2 * D, 2)
       }
     }
   }
-  __syncthreads();  // U^T complete
+  ptx::cp_async_wait<0>();  // dS^T
+  __syncthreads();          // U^T and dS^T complete
 
   // Phase 3 (warp w, key channels n0 ..): dQt = dO S0^T, dKt = -dX S0^T, dKd = U dS^T, and rowsum(S0 * dS) from the
   // same B fragments; warps 0, 1: dM, dA. dM keeps its strictly lower part for the pair chain; its diagonal (M_rr =
@@ -802,13 +920,13 @@ __global__ void __launch_bounds__(2 * D, 2)
 }
 
 // The tape's bf16 S0^T [chunks, H, D, D] (value-major) as fp32 key-major states.
-__global__ void states_to_f32_kernel(const bf16* st, float* out, int64_t mats, int D) {
+__global__ void states_to_f32_kernel(const bf16* st, float* out, int64_t mats, int D, int swizzle) {
   const int64_t DD = int64_t(D) * D;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < mats * DD;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / DD;
     const int c = int((i % DD) / D), j = int(i % D);  // out[m][c][j] = S^T[m][j][c]
-    out[i] = __bfloat162float(st[m * DD + int64_t(j) * D + c]);
+    out[i] = __bfloat162float(st[m * DD + int64_t(j) * D + state_col(j, c, swizzle)]);
   }
 }
 
@@ -911,7 +1029,8 @@ void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, flo
   K3_CHECK(states != nullptr, fn, ": states must be non-null");
   const int64_t mats = p.chunks * int64_t(p.H);
   const int64_t blocks = std::min<int64_t>((mats * p.D * p.D + 255) / 256, 65536);
-  states_to_f32_kernel<<<unsigned(blocks), 256>>>(static_cast<const bf16*>(saved), states, mats, p.D);
+  const int swizzle = p.D == 32 ? state_swizzle<32>() : state_swizzle<128>();  // 3 at D = 32, else 7
+  states_to_f32_kernel<<<unsigned(blocks), 256>>>(static_cast<const bf16*>(saved), states, mats, p.D, swizzle);
   K3_CUDA_LAUNCH_CHECK();
 }
 

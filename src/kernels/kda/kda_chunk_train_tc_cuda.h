@@ -34,7 +34,7 @@
 //            columns of S^T (16 x D, fp32 mma accumulators in registers) across the sequence's chunks; the
 //            accumulator tiles of S^T, Y^T and U^T are repacked in registers as the A operand of the next product.
 //            A chunk's item and its V tile arrive by cp.async three chunks ahead (4 stages), so a step waits on no
-//            memory. Saves S0^T per chunk (bf16), writes O.
+//            memory. Saves S0^T per chunk (bf16, through stmatrix and one bulk copy per warp), writes O.
 //   bwd_seq  the same grid, chunks in reverse, dS^T in registers, dO staged as V is; saves dS^T (bf16) per chunk,
 //            writes dv = dX and dB (fp32, workspace).
 //   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel, two CTAs per SM at
@@ -70,7 +70,8 @@
 namespace k3::kda::cuda {
 
 // The forward's tape for the backward ("saved", caller-owned, 16-byte aligned): bf16 S0^T per chunk, value-major
-// [chunks, H, D (value), D (key)], then the chunk items [chunks, H] of 100 D + 3072 bytes.
+// [chunks, H, D (value), D (key)] with each row's 16-byte pieces permuted (the layout the forward writes without
+// bank conflicts; kda_chunk_train_bf16_states undoes it), then the chunk items [chunks, H] of 100 D + 3072 bytes.
 size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p);
 
 // o [rows, H*D] and saved OVERWRITTEN. No workspace beyond the tape. v must be 16-byte aligned (its tiles are

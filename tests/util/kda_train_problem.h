@@ -156,23 +156,21 @@ struct Kernels {
   void (*states)(const k3::kda::cuda::KdaTrainParams&, const void* saved, float* states);
 };
 
-inline const Kernels kFp32Kernels{
-    [](const k3::kda::cuda::KdaTrainParams& p) {
-      (void)k3::kda::cuda::kda_chunk_forward_train_workspace_bytes(p);  // the argument checks
-      return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * sizeof(float);
-    },
-    k3::kda::cuda::kda_chunk_forward_train_workspace_bytes,
-    k3::kda::cuda::kda_chunk_backward_train_workspace_bytes,
-    [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void* ws) {
-      k3::kda::cuda::kda_chunk_forward_train(p, o, static_cast<float*>(saved), ws);
-    },
-    [](const k3::kda::cuda::KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk, float* dv,
-       float* dg, float* dbeta, void* ws) {
-      k3::kda::cuda::kda_chunk_backward_train(p, d_o, static_cast<const float*>(saved), dq, dk, dv, dg, dbeta, ws);
-    },
-    [](const k3::kda::cuda::KdaTrainParams& p, const void* saved, float* states) {
-      k3::cuda::copy_on_device(states, saved, size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 4);
-    }};
+inline const Kernels kFp32Kernels{k3::kda::cuda::kda_chunk_train_states_bytes,
+                                  k3::kda::cuda::kda_chunk_forward_train_workspace_bytes,
+                                  k3::kda::cuda::kda_chunk_backward_train_workspace_bytes,
+                                  [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void* ws) {
+                                    k3::kda::cuda::kda_chunk_forward_train(p, o, static_cast<float*>(saved), ws);
+                                  },
+                                  [](const k3::kda::cuda::KdaTrainParams& p, const float* d_o, const void* saved,
+                                     float* dq, float* dk, float* dv, float* dg, float* dbeta, void* ws) {
+                                    k3::kda::cuda::kda_chunk_backward_train(p, d_o, static_cast<const float*>(saved),
+                                                                            dq, dk, dv, dg, dbeta, ws);
+                                  },
+                                  [](const k3::kda::cuda::KdaTrainParams& p, const void* saved, float* states) {
+                                    k3::cuda::copy_on_device(states, saved,
+                                                             k3::kda::cuda::kda_chunk_train_states_bytes(p));
+                                  }};
 
 inline const Kernels kBf16Kernels{k3::kda::cuda::kda_chunk_train_bf16_saved_bytes,
                                   [](const k3::kda::cuda::KdaTrainParams&) { return size_t(0); },

@@ -500,6 +500,11 @@ void backward(const KdaTrainParams& p, const float* d_o, const float* states, fl
 
 }  // namespace
 
+size_t kda_chunk_train_states_bytes(const KdaTrainParams& p) {
+  chunk_train::check_params("kda_chunk_train_states_bytes", p);
+  return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * sizeof(float);
+}
+
 size_t kda_chunk_forward_train_workspace_bytes(const KdaTrainParams& p) {
   chunk_train::check_params("kda_chunk_forward_train_workspace_bytes", p);
   return size_t(p.chunks) * size_t(p.H) * item_floats(p.D) * sizeof(float);

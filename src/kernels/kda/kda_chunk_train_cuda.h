@@ -92,6 +92,7 @@ struct KdaTrainParams {
 // o [rows, H*D] OVERWRITTEN; states [chunks, H, D, D] OVERWRITTEN: the state entering each chunk (key-major
 // S[dk][dv]; zeros for a sequence's first chunk), as the f64 forward's chunk_states.
 // Workspace: chunks * H * (3*16*D + 2*256 + D) floats.
+size_t kda_chunk_train_states_bytes(const KdaTrainParams& p);  // the states buffer: chunks * H * D * D floats
 size_t kda_chunk_forward_train_workspace_bytes(const KdaTrainParams& p);
 void kda_chunk_forward_train(const KdaTrainParams& p, float* o, float* states, void* workspace);
 

@@ -274,6 +274,7 @@ __device__ __forceinline__ void load_stage(SeqStage<D>& st, const unsigned char*
 // Where step i of a sequence's walk reads and writes: its chunk (forward: i, backward: nch - 1 - i).
 struct SeqWalk {
   int64_t begin, end, c0, nch;
+
   __device__ int64_t chunk(int64_t i, bool reverse) const { return reverse ? nch - 1 - i : i; }
   __device__ int rows(int64_t lc) const {
     const int64_t left = end - (begin + C * lc);
@@ -284,10 +285,7 @@ struct SeqWalk {
 // The saved states (S0^T, dS^T: value rows j, key columns c, bf16) are stored with the 16-byte pieces of each row
 // permuted: logical piece c / 8 of row j at piece (c / 8) ^ (j & mask), mask = min(8, D / 8) - 1. That is the
 // layout StateOut writes without bank conflicts and copies out in one piece; readers undo it (state_col).
-template <int D>
-constexpr int state_swizzle() {
-  return (D / 8 >= 8 ? 8 : D / 8) - 1;
-}
+__host__ __device__ constexpr int state_swizzle(int D) { return (D / 8 >= 8 ? 8 : D / 8) - 1; }
 __host__ __device__ constexpr int state_col(int j, int c, int swizzle) {
   return (((c >> 3) ^ (j & swizzle)) << 3) | (c & 7);
 }
@@ -296,11 +294,12 @@ __host__ __device__ constexpr int state_col(int j, int c, int swizzle) {
 // step's first product (the state's bf16 pairs, keys 16 ks .. 16 ks + 15) is also written by stmatrix into the
 // warp's staging rows (dense, pieces permuted as above: the 8 rows of a matrix land in 8 distinct bank groups), and
 // lane 0 copies the 16 rows, contiguous in the tape, to global memory in one bulk copy. Two staging buffers, so a
-// step's copy overlaps the next step. This replaces 32 scattered 4-byte stores per lane and step, whose queue
-// delayed the ldmatrix loads behind them (and a copy per row, which the compiler issues lane by lane).
+// step's copy overlaps the next step. Stored from the fragments, the state would take 32 scattered 4-byte stores per
+// lane and step, whose queue delays the ldmatrix loads behind them; one copy from one lane keeps the issue cost
+// off the walk (docs/BENCHMARKS.md has the measurements).
 template <int D>
 struct StateOut {
-  static constexpr int kSwz = state_swizzle<D>();
+  static constexpr int kSwz = state_swizzle(D);
   uint32_t rows;  // this step's staging rows [16][D] (shared window)
   // Waits until the copy that last read `buf` (two steps ago) is done with it.
   __device__ __forceinline__ void begin(uint32_t buf) {
@@ -657,7 +656,7 @@ __global__ void __launch_bounds__(2 * D, 2)
   auto load_state = [&](bf16* dst, const bf16* src) {
     for (int i = tid; i < D * RP; i += NT) {
       const int r = i / RP, pc = i % RP;
-      ptx::cp_async16(ptx::smem_u32(dst + r * LD + state_col(r, pc * 8, state_swizzle<D>())), src + r * D + pc * 8, 16);
+      ptx::cp_async16(ptx::smem_u32(dst + r * LD + state_col(r, pc * 8, state_swizzle(D))), src + r * D + pc * 8, 16);
     }
   };
   load_state(S0T, S0g);
@@ -1029,8 +1028,8 @@ void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, flo
   K3_CHECK(states != nullptr, fn, ": states must be non-null");
   const int64_t mats = p.chunks * int64_t(p.H);
   const int64_t blocks = std::min<int64_t>((mats * p.D * p.D + 255) / 256, 65536);
-  const int swizzle = p.D == 32 ? state_swizzle<32>() : state_swizzle<128>();  // 3 at D = 32, else 7
-  states_to_f32_kernel<<<unsigned(blocks), 256>>>(static_cast<const bf16*>(saved), states, mats, p.D, swizzle);
+  states_to_f32_kernel<<<unsigned(blocks), 256>>>(static_cast<const bf16*>(saved), states, mats, p.D,
+                                                  state_swizzle(p.D));
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -55,7 +55,7 @@ void kda_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out, K
   {
     const kda::cuda::KdaTrainParams p = core_params(t, tp);
     tp.saved = t.precision == GpuPrecision::BF16 ? t.arena.take_bytes(kda::cuda::kda_chunk_train_bf16_saved_bytes(p))
-                                                 : static_cast<void*>(t.take<float>(t.batch.chunks * H * D * D));
+                                                 : t.arena.take_bytes(kda::cuda::kda_chunk_train_states_bytes(p));
   }
 
   // 1. q/k/v projections, causal conv + SiLU (v's SiLU output is the recurrence's v).

@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kern
 // ---- sequential kernels ---------------------------------------------------------------------------------------
 // One CTA of seq_warps<D>() warps per (sequence, head, NV = 16 * warps value columns). The chunk's item and its
 // fp32 [16][NV] tile of V (forward) or dO (backward) arrive by cp.async kStages - 1 chunks ahead, so a step waits
-// on neither: at a few CTAs per SM the step's latency is the kernels' time (ANCHORS/CUDA.md: the inference
+// on neither: at a few CTAs per SM the step's latency is the kernels' time (docs/CUDA.md, KDA: the inference
 // recurrence's measurements), and a load issued in the step that uses it costs a memory round trip each step.
 template <int D>
 constexpr int seq_warps() {

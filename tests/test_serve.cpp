@@ -799,12 +799,12 @@ TEST(ServeAuth, ApiKeyIsRequiredButNotForHealth) {
   EXPECT_EQ(yes->status, 200);
 }
 
-// With no queue, a request that arrives while another streams is refused with 429; the streaming
-// one completes. (The second request is sent from the first one's receiver, on its first chunk.)
-// --request-timeout 0.3 s on a scripted engine whose every forward takes 1 s: the first request's
-// prefill ends past its deadline, so it stops at its first token (finish_reason "length"); a second
-// request, arriving 50 ms later, is still waiting for the engine at its own deadline and gets a 503;
-// /metrics counts both.
+// With one slot and no queue, a request that arrives while another streams is refused with 429; the
+// streaming one completes. (The second request is sent from the first one's receiver, on its first chunk.)
+// --request-timeout 0.3 s on a scripted engine whose every forward takes 1 s, one request at a time
+// (--max-batch 1): the first request's prefill ends past its deadline, so it stops at its first token
+// (finish_reason "length"); a second request, arriving 50 ms later, is still waiting for a slot at its
+// own deadline and gets a 503; /metrics counts both.
 TEST(ServeTimeout, RequestsStopAtTheirDeadline) {
   k3test::TempDir dir("serve-timeout");
   const std::string tok_dir = write_tokenizer(dir);
@@ -814,6 +814,7 @@ TEST(ServeTimeout, RequestsStopAtTheirDeadline) {
   sv::ServeOptions o;
   o.model_id = "scripted";
   o.request_timeout_seconds = 0.3;
+  o.max_batch = 1;
   Running running(std::make_unique<k3test::ScriptedEngine>(cfg, std::vector<int32_t>(2000, a),
                                                            std::chrono::milliseconds(1000)),
                   tok_dir, o);
@@ -851,6 +852,7 @@ TEST(ServeQueue, FullQueueGets429) {
   sv::ServeOptions o;
   o.model_id = "k3-tiny";
   o.max_queue = 0;
+  o.max_batch = 1;
   Running srv(write_tokenizer(dir), o);
   httplib::Client c = srv.client();
   httplib::Request req;

@@ -29,7 +29,8 @@ void register_serve(CLI::App& app) {
     std::string model, tokenizer, model_id, api_key;
     std::string host = "127.0.0.1";
     int port = 8000;
-    int64_t max_queue = 64, default_max_tokens = 512;
+    int64_t max_queue = 64, default_max_tokens = 512, max_batch = 16, prefill_chunk = 512;
+    uint64_t cache_budget = 0;
     double request_timeout = 600.0;
     int64_t max_prompt_tokens = 0;
     DeviceOptions device;
@@ -40,9 +41,11 @@ void register_serve(CLI::App& app) {
       "Serve a model over HTTP with OpenAI's API: POST /v1/chat/completions (K3's XTML chat format, reasoning\n"
       "apart from content, tool calls; streamed as server-sent events with \"stream\": true), POST\n"
       "/v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). logprobs, and constrained\n"
-      "decoding for response_format json_object/json_schema and tool_choice none/required/named. Requests run\n"
-      "one at a time in arrival order; --max-queue more may wait, later ones get 429. Not yet: batching\n"
-      "several requests, a prefix cache. Stops on SIGINT or SIGTERM.");
+      "decoding for response_format json_object/json_schema and tool_choice none/required/named. Up to\n"
+      "--max-batch requests generate at once, their sequences sharing each forward (continuous batching:\n"
+      "requests join and leave between steps, long prompts go in chunks between decode steps), within\n"
+      "--cache-budget; --max-queue more wait in arrival order, later ones get 429. Not yet: a prefix cache.\n"
+      "Stops on SIGINT or SIGTERM.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model");
   sub->add_option("--model-id", o->model_id, "the id /v1/models lists and requests name (default: --model's name)");
@@ -53,6 +56,20 @@ void register_serve(CLI::App& app) {
   sub->add_option("--api-key", o->api_key, "require \"Authorization: Bearer KEY\" (default: no key)");
   sub->add_option("--max-queue", o->max_queue, "requests that may wait for the engine before 429s")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub->add_option("--max-batch", o->max_batch, "requests generating at once (their sequences batched per forward)")
+      ->check(CLI::Range(int64_t(1), int64_t(4096)))
+      ->capture_default_str();
+  sub->add_option("--cache-budget", o->cache_budget,
+                  "bytes of sequence state (KDA state, MLA rows) the running requests may reach at full length "
+                  "(prompt + max_tokens); suffixes k, m, g (x1024); 0: no limit. A request that could never fit "
+                  "gets 400, one that does not fit now waits")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  sub->add_option("--prefill-chunk", o->prefill_chunk,
+                  "prompt tokens of one request per forward: a long prompt goes in chunks between the others' "
+                  "decode steps")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->add_option("--default-max-tokens", o->default_max_tokens,
                   "tokens to generate when a request names no max_tokens (cut to the context left)")
@@ -80,6 +97,9 @@ void register_serve(CLI::App& app) {
     so.default_max_tokens = o->default_max_tokens;
     so.request_timeout_seconds = o->request_timeout;
     so.max_prompt_tokens = o->max_prompt_tokens;
+    so.max_batch = o->max_batch;
+    so.cache_budget = size_t(o->cache_budget);
+    so.prefill_chunk = o->prefill_chunk;
     so.model_id =
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";

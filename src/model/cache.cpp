@@ -18,6 +18,16 @@ SequenceCache SequenceCache::fresh(const K3Config& c) {
   return s;
 }
 
+size_t SequenceCache::bytes_at(const K3Config& c, int64_t tokens) {
+  size_t b = 0;
+  const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
+  const size_t state = size_t(c.kda_num_heads) * size_t(c.kda_head_dim) * size_t(c.kda_head_dim);
+  const size_t row = size_t(c.kv_lora_rank + c.qk_rope_head_dim);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    b += c.layer_kind[size_t(l)] == AttnKind::KDA ? 3 * tail * 4 + state * 8 : size_t(tokens) * row * 4;
+  return b;
+}
+
 size_t SequenceCache::bytes() const {
   size_t b = 0;
   for (auto& k : kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size()) * 4 + k.state.size() * 8;

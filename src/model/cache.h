@@ -27,6 +27,8 @@ struct SequenceCache {
 
   static SequenceCache fresh(const K3Config& c);
   size_t bytes() const;
+  // bytes() of a sequence of `tokens` tokens.
+  static size_t bytes_at(const K3Config& c, int64_t tokens);
 };
 
 // Rows [row0, row0 + n) of a batch belong to one sequence with this cache.

@@ -62,6 +62,7 @@ class CpuEngine : public Engine {
     return {Device::CPU, m_->options().bf16_activations ? Precision::BF16 : Precision::F32};
   }
   size_t weight_bytes() const override { return m_->weight_bytes(); }
+  size_t sequence_bytes(int64_t tokens) const override { return SequenceCache::bytes_at(m_->config(), tokens); }
   std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
     K3_CHECK(B >= 1, "new_sequences: need at least one sequence, got ", B);
     std::vector<std::unique_ptr<EngineSequence>> out;
@@ -90,6 +91,7 @@ class CudaEngine : public Engine {
     return {Device::CUDA, m_->precision() == GpuPrecision::BF16 ? Precision::BF16 : Precision::F32};
   }
   size_t weight_bytes() const override { return m_->weight_bytes(); }
+  size_t sequence_bytes(int64_t tokens) const override { return m_->sequence_bytes(tokens); }
   std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
     std::vector<std::unique_ptr<EngineSequence>> out;
     for (auto& c : m_->new_caches(B))

@@ -114,10 +114,10 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
   return p;
 }
 
-ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req, const PreparedPrompt& prompt,
-                    const std::function<bool(const ChatDelta&)>& emit, const TokenTrie* trie) {
+ChatResult run_chat(const K3Config& cfg, const AppendFn& append, const Tokenizer& tok, const ChatRequest& req,
+                    const PreparedPrompt& prompt, const std::function<bool(const ChatDelta&)>& emit,
+                    const TokenTrie* trie) {
   const auto t0 = Clock::now();
-  const K3Config& cfg = engine.config();
   ChatResult r;
   r.usage.prompt_tokens = int64_t(prompt.ids.size());
   const XtmlStart start = req.thinking ? XtmlStart::kThink : XtmlStart::kResponse;
@@ -156,8 +156,7 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
   };
   LogitsMask mask;
   if (grammar) mask = [&](float* logits, int64_t V) { grammar->mask(logits, V); };
-  const GenerateResult g =
-      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), mask);
+  const GenerateResult g = generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), mask);
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
 
@@ -182,10 +181,10 @@ ChatResult run_chat(Engine& engine, const Tokenizer& tok, const ChatRequest& req
   return r;
 }
 
-TextResult run_completion(Engine& engine, const Tokenizer& tok, const CompletionRequest& req,
-                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit) {
+TextResult run_completion(const K3Config& cfg, const AppendFn& append, const Tokenizer& tok,
+                          const CompletionRequest& req, const PreparedPrompt& prompt,
+                          const std::function<bool(const TextDelta&)>& emit) {
   const auto t0 = Clock::now();
-  const K3Config& cfg = engine.config();
   TextResult r;
   r.usage.prompt_tokens = int64_t(prompt.ids.size());
 
@@ -207,8 +206,7 @@ TextResult run_completion(Engine& engine, const Tokenizer& tok, const Completion
     if (Clock::now() > req.gen.deadline) r.timed_out = true;
     return !cancelled && !stop_hit && !r.timed_out;
   };
-  const GenerateResult g =
-      generate_until(engine.session(), cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
+  const GenerateResult g = generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
   if (!cancelled) {

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "serve/batcher.h"
 #include "serve/generation.h"
 #include "serve/openai_api.h"
 
@@ -24,11 +25,12 @@ struct Server::Impl {
   std::unique_ptr<Engine> engine;
   Tokenizer tok;
   ServeOptions o;
+  std::unique_ptr<Batcher> batcher;  // after the engine (it stops first), before http (whose handlers use it)
   httplib::Server http;
   int port = -1;
 
-  // One request at a time on the engine; `queued` counts those running or waiting for it.
-  std::mutex engine_mu;
+  // `queued` counts the requests generating or waiting for a slot.
+  std::mutex trie_mu;
   std::atomic<int64_t> queued{0}, running{0};
   std::atomic<uint64_t> next_id{0};
   const uint64_t id_salt = std::random_device{}();
@@ -43,11 +45,11 @@ struct Server::Impl {
       : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {}
 
   // The vocabulary's byte trie for constrained decoding, built by the first request that needs it
-  // (about a second at 200K ranks; a server that never constrains never pays it). Only called with
-  // the engine held, so one request builds it.
+  // (about a second at 200K ranks; a server that never constrains never pays it), once.
   std::unique_ptr<const TokenTrie> trie_;
   const TokenTrie* trie_for(const ChatRequest& r) {
     if (!r.constrained) return nullptr;
+    std::lock_guard<std::mutex> lock(trie_mu);
     if (!trie_) trie_ = std::make_unique<const TokenTrie>(tok);
     return trie_.get();
   }
@@ -79,19 +81,11 @@ struct Server::Impl {
     requests_timed_out += timed_out;
   }
 
-  // The request's deadline from its arrival, and the check, once it has the engine, that the deadline
-  // did not pass while it waited (a 503 if it did).
+  // The request's deadline from its arrival.
   void set_deadline(GenerationRequest& g, Clock::time_point arrived) const {
     if (o.request_timeout_seconds > 0)
       g.deadline = arrived + std::chrono::duration_cast<Clock::duration>(
                                  std::chrono::duration<double>(o.request_timeout_seconds));
-  }
-  void check_waited(const GenerationRequest& g) {
-    if (Clock::now() <= g.deadline) return;
-    record_failure(true);
-    throw ApiError(503, "server_error", "",
-                   "the request timed out after waiting for the engine (--request-timeout " +
-                       std::to_string(o.request_timeout_seconds) + " s)");
   }
 
   static void send_error(httplib::Response& res, const ApiError& e) {
@@ -108,7 +102,7 @@ struct Server::Impl {
 
   // A place in the queue, or a 429.
   bool admit(httplib::Response& res) {
-    if (queued.fetch_add(1) >= o.max_queue + 1) {
+    if (queued.fetch_add(1) >= o.max_queue + o.max_batch) {
       queued.fetch_sub(1);
       send_error(res, ApiError(429, "rate_limit_error", "",
                                "the server is busy: " + std::to_string(o.max_queue) + " requests are waiting"));
@@ -117,10 +111,11 @@ struct Server::Impl {
     return true;
   }
 
-  // Runs f with the engine to itself; releases the queue place when leave (a streaming response
+  // Runs f(append) on a slot of the batcher for a sequence of up to `tokens` tokens, once one is free (a 503
+  // when the request's deadline passes first); releases the queue place when leave (a streaming response
   // releases it in its resource releaser instead, which runs even when the provider never does).
   template <class F>
-  auto with_engine(F&& f, bool leave = true) {
+  auto with_slot(const GenerationRequest& g, int64_t tokens, F&& f, bool leave = true) {
     struct Leave {
       Impl* s;
       bool on;
@@ -128,13 +123,19 @@ struct Server::Impl {
         if (on) s->queued.fetch_sub(1);
       }
     } leave_queue{this, leave};
-    std::lock_guard<std::mutex> lock(engine_mu);
+    const std::unique_ptr<Batcher::Slot> slot = batcher->acquire(tokens, g.deadline);
+    if (!slot) {
+      record_failure(true);
+      throw ApiError(503, "server_error", "",
+                     "the request timed out after waiting for the engine (--request-timeout " +
+                         std::to_string(o.request_timeout_seconds) + " s)");
+    }
     running.fetch_add(1);
     struct Done {
       Impl* s;
       ~Done() { s->running.fetch_sub(1); }
     } done{this};
-    return f();
+    return f(slot->fn());
   }
 
   // OpenAI's choices[].logprobs of a chat response or chunk.
@@ -178,6 +179,7 @@ struct Server::Impl {
       set_deadline(r.gen, arrived);
       r.gen.max_prompt_tokens = o.max_prompt_tokens;
       prompt = prepare(engine->config(), tok, r);
+      check_cache_budget(prompt);
     } catch (const ApiError& e) {
       record_failure();
       send_error(res, e);
@@ -186,14 +188,23 @@ struct Server::Impl {
     return admit(res);
   }
 
-  // A JSON response made with the engine to itself; an engine error becomes a 500.
-  void respond(httplib::Response& res, const GenerationRequest& g, const std::function<ojson()>& make) {
+  // A request whose sequence could never fit the cache budget, whatever else runs: a 400.
+  void check_cache_budget(const PreparedPrompt& prompt) const {
+    const int64_t tokens = int64_t(prompt.ids.size()) + prompt.budget;
+    const size_t need = engine->sequence_bytes(tokens);
+    if (o.cache_budget > 0 && need > o.cache_budget)
+      throw ApiError(400, "invalid_request_error", "max_tokens",
+                     "the prompt and max_tokens (" + std::to_string(tokens) + " tokens) need " + std::to_string(need) +
+                         " bytes of cache, more than this server's budget of " + std::to_string(o.cache_budget),
+                     "context_length_exceeded");
+  }
+  static int64_t full_length(const PreparedPrompt& p) { return int64_t(p.ids.size()) + p.budget; }
+
+  // A JSON response made on a slot of the batcher; an engine error becomes a 500.
+  void respond(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
+               const std::function<ojson(const AppendFn&)>& make) {
     try {
-      res.set_content(dump(with_engine([&] {
-                        check_waited(g);
-                        return make();
-                      })),
-                      "application/json");
+      res.set_content(dump(with_slot(g, tokens, make)), "application/json");
     } catch (const ApiError& e) {
       send_error(res, e);
     } catch (const Error& e) {
@@ -202,20 +213,17 @@ struct Server::Impl {
     }
   }
 
-  // A server-sent-event response whose events `produce` writes with the engine to itself (false: the
+  // A server-sent-event response whose events `produce` writes on a slot of the batcher (false: the
   // client went away); an engine error becomes an error event. The queue place is released when the
   // response ends, also when the provider never runs.
-  void stream(httplib::Response& res, const GenerationRequest& g, std::function<bool(httplib::DataSink&)> produce) {
+  void stream(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
+              std::function<bool(httplib::DataSink&, const AppendFn&)> produce) {
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, produce, g](size_t, httplib::DataSink& sink) {
+        [this, produce, g, tokens](size_t, httplib::DataSink& sink) {
           try {
-            return with_engine(
-                [&] {
-                  check_waited(g);
-                  return produce(sink);
-                },
-                false);
+            return with_slot(
+                g, tokens, [&](const AppendFn& append) { return produce(sink, append); }, false);
           } catch (const ApiError& e) {
             sse(sink, e.body());
             sse_done(sink);
@@ -235,9 +243,10 @@ struct Server::Impl {
     auto prompt = std::make_shared<PreparedPrompt>();
     if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat, arrived)) return;
     const std::string id = new_id("chatcmpl");
+    const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
-      return respond(res, r->gen, [&] {
-        const ChatResult out = run_chat(*engine, tok, *r, *prompt, {}, trie_for(*r));
+      return respond(res, r->gen, full_length(*prompt), [&](const AppendFn& append) {
+        const ChatResult out = run_chat(cfg, append, tok, *r, *prompt, {}, trie_for(*r));
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
@@ -247,40 +256,41 @@ struct Server::Impl {
         return body;
       });
     }
-    stream(res, r->gen, [this, r, prompt, id, arrived](httplib::DataSink& sink) {
-      auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
-        ojson c = envelope(id, "chat.completion.chunk");
-        const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
-        c["choices"] =
-            ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}});
-        return c;
-      };
-      bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
-      const ChatResult out = run_chat(
-          *engine, tok, *r, *prompt,
-          [&](const ChatDelta& d) {
-            ojson delta = ojson::object();
-            if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
-            if (!d.content.empty()) delta["content"] = d.content;
-            open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
-            return open;
-          },
-          trie_for(*r));
-      record(out.usage, out.timing, arrived, out.timed_out);
-      if (!open) return false;
-      if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
-        ojson calls = out.message["tool_calls"];
-        for (size_t i = 0; i < calls.size(); ++i) {
-          ojson c{{"index", i}};
-          c.update(calls[i]);
-          calls[i] = std::move(c);
-        }
-        sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
-      }
-      sse(sink, chunk(ojson::object(), out.finish_reason));
-      end_stream(sink, id, "chat.completion.chunk", r->gen.include_usage, out.usage);
-      return true;
-    });
+    stream(res, r->gen, full_length(*prompt),
+           [this, &cfg, r, prompt, id, arrived](httplib::DataSink& sink, const AppendFn& append) {
+             auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
+               ojson c = envelope(id, "chat.completion.chunk");
+               const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
+               c["choices"] =
+                   ojson::array({ojson{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}});
+               return c;
+             };
+             bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
+             const ChatResult out = run_chat(
+                 cfg, append, tok, *r, *prompt,
+                 [&](const ChatDelta& d) {
+                   ojson delta = ojson::object();
+                   if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+                   if (!d.content.empty()) delta["content"] = d.content;
+                   open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
+                   return open;
+                 },
+                 trie_for(*r));
+             record(out.usage, out.timing, arrived, out.timed_out);
+             if (!open) return false;
+             if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
+               ojson calls = out.message["tool_calls"];
+               for (size_t i = 0; i < calls.size(); ++i) {
+                 ojson c{{"index", i}};
+                 c.update(calls[i]);
+                 calls[i] = std::move(c);
+               }
+               sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
+             }
+             sse(sink, chunk(ojson::object(), out.finish_reason));
+             end_stream(sink, id, "chat.completion.chunk", r->gen.include_usage, out.usage);
+             return true;
+           });
   }
 
   void completion(const httplib::Request& req, httplib::Response& res) {
@@ -292,9 +302,10 @@ struct Server::Impl {
     auto choice = [](const std::string& text, const ojson& finish, const ojson& lp = nullptr) {
       return ojson::array({ojson{{"text", text}, {"index", 0}, {"logprobs", lp}, {"finish_reason", finish}}});
     };
+    const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
-      return respond(res, r->gen, [&] {
-        const TextResult out = run_completion(*engine, tok, *r, *prompt);
+      return respond(res, r->gen, full_length(*prompt), [&](const AppendFn& append) {
+        const TextResult out = run_completion(cfg, append, tok, *r, *prompt);
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "text_completion");
         int64_t offset = 0;
@@ -304,28 +315,32 @@ struct Server::Impl {
         return body;
       });
     }
-    stream(res, r->gen, [this, r, prompt, id, arrived, choice](httplib::DataSink& sink) {
-      bool open = true;
-      int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
-      const TextResult out = run_completion(*engine, tok, *r, *prompt, [&](const TextDelta& d) {
-        ojson c = envelope(id, "text_completion");
-        const ojson lp = d.logprobs.empty() ? ojson(nullptr) : completion_logprobs(tok, d.logprobs, offset);
-        c["choices"] = choice(d.text, nullptr, lp);
-        open = open && sse(sink, c);
-        return open;
-      });
-      record(out.usage, out.timing, arrived, out.timed_out);
-      if (!open) return false;
-      ojson c = envelope(id, "text_completion");
-      c["choices"] = choice("", out.finish_reason);
-      sse(sink, c);
-      end_stream(sink, id, "text_completion", r->gen.include_usage, out.usage);
-      return true;
-    });
+    stream(res, r->gen, full_length(*prompt),
+           [this, &cfg, r, prompt, id, arrived, choice](httplib::DataSink& sink, const AppendFn& append) {
+             bool open = true;
+             int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
+             const TextResult out = run_completion(cfg, append, tok, *r, *prompt, [&](const TextDelta& d) {
+               ojson c = envelope(id, "text_completion");
+               const ojson lp = d.logprobs.empty() ? ojson(nullptr) : completion_logprobs(tok, d.logprobs, offset);
+               c["choices"] = choice(d.text, nullptr, lp);
+               open = open && sse(sink, c);
+               return open;
+             });
+             record(out.usage, out.timing, arrived, out.timed_out);
+             if (!open) return false;
+             ojson c = envelope(id, "text_completion");
+             c["choices"] = choice("", out.finish_reason);
+             sse(sink, c);
+             end_stream(sink, id, "text_completion", r->gen.include_usage, out.usage);
+             return true;
+           });
   }
 
   void routes() {
     http.set_payload_max_length(o.max_body_bytes);
+    // A worker thread per request generating or waiting, and a few for /health, /metrics and refusals.
+    const size_t workers = size_t(o.max_batch + o.max_queue + 4);
+    http.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
     http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
       res.set_content(R"({"status":"ok"})", "application/json");
     });
@@ -376,6 +391,13 @@ struct Server::Impl {
     const int64_t run = running.load(), q = queued.load();
     metric("k3_requests_running", "gauge", "Requests generating now.", double(run));
     metric("k3_requests_waiting", "gauge", "Requests waiting for the engine.", double(std::max<int64_t>(0, q - run)));
+    const Batcher::Stats b = batcher->stats();
+    metric("k3_engine_steps_total", "counter", "Forwards the engine ran.", double(b.steps));
+    metric("k3_engine_step_sequences_total", "counter", "Sequences over all forwards (per step: the batch).",
+           double(b.step_sequences));
+    metric("k3_engine_step_tokens_total", "counter", "Tokens over all forwards.", double(b.step_tokens_total));
+    metric("k3_cache_reserved_bytes", "gauge", "Sequence state the running requests may grow to.",
+           double(b.reserved_bytes));
     metric("k3_prompt_tokens_total", "counter", "Prompt tokens processed.", double(prompt_tokens));
     metric("k3_generation_tokens_total", "counter", "Tokens generated.", double(generation_tokens));
     metric("k3_time_to_first_token_seconds_sum", "counter", "Arrival to first token, summed.", ttft_sum);
@@ -395,6 +417,11 @@ Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
   K3_CHECK(impl_->o.max_prompt_tokens >= 0, "serve: max_prompt_tokens must be >= 0, got ", impl_->o.max_prompt_tokens);
   K3_CHECK(std::isfinite(impl_->o.request_timeout_seconds) && impl_->o.request_timeout_seconds >= 0,
            "serve: request_timeout_seconds must be finite and >= 0, got ", impl_->o.request_timeout_seconds);
+  impl_->batcher =
+      std::make_unique<Batcher>(*impl_->engine,
+                                BatcherOptions{impl_->o.max_batch, impl_->o.cache_budget, impl_->o.prefill_chunk,
+                                               std::max(impl_->o.prefill_chunk, int64_t(2048)),
+                                               std::chrono::microseconds(2000)});
   impl_->routes();
 }
 

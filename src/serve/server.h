@@ -11,9 +11,10 @@
 // Bad requests get OpenAI's error body with status 400 (401 without the API key when one is set,
 // 404 for unknown routes and other models' names, 429 when the queue is full).
 //
-// Requests run one at a time on the engine, in arrival order; up to max_queue more wait, later ones
-// are refused with 429. A streaming request whose client goes away stops generating at the next
-// token; one past its timeout too.
+// Up to max_batch requests generate at once, their sequences batched into each forward of the engine
+// (continuous batching, serve/batcher.h), within the cache budget; up to max_queue more wait, in
+// arrival order, later ones are refused with 429. A streaming request whose client goes away stops
+// generating at the next token; one past its timeout too.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -31,6 +32,9 @@ struct ServeOptions {
   std::string api_key;               // non-empty: requests need "Authorization: Bearer <key>"
   std::string model_id = "k3";       // what /v1/models lists and requests may name
   int64_t max_queue = 64;            // requests waiting for the engine before 429s
+  int64_t max_batch = 16;            // requests generating at once (their sequences share each forward)
+  size_t cache_budget = 0;           // bytes of sequence state (at full length) admitted at once; 0: no limit
+  int64_t prefill_chunk = 512;       // prompt tokens of one request per forward
   int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)
   // From a request's arrival: a request still waiting for the engine then gets 503, one generating
   // stops at its next token (finish_reason "length"). 0: no limit.

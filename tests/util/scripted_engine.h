@@ -24,6 +24,8 @@ class ScriptedEngine : public k3::Engine {
   const k3::K3Config& config() const override { return cfg_; }
   k3::EngineOptions options() const override { return {}; }
   size_t weight_bytes() const override { return 0; }
+  size_t sequence_bytes(int64_t tokens) const override { return size_t(tokens) * kBytesPerToken; }
+  static constexpr size_t kBytesPerToken = 1024;  // what the scripted state "takes", for cache budgets
   std::vector<std::unique_ptr<k3::EngineSequence>> new_sequences(int64_t B) override {
     std::vector<std::unique_ptr<k3::EngineSequence>> out;
     for (int64_t b = 0; b < B; ++b) out.push_back(std::make_unique<Seq>());

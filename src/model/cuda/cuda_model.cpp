@@ -159,6 +159,17 @@ struct CudaModel::Impl {
 CudaModel::CudaModel() : impl_(std::make_unique<Impl>()) {}
 CudaModel::~CudaModel() = default;
 const K3Config& CudaModel::config() const { return impl_->cfg; }
+
+size_t CudaModel::sequence_bytes(int64_t tokens) const {
+  const K3Config& c = impl_->cfg;
+  const size_t tail = size_t(c.short_conv_kernel_size - 1) * size_t(c.kda_dim());
+  const size_t state = size_t(c.kda_num_heads) * size_t(c.kda_head_dim) * size_t(c.kda_head_dim);
+  const size_t row = size_t(impl_->mla_ldc) * (impl_->precision == GpuPrecision::BF16 ? 2 : 4);
+  size_t b = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    b += c.layer_kind[size_t(l)] == AttnKind::KDA ? (3 * tail + state) * 4 : size_t(tokens) * row;
+  return b;
+}
 GpuPrecision CudaModel::precision() const { return impl_->precision; }
 size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
 void CudaModel::set_profile(bool on) { impl_->profile = on; }

@@ -72,6 +72,9 @@ class CudaModel {
   const K3Config& config() const;
   GpuPrecision precision() const;
   size_t weight_bytes() const;  // device memory held by the weights
+  // Device memory a sequence's state takes at `tokens` tokens (CudaSequenceCache::bytes() with its rows exactly
+  // filled; a pool grows its rows geometrically, by up to 2x that).
+  size_t sequence_bytes(int64_t tokens) const;
   std::unique_ptr<CudaSequenceCache> new_cache() const;
   // B caches whose device state lives in one pool: a forward over all of them, in this order and with
   // the same number of new tokens each, runs the per-sequence steps (short conv, KDA core, and for

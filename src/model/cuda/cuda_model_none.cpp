@@ -9,6 +9,7 @@ struct CudaSequenceCache::Impl {};
 CudaSequenceCache::~CudaSequenceCache() = default;
 int64_t CudaSequenceCache::length() const { return 0; }
 size_t CudaSequenceCache::bytes() const { return 0; }
+size_t CudaModel::sequence_bytes(int64_t) const { return 0; }
 
 struct CudaModel::Impl {};
 CudaModel::CudaModel() = default;

@@ -1,0 +1,222 @@
+#include "serve/batcher.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace k3::serve {
+
+// One append in flight: its tokens, how many the engine has consumed, and what it returns.
+struct Batcher::Job {
+  const std::vector<int32_t>* tokens = nullptr;
+  size_t consumed = 0;
+  std::vector<float> logits;
+  std::string error;
+  bool finished = false;
+};
+
+struct Batcher::SlotState {
+  std::unique_ptr<EngineSequence> seq;  // made by the engine thread at the slot's first step
+  int64_t length = 0;                   // tokens the sequence holds
+  size_t reserved = 0;                  // bytes of the admission budget held
+  Job* job = nullptr;                   // the append in flight
+  std::string broken;                   // why appends are refused (an engine error on this sequence)
+};
+
+Batcher::Batcher(Engine& engine, BatcherOptions o) : engine_(engine), o_(o) {
+  K3_CHECK(o_.max_batch >= 1, "serve: max_batch must be >= 1, got ", o_.max_batch);
+  K3_CHECK(o_.prefill_chunk >= 1, "serve: prefill_chunk must be >= 1, got ", o_.prefill_chunk);
+  K3_CHECK(o_.step_tokens >= 1, "serve: step_tokens must be >= 1, got ", o_.step_tokens);
+  K3_CHECK(o_.gather.count() >= 0, "serve: gather must be >= 0");
+  thread_ = std::thread([this] { loop(); });
+}
+
+Batcher::~Batcher() {
+  stop();
+  thread_.join();
+}
+
+void Batcher::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  admit_cv_.notify_all();
+}
+
+std::unique_ptr<Batcher::Slot> Batcher::acquire(int64_t max_tokens, Clock::time_point deadline) {
+  const size_t need = engine_.sequence_bytes(std::max<int64_t>(max_tokens, 0));
+  if (o_.cache_budget > 0 && need > o_.cache_budget)
+    fail("a sequence of ", max_tokens, " tokens needs ", need, " bytes of cache, more than the server's budget of ",
+         o_.cache_budget, " (--cache-budget)");
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  ++admitting_;
+  auto admissible = [&] {
+    return stop_ || (ticket == serving_ticket_ && int64_t(slots_.size()) < o_.max_batch &&
+                     (o_.cache_budget == 0 || reserved_ + need <= o_.cache_budget));
+  };
+  bool ok = true;
+  if (deadline == Clock::time_point::max()) admit_cv_.wait(lock, admissible);  // (no timeout: a wait_until that
+  else ok = admit_cv_.wait_until(lock, deadline, admissible);                  // far ahead may overflow)
+  --admitting_;
+  if (!ok || stop_) {
+    // Give up the place in line: later tickets may be admitted when this one was first.
+    if (ticket == serving_ticket_) ++serving_ticket_;
+    else abandoned_.push_back(ticket);
+    skip_abandoned();
+    admit_cv_.notify_all();
+    if (stop_) fail("serve: the server is stopping");
+    return nullptr;
+  }
+  ++serving_ticket_;
+  skip_abandoned();
+  auto s = std::make_unique<SlotState>();
+  s->reserved = need;
+  reserved_ += need;
+  SlotState* raw = s.get();
+  slots_.push_back(std::move(s));
+  admit_cv_.notify_all();
+  return std::unique_ptr<Slot>(new Slot(this, raw));
+}
+
+void Batcher::skip_abandoned() {
+  for (bool again = true; again;) {
+    again = false;
+    auto it = std::find(abandoned_.begin(), abandoned_.end(), serving_ticket_);
+    if (it != abandoned_.end()) abandoned_.erase(it), ++serving_ticket_, again = true;
+  }
+}
+
+Batcher::Slot::~Slot() { b_->release(s_); }
+
+void Batcher::release(SlotState* s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(slots_.begin(), slots_.end(), [&](const auto& p) { return p.get() == s; });
+    if (it == slots_.end()) return;
+    reserved_ -= s->reserved;
+    if (s->seq) to_free_.push_back(std::move(s->seq));
+    slots_.erase(it);
+  }
+  work_cv_.notify_all();  // a step may be gathering for this slot; its sequence is to be freed
+  admit_cv_.notify_all();
+}
+
+std::vector<float> Batcher::Slot::append(const std::vector<int32_t>& tokens) {
+  K3_CHECK(!tokens.empty(), "serve: append of no tokens");
+  Batcher& b = *b_;
+  Job job;
+  job.tokens = &tokens;
+  std::unique_lock<std::mutex> lock(b.mu_);
+  if (!s_->broken.empty()) fail(s_->broken);
+  if (b.stop_) fail("serve: the server is stopping");
+  s_->job = &job;
+  if (b.waiting_.empty()) b.first_wait_ = Clock::now();
+  b.waiting_.push_back(s_);
+  b.work_cv_.notify_all();
+  b.done_cv_.wait(lock, [&] { return job.finished; });
+  s_->job = nullptr;
+  if (!job.error.empty()) fail(job.error);
+  return std::move(job.logits);
+}
+
+void Batcher::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    work_cv_.wait(lock, [&] { return stop_ || !waiting_.empty() || !to_free_.empty(); });
+    if (!to_free_.empty()) {  // sequences of released slots, freed here where the engine runs
+      auto dead = std::move(to_free_);
+      to_free_.clear();
+      lock.unlock();
+      dead.clear();
+      lock.lock();
+      continue;
+    }
+    if (stop_) {
+      for (SlotState* s : waiting_) s->job->error = "serve: the server is stopping", s->job->finished = true;
+      waiting_.clear();
+      done_cv_.notify_all();
+      return;
+    }
+    // Gather: wait (a short while) for the slots that are still sampling their next token.
+    work_cv_.wait_until(lock, first_wait_ + o_.gather,
+                        [&] { return stop_ || waiting_.size() >= slots_.size() || !to_free_.empty(); });
+    if (stop_ || !to_free_.empty()) continue;
+
+    // The step: every waiting decode, then prompt chunks in arrival order.
+    std::vector<SlotState*> step;
+    std::vector<size_t> take;
+    int64_t tokens = 0;
+    for (SlotState* s : waiting_)
+      if (s->job->tokens->size() - s->job->consumed == 1) step.push_back(s), take.push_back(1), ++tokens;
+    bool first_prompt = true;
+    for (SlotState* s : waiting_) {
+      const size_t left = s->job->tokens->size() - s->job->consumed;
+      if (left == 1) continue;
+      // Chunks end at multiples of prefill_chunk in the sequence: where a prompt's forwards begin and end
+      // depends on the prompt alone, never on what shares the step (a chunk that does not fit waits).
+      const int64_t pos = s->length;
+      const size_t n = std::min(left, size_t(o_.prefill_chunk - pos % o_.prefill_chunk));
+      if (!first_prompt && tokens + int64_t(n) > o_.step_tokens) continue;
+      first_prompt = false;
+      step.push_back(s), take.push_back(n), tokens += int64_t(n);
+    }
+    std::vector<EngineSequence*> seqs;
+    std::vector<std::vector<int32_t>> rows;
+    for (size_t i = 0; i < step.size(); ++i) {
+      const Job& j = *step[i]->job;
+      rows.emplace_back(j.tokens->begin() + std::ptrdiff_t(j.consumed),
+                        j.tokens->begin() + std::ptrdiff_t(j.consumed + take[i]));
+    }
+    lock.unlock();
+    std::vector<float> logits;
+    std::string error;
+    try {
+      for (SlotState* s : step)  // a slot's sequence is made here, at its first step
+        if (!s->seq) s->seq = std::move(engine_.new_sequences(1).front());
+      for (SlotState* s : step) seqs.push_back(s->seq.get());
+      logits = engine_.forward(seqs, rows, false);
+    } catch (const std::exception& e) {
+      error = std::string("the engine failed: ") + e.what();
+    }
+    lock.lock();
+    ++steps_;
+    step_sequences_ += int64_t(step.size());
+    step_tokens_total_ += tokens;
+    const size_t V = size_t(engine_.config().vocab_size);
+    for (size_t i = 0; i < step.size(); ++i) {
+      SlotState* s = step[i];
+      Job& j = *s->job;
+      j.consumed += take[i];
+      s->length += int64_t(take[i]);
+      if (!error.empty()) {
+        j.error = s->broken = error;
+      } else if (j.consumed < j.tokens->size()) {
+        continue;  // more of its prompt next step
+      } else {
+        j.logits.assign(logits.begin() + std::ptrdiff_t(i * V), logits.begin() + std::ptrdiff_t((i + 1) * V));
+      }
+      j.finished = true;
+      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
+    }
+    if (!waiting_.empty()) first_wait_ = Clock::now();
+    done_cv_.notify_all();
+  }
+}
+
+Batcher::Stats Batcher::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stats st;
+  st.slots = int64_t(slots_.size());
+  st.admitting = admitting_;
+  st.reserved_bytes = reserved_;
+  st.steps = steps_;
+  st.step_sequences = step_sequences_;
+  st.step_tokens_total = step_tokens_total_;
+  return st;
+}
+
+}  // namespace k3::serve

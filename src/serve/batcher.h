@@ -1,0 +1,117 @@
+// Continuous batching for `k3 serve`: the sequences of many requests share each forward of one engine.
+//
+// A request takes a Slot (acquire), which stands for one sequence of the engine and its share of the cache
+// budget, and generates through Slot::append (an AppendFn, model/generate.h) exactly as generate_until does
+// through Engine::session: append blocks until the engine thread has consumed the tokens and returns the last
+// one's logits. The engine thread runs one forward per step over every slot that is waiting: a decode adds its
+// token, a prompt its next chunk (decodes first, then prompts in arrival order while the step stays within
+// step_tokens, the oldest prompt always getting its chunk), so a long prompt holds the others' decoding back by
+// one chunk at a time, never by its whole prefill. A prompt's chunks end at multiples of prefill_chunk in its
+// sequence, whatever else runs: where its forwards begin and end depends on the prompt alone (the rounding of
+// a chunked prefill depends on its chunks on the GPU), and a prefix cache can resume at any chunk's end with
+// the very state a prefill from the start has there. Requests join at any step and leave when they drop their
+// slot; sampling, grammar masks and writing to clients run on the requests' own threads while the engine
+// computes.
+//
+// A step starts once every slot that has begun generating is waiting, or `gather` after the first of them began
+// to wait (a request busy elsewhere, e.g. writing to a slow client, holds the others back no longer than that).
+//
+// Admission: at most max_batch slots at once, and the state of their sequences at full length (prompt plus the
+// tokens they may generate, Engine::sequence_bytes) within cache_budget bytes. acquire() waits, first come first
+// served, until both hold or its deadline passes.
+//
+// The engine's sequences are made, run and freed only on the engine thread (the engine is not thread-safe).
+// An engine error fails every append of that step (k3::Error); those slots refuse further appends.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "model/engine.h"
+#include "model/generate.h"
+
+namespace k3::serve {
+
+struct BatcherOptions {
+  int64_t max_batch = 16;       // slots (sequences generating) at once
+  size_t cache_budget = 0;      // bytes of sequence state admitted at once; 0: no limit
+  int64_t prefill_chunk = 512;  // prompt tokens of one sequence in one step
+  int64_t step_tokens = 2048;   // tokens a step takes when prompts wait (decodes always all go)
+  std::chrono::microseconds gather{2000};
+};
+
+class Batcher {
+  struct SlotState;
+
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Batcher(Engine& engine, BatcherOptions o);
+  ~Batcher();  // stop(), then joins the engine thread
+  // From now on appends and acquires fail (k3::Error), those waiting too; the engine thread ends.
+  void stop();
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  class Slot {
+   public:
+    ~Slot();
+    Slot(const Slot&) = delete;
+    Slot& operator=(const Slot&) = delete;
+    // Appends tokens to this slot's sequence (once the engine thread has run them) and returns the logits of
+    // the last one. Throws k3::Error when the engine failed on this slot's step or the batcher is stopping.
+    std::vector<float> append(const std::vector<int32_t>& tokens);
+    AppendFn fn() {
+      return [this](const std::vector<int32_t>& t) { return append(t); };
+    }
+
+   private:
+    friend class Batcher;
+    Slot(Batcher* b, SlotState* s) : b_(b), s_(s) {}
+    Batcher* b_;
+    SlotState* s_;
+  };
+
+  // A slot for a sequence that will hold at most max_tokens tokens, once one is free and its state fits the
+  // budget; nullptr when the deadline passes first. Throws k3::Error when the sequence could never fit the
+  // budget (the message names the bytes).
+  std::unique_ptr<Slot> acquire(int64_t max_tokens, Clock::time_point deadline);
+
+  struct Stats {
+    int64_t slots = 0;              // held now
+    int64_t admitting = 0;          // acquire() calls waiting now
+    size_t reserved_bytes = 0;      // the held slots' state at full length
+    int64_t steps = 0;              // forwards run
+    int64_t step_sequences = 0;     // sequences over all steps (/ steps: the mean batch)
+    int64_t step_tokens_total = 0;  // tokens over all steps
+  };
+  Stats stats() const;
+
+ private:
+  struct Job;
+  void loop();
+  void release(SlotState* s);
+  void skip_abandoned();  // moves serving_ticket_ past tickets whose acquire gave up
+
+  Engine& engine_;
+  const BatcherOptions o_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_, admit_cv_;
+  std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
+  std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
+  std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (freed on the engine thread)
+  Clock::time_point first_wait_;
+  uint64_t next_ticket_ = 0, serving_ticket_ = 0;  // admission order
+  std::vector<uint64_t> abandoned_;                // tickets after serving_ticket_ that gave up
+  int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0;
+  size_t reserved_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace k3::serve

@@ -5,10 +5,15 @@
 //     sequence only, whatever else the step holds; and the steps did batch them (sequences per step > 1);
 //   - admission: at most max_batch slots, the cache budget counted at full length, first come first served;
 //     a sequence that can never fit is an error naming the bytes; an acquire past its deadline gives nullptr;
+//   - the prefix cache: greedy generation from prompts that share cached whole chunks with an earlier one equals
+//     generation without the cache, logits to the bit, on the CPU and (bf16) on the GPU, for prompts ending a
+//     token before, at and after a chunk boundary and three chunks in, and one leaving the cached prefix
+//     mid-chunk; the trie holds a shared chunk once and evicts least recently used unpinned leaves;
 //   - an engine error fails the appends of that step with a k3::Error and the slot refuses more; the other
 //     slots and the batcher go on;
 //   - over HTTP: concurrent greedy chat requests each get the reply the same request gets alone, and
-//     /metrics shows the batching.
+//     /metrics shows the batching; with the prefix cache, completions of prompts ending at 511/512/513 and
+//     1535/1536/1537 tokens (chunks of 512) after a longer one, and a two-turn chat, equal a server's without it.
 #include <gtest/gtest.h>
 
 #if defined(K3_HAVE_SERVE)
@@ -32,6 +37,7 @@
 #include "serve/server.h"
 #include "tokenizer/tokenizer.h"
 #include "util/compare.h"
+#include "util/cuda_test.h"
 #include "util/scripted_engine.h"
 #include "util/temp_dir.h"
 
@@ -67,6 +73,38 @@ std::vector<int32_t> prompt_of(int len, int seed, int vocab) {
   for (int i = 0; i < len; ++i) p.push_back(int32_t((seed * 131 + i * 17) % vocab));
   return p;
 }
+
+// The first 768 o200k ranks as a tokenizer directory (+256 specials = the fixture's 1,024 ids).
+std::string write_tokenizer(const k3test::TempDir& dir) {
+  std::filesystem::create_directories(dir.path() / "tok");
+  std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
+  std::ofstream out(dir.file("tok/tiktoken.model"));
+  std::string line;
+  for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
+  return dir.file("tok");
+}
+
+// A server on an ephemeral port, listening on its own thread until destroyed.
+struct Listening {
+  sv::Server server;
+  int port;
+  std::thread thread;
+  Listening(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, const sv::ServeOptions& o)
+      : server(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o), port(server.bind()) {
+    thread = std::thread([this] { server.listen(); });
+    for (int i = 0; i < 200 && !client().Get("/health"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ~Listening() {
+    server.stop();
+    thread.join();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(300, 0);
+    return c;
+  }
+};
 
 // An engine that fails every forward holding a given first token; otherwise the scripted engine's.
 class FailingEngine : public k3test::ScriptedEngine {
@@ -218,31 +256,97 @@ TEST(ServeBatcher, StopFailsWhatWaits) {
   EXPECT_THROW(held->append({1}), k3::Error);
 }
 
+// Greedy generation from prompts that share cached whole chunks equals generation without the cache, logits to
+// the bit: prompts ending a token before, at and after one chunk (16 tokens) and three chunks, and one that
+// leaves the cached prefix mid-chunk. The cache was filled by a longer prompt with the same beginning; the hits
+// are the whole chunks that still leave a token to run.
+void check_prefix_cache(k3::Engine& engine) {
+  const int V = int(engine.config().vocab_size);
+  const int P = 16, kSteps = 6;
+  std::vector<int32_t> base = prompt_of(70, 3, V);
+  std::vector<int32_t> diverging(base.begin(), base.begin() + 20);
+  for (int i = 0; i < 15; ++i) diverging.push_back(int32_t((i * 29 + 5) % V));
+  sv::BatcherOptions plain, cached;
+  plain.prefill_chunk = cached.prefill_chunk = P;
+  cached.prefix_cache_bytes = size_t(1) << 30;
+  sv::Batcher off(engine, plain), on(engine, cached);
+  auto run = [&](sv::Batcher& b, const std::vector<int32_t>& prompt) {
+    auto slot = b.acquire(int64_t(prompt.size()) + kSteps + 1, Clock::time_point::max());
+    return greedy_run(slot->fn(), prompt, kSteps);
+  };
+  run(on, base);  // fills chunks 0..3
+  EXPECT_EQ(on.stats().prefix.blocks, 4);
+  struct Case {
+    std::vector<int32_t> prompt;
+    int64_t hit;
+  };
+  std::vector<Case> cases;
+  for (const int L : {P - 1, P, P + 1, 3 * P - 1, 3 * P, 3 * P + 1})
+    cases.push_back({std::vector<int32_t>(base.begin(), base.begin() + L), int64_t((L - 1) / P) * P});
+  cases.push_back({diverging, P});
+  for (const Case& c : cases) {
+    SCOPED_TRACE("prompt of " + std::to_string(c.prompt.size()) + " tokens");
+    const int64_t before = on.stats().prefix.hit_tokens;
+    const GreedyRun want = run(off, c.prompt), got = run(on, c.prompt);
+    EXPECT_EQ(on.stats().prefix.hit_tokens - before, c.hit);
+    EXPECT_EQ(got.tokens, want.tokens);
+    ASSERT_EQ(got.logits.size(), want.logits.size());
+    for (size_t i = 0; i < want.logits.size(); ++i)
+      EXPECT_EQ(0, std::memcmp(got.logits[i].data(), want.logits[i].data(), size_t(V) * sizeof(float))) << i;
+  }
+}
+
+TEST(ServeBatcher, PrefixCacheGivesTheSameLogits) { check_prefix_cache(*tiny_engine()); }
+
+TEST(ServeBatcher, PrefixCacheGivesTheSameLogitsOnTheGpu) {
+  K3_REQUIRE_GPU();
+  check_prefix_cache(*k3::Engine::load(k3test::fixture("k3-tiny-a"), {k3::Device::CUDA, k3::Precision::BF16}));
+}
+
+// The cache's trie on its own: a chunk cached twice is held once, eviction takes the least recently used leaf
+// that no running sequence extends, never a pinned one, and keeps within the budget.
+TEST(ServeBatcher, PrefixCacheEvictsLeastRecentlyUsedLeaves) {
+  const k3::K3Config cfg = tiny_engine()->config();
+  k3test::ScriptedEngine engine(cfg, {});
+  const int64_t P = 4;
+  const size_t per_block = P * k3test::ScriptedEngine::kBytesPerToken + P * sizeof(int32_t);
+  sv::PrefixCache cache(P, 3 * per_block);
+  auto snap = [&](int64_t begin) {
+    auto s = std::make_unique<k3test::ScriptedEngine::Snap>();
+    s->begin = begin, s->end = begin + P;
+    return s;
+  };
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9}, b = {1, 2, 3, 4, 9, 9, 9, 9, 9};
+  sv::PrefixCache::Node* a0 = cache.insert(nullptr, a.data(), snap(0));
+  sv::PrefixCache::Node* a1 = cache.insert(a0, a.data() + 4, snap(4));
+  EXPECT_EQ(cache.insert(nullptr, b.data(), snap(0)), a0) << "the same first chunk is held once";
+  EXPECT_EQ(cache.stats().blocks, 2);
+  EXPECT_EQ(cache.match(a).size(), 2u);
+  EXPECT_EQ(cache.match(b).size(), 1u);
+  sv::PrefixCache::pin(a1);
+  sv::PrefixCache::Node* b1 = cache.insert(a0, b.data() + 4, snap(4));  // three blocks: at the budget
+  EXPECT_EQ(cache.stats().blocks, 3);
+  const std::vector<int32_t> c = {7, 7, 7, 7, 7};
+  cache.insert(nullptr, c.data(), snap(0));  // a fourth: the least recently used unpinned leaf goes (b1)
+  EXPECT_EQ(cache.stats().blocks, 3);
+  EXPECT_LE(cache.stats().bytes, 3 * per_block);
+  EXPECT_EQ(cache.match(b).size(), 1u) << "b's second chunk was evicted";
+  EXPECT_EQ(cache.match(a).size(), 2u) << "a's second chunk is pinned";
+  (void)b1;
+  sv::PrefixCache::unpin(a1);
+}
+
 // Concurrent greedy chat requests over HTTP: each gets the reply it gets alone.
 TEST(ServeBatcher, ConcurrentRequestsGetTheirOwnReplies) {
   k3test::TempDir dir("serve-batcher");
-  std::filesystem::create_directories(dir.path() / "tok");
-  {
-    std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tok/tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  }
   sv::ServeOptions o;
   o.host = "127.0.0.1";
   o.port = 0;
   o.model_id = "k3-tiny";
   o.max_batch = 8;
   o.prefill_chunk = 9;
-  sv::Server server(tiny_engine(), k3::Tokenizer::load_dir(dir.file("tok")), o);
-  const int port = server.bind();
-  std::thread listener([&] { server.listen(); });
-  auto client = [&] {
-    httplib::Client c("127.0.0.1", port);
-    c.set_read_timeout(120, 0);
-    return c;
-  };
-  for (int i = 0; i < 200 && !client().Get("/health"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  Listening server(tiny_engine(), write_tokenizer(dir), o);
+  auto client = [&] { return server.client(); };
   const char* questions[] = {"Name three colours.",
                              "What is two and two?",
                              "Say hello.",
@@ -277,8 +381,69 @@ TEST(ServeBatcher, ConcurrentRequestsGetTheirOwnReplies) {
     return p == std::string::npos ? -1.0 : std::stod(m->body.substr(p + name.size() + 2));
   };
   EXPECT_GT(value("k3_engine_step_sequences_total"), value("k3_engine_steps_total")) << m->body;
-  server.stop();
-  listener.join();
+}
+
+// The prefix cache over HTTP, against a server without it: completions of prompts ending at 511, 512, 513, 1535,
+// 1536 and 1537 tokens (chunks of 512) after a 1,600-token prompt with the same beginning, and a two-turn chat
+// whose second turn repeats the first, give the same greedy text and usage; the cache was used.
+TEST(ServeBatcher, PrefixCacheServesWhatAServerWithoutItServes) {
+  k3test::TempDir dir("serve-prefix");
+  const std::string tok_dir = write_tokenizer(dir);
+  auto start = [&](size_t cache_bytes) {
+    sv::ServeOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.model_id = "k3-tiny";
+    o.prefix_cache_bytes = cache_bytes;
+    return std::make_unique<Listening>(tiny_engine(), tok_dir, o);
+  };
+  auto on = start(size_t(1) << 30), off = start(0);
+  const int V = 768;
+  const std::vector<int32_t> base = prompt_of(1600, 11, V);
+  auto complete = [&](Listening& s, int len) {
+    const json body = {{"model", "k3-tiny"},
+                       {"prompt", std::vector<int32_t>(base.begin(), base.begin() + len)},
+                       {"max_tokens", 6},
+                       {"temperature", 0}};
+    auto r = s.client().Post("/v1/completions", body.dump(), "application/json");
+    return r && r->status == 200 ? json::parse(r->body) : json{{"failed", r ? r->body : "no response"}};
+  };
+  complete(*on, 1600);
+  for (const int len : {511, 512, 513, 1535, 1536, 1537}) {
+    SCOPED_TRACE("prompt of " + std::to_string(len) + " tokens");
+    const json a = complete(*on, len), b = complete(*off, len);
+    ASSERT_FALSE(a.contains("failed") || b.contains("failed")) << a.dump() << b.dump();
+    EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
+    EXPECT_EQ(a["usage"], b["usage"]);
+  }
+  // Two turns: the second request repeats the first turn (with its reply) and adds a question.
+  std::string system = "You are a careful assistant.";
+  for (int i = 0; i < 120; ++i) system += " Answer in short sentences and check every number twice.";
+  auto chat = [&](Listening& s, const json& messages) {
+    const json body = {{"model", "k3-tiny"}, {"messages", messages}, {"max_tokens", 8}, {"temperature", 0}};
+    auto r = s.client().Post("/v1/chat/completions", body.dump(), "application/json");
+    return r && r->status == 200 ? json::parse(r->body) : json{{"failed", r ? r->body : "no response"}};
+  };
+  json turn = json::array({json{{"role", "system"}, {"content", system}}, json{{"role", "user"}, {"content", "Hi."}}});
+  const json a1 = chat(*on, turn), b1 = chat(*off, turn);
+  ASSERT_FALSE(a1.contains("failed") || b1.contains("failed")) << a1.dump() << b1.dump();
+  EXPECT_EQ(a1["choices"][0]["message"], b1["choices"][0]["message"]);
+  EXPECT_GT(a1["usage"]["prompt_tokens"].get<int64_t>(), 512) << "the system prompt spans a whole chunk";
+  json reply = a1["choices"][0]["message"];
+  reply.erase("reasoning_content");
+  turn.push_back(reply);
+  turn.push_back(json{{"role", "user"}, {"content", "And then?"}});
+  const json a2 = chat(*on, turn), b2 = chat(*off, turn);
+  ASSERT_FALSE(a2.contains("failed") || b2.contains("failed")) << a2.dump() << b2.dump();
+  EXPECT_EQ(a2["choices"][0]["message"], b2["choices"][0]["message"]);
+  EXPECT_EQ(a2["usage"], b2["usage"]);
+  auto m = on->client().Get("/metrics");
+  ASSERT_TRUE(m);
+  // Hits: 513, 1535, 1536, 1537 (512, 1024, 1024, 1536 tokens) and the second turn (its first turn's chunks).
+  EXPECT_NE(m->body.find("k3_prefix_cache_hits_total 5\n"), std::string::npos) << m->body;
+  const size_t p = m->body.find("\nk3_prefix_cache_hit_tokens_total ");
+  ASSERT_NE(p, std::string::npos);
+  EXPECT_GE(std::stod(m->body.substr(p + 34)), 4096 + 512) << m->body;
 }
 
 #else

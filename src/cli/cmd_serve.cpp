@@ -30,7 +30,7 @@ void register_serve(CLI::App& app) {
     std::string host = "127.0.0.1";
     int port = 8000;
     int64_t max_queue = 64, default_max_tokens = 512, max_batch = 16, prefill_chunk = 512;
-    uint64_t cache_budget = 0;
+    uint64_t cache_budget = 0, prefix_cache = uint64_t(1) << 30;
     double request_timeout = 600.0;
     int64_t max_prompt_tokens = 0;
     DeviceOptions device;
@@ -44,8 +44,9 @@ void register_serve(CLI::App& app) {
       "decoding for response_format json_object/json_schema and tool_choice none/required/named. Up to\n"
       "--max-batch requests generate at once, their sequences sharing each forward (continuous batching:\n"
       "requests join and leave between steps, long prompts go in chunks between decode steps), within\n"
-      "--cache-budget; --max-queue more wait in arrival order, later ones get 429. Not yet: a prefix cache.\n"
-      "Stops on SIGINT or SIGTERM.");
+      "--cache-budget; --max-queue more wait in arrival order, later ones get 429. A prefix cache resumes\n"
+      "prompts that begin like an earlier one after their shared whole chunks (--prefix-cache). Stops on\n"
+      "SIGINT or SIGTERM.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")->required();
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer directory (tiktoken.model); default: --model");
   sub->add_option("--model-id", o->model_id, "the id /v1/models lists and requests name (default: --model's name)");
@@ -68,9 +69,14 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--prefill-chunk", o->prefill_chunk,
                   "prompt tokens of one request per forward: a long prompt goes in chunks between the others' "
-                  "decode steps")
+                  "decode steps; also the prefix cache's block")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  sub->add_option("--prefix-cache", o->prefix_cache,
+                  "bytes of prompt-chunk snapshots (KDA state, MLA rows) kept so that prompts beginning like an "
+                  "earlier one resume after the shared whole chunks; suffixes k, m, g; 0: off")
+      ->transform(CLI::AsSizeValue(false))
+      ->default_str("1g");
   sub->add_option("--default-max-tokens", o->default_max_tokens,
                   "tokens to generate when a request names no max_tokens (cut to the context left)")
       ->check(CLI::PositiveNumber)
@@ -100,6 +106,7 @@ void register_serve(CLI::App& app) {
     so.max_batch = o->max_batch;
     so.cache_budget = size_t(o->cache_budget);
     so.prefill_chunk = o->prefill_chunk;
+    so.prefix_cache_bytes = size_t(o->prefix_cache);
     so.model_id =
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";

@@ -54,6 +54,30 @@ std::vector<Cache*> caches_of(const void* owner, const std::vector<EngineSequenc
   return out;
 }
 
+// Checks a restore's chain: non-empty, contiguous from position 0, onto a fresh sequence.
+void check_chain(const std::vector<const SequenceSnapshot*>& chain, int64_t length) {
+  K3_CHECK(length == 0, "restore: the sequence must be fresh, it holds ", length, " tokens");
+  K3_CHECK(!chain.empty(), "restore: no snapshots");
+  int64_t at = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    K3_CHECK(chain[i] != nullptr && chain[i]->begin == at && chain[i]->end >= at, "restore: snapshot ", i,
+             " does not continue the chain at position ", at);
+    at = chain[i]->end;
+  }
+}
+
+// A CPU sequence's state: the KDA layers' tails and state, the MLA layers' rows [begin, end).
+struct CpuSnapshot : SequenceSnapshot {
+  std::vector<KdaLayerCache> kda;
+  std::vector<std::vector<float>> mla;
+  size_t bytes() const override {
+    size_t b = 0;
+    for (auto& k : kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size()) * 4 + k.state.size() * 8;
+    for (auto& m : mla) b += m.size() * 4;
+    return b;
+  }
+};
+
 class CpuEngine : public Engine {
  public:
   explicit CpuEngine(std::shared_ptr<Model> m) : m_(std::move(m)) {}
@@ -74,6 +98,33 @@ class CpuEngine : public Engine {
   std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
                              bool all_positions, const ForwardHooks* hooks) override {
     return m_->forward(caches_of<SequenceCache>(this, seqs), tokens, all_positions, hooks);
+  }
+  std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) override {
+    const SequenceCache& c = *caches_of<SequenceCache>(this, {&seq})[0];
+    K3_CHECK(rows_from >= 0 && rows_from <= c.length, "snapshot: rows_from ", rows_from, " outside [0, ", c.length,
+             "]");
+    auto s = std::make_unique<CpuSnapshot>();
+    s->begin = rows_from;
+    s->end = c.length;
+    s->kda = c.kda;
+    const size_t row = size_t(m_->config().kv_lora_rank + m_->config().qk_rope_head_dim);
+    for (const MlaLayerCache& m : c.mla)
+      s->mla.emplace_back(m.rows.begin() + std::ptrdiff_t(m.rows.empty() ? 0 : size_t(rows_from) * row), m.rows.end());
+    return s;
+  }
+  void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
+    SequenceCache& c = *caches_of<SequenceCache>(this, {&seq})[0];
+    check_chain(chain, c.length);
+    for (const SequenceSnapshot* s : chain)
+      K3_CHECK(dynamic_cast<const CpuSnapshot*>(s) != nullptr, "restore: a snapshot of another engine");
+    const auto& last = static_cast<const CpuSnapshot&>(*chain.back());
+    c.kda = last.kda;
+    for (size_t l = 0; l < c.mla.size(); ++l)
+      for (const SequenceSnapshot* s : chain) {
+        const auto& rows = static_cast<const CpuSnapshot&>(*s).mla[l];
+        c.mla[l].rows.insert(c.mla[l].rows.end(), rows.begin(), rows.end());
+      }
+    c.length = last.end;
   }
   void set_profile(bool on) override { m_->options().profile = on; }
   const BlockTimings& timings() const override { return m_->timings(); }
@@ -101,6 +152,29 @@ class CudaEngine : public Engine {
   std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
                              bool all_positions, const ForwardHooks* hooks) override {
     return m_->forward(caches_of<CudaSequenceCache>(this, seqs), tokens, all_positions, hooks);
+  }
+  struct Snapshot : SequenceSnapshot {
+    std::unique_ptr<CudaStateCopy> copy;
+    size_t bytes() const override { return copy->bytes(); }
+  };
+  std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) override {
+    const CudaSequenceCache& c = *caches_of<CudaSequenceCache>(this, {&seq})[0];
+    auto s = std::make_unique<Snapshot>();
+    s->copy = m_->copy_state(c, rows_from);
+    s->begin = rows_from;
+    s->end = c.length();
+    return s;
+  }
+  void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
+    CudaSequenceCache& c = *caches_of<CudaSequenceCache>(this, {&seq})[0];
+    check_chain(chain, c.length());
+    std::vector<const CudaStateCopy*> copies;
+    for (const SequenceSnapshot* s : chain) {
+      const auto* g = dynamic_cast<const Snapshot*>(s);
+      K3_CHECK(g != nullptr, "restore: a snapshot of another engine");
+      copies.push_back(g->copy.get());
+    }
+    m_->restore_state(c, copies);
   }
   void set_profile(bool on) override { m_->set_profile(on); }
   const BlockTimings& timings() const override { return m_->timings(); }

@@ -45,6 +45,16 @@ class EngineSequence {
   virtual size_t bytes() const = 0;    // memory held
 };
 
+// A copy of part of a sequence's state, for a prefix cache (serve/prefix_cache.h): the MLA rows of positions
+// [begin, end) and the KDA conv tails and recurrent state after position end - 1, on the engine's device. A chain
+// of snapshots with contiguous rows from 0 restores the state of a sequence of `end` tokens, bit for bit.
+class SequenceSnapshot {
+ public:
+  virtual ~SequenceSnapshot() = default;
+  int64_t begin = 0, end = 0;
+  virtual size_t bytes() const = 0;  // memory held
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -68,6 +78,13 @@ class Engine {
   virtual std::vector<float> forward(const std::vector<EngineSequence*>& seqs,
                                      const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                      const ForwardHooks* hooks = nullptr) = 0;
+
+  // The state of `seq` as it is now (its length is the snapshot's end), with the MLA rows from position
+  // `rows_from` (0 <= rows_from <= length).
+  virtual std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) = 0;
+  // Makes the fresh sequence `seq` (length 0) hold the state the chain describes: chain[0] begins at 0, each
+  // next one where the previous ends, the KDA state is the last one's. Throws k3::Error otherwise.
+  virtual void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) = 0;
 
   // Per-block wall time while on (on the GPU each block then waits for the device).
   virtual void set_profile(bool on) = 0;

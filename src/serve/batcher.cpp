@@ -20,6 +20,11 @@ struct Batcher::SlotState {
   std::unique_ptr<EngineSequence> seq;  // made by the engine thread at the slot's first step
   int64_t length = 0;                   // tokens the sequence holds
   size_t reserved = 0;                  // bytes of the admission budget held
+  bool prompt_done = false;             // the first append (the prompt) has been run
+  bool looked_up = false;               // its prompt was looked up in the prefix cache
+  PrefixCache::Node* node = nullptr;    // the cached block its prompt's prefix ends with (pinned), if any
+  int64_t cached = 0;                   // tokens that prefix covers
+  std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
   Job* job = nullptr;                   // the append in flight
   std::string broken;                   // why appends are refused (an engine error on this sequence)
 };
@@ -29,6 +34,7 @@ Batcher::Batcher(Engine& engine, BatcherOptions o) : engine_(engine), o_(o) {
   K3_CHECK(o_.prefill_chunk >= 1, "serve: prefill_chunk must be >= 1, got ", o_.prefill_chunk);
   K3_CHECK(o_.step_tokens >= 1, "serve: step_tokens must be >= 1, got ", o_.step_tokens);
   K3_CHECK(o_.gather.count() >= 0, "serve: gather must be >= 0");
+  if (o_.prefix_cache_bytes > 0) cache_ = std::make_unique<PrefixCache>(o_.prefill_chunk, o_.prefix_cache_bytes);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -98,6 +104,7 @@ void Batcher::release(SlotState* s) {
     auto it = std::find_if(slots_.begin(), slots_.end(), [&](const auto& p) { return p.get() == s; });
     if (it == slots_.end()) return;
     reserved_ -= s->reserved;
+    PrefixCache::unpin(s->node);
     if (s->seq) to_free_.push_back(std::move(s->seq));
     slots_.erase(it);
   }
@@ -150,12 +157,23 @@ void Batcher::loop() {
     std::vector<SlotState*> step;
     std::vector<size_t> take;
     int64_t tokens = 0;
+    auto left_of = [](const SlotState* s) { return s->job->tokens->size() - s->job->consumed; };
     for (SlotState* s : waiting_)
-      if (s->job->tokens->size() - s->job->consumed == 1) step.push_back(s), take.push_back(1), ++tokens;
+      if (left_of(s) == 1) step.push_back(s), take.push_back(1), ++tokens;
     bool first_prompt = true;
     for (SlotState* s : waiting_) {
-      const size_t left = s->job->tokens->size() - s->job->consumed;
-      if (left == 1) continue;
+      if (left_of(s) == 1) continue;
+      if (cache_ && !s->looked_up && !s->prompt_done) {  // a new prompt: resume from its longest cached prefix
+        s->looked_up = true;
+        s->restore = cache_->match(*s->job->tokens);
+        if (!s->restore.empty()) {
+          s->node = s->restore.back();
+          PrefixCache::pin(s->node);
+          s->cached = s->length = int64_t(s->restore.size()) * o_.prefill_chunk;
+          s->job->consumed = size_t(s->length);
+        }
+      }
+      const size_t left = left_of(s);
       // Chunks end at multiples of prefill_chunk in the sequence: where a prompt's forwards begin and end
       // depends on the prompt alone, never on what shares the step (a chunk that does not fit waits).
       const int64_t pos = s->length;
@@ -173,12 +191,26 @@ void Batcher::loop() {
     }
     lock.unlock();
     std::vector<float> logits;
+    std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
     std::string error;
     try {
-      for (SlotState* s : step)  // a slot's sequence is made here, at its first step
-        if (!s->seq) s->seq = std::move(engine_.new_sequences(1).front());
+      for (SlotState* s : step) {  // a slot's sequence is made here, at its first step, from the cache's chain
+        if (s->seq) continue;
+        s->seq = std::move(engine_.new_sequences(1).front());
+        if (s->restore.empty()) continue;
+        std::vector<const SequenceSnapshot*> chain;
+        for (const PrefixCache::Node* n : s->restore) chain.push_back(n->snap.get());
+        engine_.restore(*s->seq, chain);
+        s->restore.clear();
+      }
       for (SlotState* s : step) seqs.push_back(s->seq.get());
       logits = engine_.forward(seqs, rows, false);
+      // A prompt's whole chunk that continues its cached prefix joins the cache.
+      for (size_t i = 0; i < step.size() && cache_; ++i) {
+        const SlotState* s = step[i];
+        if (!s->prompt_done && int64_t(take[i]) == o_.prefill_chunk && s->cached == s->length)
+          snaps[i] = engine_.snapshot(*s->seq, s->length);
+      }
     } catch (const std::exception& e) {
       error = std::string("the engine failed: ") + e.what();
     }
@@ -190,6 +222,12 @@ void Batcher::loop() {
     for (size_t i = 0; i < step.size(); ++i) {
       SlotState* s = step[i];
       Job& j = *s->job;
+      if (snaps[i] && error.empty()) {
+        PrefixCache::Node* n = cache_->insert(s->node, j.tokens->data() + j.consumed, std::move(snaps[i]));
+        PrefixCache::unpin(s->node);
+        PrefixCache::pin(s->node = n);
+        s->cached += o_.prefill_chunk;
+      }
       j.consumed += take[i];
       s->length += int64_t(take[i]);
       if (!error.empty()) {
@@ -200,6 +238,7 @@ void Batcher::loop() {
         j.logits.assign(logits.begin() + std::ptrdiff_t(i * V), logits.begin() + std::ptrdiff_t((i + 1) * V));
       }
       j.finished = true;
+      s->prompt_done = true;
       waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
     }
     if (!waiting_.empty()) first_wait_ = Clock::now();
@@ -216,6 +255,7 @@ Batcher::Stats Batcher::stats() const {
   st.steps = steps_;
   st.step_sequences = step_sequences_;
   st.step_tokens_total = step_tokens_total_;
+  if (cache_) st.prefix = cache_->stats();
   return st;
 }
 

@@ -20,6 +20,9 @@
 // tokens they may generate, Engine::sequence_bytes) within cache_budget bytes. acquire() waits, first come first
 // served, until both hold or its deadline passes.
 //
+// With a prefix cache, a new prompt first resumes from the longest cached prefix of whole chunks, and every
+// full chunk of a prompt is snapshotted into the cache after its step (serve/prefix_cache.h).
+//
 // The engine's sequences are made, run and freed only on the engine thread (the engine is not thread-safe).
 // An engine error fails every append of that step (k3::Error); those slots refuse further appends.
 #pragma once
@@ -34,6 +37,7 @@
 
 #include "model/engine.h"
 #include "model/generate.h"
+#include "serve/prefix_cache.h"
 
 namespace k3::serve {
 
@@ -43,6 +47,9 @@ struct BatcherOptions {
   int64_t prefill_chunk = 512;  // prompt tokens of one sequence in one step
   int64_t step_tokens = 2048;   // tokens a step takes when prompts wait (decodes always all go)
   std::chrono::microseconds gather{2000};
+  // Bytes of prompt-chunk snapshots kept for later prompts (serve/prefix_cache.h; blocks of prefill_chunk
+  // tokens); 0: no prefix cache.
+  size_t prefix_cache_bytes = 0;
 };
 
 class Batcher {
@@ -89,6 +96,7 @@ class Batcher {
     int64_t steps = 0;              // forwards run
     int64_t step_sequences = 0;     // sequences over all steps (/ steps: the mean batch)
     int64_t step_tokens_total = 0;  // tokens over all steps
+    PrefixCache::Stats prefix;      // all zero without a prefix cache
   };
   Stats stats() const;
 
@@ -110,6 +118,7 @@ class Batcher {
   std::vector<uint64_t> abandoned_;                // tickets after serving_ticket_ that gave up
   int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0;
   size_t reserved_ = 0;
+  std::unique_ptr<PrefixCache> cache_;  // null: no prefix cache
   bool stop_ = false;
   std::thread thread_;
 };

@@ -398,6 +398,13 @@ struct Server::Impl {
     metric("k3_engine_step_tokens_total", "counter", "Tokens over all forwards.", double(b.step_tokens_total));
     metric("k3_cache_reserved_bytes", "gauge", "Sequence state the running requests may grow to.",
            double(b.reserved_bytes));
+    metric("k3_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.",
+           double(b.prefix.lookups));
+    metric("k3_prefix_cache_hits_total", "counter", "Prompts resumed from a cached prefix.", double(b.prefix.hits));
+    metric("k3_prefix_cache_hit_tokens_total", "counter", "Prompt tokens not prefilled thanks to the cache.",
+           double(b.prefix.hit_tokens));
+    metric("k3_prefix_cache_bytes", "gauge", "Memory the prefix cache holds.", double(b.prefix.bytes));
+    metric("k3_prefix_cache_blocks", "gauge", "Blocks the prefix cache holds.", double(b.prefix.blocks));
     metric("k3_prompt_tokens_total", "counter", "Prompt tokens processed.", double(prompt_tokens));
     metric("k3_generation_tokens_total", "counter", "Tokens generated.", double(generation_tokens));
     metric("k3_time_to_first_token_seconds_sum", "counter", "Arrival to first token, summed.", ttft_sum);
@@ -421,7 +428,7 @@ Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
       std::make_unique<Batcher>(*impl_->engine,
                                 BatcherOptions{impl_->o.max_batch, impl_->o.cache_budget, impl_->o.prefill_chunk,
                                                std::max(impl_->o.prefill_chunk, int64_t(2048)),
-                                               std::chrono::microseconds(2000)});
+                                               std::chrono::microseconds(2000), impl_->o.prefix_cache_bytes});
   impl_->routes();
 }
 

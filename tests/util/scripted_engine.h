@@ -47,6 +47,27 @@ class ScriptedEngine : public k3::Engine {
     }
     return out;
   }
+  // A snapshot holds the scripted sequence's counters (its "state"), so a restored sequence goes on with the
+  // script where the snapshotted one was.
+  struct Snap : k3::SequenceSnapshot {
+    int64_t tokens = 0, forwards = 0;
+    size_t bytes() const override { return size_t(end - begin) * kBytesPerToken; }
+  };
+  std::unique_ptr<k3::SequenceSnapshot> snapshot(k3::EngineSequence& seq, int64_t rows_from) override {
+    const Seq& s = static_cast<const Seq&>(seq);
+    auto out = std::make_unique<Snap>();
+    out->begin = rows_from;
+    out->end = s.tokens;
+    out->tokens = s.tokens;
+    out->forwards = s.forwards;
+    return out;
+  }
+  void restore(k3::EngineSequence& seq, const std::vector<const k3::SequenceSnapshot*>& chain) override {
+    Seq& s = static_cast<Seq&>(seq);
+    const Snap& last = static_cast<const Snap&>(*chain.back());
+    s.tokens = last.tokens;
+    s.forwards = last.forwards;
+  }
   void set_profile(bool) override {}
   const k3::BlockTimings& timings() const override { return timings_; }
   void reset_timings() override {}

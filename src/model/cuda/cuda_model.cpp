@@ -101,6 +101,16 @@ template void linear<bf16>(Run&, void*, DType, int64_t, const bf16*, int64_t, in
 CudaSequenceCache::CudaSequenceCache(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaSequenceCache::~CudaSequenceCache() = default;
 int64_t CudaSequenceCache::length() const { return impl_->length; }
+struct CudaStateCopy::Impl {
+  std::vector<cuda::DeviceBuffer<float>> kda;    // per layer (KDA): q_tail | k_tail | v_tail | state
+  std::vector<cuda::DeviceBuffer<uint8_t>> mla;  // per layer (MLA): rows [begin, end), ldc elements each
+  int64_t begin = 0, end = 0;
+  size_t bytes = 0;
+};
+CudaStateCopy::CudaStateCopy(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaStateCopy::~CudaStateCopy() = default;
+size_t CudaStateCopy::bytes() const { return impl_->bytes; }
+
 size_t CudaSequenceCache::bytes() const {  // this sequence's share of its pool
   const gpu::CachePool& p = *impl_->pool;
   size_t b = 0;
@@ -170,6 +180,92 @@ size_t CudaModel::sequence_bytes(int64_t tokens) const {
     b += c.layer_kind[size_t(l)] == AttnKind::KDA ? (3 * tail + state) * 4 : size_t(tokens) * row;
   return b;
 }
+// A sequence's slices of its pool: each KDA layer's tails and state, each MLA layer's rows.
+namespace {
+struct StateLayout {
+  size_t tail, state, row_bytes;
+};
+StateLayout state_layout(const K3Config& c, int64_t ldc, GpuPrecision p) {
+  return StateLayout{size_t(c.short_conv_kernel_size - 1) * size_t(c.kda_dim()),
+                     size_t(c.kda_num_heads) * size_t(c.kda_head_dim) * size_t(c.kda_head_dim),
+                     size_t(ldc) * (p == GpuPrecision::BF16 ? 2 : 4)};
+}
+}  // namespace
+
+std::unique_ptr<CudaStateCopy> CudaModel::copy_state(const CudaSequenceCache& cache, int64_t rows_from) const {
+  const CudaSequenceCache::Impl& c = const_cast<CudaSequenceCache&>(cache).impl();
+  K3_CHECK(c.owner == impl_->id, "copy_state: a cache of another model");
+  K3_CHECK(!c.broken, "copy_state: the cache's state is undefined (a forward over it failed)");
+  K3_CHECK(rows_from >= 0 && rows_from <= c.length, "copy_state: rows_from ", rows_from, " outside [0, ", c.length,
+           "]");
+  const K3Config& cfg = impl_->cfg;
+  const StateLayout L = state_layout(cfg, impl_->mla_ldc, impl_->precision);
+  const gpu::CachePool& p = *c.pool;
+  auto out = std::make_unique<CudaStateCopy::Impl>();
+  out->begin = rows_from;
+  out->end = c.length;
+  out->kda.resize(size_t(cfg.num_hidden_layers));
+  out->mla.resize(size_t(cfg.num_hidden_layers));
+  for (size_t l = 0; l < size_t(cfg.num_hidden_layers); ++l) {
+    if (cfg.layer_kind[l] == AttnKind::KDA) {
+      const gpu::KdaPoolDev& k = p.kda[l];
+      cuda::DeviceBuffer<float> b(3 * L.tail + L.state);
+      const size_t t0 = size_t(c.index) * L.tail;
+      cuda::copy_on_device(b.data(), k.q_tail.data() + t0, L.tail * 4);
+      cuda::copy_on_device(b.data() + L.tail, k.k_tail.data() + t0, L.tail * 4);
+      cuda::copy_on_device(b.data() + 2 * L.tail, k.v_tail.data() + t0, L.tail * 4);
+      cuda::copy_on_device(b.data() + 3 * L.tail, k.state.data() + size_t(c.index) * L.state, L.state * 4);
+      out->bytes += b.size() * 4;
+      out->kda[l] = std::move(b);
+    } else if (c.length > rows_from) {
+      const gpu::MlaPoolDev& m = p.mla[l];
+      const size_t n = size_t(c.length - rows_from) * L.row_bytes;
+      cuda::DeviceBuffer<uint8_t> b(n);
+      cuda::copy_on_device(b.data(), m.rows.data() + size_t(c.index * m.capacity + rows_from) * L.row_bytes, n);
+      out->bytes += n;
+      out->mla[l] = std::move(b);
+    }
+  }
+  return std::make_unique<CudaStateCopy>(std::move(out));
+}
+
+void CudaModel::restore_state(CudaSequenceCache& cache, const std::vector<const CudaStateCopy*>& chain) const {
+  CudaSequenceCache::Impl& c = cache.impl();
+  K3_CHECK(c.owner == impl_->id, "restore_state: a cache of another model");
+  K3_CHECK(c.length == 0 && !c.broken, "restore_state: the cache must be fresh");
+  K3_CHECK(!chain.empty(), "restore_state: no copies");
+  const K3Config& cfg = impl_->cfg;
+  const StateLayout L = state_layout(cfg, impl_->mla_ldc, impl_->precision);
+  gpu::CachePool& p = *c.pool;
+  for (size_t i = 0; i < chain.size(); ++i)
+    K3_CHECK(chain[i]->impl_->begin == (i == 0 ? 0 : chain[i - 1]->impl_->end), "restore_state: copy ", i,
+             " does not continue the chain");
+  const CudaStateCopy::Impl& last = *chain.back()->impl_;
+  const int64_t rows = last.end;
+  for (size_t l = 0; l < size_t(cfg.num_hidden_layers); ++l) {
+    if (cfg.layer_kind[l] == AttnKind::KDA) {
+      gpu::KdaPoolDev& k = p.kda[l];
+      const float* b = last.kda[l].data();
+      const size_t t0 = size_t(c.index) * L.tail;
+      cuda::copy_on_device(k.q_tail.data() + t0, b, L.tail * 4);
+      cuda::copy_on_device(k.k_tail.data() + t0, b + L.tail, L.tail * 4);
+      cuda::copy_on_device(k.v_tail.data() + t0, b + 2 * L.tail, L.tail * 4);
+      cuda::copy_on_device(k.state.data() + size_t(c.index) * L.state, b + 3 * L.tail, L.state * 4);
+    } else if (rows > 0) {
+      gpu::MlaPoolDev& m = p.mla[l];
+      gpu::reserve_rows(m, p.B, rows, impl_->mla_ldc, L.row_bytes / size_t(impl_->mla_ldc));
+      size_t at = size_t(c.index * m.capacity) * L.row_bytes;
+      for (const CudaStateCopy* s : chain) {
+        const cuda::DeviceBuffer<uint8_t>& r = s->impl_->mla[l];
+        if (r.size() == 0) continue;
+        cuda::copy_on_device(m.rows.data() + at, r.data(), r.size());
+        at += r.size();
+      }
+    }
+  }
+  c.length = rows;
+}
+
 GpuPrecision CudaModel::precision() const { return impl_->precision; }
 size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
 void CudaModel::set_profile(bool on) { impl_->profile = on; }

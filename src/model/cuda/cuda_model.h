@@ -58,6 +58,17 @@ class CudaSequenceCache {
   std::unique_ptr<Impl> impl_;
 };
 
+// A copy of part of a sequence's device state (CudaModel::copy_state): its MLA rows [begin, end) and its KDA
+// tails and state at `end`, in device memory.
+class CudaStateCopy {
+ public:
+  ~CudaStateCopy();
+  size_t bytes() const;
+  struct Impl;
+  explicit CudaStateCopy(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 class CudaModel {
  public:
   // dir: a Hugging Face model directory, as Model::load. Throws k3::Error when the build has no CUDA
@@ -88,6 +99,12 @@ class CudaModel {
   std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
                              const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                              const ForwardHooks* hooks = nullptr);
+
+  // A prefix cache's copies (Engine::snapshot / restore): the state of `c` with its MLA rows from rows_from, and
+  // a fresh cache made to hold the state a contiguous chain of copies describes (rows of each in order, the KDA
+  // state of the last). Device-to-device copies on the default stream.
+  std::unique_ptr<CudaStateCopy> copy_state(const CudaSequenceCache& c, int64_t rows_from) const;
+  void restore_state(CudaSequenceCache& c, const std::vector<const CudaStateCopy*>& chain) const;
 
   // Profiling: with it on, forward() waits for the GPU after every block and charges the wall time to
   // the block's kind (the waits themselves cost a few microseconds each: use for a breakdown, not

@@ -129,6 +129,8 @@ struct CachePool {
   std::vector<KdaPoolDev> kda;  // [num_layers] (used at KDA layers)
   std::vector<MlaPoolDev> mla;  // [num_layers] (used at MLA layers)
 };
+// Room for `need` rows per sequence in a pool's layer (grown geometrically for all its sequences; old rows kept).
+void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize);
 
 // Everything a layer needs for one forward besides its weights.
 struct Run {

@@ -10,6 +10,16 @@ CudaSequenceCache::~CudaSequenceCache() = default;
 int64_t CudaSequenceCache::length() const { return 0; }
 size_t CudaSequenceCache::bytes() const { return 0; }
 size_t CudaModel::sequence_bytes(int64_t) const { return 0; }
+struct CudaStateCopy::Impl {};
+CudaStateCopy::CudaStateCopy(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaStateCopy::~CudaStateCopy() = default;
+size_t CudaStateCopy::bytes() const { return 0; }
+std::unique_ptr<CudaStateCopy> CudaModel::copy_state(const CudaSequenceCache&, int64_t) const {
+  fail("CudaModel: no CUDA backend");
+}
+void CudaModel::restore_state(CudaSequenceCache&, const std::vector<const CudaStateCopy*>&) const {
+  fail("CudaModel: no CUDA backend");
+}
 
 struct CudaModel::Impl {};
 CudaModel::CudaModel() = default;

@@ -16,10 +16,7 @@
 
 namespace k3::gpu {
 
-namespace {
-
-// Room for `need` rows per sequence in the pool (grown geometrically for all its sequences; old rows
-// kept, one strided copy).
+// (Old rows kept by one strided copy.)
 void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize) {
   if (need <= mp.capacity) return;
   const int64_t cap = std::max<int64_t>({need, 2 * mp.capacity, 64});
@@ -30,6 +27,8 @@ void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t e
   mp.rows = std::move(grown);
   mp.capacity = cap;
 }
+
+namespace {
 
 // The BF16 path's batched per-head product of the absorbed form: y_h[n, N] = x_h[n, K] · op(W_h) for
 // every head h; W_h is head h's slice of kv_b (its rows times R elements from the base, stride_w apart).

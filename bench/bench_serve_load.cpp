@@ -8,11 +8,13 @@
 //
 //   build/bench_serve_load --model DIR [--tokenizer DIR] [--device cpu|cuda] [--streams 1,4,16] [--seconds 15]
 //                          [--prompt-tokens 64] [--max-tokens 64] [--max-batch N] [--prefill-chunk 512]
+//                          [--shared-prefix 0] [--prefix-cache 1g]
 //
 // Prompts are random ids of the tokenizer's ranks (one fixed prompt per client, so a client's requests are
 // alike); sampling at temperature 1 with a seed per request. Without --tokenizer (and no tiktoken.model in
 // the model directory) the first vocab_size - 256 ranks of tests/fixtures/tokenizer/o200k.tiktoken are used.
-// --max-batch defaults to the largest stream count.
+// --max-batch defaults to the largest stream count. --shared-prefix N puts the same N random tokens before every
+// client's prompt (a shared system prompt); --prefix-cache 0 turns the server's prefix cache off, to compare.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
@@ -117,7 +119,8 @@ int main(int argc, char** argv) {
   std::string model, tokenizer, streams_list = "1,4,16";
   cli::DeviceOptions device;
   double seconds = 15;
-  int64_t prompt_tokens = 64, max_tokens = 64, max_batch = 0, prefill_chunk = 512;
+  int64_t prompt_tokens = 64, max_tokens = 64, max_batch = 0, prefill_chunk = 512, shared_prefix = 0;
+  uint64_t prefix_cache = uint64_t(1) << 30;
   app.add_option("--model", model, "model directory")->required();
   app.add_option("--tokenizer", tokenizer, "tokenizer directory (default: --model's, else o200k's first ranks)");
   cli::add_device_options(&app, device);
@@ -132,6 +135,12 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-chunk", prefill_chunk, "the server's --prefill-chunk")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--shared-prefix", shared_prefix, "tokens every prompt begins with")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--prefix-cache", prefix_cache, "the server's --prefix-cache (0: off)")
+      ->transform(CLI::AsSizeValue(false))
+      ->default_str("1g");
   CLI11_PARSE(app, argc, argv);
   try {
     std::vector<int> streams;
@@ -167,6 +176,7 @@ int main(int argc, char** argv) {
     so.max_batch = max_batch > 0 ? max_batch : *std::max_element(streams.begin(), streams.end());
     so.max_queue = 1024;
     so.prefill_chunk = prefill_chunk;
+    so.prefix_cache_bytes = size_t(prefix_cache);
     so.default_max_tokens = max_tokens;
     const std::string description = engine->description();
     serve::Server server(std::move(engine), std::move(tok), so);
@@ -175,9 +185,14 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 200 && !httplib::Client("127.0.0.1", port).Get("/health"); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
 
-    std::printf("%s on %s; prompts of %lld tokens, replies of up to %lld, --max-batch %lld, %.0f s a phase\n",
-                model.c_str(), description.c_str(), (long long)prompt_tokens, (long long)max_tokens,
-                (long long)so.max_batch, seconds);
+    std::printf(
+        "%s on %s; prompts of %lld + %lld shared tokens, replies of up to %lld, --max-batch %lld, prefix cache %s, "
+        "%.0f s a phase\n",
+        model.c_str(), description.c_str(), (long long)prompt_tokens, (long long)shared_prefix, (long long)max_tokens,
+        (long long)so.max_batch, prefix_cache > 0 ? "on" : "off", seconds);
+    std::mt19937_64 shared_rng(12345);
+    json shared = json::array();
+    for (int64_t i = 0; i < shared_prefix; ++i) shared.push_back(int64_t(shared_rng() % uint64_t(ranks)));
     std::printf("%7s %8s %6s %8s %10s %9s %9s %9s %7s %9s %9s\n", "streams", "requests", "failed", "tokens", "tok/s",
                 "ttft p50", "ttft p95", "tpot ms", "batch", "RSS MiB", "after");
     uint64_t seed = 1;
@@ -194,7 +209,7 @@ int main(int argc, char** argv) {
       for (int s = 0; s < S; ++s)
         clients.emplace_back([&, s] {
           std::mt19937_64 rng(seed * 1000 + uint64_t(s));
-          json prompt = json::array();
+          json prompt = shared;
           for (int64_t i = 0; i < prompt_tokens; ++i) prompt.push_back(int64_t(rng() % uint64_t(ranks)));
           for (int k = 0; Clock::now() < until; ++k) {
             const json body = {{"model", "bench"},

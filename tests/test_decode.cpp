@@ -892,6 +892,33 @@ TEST(Sampler, FrequenciesMatchSoftmax) {
   expect_frequencies(l, sampling(1.0f, 0, 0.9f, 6), softmax(1.0, {3, 0, 1}), "top_p 0.9");
 }
 
+// A nucleus wider than the first sorted prefix (1,024 ids): 3,000 nearly equal logits, top_p 0.5 keeps about
+// half of them. Every draw lies inside the closed-form nucleus, and the draws' mean id is the truncated
+// distribution's (standard error ~4 ids over 20,000 draws; the bar is 25).
+TEST(Sampler, WideNucleusIsCutWhereItsMassReachesTopP) {
+  const int64_t V = 3000;
+  std::vector<float> l(static_cast<size_t>(V), 0.0f);
+  for (int64_t v = 0; v < V; ++v) l[size_t(v)] = -1e-4f * float(v);
+  double z = 0.0;
+  for (float x : l) z += std::exp(double(x));
+  double cum = 0.0, mean_num = 0.0, mean_den = 0.0;
+  int64_t n = 0;
+  while (n < V && cum < 0.5) {
+    const double p = std::exp(double(l[size_t(n)])) / z;
+    cum += p, mean_num += p * double(n), mean_den += p, ++n;
+  }
+  ASSERT_GT(n, 1024);
+  Sampler s(sampling(1.0f, 0, 0.5f, 7));
+  double sum = 0.0;
+  const int draws = 20000;
+  for (int i = 0; i < draws; ++i) {
+    const int32_t id = s.sample(l.data(), V);
+    ASSERT_LT(id, n) << "outside the nucleus";
+    sum += double(id);
+  }
+  EXPECT_NEAR(sum / draws, mean_num / mean_den, 25.0);
+}
+
 TEST(Sampler, BadParamsThrowNamingTheFlag) {
   struct Bad {
     SamplingParams p;

@@ -27,6 +27,7 @@ class Sampler {
   SamplingParams p_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> cand_;
+  std::vector<double> prob_;
 };
 
 // argmax with ties broken toward the lower id.

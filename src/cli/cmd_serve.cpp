@@ -31,6 +31,7 @@ void register_serve(CLI::App& app) {
     int port = 8000;
     int64_t max_queue = 64, default_max_tokens = 512, max_batch = 16, prefill_chunk = 512;
     uint64_t cache_budget = 0, prefix_cache = uint64_t(1) << 30;
+    bool k3_sampling = false;
     double request_timeout = 600.0;
     int64_t max_prompt_tokens = 0;
     DeviceOptions device;
@@ -77,6 +78,9 @@ void register_serve(CLI::App& app) {
                   "earlier one resume after the shared whole chunks; suffixes k, m, g; 0: off")
       ->transform(CLI::AsSizeValue(false))
       ->default_str("1g");
+  sub->add_flag("--k3-sampling", o->k3_sampling,
+                "sample every request as K3 is meant to be sampled: temperature 1.0 when thinking and 0.6 when "
+                "not, top_p 0.95, no penalties, n 1; a request naming other values gets a 400");
   sub->add_option("--default-max-tokens", o->default_max_tokens,
                   "tokens to generate when a request names no max_tokens (cut to the context left)")
       ->check(CLI::PositiveNumber)
@@ -107,6 +111,7 @@ void register_serve(CLI::App& app) {
     so.cache_budget = size_t(o->cache_budget);
     so.prefill_chunk = o->prefill_chunk;
     so.prefix_cache_bytes = size_t(o->prefix_cache);
+    so.k3_sampling = o->k3_sampling;
     so.model_id =
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";

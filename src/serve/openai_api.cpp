@@ -199,6 +199,108 @@ std::vector<ForcedTool> declared_tools(const ojson& b) {
   return out;
 }
 
+// One value from several spellings: the first one given; another that disagrees is a 400 naming both.
+template <class T>
+struct Agreed {
+  std::optional<T> value;
+  std::string from;
+  void take(const std::optional<T>& v, const std::string& param) {
+    if (!v) return;
+    if (value && *value != *v)
+      throw bad_request(param, param + " disagrees with " + from + " (give one, or the same value in both)");
+    if (!value) value = v, from = param;
+  }
+};
+
+std::optional<std::string> effort_field(const ojson& o, const char* key, const std::string& param) {
+  if (!o.contains(key) || o[key].is_null()) return std::nullopt;
+  const ojson& e = o[key];
+  if (!e.is_string() || (e != "low" && e != "high" && e != "max"))
+    throw bad_request(param, param + " must be \"low\", \"high\" or \"max\", got " + e.dump());
+  return e.get<std::string>();
+}
+
+// The three thinking spellings (see ChatRequest) read into r.thinking / r.effort, and the body rewritten to the
+// one render_chat reads.
+void resolve_thinking(ChatRequest& r) {
+  ojson& b = r.body;
+  Agreed<bool> on, keep;
+  Agreed<std::string> effort;
+  if (b.contains("thinking") && !b["thinking"].is_null()) {
+    const ojson& t = b["thinking"];
+    if (t.is_boolean()) {
+      on.take(t.get<bool>(), "thinking");
+    } else if (t.is_object()) {
+      if (!t.contains("type") || (t["type"] != "enabled" && t["type"] != "disabled"))
+        throw bad_request("thinking.type", "thinking.type must be \"enabled\" or \"disabled\"");
+      on.take(t["type"] == "enabled", "thinking.type");
+      if (t.contains("keep") && !t["keep"].is_null()) {
+        if (!t["keep"].is_boolean()) throw bad_request("thinking.keep", "thinking.keep must be true or false");
+        keep.take(t["keep"].get<bool>(), "thinking.keep");
+      }
+      effort.take(effort_field(t, "effort", "thinking.effort"), "thinking.effort");
+    } else {
+      throw bad_request("thinking", "thinking must be a boolean or {\"type\": \"enabled\" | \"disabled\", ...}");
+    }
+  }
+  if (b.contains("chat_template_kwargs") && !b["chat_template_kwargs"].is_null()) {
+    const ojson& k = b["chat_template_kwargs"];
+    if (!k.is_object()) throw bad_request("chat_template_kwargs", "chat_template_kwargs must be an object");
+    if (k.contains("thinking") && !k["thinking"].is_null()) {
+      if (!k["thinking"].is_boolean())
+        throw bad_request("chat_template_kwargs.thinking", "chat_template_kwargs.thinking must be true or false");
+      on.take(k["thinking"].get<bool>(), "chat_template_kwargs.thinking");
+    }
+    if (k.contains("preserve_thinking") && !k["preserve_thinking"].is_null()) {
+      if (!k["preserve_thinking"].is_boolean())
+        throw bad_request("chat_template_kwargs.preserve_thinking",
+                          "chat_template_kwargs.preserve_thinking must be true or false");
+      keep.take(k["preserve_thinking"].get<bool>(), "chat_template_kwargs.preserve_thinking");
+    }
+    effort.take(effort_field(k, "thinking_effort", "chat_template_kwargs.thinking_effort"),
+                "chat_template_kwargs.thinking_effort");
+  }
+  effort.take(effort_field(b, "reasoning_effort", "reasoning_effort"), "reasoning_effort");
+  effort.take(effort_field(b, "thinking_effort", "thinking_effort"), "thinking_effort");
+  r.thinking = on.value.value_or(true);
+  if (!r.thinking && effort.value)
+    throw bad_request(effort.from, effort.from + " needs thinking, which this request turns off");
+  r.effort = r.thinking ? effort.value.value_or("max") : "";
+  if (!keep.value.value_or(true))
+    for (ojson& m : b["messages"])
+      if (m.is_object() && m.value("role", "") == "assistant") m.erase("reasoning_content");
+  for (const char* k : {"thinking", "chat_template_kwargs", "reasoning_effort", "thinking_effort"}) b.erase(k);
+  b["thinking"] = r.thinking;
+  if (r.thinking) b["thinking_effort"] = r.effort;
+}
+
+// K3's fixed sampling (ApiLimits::k3_sampling): the request may name only the fixed values.
+void fix_k3_sampling(const ojson& b, GenerationRequest& g, bool thinking) {
+  const double temperature = thinking ? 1.0 : 0.6, top_p = 0.95;
+  auto require = [&](const char* key, double want) {
+    if (b.contains(key) && !b[key].is_null() && (!b[key].is_number() || b[key].get<double>() != want))
+      throw bad_request(key,
+                        std::string("this server samples as K3 does: ") + key + " is " +
+                            (want == 0.6    ? "0.6"
+                             : want == 0.95 ? "0.95"
+                             : want == 1.0  ? "1.0"
+                                            : "0") +
+                            (std::string(key) == "temperature" ? (thinking ? " when thinking" : " without thinking")
+                                                               : "") +
+                            ", got " + b[key].dump());
+  };
+  require("temperature", temperature);
+  require("top_p", top_p);
+  require("presence_penalty", 0.0);
+  require("frequency_penalty", 0.0);
+  if (b.contains("top_k") && !b["top_k"].is_null() && b["top_k"] != 0 && b["top_k"] != -1)
+    throw bad_request("top_k", "this server samples as K3 does: no top_k cut, got " + b["top_k"].dump());
+  g.sampling.greedy = false;
+  g.sampling.temperature = float(temperature);
+  g.sampling.top_p = float(top_p);
+  g.sampling.top_k = 0;
+}
+
 }  // namespace
 
 ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limits) {
@@ -209,7 +311,8 @@ ChatRequest parse_chat_request_body(std::string_view text, const ApiLimits& limi
   if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
     throw bad_request("messages", "messages must be a non-empty array");
   r.gen = generation_fields(b, limits, true);
-  r.thinking = bool_field(b, "thinking", true);
+  resolve_thinking(r);
+  if (limits.k3_sampling) fix_k3_sampling(b, r.gen, r.thinking);
   if (b.contains("response_format") && !b["response_format"].is_null()) {
     const ojson& rf = b["response_format"];
     if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string())
@@ -286,6 +389,7 @@ CompletionRequest parse_completion_request_body(std::string_view text, const Api
   if (std::optional<int64_t> bo = int_field(b, "best_of"); bo && *bo != 1)
     throw bad_request("best_of", "only best_of = 1 is supported");
   r.gen = generation_fields(b, limits, false);
+  if (limits.k3_sampling) fix_k3_sampling(b, r.gen, false);
   return r;
 }
 

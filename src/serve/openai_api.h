@@ -44,11 +44,19 @@ struct GenerationRequest {
 };
 
 // /v1/chat/completions: the body as render_chat (tokenizer/xtml_chat.h) reads it, and whether the
-// generation prompt opens the think channel (K3's `thinking`, default true).
+// generation prompt opens the think channel.
+//
+// Thinking comes in three spellings, all read into `thinking` (bool) and `thinking_effort` (low / high / max)
+// of the body render_chat sees: Moonshot's API `thinking: {"type": "enabled" | "disabled", "keep": bool,
+// "effort": ...}` (or a plain boolean), OpenAI's `reasoning_effort`, and the open-source chat template's
+// `chat_template_kwargs: {thinking, preserve_thinking, thinking_effort}`. Thinking is on unless one of them
+// turns it off; the effort defaults to max (K3's default) when thinking; spellings that disagree are a 400.
+// With keep / preserve_thinking false, earlier assistant turns lose their reasoning_content.
 struct ChatRequest {
   nlohmann::ordered_json body;
   GenerationRequest gen;
   bool thinking = true;
+  std::string effort;  // the effort rendered ("" when not thinking)
   // Constrained decoding (serve/turn_constraint.h): on for a JSON response_format (its schema here;
   // json_object: any object), for tool_choice "none" (no tools block; free text when no schema) and
   // for a forced call.
@@ -65,10 +73,13 @@ struct CompletionRequest {
   GenerationRequest gen;
 };
 
-// The server's side of validation: the model id requests may name, and the default for max_tokens.
+// The server's side of validation: the model id requests may name, the default for max_tokens, and K3's
+// fixed sampling (`k3 serve --k3-sampling`): temperature 1.0 when thinking and 0.6 when not, top_p 0.95,
+// penalties 0 and n 1 are what every request samples with; a request naming another value gets a 400.
 struct ApiLimits {
   std::string model_id;
   int64_t default_max_tokens = 512;
+  bool k3_sampling = false;
 };
 
 // Parse and validate a body; throw ApiError (400 for bad fields, 404 for another model's name).

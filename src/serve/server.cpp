@@ -54,7 +54,7 @@ struct Server::Impl {
     return trie_.get();
   }
 
-  ApiLimits limits() const { return ApiLimits{o.model_id, o.default_max_tokens}; }
+  ApiLimits limits() const { return ApiLimits{o.model_id, o.default_max_tokens, o.k3_sampling}; }
 
   std::string new_id(const char* prefix) {
     char buf[48];
@@ -287,7 +287,9 @@ struct Server::Impl {
                }
                sse(sink, chunk(ojson{{"tool_calls", calls}}, nullptr));
              }
-             sse(sink, chunk(ojson::object(), out.finish_reason));
+             ojson last = chunk(ojson::object(), out.finish_reason);
+             last["usage"] = out.usage.to_json();  // the finish chunk carries the usage too (Moonshot's API)
+             sse(sink, last);
              end_stream(sink, id, "chat.completion.chunk", r->gen.include_usage, out.usage);
              return true;
            });
@@ -330,6 +332,7 @@ struct Server::Impl {
              if (!open) return false;
              ojson c = envelope(id, "text_completion");
              c["choices"] = choice("", out.finish_reason);
+             c["usage"] = out.usage.to_json();
              sse(sink, c);
              end_stream(sink, id, "text_completion", r->gen.include_usage, out.usage);
              return true;

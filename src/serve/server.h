@@ -36,6 +36,7 @@ struct ServeOptions {
   size_t cache_budget = 0;           // bytes of sequence state (at full length) admitted at once; 0: no limit
   int64_t prefill_chunk = 512;       // prompt tokens of one request per forward (and the prefix cache's block)
   size_t prefix_cache_bytes = size_t(1) << 30;  // prompt-chunk snapshots kept for later prompts; 0: none
+  bool k3_sampling = false;                     // K3's fixed sampling for every request (serve/openai_api.h, ApiLimits)
   int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)
   // From a request's arrival: a request still waiting for the engine then gets 503, one generating
   // stops at its next token (finish_reason "length"). 0: no limit.

@@ -59,6 +59,7 @@ struct RequestResult {
   bool ok = false;
   double ttft = 0.0, total = 0.0;
   int64_t tokens = 0;
+  std::string why;  // a failure's status, error event or cut
 };
 
 // One streamed completion: time to its first text chunk, its tokens (the usage chunk), [DONE] seen.
@@ -85,6 +86,7 @@ RequestResult one_request(int port, const json& body) {
       }
       const json j = json::parse(ev.substr(6), nullptr, false);
       if (j.is_discarded()) continue;
+      if (j.contains("error")) r.why = "error event: " + j["error"].value("message", j["error"].dump());
       if (r.ttft == 0.0 && j.contains("choices") && !j["choices"].empty() && j["choices"][0].value("text", "") != "")
         r.ttft = std::chrono::duration<double>(Clock::now() - t0).count();
       if (j.contains("usage") && j["usage"].is_object()) r.tokens = j["usage"].value("completion_tokens", int64_t(0));
@@ -94,6 +96,11 @@ RequestResult one_request(int port, const json& body) {
   auto res = c.send(req);
   r.total = std::chrono::duration<double>(Clock::now() - t0).count();
   r.ok = res && res->status == 200 && done && r.tokens > 0;
+  if (!r.ok && r.why.empty())
+    r.why = !res                 ? "no response (" + httplib::to_string(res.error()) + ")"
+            : res->status != 200 ? "HTTP " + std::to_string(res->status) + ": " + res->body.substr(0, 200)
+            : !done              ? "no [DONE]"
+                                 : "no tokens";
   return r;
 }
 
@@ -228,12 +235,15 @@ int main(int argc, char** argv) {
       ++seed;
       const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
       int64_t failed = 0, tokens = 0;
+      std::vector<std::string> reasons;  // the distinct failures, first three
       std::vector<double> ttft;
       double tpot_sum = 0.0;
       int64_t tpot_n = 0;
       for (const RequestResult& r : results) {
         if (!r.ok) {
           ++failed;
+          if (reasons.size() < 3 && std::find(reasons.begin(), reasons.end(), r.why) == reasons.end())
+            reasons.push_back(r.why);
           continue;
         }
         tokens += r.tokens;
@@ -246,6 +256,7 @@ int main(int argc, char** argv) {
                   (long long)failed, (long long)tokens, double(tokens) / wall, percentile(ttft, 0.5),
                   percentile(ttft, 0.95), tpot_n ? 1e3 * tpot_sum / double(tpot_n) : 0.0,
                   steps > 0 ? seqs / steps : 0.0, rss0, rss_mib());
+      for (const std::string& w : reasons) std::printf("        failed: %s\n", w.c_str());
     }
     server.stop();
     listener.join();

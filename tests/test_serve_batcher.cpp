@@ -185,27 +185,25 @@ TEST(ServeBatcher, AdmissionHoldsTheBatchAndTheBudget) {
   } catch (const k3::Error& e) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(101 * per_token)), std::string::npos) << e.what();
   }
-  // Full budget: a waiter is admitted once a slot is released, before a later one.
-  std::atomic<int> order{0}, first{0}, second{0};
-  std::thread w1([&] {
-    auto s = b.acquire(50, Clock::now() + std::chrono::seconds(10));
-    first = s ? ++order : -1;
-  });
+  // First come, first served: with 60 of 100 held, w1 (50 tokens) waits for room, and w2 (10), which would fit,
+  // waits behind it; once the 60 are released both are admitted.
+  std::unique_ptr<sv::Batcher::Slot> h1, h2;
+  std::thread w1([&] { h1 = b.acquire(50, Clock::now() + std::chrono::seconds(10)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  std::thread w2([&] {
-    auto s = b.acquire(10, Clock::now() + std::chrono::seconds(10));
-    second = s ? ++order : -1;
-  });
+  std::thread w2([&] { h2 = b.acquire(10, Clock::now() + std::chrono::seconds(10)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  EXPECT_EQ(b.stats().admitting, 2);
-  EXPECT_EQ(order.load(), 0) << "10 tokens would fit the budget, but w1 came first";
+  c.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(b.stats().admitting, 2) << "10 tokens would fit the budget, but w1 came first";
+  EXPECT_EQ(b.stats().slots, 1);
   a.reset();
   w1.join();
   w2.join();
-  EXPECT_EQ(first.load(), 1);
-  EXPECT_EQ(second.load(), 2);
+  EXPECT_TRUE(h1 && h2);
+  EXPECT_EQ(b.stats().reserved_bytes, 60 * per_token);
+  h1.reset();
+  h2.reset();
   // max_batch: three slots held, a fourth waits.
-  c.reset();
   auto s1 = b.acquire(1, soon()), s2 = b.acquire(1, soon()), s3 = b.acquire(1, soon());
   ASSERT_TRUE(s1 && s2 && s3);
   EXPECT_FALSE(b.acquire(1, soon()));

@@ -1,6 +1,9 @@
 #include "serve/server.h"
 
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cmath>
@@ -418,6 +421,29 @@ struct Server::Impl {
   }
 };
 
+namespace {
+
+// cpp-httplib (Debian's 0.11, a compiled library) listens with a backlog of 5: a burst of new connections
+// overflows the accept queue and clients see resets (64 to 256 streams did). listen() again on the same socket
+// only changes its backlog; the socket is the one listening on `port`.
+void widen_listen_backlog(int port) {
+  for (int fd = 0; fd < 65536; ++fd) {
+    int accepting = 0;
+    socklen_t len = sizeof accepting;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len) != 0) continue;
+    if (!accepting) continue;
+    sockaddr_storage addr{};
+    socklen_t alen = sizeof addr;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) continue;
+    int p = -1;
+    if (addr.ss_family == AF_INET) p = ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port);
+    if (addr.ss_family == AF_INET6) p = ntohs(reinterpret_cast<const sockaddr_in6*>(&addr)->sin6_port);
+    if (p == port) ::listen(fd, SOMAXCONN);
+  }
+}
+
+}  // namespace
+
 Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
     : impl_(std::make_unique<Impl>(std::move(engine), std::move(tok), std::move(o))) {
   K3_CHECK(impl_->engine, "serve: no engine");
@@ -443,6 +469,7 @@ int Server::bind() {
   else s.port = s.http.bind_to_port(s.o.host, s.o.port) ? s.o.port : -1;
   K3_CHECK(s.port > 0, "serve: cannot listen on ", s.o.host, ":", s.o.port,
            " (address in use, or not an address of this machine)");
+  widen_listen_backlog(s.port);
   return s.port;
 }
 

@@ -57,6 +57,7 @@
 #include "tokenizer/xtml_parse.h"
 #include "util/compare.h"
 #include "util/scripted_engine.h"
+#include "util/serve_test.h"
 #include "util/temp_dir.h"
 
 namespace {
@@ -64,42 +65,8 @@ namespace {
 using json = nlohmann::ordered_json;
 namespace sv = k3::serve;
 
-// The first 768 o200k ranks as a tokenizer directory.
-std::string write_tokenizer(const k3test::TempDir& dir) {
-  std::filesystem::create_directories(dir.path() / "tok");
-  std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
-  std::ofstream out(dir.file("tok/tiktoken.model"));
-  std::string line;
-  for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  return dir.file("tok");
-}
-
-// A server on an ephemeral port, listening on its own thread.
-struct Running {
-  std::unique_ptr<sv::Server> server;
-  std::thread thread;
-  int port = 0;
-  Running(const std::string& tok_dir, sv::ServeOptions o)
-      : Running(k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{}), tok_dir, std::move(o)) {}
-  Running(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, sv::ServeOptions o) {
-    o.host = "127.0.0.1";
-    o.port = 0;
-    server = std::make_unique<sv::Server>(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o);
-    port = server->bind();
-    thread = std::thread([this] { server->listen(); });
-    httplib::Client c("127.0.0.1", port);
-    for (int i = 0; i < 200 && !c.Get("/health"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ~Running() {
-    server->stop();
-    thread.join();
-  }
-  httplib::Client client() const {
-    httplib::Client c("127.0.0.1", port);
-    c.set_read_timeout(120, 0);
-    return c;
-  }
-};
+using Running = k3test::ServeOnLoopback;
+std::string write_tokenizer(const k3test::TempDir& dir) { return k3test::write_tiny_tokenizer(dir); }
 
 class Serve : public ::testing::Test {
  protected:

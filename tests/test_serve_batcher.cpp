@@ -39,6 +39,7 @@
 #include "util/compare.h"
 #include "util/cuda_test.h"
 #include "util/scripted_engine.h"
+#include "util/serve_test.h"
 #include "util/temp_dir.h"
 
 namespace {
@@ -74,37 +75,8 @@ std::vector<int32_t> prompt_of(int len, int seed, int vocab) {
   return p;
 }
 
-// The first 768 o200k ranks as a tokenizer directory (+256 specials = the fixture's 1,024 ids).
-std::string write_tokenizer(const k3test::TempDir& dir) {
-  std::filesystem::create_directories(dir.path() / "tok");
-  std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
-  std::ofstream out(dir.file("tok/tiktoken.model"));
-  std::string line;
-  for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  return dir.file("tok");
-}
-
-// A server on an ephemeral port, listening on its own thread until destroyed.
-struct Listening {
-  sv::Server server;
-  int port;
-  std::thread thread;
-  Listening(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, const sv::ServeOptions& o)
-      : server(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o), port(server.bind()) {
-    thread = std::thread([this] { server.listen(); });
-    for (int i = 0; i < 200 && !client().Get("/health"); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ~Listening() {
-    server.stop();
-    thread.join();
-  }
-  httplib::Client client() const {
-    httplib::Client c("127.0.0.1", port);
-    c.set_read_timeout(300, 0);
-    return c;
-  }
-};
+using Listening = k3test::ServeOnLoopback;
+std::string write_tokenizer(const k3test::TempDir& dir) { return k3test::write_tiny_tokenizer(dir); }
 
 // An engine that fails every forward holding a given first token; otherwise the scripted engine's.
 class FailingEngine : public k3test::ScriptedEngine {

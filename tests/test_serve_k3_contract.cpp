@@ -29,6 +29,7 @@
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
 #include "util/compare.h"
+#include "util/serve_test.h"
 #include "util/temp_dir.h"
 
 namespace {
@@ -172,24 +173,10 @@ TEST(ServeK3Contract, K3SamplingIsFixed) {
 // stream_options.include_usage.
 TEST(ServeK3Contract, TheLastStreamedChunkCarriesUsage) {
   k3test::TempDir dir("serve-k3-contract");
-  std::filesystem::create_directories(dir.path() / "tok");
-  {
-    std::ifstream in(k3test::fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tok/tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  }
   sv::ServeOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
   o.model_id = "k3-tiny";
-  sv::Server server(k3::Engine::load(k3test::fixture("k3-tiny-a"), k3::EngineOptions{}),
-                    k3::Tokenizer::load_dir(dir.file("tok")), o);
-  const int port = server.bind();
-  std::thread listener([&] { server.listen(); });
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  for (int i = 0; i < 200 && !c.Get("/health"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  k3test::ServeOnLoopback server(k3test::write_tiny_tokenizer(dir), o);
+  httplib::Client c = server.client();
   const json body = {{"messages", kUser}, {"max_tokens", 6}, {"temperature", 0}, {"reasoning_effort", "low"}};
   auto plain = c.Post("/v1/chat/completions", body.dump(), "application/json");
   ASSERT_TRUE(plain);
@@ -210,8 +197,6 @@ TEST(ServeK3Contract, TheLastStreamedChunkCarriesUsage) {
   ASSERT_TRUE(last_choice_chunk.is_object()) << s->body;
   EXPECT_FALSE(last_choice_chunk["choices"][0]["finish_reason"].is_null());
   EXPECT_EQ(last_choice_chunk["usage"], want) << s->body;
-  server.stop();
-  listener.join();
 }
 
 #else

@@ -196,7 +196,8 @@ TEST(ServeK3Contract, TheLastStreamedChunkCarriesUsage) {
   }
   ASSERT_TRUE(last_choice_chunk.is_object()) << s->body;
   EXPECT_FALSE(last_choice_chunk["choices"][0]["finish_reason"].is_null());
-  EXPECT_EQ(last_choice_chunk["usage"], want) << s->body;
+  for (const char* k : {"prompt_tokens", "completion_tokens", "total_tokens"})
+    EXPECT_EQ(last_choice_chunk["usage"][k], want[k]) << s->body;
 }
 
 #else

@@ -24,6 +24,7 @@ struct Batcher::SlotState {
   bool looked_up = false;               // its prompt was looked up in the prefix cache
   PrefixCache::Node* node = nullptr;    // the cached block its prompt's prefix ends with (pinned), if any
   int64_t cached = 0;                   // tokens that prefix covers
+  int64_t restored = 0;                 // prompt tokens the cache supplied
   std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
   Job* job = nullptr;                   // the append in flight
   std::string broken;                   // why appends are refused (an engine error on this sequence)
@@ -98,6 +99,11 @@ void Batcher::skip_abandoned() {
 
 Batcher::Slot::~Slot() { b_->release(s_); }
 
+int64_t Batcher::Slot::cached_tokens() const {
+  std::lock_guard<std::mutex> lock(b_->mu_);
+  return s_->restored;
+}
+
 void Batcher::release(SlotState* s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -169,7 +175,7 @@ void Batcher::loop() {
         if (!s->restore.empty()) {
           s->node = s->restore.back();
           PrefixCache::pin(s->node);
-          s->cached = s->length = int64_t(s->restore.size()) * o_.prefill_chunk;
+          s->restored = s->cached = s->length = int64_t(s->restore.size()) * o_.prefill_chunk;
           s->job->consumed = size_t(s->length);
         }
       }

@@ -76,6 +76,8 @@ class Batcher {
     AppendFn fn() {
       return [this](const std::vector<int32_t>& t) { return append(t); };
     }
+    // Prompt tokens the prefix cache supplied (0 until the first append has run, or without a hit).
+    int64_t cached_tokens() const;
 
    private:
     friend class Batcher;

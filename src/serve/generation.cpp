@@ -18,7 +18,8 @@ using Clock = std::chrono::steady_clock;
 ojson Usage::to_json() const {
   return ojson{{"prompt_tokens", prompt_tokens},
                {"completion_tokens", completion_tokens},
-               {"total_tokens", prompt_tokens + completion_tokens}};
+               {"total_tokens", prompt_tokens + completion_tokens},
+               {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
 }
 
 namespace {

@@ -18,7 +18,9 @@ namespace k3::serve {
 
 struct Usage {
   int64_t prompt_tokens = 0, completion_tokens = 0;
-  nlohmann::ordered_json to_json() const;  // {"prompt_tokens", "completion_tokens", "total_tokens"}
+  int64_t cached_tokens = 0;  // prompt tokens the prefix cache supplied (set by the server)
+  // {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details": {"cached_tokens"}}
+  nlohmann::ordered_json to_json() const;
 };
 
 struct Timing {

@@ -114,7 +114,14 @@ struct Server::Impl {
     return true;
   }
 
-  // Runs f(append) on a slot of the batcher for a sequence of up to `tokens` tokens, once one is free (a 503
+  // A request's run on a slot: its append, and what the prefix cache supplied.
+  struct SlotRun {
+    AppendFn append;
+    const Batcher::Slot* slot;
+    int64_t cached_tokens() const { return slot->cached_tokens(); }
+  };
+
+  // Runs f(SlotRun) on a slot of the batcher for a sequence of up to `tokens` tokens, once one is free (a 503
   // when the request's deadline passes first); releases the queue place when leave (a streaming response
   // releases it in its resource releaser instead, which runs even when the provider never does).
   template <class F>
@@ -138,7 +145,7 @@ struct Server::Impl {
       Impl* s;
       ~Done() { s->running.fetch_sub(1); }
     } done{this};
-    return f(slot->fn());
+    return f(SlotRun{slot->fn(), slot.get()});
   }
 
   // OpenAI's choices[].logprobs of a chat response or chunk.
@@ -205,7 +212,7 @@ struct Server::Impl {
 
   // A JSON response made on a slot of the batcher; an engine error becomes a 500.
   void respond(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
-               const std::function<ojson(const AppendFn&)>& make) {
+               const std::function<ojson(const SlotRun&)>& make) {
     try {
       res.set_content(dump(with_slot(g, tokens, make)), "application/json");
     } catch (const ApiError& e) {
@@ -220,13 +227,13 @@ struct Server::Impl {
   // client went away); an engine error becomes an error event. The queue place is released when the
   // response ends, also when the provider never runs.
   void stream(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
-              std::function<bool(httplib::DataSink&, const AppendFn&)> produce) {
+              std::function<bool(httplib::DataSink&, const SlotRun&)> produce) {
     res.set_chunked_content_provider(
         "text/event-stream",
         [this, produce, g, tokens](size_t, httplib::DataSink& sink) {
           try {
             return with_slot(
-                g, tokens, [&](const AppendFn& append) { return produce(sink, append); }, false);
+                g, tokens, [&](const SlotRun& run) { return produce(sink, run); }, false);
           } catch (const ApiError& e) {
             sse(sink, e.body());
             sse_done(sink);
@@ -248,8 +255,9 @@ struct Server::Impl {
     const std::string id = new_id("chatcmpl");
     const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
-      return respond(res, r->gen, full_length(*prompt), [&](const AppendFn& append) {
-        const ChatResult out = run_chat(cfg, append, tok, *r, *prompt, {}, trie_for(*r));
+      return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
+        ChatResult out = run_chat(cfg, run.append, tok, *r, *prompt, {}, trie_for(*r));
+        out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
         const ojson lp = r->gen.top_logprobs >= 0 ? chat_lp(out.logprobs) : ojson(nullptr);
@@ -260,7 +268,7 @@ struct Server::Impl {
       });
     }
     stream(res, r->gen, full_length(*prompt),
-           [this, &cfg, r, prompt, id, arrived](httplib::DataSink& sink, const AppendFn& append) {
+           [this, &cfg, r, prompt, id, arrived](httplib::DataSink& sink, const SlotRun& run) {
              auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
                ojson c = envelope(id, "chat.completion.chunk");
                const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
@@ -269,8 +277,8 @@ struct Server::Impl {
                return c;
              };
              bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
-             const ChatResult out = run_chat(
-                 cfg, append, tok, *r, *prompt,
+             ChatResult out = run_chat(
+                 cfg, run.append, tok, *r, *prompt,
                  [&](const ChatDelta& d) {
                    ojson delta = ojson::object();
                    if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
@@ -279,6 +287,7 @@ struct Server::Impl {
                    return open;
                  },
                  trie_for(*r));
+             out.usage.cached_tokens = run.cached_tokens();
              record(out.usage, out.timing, arrived, out.timed_out);
              if (!open) return false;
              if (out.message.contains("tool_calls")) {  // the calls in one delta, each with its index
@@ -309,8 +318,9 @@ struct Server::Impl {
     };
     const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
-      return respond(res, r->gen, full_length(*prompt), [&](const AppendFn& append) {
-        const TextResult out = run_completion(cfg, append, tok, *r, *prompt);
+      return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
+        TextResult out = run_completion(cfg, run.append, tok, *r, *prompt);
+        out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "text_completion");
         int64_t offset = 0;
@@ -321,16 +331,17 @@ struct Server::Impl {
       });
     }
     stream(res, r->gen, full_length(*prompt),
-           [this, &cfg, r, prompt, id, arrived, choice](httplib::DataSink& sink, const AppendFn& append) {
+           [this, &cfg, r, prompt, id, arrived, choice](httplib::DataSink& sink, const SlotRun& run) {
              bool open = true;
              int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
-             const TextResult out = run_completion(cfg, append, tok, *r, *prompt, [&](const TextDelta& d) {
+             TextResult out = run_completion(cfg, run.append, tok, *r, *prompt, [&](const TextDelta& d) {
                ojson c = envelope(id, "text_completion");
                const ojson lp = d.logprobs.empty() ? ojson(nullptr) : completion_logprobs(tok, d.logprobs, offset);
                c["choices"] = choice(d.text, nullptr, lp);
                open = open && sse(sink, c);
                return open;
              });
+             out.usage.cached_tokens = run.cached_tokens();
              record(out.usage, out.timing, arrived, out.timed_out);
              if (!open) return false;
              ojson c = envelope(id, "text_completion");

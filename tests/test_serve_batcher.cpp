@@ -204,6 +204,26 @@ TEST(ServeBatcher, AnEngineErrorFailsItsStepOnly) {
   EXPECT_EQ(std::max_element(l.begin(), l.end()) - l.begin(), cfg.eos_token_id) << "the script is empty: eos";
 }
 
+// A snapshot that fails (say, out of device memory for the prefix cache) costs the cache, not the request.
+TEST(ServeBatcher, AFailedSnapshotDropsOnlyTheCacheEntry) {
+  const k3::K3Config cfg = tiny_engine()->config();
+  struct NoSnapshots : k3test::ScriptedEngine {
+    using ScriptedEngine::ScriptedEngine;
+    std::unique_ptr<k3::SequenceSnapshot> snapshot(k3::EngineSequence&, int64_t) override {
+      k3::fail("no memory for a snapshot (a test's failure)");
+    }
+  } engine(cfg, {5, 6, 7});
+  sv::BatcherOptions o;
+  o.prefill_chunk = 4;
+  o.prefix_cache_bytes = size_t(1) << 20;
+  sv::Batcher b(engine, o);
+  auto slot = b.acquire(16, Clock::time_point::max());
+  const std::vector<float> l = slot->append({1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  EXPECT_EQ(std::max_element(l.begin(), l.end()) - l.begin(), 7) << "the third forward's scripted token";
+  EXPECT_NO_THROW(slot->append({7}));
+  EXPECT_EQ(b.stats().prefix.blocks, 0);
+}
+
 TEST(ServeBatcher, StopFailsWhatWaits) {
   const k3::K3Config cfg = tiny_engine()->config();
   k3test::ScriptedEngine engine(cfg, {});

@@ -69,7 +69,8 @@ class Engine {
   std::string description() const;          // "cpu (f32)", "cuda (bf16)"
   virtual size_t weight_bytes() const = 0;  // bytes the weights take on the device (mapped bytes on the CPU)
   // Memory one sequence's state takes on the device once it holds `tokens` tokens (KDA conv tails and state, MLA
-  // rows; EngineSequence::bytes() at that length): what a server admits against its cache budget.
+  // rows exactly filled): what a server admits against its cache budget. The GPU grows a sequence's MLA rows
+  // geometrically, so its EngineSequence::bytes() can be up to twice the rows' share.
   virtual size_t sequence_bytes(int64_t tokens) const = 0;
 
   // B sequences made together: a forward over all of them, in order and with equal token counts,

@@ -22,6 +22,7 @@ struct Batcher::SlotState {
   size_t reserved = 0;                  // bytes of the admission budget held
   bool prompt_done = false;             // the first append (the prompt) has been run
   bool looked_up = false;               // its prompt was looked up in the prefix cache
+  bool started = false;                 // it has made its first append (counted in started_)
   PrefixCache::Node* node = nullptr;    // the cached block its prompt's prefix ends with (pinned), if any
   int64_t cached = 0;                   // tokens that prefix covers
   int64_t restored = 0;                 // prompt tokens the cache supplied
@@ -110,6 +111,7 @@ void Batcher::release(SlotState* s) {
     auto it = std::find_if(slots_.begin(), slots_.end(), [&](const auto& p) { return p.get() == s; });
     if (it == slots_.end()) return;
     reserved_ -= s->reserved;
+    started_ -= s->started;
     PrefixCache::unpin(s->node);
     if (s->seq) to_free_.push_back(std::move(s->seq));
     slots_.erase(it);
@@ -127,6 +129,7 @@ std::vector<float> Batcher::Slot::append(const std::vector<int32_t>& tokens) {
   if (!s_->broken.empty()) fail(s_->broken);
   if (b.stop_) fail("serve: the server is stopping");
   s_->job = &job;
+  if (!s_->started) s_->started = true, ++b.started_;
   if (b.waiting_.empty()) b.first_wait_ = Clock::now();
   b.waiting_.push_back(s_);
   b.work_cv_.notify_all();
@@ -156,100 +159,133 @@ void Batcher::loop() {
     }
     // Gather: wait (a short while) for the slots that are still sampling their next token.
     work_cv_.wait_until(lock, first_wait_ + o_.gather,
-                        [&] { return stop_ || waiting_.size() >= slots_.size() || !to_free_.empty(); });
+                        [&] { return stop_ || int64_t(waiting_.size()) >= started_ || !to_free_.empty(); });
     if (stop_ || !to_free_.empty()) continue;
+    try {
+      step(lock);
+    } catch (const std::exception& e) {  // (allocation failures outside the engine): fail what waits, go on
+      if (!lock.owns_lock()) lock.lock();
+      for (SlotState* s : waiting_)
+        s->job->error = s->broken = std::string("serve: ") + e.what(), s->job->finished = true;
+      waiting_.clear();
+      done_cv_.notify_all();
+    }
+  }
+}
 
-    // The step: every waiting decode, then prompt chunks in arrival order.
-    std::vector<SlotState*> step;
-    std::vector<size_t> take;
-    int64_t tokens = 0;
-    auto left_of = [](const SlotState* s) { return s->job->tokens->size() - s->job->consumed; };
-    for (SlotState* s : waiting_)
-      if (left_of(s) == 1) step.push_back(s), take.push_back(1), ++tokens;
-    bool first_prompt = true;
-    for (SlotState* s : waiting_) {
-      if (left_of(s) == 1) continue;
-      if (cache_ && !s->looked_up && !s->prompt_done) {  // a new prompt: resume from its longest cached prefix
-        s->looked_up = true;
-        s->restore = cache_->match(*s->job->tokens);
+void Batcher::step(std::unique_lock<std::mutex>& lock) {
+  // The step: every waiting decode, then prompt chunks in arrival order.
+  std::vector<SlotState*> step;
+  std::vector<size_t> take;
+  int64_t tokens = 0;
+  auto left_of = [](const SlotState* s) { return s->job->tokens->size() - s->job->consumed; };
+  for (SlotState* s : waiting_)
+    if (left_of(s) == 1) step.push_back(s), take.push_back(1), ++tokens;
+  bool first_prompt = true;
+  for (SlotState* s : waiting_) {
+    if (left_of(s) == 1) continue;
+    if (cache_ && !s->looked_up && !s->prompt_done) {  // a new prompt: resume from its longest cached prefix
+      s->looked_up = true;
+      s->restore = cache_->match(*s->job->tokens);
+      if (!s->restore.empty()) {
+        s->node = s->restore.back();
+        PrefixCache::pin(s->node);
+        s->restored = s->cached = s->length = int64_t(s->restore.size()) * o_.prefill_chunk;
+        s->job->consumed = size_t(s->length);
+      }
+    }
+    const size_t left = left_of(s);
+    // Chunks end at multiples of prefill_chunk in the sequence: where a prompt's forwards begin and end
+    // depends on the prompt alone, never on what shares the step (a chunk that does not fit waits).
+    const int64_t pos = s->length;
+    const size_t n = std::min(left, size_t(o_.prefill_chunk - pos % o_.prefill_chunk));
+    if (!first_prompt && tokens + int64_t(n) > o_.step_tokens) continue;
+    first_prompt = false;
+    step.push_back(s), take.push_back(n), tokens += int64_t(n);
+  }
+  std::vector<std::vector<int32_t>> rows;
+  for (size_t i = 0; i < step.size(); ++i) {
+    const Job& j = *step[i]->job;
+    rows.emplace_back(j.tokens->begin() + std::ptrdiff_t(j.consumed),
+                      j.tokens->begin() + std::ptrdiff_t(j.consumed + take[i]));
+  }
+  lock.unlock();
+  // A slot's sequence is made here, at its first step, from the cache's chain; one that cannot be made fails
+  // that slot alone. The forward runs over the others; a failure there fails them all (their state is
+  // undefined). A snapshot that fails is dropped, and that prompt is cached no further.
+  std::vector<std::string> failed(step.size());
+  std::vector<EngineSequence*> seqs;
+  std::vector<std::vector<int32_t>> ok_rows;
+  std::vector<int64_t> row_of(step.size(), -1);
+  for (size_t i = 0; i < step.size(); ++i) {
+    SlotState* s = step[i];
+    try {
+      if (!s->seq) {
+        s->seq = std::move(engine_.new_sequences(1).front());
         if (!s->restore.empty()) {
-          s->node = s->restore.back();
-          PrefixCache::pin(s->node);
-          s->restored = s->cached = s->length = int64_t(s->restore.size()) * o_.prefill_chunk;
-          s->job->consumed = size_t(s->length);
+          std::vector<const SequenceSnapshot*> chain;
+          for (const PrefixCache::Node* n : s->restore) chain.push_back(n->snap.get());
+          engine_.restore(*s->seq, chain);
+          s->restore.clear();
         }
       }
-      const size_t left = left_of(s);
-      // Chunks end at multiples of prefill_chunk in the sequence: where a prompt's forwards begin and end
-      // depends on the prompt alone, never on what shares the step (a chunk that does not fit waits).
-      const int64_t pos = s->length;
-      const size_t n = std::min(left, size_t(o_.prefill_chunk - pos % o_.prefill_chunk));
-      if (!first_prompt && tokens + int64_t(n) > o_.step_tokens) continue;
-      first_prompt = false;
-      step.push_back(s), take.push_back(n), tokens += int64_t(n);
-    }
-    std::vector<EngineSequence*> seqs;
-    std::vector<std::vector<int32_t>> rows;
-    for (size_t i = 0; i < step.size(); ++i) {
-      const Job& j = *step[i]->job;
-      rows.emplace_back(j.tokens->begin() + std::ptrdiff_t(j.consumed),
-                        j.tokens->begin() + std::ptrdiff_t(j.consumed + take[i]));
-    }
-    lock.unlock();
-    std::vector<float> logits;
-    std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
-    std::string error;
-    try {
-      for (SlotState* s : step) {  // a slot's sequence is made here, at its first step, from the cache's chain
-        if (s->seq) continue;
-        s->seq = std::move(engine_.new_sequences(1).front());
-        if (s->restore.empty()) continue;
-        std::vector<const SequenceSnapshot*> chain;
-        for (const PrefixCache::Node* n : s->restore) chain.push_back(n->snap.get());
-        engine_.restore(*s->seq, chain);
-        s->restore.clear();
-      }
-      for (SlotState* s : step) seqs.push_back(s->seq.get());
-      logits = engine_.forward(seqs, rows, false);
-      // A prompt's whole chunk that continues its cached prefix joins the cache.
-      for (size_t i = 0; i < step.size() && cache_; ++i) {
-        const SlotState* s = step[i];
-        if (!s->prompt_done && int64_t(take[i]) == o_.prefill_chunk && s->cached == s->length)
-          snaps[i] = engine_.snapshot(*s->seq, s->length);
-      }
+      row_of[i] = int64_t(seqs.size());
+      seqs.push_back(s->seq.get());
+      ok_rows.push_back(std::move(rows[i]));
     } catch (const std::exception& e) {
-      error = std::string("the engine failed: ") + e.what();
+      failed[i] = std::string("the engine failed: ") + e.what();
     }
-    lock.lock();
-    ++steps_;
-    step_sequences_ += int64_t(step.size());
-    step_tokens_total_ += tokens;
-    const size_t V = size_t(engine_.config().vocab_size);
-    for (size_t i = 0; i < step.size(); ++i) {
-      SlotState* s = step[i];
-      Job& j = *s->job;
-      if (snaps[i] && error.empty()) {
-        PrefixCache::Node* n = cache_->insert(s->node, j.tokens->data() + j.consumed, std::move(snaps[i]));
-        PrefixCache::unpin(s->node);
-        PrefixCache::pin(s->node = n);
-        s->cached += o_.prefill_chunk;
-      }
-      j.consumed += take[i];
-      s->length += int64_t(take[i]);
-      if (!error.empty()) {
-        j.error = s->broken = error;
-      } else if (j.consumed < j.tokens->size()) {
-        continue;  // more of its prompt next step
-      } else {
-        j.logits.assign(logits.begin() + std::ptrdiff_t(i * V), logits.begin() + std::ptrdiff_t((i + 1) * V));
-      }
-      j.finished = true;
-      s->prompt_done = true;
-      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
-    }
-    if (!waiting_.empty()) first_wait_ = Clock::now();
-    done_cv_.notify_all();
   }
+  std::vector<float> logits;
+  std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
+  std::vector<bool> uncached(step.size(), false);
+  std::string error;
+  try {
+    if (!seqs.empty()) logits = engine_.forward(seqs, ok_rows, false);
+  } catch (const std::exception& e) {
+    error = std::string("the engine failed: ") + e.what();
+  }
+  for (size_t i = 0; i < step.size() && cache_ && error.empty(); ++i) {  // whole chunks that continue the
+    const SlotState* s = step[i];                                        // cached prefix join the cache
+    if (row_of[i] < 0 || s->prompt_done || int64_t(take[i]) != o_.prefill_chunk || s->cached != s->length) continue;
+    try {
+      snaps[i] = engine_.snapshot(*s->seq, s->length);
+    } catch (const std::exception&) {
+      uncached[i] = true;
+    }
+  }
+  lock.lock();
+  ++steps_;
+  step_sequences_ += int64_t(seqs.size());
+  step_tokens_total_ += tokens;
+  const size_t V = size_t(engine_.config().vocab_size);
+  for (size_t i = 0; i < step.size(); ++i) {
+    SlotState* s = step[i];
+    Job& j = *s->job;
+    if (snaps[i]) {
+      PrefixCache::Node* n = cache_->insert(s->node, j.tokens->data() + j.consumed, std::move(snaps[i]));
+      PrefixCache::unpin(s->node);
+      PrefixCache::pin(s->node = n);
+      s->cached += o_.prefill_chunk;
+    }
+    if (uncached[i]) s->cached = -1;  // never equal to its length again
+    j.consumed += take[i];
+    s->length += int64_t(take[i]);
+    const std::string& why = !failed[i].empty() ? failed[i] : error;
+    if (!why.empty()) {
+      j.error = s->broken = why;
+    } else if (j.consumed < j.tokens->size()) {
+      continue;  // more of its prompt next step
+    } else {
+      const size_t r = size_t(row_of[i]);
+      j.logits.assign(logits.begin() + std::ptrdiff_t(r * V), logits.begin() + std::ptrdiff_t((r + 1) * V));
+    }
+    j.finished = true;
+    s->prompt_done = true;
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
+  }
+  if (!waiting_.empty()) first_wait_ = Clock::now();
+  done_cv_.notify_all();
 }
 
 Batcher::Stats Batcher::stats() const {

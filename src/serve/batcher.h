@@ -24,7 +24,9 @@
 // full chunk of a prompt is snapshotted into the cache after its step (serve/prefix_cache.h).
 //
 // The engine's sequences are made, run and freed only on the engine thread (the engine is not thread-safe).
-// An engine error fails every append of that step (k3::Error); those slots refuse further appends.
+// An engine error in a forward fails every append of that step (k3::Error); those slots refuse further
+// appends. A sequence that cannot be made or restored fails its own slot only, and a snapshot that fails is
+// dropped (the prompt is then cached no further).
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -105,6 +107,7 @@ class Batcher {
  private:
   struct Job;
   void loop();
+  void step(std::unique_lock<std::mutex>& lock);  // one forward over the waiting slots (called locked)
   void release(SlotState* s);
   void skip_abandoned();  // moves serving_ticket_ past tickets whose acquire gave up
 
@@ -119,6 +122,7 @@ class Batcher {
   uint64_t next_ticket_ = 0, serving_ticket_ = 0;  // admission order
   std::vector<uint64_t> abandoned_;                // tickets after serving_ticket_ that gave up
   int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0;
+  int64_t started_ = 0;  // held slots that have made their first append
   size_t reserved_ = 0;
   std::unique_ptr<PrefixCache> cache_;  // null: no prefix cache
   bool stop_ = false;

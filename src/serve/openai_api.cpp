@@ -268,7 +268,7 @@ void resolve_thinking(ChatRequest& r) {
   r.effort = r.thinking ? effort.value.value_or("max") : "";
   if (!keep.value.value_or(true))
     for (ojson& m : b["messages"])
-      if (m.is_object() && m.value("role", "") == "assistant") m.erase("reasoning_content");
+      if (m.is_object() && m.contains("role") && m["role"] == "assistant") m.erase("reasoning_content");
   for (const char* k : {"thinking", "chat_template_kwargs", "reasoning_effort", "thinking_effort"}) b.erase(k);
   b["thinking"] = r.thinking;
   if (r.thinking) b["thinking_effort"] = r.effort;

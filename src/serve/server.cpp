@@ -133,7 +133,8 @@ struct Server::Impl {
         if (on) s->queued.fetch_sub(1);
       }
     } leave_queue{this, leave};
-    const std::unique_ptr<Batcher::Slot> slot = batcher->acquire(tokens, g.deadline);
+    std::unique_ptr<Batcher::Slot> slot = batcher->acquire(tokens, g.deadline);
+    if (slot && Clock::now() > g.deadline) slot.reset();  // admitted only after its deadline: nothing runs
     if (!slot) {
       record_failure(true);
       throw ApiError(503, "server_error", "",
@@ -254,9 +255,16 @@ struct Server::Impl {
     if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat, arrived)) return;
     const std::string id = new_id("chatcmpl");
     const K3Config& cfg = engine->config();
+    const TokenTrie* trie = nullptr;  // built (once) before taking a slot: the others need not wait on it
+    try {
+      trie = trie_for(*r);
+    } catch (...) {
+      queued.fetch_sub(1);  // the queue place accept() took
+      throw;
+    }
     if (!r->gen.stream) {
       return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
-        ChatResult out = run_chat(cfg, run.append, tok, *r, *prompt, {}, trie_for(*r));
+        ChatResult out = run_chat(cfg, run.append, tok, *r, *prompt, {}, trie);
         out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
@@ -268,7 +276,7 @@ struct Server::Impl {
       });
     }
     stream(res, r->gen, full_length(*prompt),
-           [this, &cfg, r, prompt, id, arrived](httplib::DataSink& sink, const SlotRun& run) {
+           [this, &cfg, r, prompt, id, arrived, trie](httplib::DataSink& sink, const SlotRun& run) {
              auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
                ojson c = envelope(id, "chat.completion.chunk");
                const ojson lp = lps.empty() ? ojson(nullptr) : chat_lp(lps);
@@ -286,7 +294,7 @@ struct Server::Impl {
                    open = open && sse(sink, chunk(delta, nullptr, d.logprobs));
                    return open;
                  },
-                 trie_for(*r));
+                 trie);
              out.usage.cached_tokens = run.cached_tokens();
              record(out.usage, out.timing, arrived, out.timed_out);
              if (!open) return false;

@@ -66,16 +66,11 @@ void check_chain(const std::vector<const SequenceSnapshot*>& chain, int64_t leng
   }
 }
 
-// A CPU sequence's state: the KDA layers' tails and state, the MLA layers' rows [begin, end).
+// A CPU sequence's state as a SequenceCache holding the KDA layers' tails and state and the MLA layers' rows
+// [begin, end) only.
 struct CpuSnapshot : SequenceSnapshot {
-  std::vector<KdaLayerCache> kda;
-  std::vector<std::vector<float>> mla;
-  size_t bytes() const override {
-    size_t b = 0;
-    for (auto& k : kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size()) * 4 + k.state.size() * 8;
-    for (auto& m : mla) b += m.size() * 4;
-    return b;
-  }
+  SequenceCache state;
+  size_t bytes() const override { return state.bytes(); }
 };
 
 class CpuEngine : public Engine {
@@ -105,11 +100,13 @@ class CpuEngine : public Engine {
              "]");
     auto s = std::make_unique<CpuSnapshot>();
     s->begin = rows_from;
-    s->end = c.length;
-    s->kda = c.kda;
+    s->end = s->state.length = c.length;
+    s->state.kda = c.kda;
     const size_t row = size_t(m_->config().kv_lora_rank + m_->config().qk_rope_head_dim);
     for (const MlaLayerCache& m : c.mla)
-      s->mla.emplace_back(m.rows.begin() + std::ptrdiff_t(m.rows.empty() ? 0 : size_t(rows_from) * row), m.rows.end());
+      s->state.mla.push_back(MlaLayerCache{
+          std::vector<float>(m.rows.begin() + std::ptrdiff_t(m.rows.empty() ? 0 : size_t(rows_from) * row),
+                             m.rows.end())});
     return s;
   }
   void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
@@ -117,14 +114,14 @@ class CpuEngine : public Engine {
     check_chain(chain, c.length);
     for (const SequenceSnapshot* s : chain)
       K3_CHECK(dynamic_cast<const CpuSnapshot*>(s) != nullptr, "restore: a snapshot of another engine");
-    const auto& last = static_cast<const CpuSnapshot&>(*chain.back());
+    const SequenceCache& last = static_cast<const CpuSnapshot&>(*chain.back()).state;
     c.kda = last.kda;
     for (size_t l = 0; l < c.mla.size(); ++l)
       for (const SequenceSnapshot* s : chain) {
-        const auto& rows = static_cast<const CpuSnapshot&>(*s).mla[l];
+        const std::vector<float>& rows = static_cast<const CpuSnapshot&>(*s).state.mla[l].rows;
         c.mla[l].rows.insert(c.mla[l].rows.end(), rows.begin(), rows.end());
       }
-    c.length = last.end;
+    c.length = last.length;
   }
   void set_profile(bool on) override { m_->options().profile = on; }
   const BlockTimings& timings() const override { return m_->timings(); }

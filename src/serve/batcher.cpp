@@ -54,48 +54,38 @@ void Batcher::stop() {
   admit_cv_.notify_all();
 }
 
+bool Batcher::could_fit(int64_t tokens, size_t* need) const {
+  *need = engine_.sequence_bytes(std::max<int64_t>(tokens, 0));
+  return o_.cache_budget == 0 || *need <= o_.cache_budget;
+}
+
 std::unique_ptr<Batcher::Slot> Batcher::acquire(int64_t max_tokens, Clock::time_point deadline) {
-  const size_t need = engine_.sequence_bytes(std::max<int64_t>(max_tokens, 0));
-  if (o_.cache_budget > 0 && need > o_.cache_budget)
+  size_t need = 0;
+  if (!could_fit(max_tokens, &need))
     fail("a sequence of ", max_tokens, " tokens needs ", need, " bytes of cache, more than the server's budget of ",
          o_.cache_budget, " (--cache-budget)");
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
+  admission_.push_back(ticket);
   ++admitting_;
   auto admissible = [&] {
-    return stop_ || (ticket == serving_ticket_ && int64_t(slots_.size()) < o_.max_batch &&
+    return stop_ || (ticket == admission_.front() && int64_t(slots_.size()) < o_.max_batch &&
                      (o_.cache_budget == 0 || reserved_ + need <= o_.cache_budget));
   };
   bool ok = true;
   if (deadline == Clock::time_point::max()) admit_cv_.wait(lock, admissible);  // (no timeout: a wait_until that
   else ok = admit_cv_.wait_until(lock, deadline, admissible);                  // far ahead may overflow)
   --admitting_;
-  if (!ok || stop_) {
-    // Give up the place in line: later tickets may be admitted when this one was first.
-    if (ticket == serving_ticket_) ++serving_ticket_;
-    else abandoned_.push_back(ticket);
-    skip_abandoned();
-    admit_cv_.notify_all();
-    if (stop_) fail("serve: the server is stopping");
-    return nullptr;
-  }
-  ++serving_ticket_;
-  skip_abandoned();
+  admission_.erase(std::find(admission_.begin(), admission_.end(), ticket));  // admitted, or gave up its place
+  admit_cv_.notify_all();
+  if (stop_) fail("serve: the server is stopping");
+  if (!ok) return nullptr;
   auto s = std::make_unique<SlotState>();
   s->reserved = need;
   reserved_ += need;
   SlotState* raw = s.get();
   slots_.push_back(std::move(s));
-  admit_cv_.notify_all();
   return std::unique_ptr<Slot>(new Slot(this, raw));
-}
-
-void Batcher::skip_abandoned() {
-  for (bool again = true; again;) {
-    again = false;
-    auto it = std::find(abandoned_.begin(), abandoned_.end(), serving_ticket_);
-    if (it != abandoned_.end()) abandoned_.erase(it), ++serving_ticket_, again = true;
-  }
 }
 
 Batcher::Slot::~Slot() { b_->release(s_); }

@@ -92,6 +92,8 @@ class Batcher {
   // budget; nullptr when the deadline passes first. Throws k3::Error when the sequence could never fit the
   // budget (the message names the bytes).
   std::unique_ptr<Slot> acquire(int64_t max_tokens, Clock::time_point deadline);
+  // Whether a sequence of `tokens` tokens could ever fit the cache budget (alone); *need gets its bytes.
+  bool could_fit(int64_t tokens, size_t* need) const;
 
   struct Stats {
     int64_t slots = 0;              // held now
@@ -109,7 +111,6 @@ class Batcher {
   void loop();
   void step(std::unique_lock<std::mutex>& lock);  // one forward over the waiting slots (called locked)
   void release(SlotState* s);
-  void skip_abandoned();  // moves serving_ticket_ past tickets whose acquire gave up
 
   Engine& engine_;
   const BatcherOptions o_;
@@ -119,8 +120,8 @@ class Batcher {
   std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
   std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (freed on the engine thread)
   Clock::time_point first_wait_;
-  uint64_t next_ticket_ = 0, serving_ticket_ = 0;  // admission order
-  std::vector<uint64_t> abandoned_;                // tickets after serving_ticket_ that gave up
+  std::deque<uint64_t> admission_;  // acquire() calls waiting, in arrival order (the front is admitted next)
+  uint64_t next_ticket_ = 0;
   int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0;
   int64_t started_ = 0;  // held slots that have made their first append
   size_t reserved_ = 0;

@@ -277,22 +277,15 @@ void resolve_thinking(ChatRequest& r) {
 // K3's fixed sampling (ApiLimits::k3_sampling): the request may name only the fixed values.
 void fix_k3_sampling(const ojson& b, GenerationRequest& g, bool thinking) {
   const double temperature = thinking ? 1.0 : 0.6, top_p = 0.95;
-  auto require = [&](const char* key, double want) {
+  auto require = [&](const char* key, double want, const std::string& shown) {
     if (b.contains(key) && !b[key].is_null() && (!b[key].is_number() || b[key].get<double>() != want))
-      throw bad_request(key,
-                        std::string("this server samples as K3 does: ") + key + " is " +
-                            (want == 0.6    ? "0.6"
-                             : want == 0.95 ? "0.95"
-                             : want == 1.0  ? "1.0"
-                                            : "0") +
-                            (std::string(key) == "temperature" ? (thinking ? " when thinking" : " without thinking")
-                                                               : "") +
-                            ", got " + b[key].dump());
+      throw bad_request(key, std::string("this server samples as K3 does: ") + key + " is " + shown + ", got " +
+                                 b[key].dump());
   };
-  require("temperature", temperature);
-  require("top_p", top_p);
-  require("presence_penalty", 0.0);
-  require("frequency_penalty", 0.0);
+  require("temperature", temperature, thinking ? "1.0 when thinking" : "0.6 without thinking");
+  require("top_p", top_p, "0.95");
+  require("presence_penalty", 0.0, "0");
+  require("frequency_penalty", 0.0, "0");
   if (b.contains("top_k") && !b["top_k"].is_null() && b["top_k"] != 0 && b["top_k"] != -1)
     throw bad_request("top_k", "this server samples as K3 does: no top_k cut, got " + b["top_k"].dump());
   g.sampling.greedy = false;

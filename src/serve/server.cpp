@@ -201,9 +201,9 @@ struct Server::Impl {
 
   // A request whose sequence could never fit the cache budget, whatever else runs: a 400.
   void check_cache_budget(const PreparedPrompt& prompt) const {
-    const int64_t tokens = int64_t(prompt.ids.size()) + prompt.budget;
-    const size_t need = engine->sequence_bytes(tokens);
-    if (o.cache_budget > 0 && need > o.cache_budget)
+    const int64_t tokens = full_length(prompt);
+    size_t need = 0;
+    if (!batcher->could_fit(tokens, &need))
       throw ApiError(400, "invalid_request_error", "max_tokens",
                      "the prompt and max_tokens (" + std::to_string(tokens) + " tokens) need " + std::to_string(need) +
                          " bytes of cache, more than this server's budget of " + std::to_string(o.cache_budget),

@@ -170,16 +170,6 @@ CudaModel::CudaModel() : impl_(std::make_unique<Impl>()) {}
 CudaModel::~CudaModel() = default;
 const K3Config& CudaModel::config() const { return impl_->cfg; }
 
-size_t CudaModel::sequence_bytes(int64_t tokens) const {
-  const K3Config& c = impl_->cfg;
-  const size_t tail = size_t(c.short_conv_kernel_size - 1) * size_t(c.kda_dim());
-  const size_t state = size_t(c.kda_num_heads) * size_t(c.kda_head_dim) * size_t(c.kda_head_dim);
-  const size_t row = size_t(impl_->mla_ldc) * (impl_->precision == GpuPrecision::BF16 ? 2 : 4);
-  size_t b = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    b += c.layer_kind[size_t(l)] == AttnKind::KDA ? (3 * tail + state) * 4 : size_t(tokens) * row;
-  return b;
-}
 // A sequence's slices of its pool: each KDA layer's tails and state, each MLA layer's rows.
 namespace {
 struct StateLayout {
@@ -191,6 +181,15 @@ StateLayout state_layout(const K3Config& c, int64_t ldc, GpuPrecision p) {
                      size_t(ldc) * (p == GpuPrecision::BF16 ? 2 : 4)};
 }
 }  // namespace
+
+size_t CudaModel::sequence_bytes(int64_t tokens) const {
+  const K3Config& c = impl_->cfg;
+  const StateLayout L = state_layout(c, impl_->mla_ldc, impl_->precision);
+  size_t b = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    b += c.layer_kind[size_t(l)] == AttnKind::KDA ? (3 * L.tail + L.state) * 4 : size_t(tokens) * L.row_bytes;
+  return b;
+}
 
 std::unique_ptr<CudaStateCopy> CudaModel::copy_state(const CudaSequenceCache& cache, int64_t rows_from) const {
   const CudaSequenceCache::Impl& c = const_cast<CudaSequenceCache&>(cache).impl();

@@ -123,8 +123,9 @@ __global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kern
   __shared__ __align__(16) PrepSmem<D> s;
   using I = Item<D>;
   constexpr int LD = ld_of<D>();
-  const int64_t ci = blockIdx.x;
-  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32;
+  const int64_t ci = chunk_train::grid_chunk();
+  if (ci >= p.chunks) return;
+  const int h = chunk_train::grid_head(), tid = threadIdx.x, warp = tid / 32;
   const ChunkLoc L = locate_chunk(p, ci);
   const int n = L.n;
   const int64_t HD = int64_t(p.H) * D;
@@ -639,8 +640,10 @@ __global__ void __launch_bounds__(2 * D, 2)
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
   using I = Item<D>;
   constexpr int LD = ld_of<D>(), NT = 2 * D, RP = D / 8;  // RP: 16-byte pieces per bf16 row of D
-  const int64_t ci = blockIdx.x;
-  const int h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = lane_id(), g = lane >> 2, q = lane & 3;
+  const int64_t ci = chunk_train::grid_chunk();
+  if (ci >= p.chunks) return;
+  const int h = chunk_train::grid_head(), tid = threadIdx.x, warp = tid / 32, lane = lane_id(), g = lane >> 2,
+            q = lane & 3;
   const ChunkLoc L = locate_chunk(p, ci);
   const int n = L.n;
   const int64_t row0 = L.row0, HD = int64_t(p.H) * D, hD = int64_t(h) * D;
@@ -958,7 +961,7 @@ template <int D>
 void forward(const KdaTrainParams& p, float* o, void* saved) {
   auto* states = static_cast<bf16*>(saved);
   auto* items = static_cast<unsigned char*>(saved) + states_bytes(p);
-  prep_kernel<D><<<dim3(unsigned(p.chunks), unsigned(p.H)), prep_threads<D>()>>>(p, items);
+  prep_kernel<D><<<chunk_train::chunk_head_grid(p.chunks, p.H), prep_threads<D>()>>>(p, items);
   K3_CUDA_LAUNCH_CHECK();
   static bool attr = false;
   launch(fwd_seq_kernel<D>, attr, seq_grid<D>(p), seq_warps<D>() * 32, sizeof(SeqSmem<D>), p,
@@ -975,8 +978,8 @@ void backward(const KdaTrainParams& p, const float* d_o, const void* saved, floa
   static bool attr_seq = false, attr_chunk = false;
   launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), seq_warps<D>() * 32, sizeof(SeqSmem<D>), p, items, d_o, dstates, dB,
          dv);
-  launch(bwd_chunk_kernel<D>, attr_chunk, dim3(unsigned(p.chunks), unsigned(p.H)), 2 * D, sizeof(BwdChunkSmem<D>), p,
-         items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const float*>(dB),
+  launch(bwd_chunk_kernel<D>, attr_chunk, chunk_train::chunk_head_grid(p.chunks, p.H), 2 * D, sizeof(BwdChunkSmem<D>),
+         p, items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const float*>(dB),
          static_cast<const float*>(dv), dq, dk, dg, dbeta);
 }
 

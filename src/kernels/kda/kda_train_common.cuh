@@ -3,6 +3,8 @@
 // argument checks of the entry points. For those .cu files only; the entry points are in
 // kda_chunk_train_cuda.h and kda_chunk_train_tc_cuda.h.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "core/error.h"
@@ -32,6 +34,18 @@ __device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_
   const int64_t left = int64_t(p.cu_seqlens[lo + 1]) - row0;
   return ChunkLoc{row0, int(left < C ? left : C), lo};
 }
+
+// The grid of the chunk-parallel kernels: one CTA per (chunk, head), heads fastest (blockIdx.x), the chunk in
+// blockIdx.y + gridDim.y * blockIdx.z (a grid's y and z are at most 65,535). The CTAs the SMs run together then
+// cover whole token rows of q, k, v, ... ([rows, H * D]) and consecutive items and states ([chunks, H, ...]), so
+// DRAM serves long runs instead of one head's 4 D bytes per row from rows H * D * 4 bytes apart.
+inline dim3 chunk_head_grid(int64_t chunks, int H) {
+  const int64_t y = chunks < 65535 ? chunks : 65535;
+  return dim3(unsigned(H), unsigned(y < 1 ? 1 : y), unsigned(y < 1 ? 1 : (chunks + y - 1) / y));
+}
+// This CTA's chunk (possibly >= chunks in the last z slice: the caller returns) and head.
+__device__ __forceinline__ int64_t grid_chunk() { return blockIdx.y + int64_t(gridDim.y) * blockIdx.z; }
+__device__ __forceinline__ int grid_head() { return int(blockIdx.x); }
 
 inline void check_params(const char* fn, const KdaTrainParams& p) {
   K3_CHECK(p.D == 32 || p.D == 64 || p.D == 128, fn, ": head dim D must be 32, 64 or 128, got ", p.D);

@@ -170,9 +170,8 @@ def main():
 
     sys.path.insert(0, os.path.abspath(args.fla_src))
     sys.path.insert(0, stage_reference(os.path.abspath(args.ref_src)))
-    # PyTorch's own advice for steps whose passes free and reallocate large blocks: without it the
-    # 131,072-token step of the K3-shaped config fails after its warm-up with 13.9 GiB reserved but
-    # unallocated (fragmentation), while our trainer fits in 123.5 GiB.
+    # PyTorch's own advice for steps whose passes free and reallocate large blocks: it keeps memory
+    # that fragmentation would strand usable (docs/BENCHMARKS.md has the large steps it was set for).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 

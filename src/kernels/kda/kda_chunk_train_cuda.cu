@@ -158,8 +158,9 @@ template <int D>
 __global__ void __launch_bounds__(NT) prep_kernel(KdaTrainParams p, Item<D>* items) {
   extern __shared__ float4 smem4[];
   Prep<D>& s = *reinterpret_cast<Prep<D>*>(smem4);
-  const int64_t ci = blockIdx.x;
-  const int h = blockIdx.y;
+  const int64_t ci = chunk_train::grid_chunk();
+  if (ci >= p.chunks) return;
+  const int h = chunk_train::grid_head();
   const ChunkLoc L = locate_chunk(p, ci);
   prepare_chunk<D>(s, p, h, L.row0, L.n);
   Item<D>& it = items[ci * p.H + h];
@@ -313,8 +314,9 @@ __global__ void __launch_bounds__(NT)
                      float* dq, float* dk, float* dg, float* dbeta) {
   extern __shared__ float4 smem4[];
   BwdChunkSmem<D>& s = *reinterpret_cast<BwdChunkSmem<D>*>(smem4);
-  const int64_t ci = blockIdx.x;
-  const int h = blockIdx.y;
+  const int64_t ci = chunk_train::grid_chunk();
+  if (ci >= p.chunks) return;
+  const int h = chunk_train::grid_head();
   const int tid = threadIdx.x, r = tid / VS, j = tid % VS;
   const ChunkLoc L = locate_chunk(p, ci);
   const int n = L.n;
@@ -472,7 +474,7 @@ void launch(Kernel kernel, bool& attr_set, dim3 grid, size_t smem, Args... args)
 template <int D>
 void run_prep(const KdaTrainParams& p, Item<D>* items) {
   static bool attr = false;
-  launch(prep_kernel<D>, attr, dim3(unsigned(p.chunks), unsigned(p.H)), sizeof(Prep<D>), p, items);
+  launch(prep_kernel<D>, attr, chunk_train::chunk_head_grid(p.chunks, p.H), sizeof(Prep<D>), p, items);
 }
 
 template <int D>
@@ -494,7 +496,7 @@ void backward(const KdaTrainParams& p, const float* d_o, const float* states, fl
   static bool attr_seq = false, attr_chunk = false;
   launch(bwd_seq_kernel<D>, attr_seq, dim3(unsigned(p.B), unsigned(p.H), unsigned(D / VS)), sizeof(BwdSeqSmem<D>), p,
          static_cast<const Item<D>*>(items), d_o, dstates, dB, dv);
-  launch(bwd_chunk_kernel<D>, attr_chunk, dim3(unsigned(p.chunks), unsigned(p.H)), sizeof(BwdChunkSmem<D>), p, d_o,
+  launch(bwd_chunk_kernel<D>, attr_chunk, chunk_train::chunk_head_grid(p.chunks, p.H), sizeof(BwdChunkSmem<D>), p, d_o,
          states, static_cast<const float*>(dstates), static_cast<const float*>(dB), dq, dk, dg, dbeta);
 }
 

@@ -64,10 +64,10 @@ void mla_attention_forward(float* out, const float* x, int64_t N, const std::vec
         linear_transposed_forward_f64(&qlat[size_t(h * nR)], qn.data(), s.n, w.kv_b_proj.row_slice(h * dkv, d.Dn));
       }
       opt.bf16(qlat);
-#pragma omp parallel for schedule(dynamic) if (worth_threads(H * s.n * (p0 + s.n) * d.R))
-      for (int64_t h = 0; h < H; ++h)
+      parallel_for_dynamic(H, H * s.n * (p0 + s.n) * d.R, [&](int64_t h) {
         mla::attention_head_latent(&olat[size_t(h * nR)], &qlat[size_t(h * nR)], qs + h * dq, H * dq, lc.rows.data(),
                                    ldc, s.n, p0, d, scale);
+      });
       opt.bf16(olat);                    // the latent output is fp32 in the kernel, bf16 into the W_vb product
       for (int64_t h = 0; h < H; ++h) {  // v_h = W_vb_h · o_lat_h   [n, Dv]
         linear_forward_f64(vh.data(), &olat[size_t(h * nR)], s.n, w.kv_b_proj.row_slice(h * dkv + d.Dn, d.Dv));

@@ -11,8 +11,7 @@ namespace k3 {
 void attnres_forward(float* out, const float* const* sources, int S, int64_t N, int64_t D, const float* query,
                      float eps) {
   K3_ASSERT(S >= 1);
-#pragma omp parallel for schedule(static) if (worth_threads(N * D * S))
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, N * D * S, [&](int64_t n) {
     std::vector<double> score(static_cast<size_t>(S));
     double mx = -INFINITY;
     for (int i = 0; i < S; ++i) {
@@ -33,7 +32,7 @@ void attnres_forward(float* out, const float* const* sources, int S, int64_t N, 
       for (int i = 0; i < S; ++i) acc += score[size_t(i)] * sources[i][n * D + d];
       o[d] = float(acc / z);
     }
-  }
+  });
 }
 
 namespace {

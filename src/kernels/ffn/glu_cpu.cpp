@@ -12,13 +12,12 @@ float sigmoidf_stable(float x) {
 }
 
 void glu_forward(float* out, const float* gate, const float* up, int64_t n, const GluParams& p) {
-#pragma omp parallel for schedule(static) if (worth_threads(n))
-  for (int64_t i = 0; i < n; ++i) {
+  parallel_for(n, n, [&](int64_t i) {
     const float g = gate[i], u = up[i];
     const float s = sigmoidf_stable(g);
     out[i] =
         p.situ ? (p.beta_gate * std::tanh(g / p.beta_gate) * s) * (p.beta_up * std::tanh(u / p.beta_up)) : g * s * u;
-  }
+  });
 }
 
 double sigmoid_stable(double x) {

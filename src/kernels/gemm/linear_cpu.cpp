@@ -71,8 +71,7 @@ inline Acc dot(const W* w, const float* x, int64_t n) {
 template <class Acc>
 void linear_small_n(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, const WeightRef& W, bool acc) {
   const int64_t In = W.cols;
-#pragma omp parallel if (worth_threads(N * W.rows * In))
-  {
+  parallel_region(N * W.rows * In, [&] {
     std::vector<float> row;
     if (W.format != WeightRef::Format::F32 && W.format != WeightRef::Format::BF16) row.resize(size_t(In));
 #pragma omp for schedule(static)
@@ -93,14 +92,13 @@ void linear_small_n(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t 
         out = acc ? float(Acc(out) + v) : float(v);
       }
     }
-  }
+  });
 }
 
 // Widen rows [r0, r0+n) of W into dst (float or double).
 template <class T>
 void widen_rows(T* dst, const WeightRef& W, int64_t r0, int64_t n) {
-#pragma omp parallel if (worth_threads(n * W.cols))
-  {
+  parallel_region(n * W.cols, [&] {
     std::vector<float> tmp;
     if constexpr (!std::is_same_v<T, float>) tmp.resize(size_t(W.cols));
 #pragma omp for schedule(static)
@@ -112,7 +110,7 @@ void widen_rows(T* dst, const WeightRef& W, int64_t r0, int64_t n) {
         for (int64_t i = 0; i < W.cols; ++i) dst[r * W.cols + i] = T(tmp[size_t(i)]);
       }
     }
-  }
+  });
 }
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
@@ -142,9 +140,9 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
     xa = x;
   } else {
     xw.resize(size_t(N * In));
-#pragma omp parallel for schedule(static) if (worth_threads(N * In))
-    for (int64_t n = 0; n < N; ++n)
+    parallel_for(N, N * In, [&](int64_t n) {
       for (int64_t i = 0; i < In; ++i) xw[size_t(n * In + i)] = T(x[n * ldx + i]);
+    });
     xa = xw.data();
     lda = In;
   }
@@ -165,12 +163,12 @@ void linear_blas(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t N, 
       gemm_nt(N, n, In, xa, lda, wbuf.data(), In, accumulate ? 1.0f : 0.0f, y + r0, ldy);
     } else {
       gemm_nt(N, n, In, xa, lda, wbuf.data(), In, T(0), ybuf.data(), n);
-#pragma omp parallel for schedule(static) if (worth_threads(N * n))
-      for (int64_t i = 0; i < N; ++i)
+      parallel_for(N, N * n, [&](int64_t i) {
         for (int64_t j = 0; j < n; ++j) {
           float& o = y[i * ldy + r0 + j];
           o = accumulate ? float(T(o) + ybuf[size_t(i * n + j)]) : float(ybuf[size_t(i * n + j)]);
         }
+      });
     }
   }
 }

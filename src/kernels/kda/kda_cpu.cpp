@@ -52,8 +52,7 @@ void short_conv_silu_forward(float* out, const float* x, int64_t T, int64_t C, c
 
   // Input at sequence position s relative to this call: s >= 0 is x[s], s in [-P, -1] is tail[P + s].
   // All outputs are computed from the OLD tail first; the tail is updated afterwards.
-#pragma omp parallel for schedule(static) if (worth_threads(T * C * K))
-  for (int64_t t = 0; t < T; ++t) {
+  parallel_for(T, T * C * K, [&](int64_t t) {
     float* o = out + t * C;
     for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
     // Taps in order j = 0..K-1 (oldest input first), same order whichever buffer the input comes from,
@@ -71,7 +70,7 @@ void short_conv_silu_forward(float* out, const float* x, int64_t T, int64_t C, c
       for (int64_t c = 0; c < C; ++c) o[c] += weight[c * K + j] * in[c];
     }
     for (int64_t c = 0; c < C; ++c) o[c] = o[c] * sigmoidf(o[c]);  // SiLU(y) = y * sigmoid(y)
-  }
+  });
 
   if (tail != nullptr && P > 0) {
     // New tail row m = position T - P + m of the concatenation [old tail ; x]. Rows are filled in increasing
@@ -91,14 +90,13 @@ void l2norm_heads(float* x, int64_t T, int64_t H, int64_t D, float eps) {
   check_dims("l2norm_heads", T, H, D, "D");
   K3_CHECK(eps >= 0.0f, "l2norm_heads: eps must be >= 0, got ", eps);
   const int64_t rows = T * H;
-#pragma omp parallel for schedule(static) if (worth_threads(rows * D))
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, rows * D, [&](int64_t r) {
     float* p = x + r * D;
     double ss = 0.0;
     for (int64_t d = 0; d < D; ++d) ss += double(p[d]) * p[d];
     const float inv = static_cast<float>(1.0 / std::sqrt(ss + eps));
     for (int64_t d = 0; d < D; ++d) p[d] *= inv;
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -109,14 +107,13 @@ void gate_forward(float* g, const float* z, const float* A_log, const float* dt_
   check_dims("gate_forward", T, H, D, "D");
   K3_CHECK(std::isfinite(lower_bound) && lower_bound < 0.0f,
            "gate_forward: lower_bound must be finite and negative, got ", lower_bound);
-#pragma omp parallel for schedule(static) if (worth_threads(T * H * D))
-  for (int64_t t = 0; t < T; ++t) {
+  parallel_for(T, T * H * D, [&](int64_t t) {
     for (int64_t h = 0; h < H; ++h) {
       const float a = std::exp(A_log[h]);
       const int64_t base = (t * H + h) * D;
       for (int64_t d = 0; d < D; ++d) g[base + d] = lower_bound * sigmoidf(a * (z[base + d] + dt_bias[h * D + d]));
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -128,8 +125,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
                            float scale, double* state, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
   check_dims("kda_recurrent_forward", T, H, Dk, "Dk");
   K3_CHECK(Dv >= 1, "kda_recurrent_forward: Dv must be >= 1, got ", Dv);
-#pragma omp parallel for schedule(static) if (worth_threads(T * H * Dk * Dv))
-  for (int64_t h = 0; h < H; ++h) {
+  parallel_for(H, T * H * Dk * Dv, [&](int64_t h) {
     double* S = state + h * Dk * Dv;
     std::vector<double> u(Dv), dv(Dv), ov(Dv);
     for (int64_t t = 0; t < T; ++t) {
@@ -165,7 +161,7 @@ void kda_recurrent_forward(float* o, const float* q, const float* k, const float
       }
       for (int64_t j = 0; j < Dv; ++j) ot[j] = float(ov[j]);
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -205,8 +201,7 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
   K3_CHECK(chunk_size >= 1, "kda_chunk_forward: chunk_size must be >= 1, got ", chunk_size);
   const int64_t Cs = chunk_size;
 
-#pragma omp parallel for schedule(static) if (worth_threads(T * H * Dk * Dv))
-  for (int64_t h = 0; h < H; ++h) {
+  parallel_for(H, T * H * Dk * Dv, [&](int64_t h) {
     double* S = state + h * Dk * Dv;
     // Per-head scratch, reused by every chunk of this head.
     std::vector<double> alpha(Cs * Dk);  // alpha_i[c] = exp(g_i[c]), in double for the running products
@@ -319,7 +314,7 @@ void kda_chunk_forward(float* o, const float* q, const float* k, const float* v,
       }
       matmul_acc(S, Dv, KrT.data(), Cs, delta, Dv, Dk, Dv, n, 1.0);
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -329,8 +324,7 @@ void gated_rmsnorm_forward(float* y, const float* o, const float* gate, const fl
   check_dims("gated_rmsnorm_forward", T, H, Dv, "Dv");
   K3_CHECK(eps >= 0.0f, "gated_rmsnorm_forward: eps must be >= 0, got ", eps);
   const int64_t rows = T * H;
-#pragma omp parallel for schedule(static) if (worth_threads(rows * Dv))
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel_for(rows, rows * Dv, [&](int64_t r) {
     const float* x = o + r * Dv;
     const float* gr = gate + r * Dv;
     float* yr = y + r * Dv;
@@ -338,7 +332,7 @@ void gated_rmsnorm_forward(float* y, const float* o, const float* gate, const fl
     for (int64_t d = 0; d < Dv; ++d) ss += double(x[d]) * x[d];
     const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(Dv) + eps));
     for (int64_t d = 0; d < Dv; ++d) yr[d] = x[d] * inv * weight[d] * sigmoidf(gr[d]);
-  }
+  });
 }
 
 }  // namespace k3::kda

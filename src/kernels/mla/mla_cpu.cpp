@@ -23,8 +23,7 @@ void softmax_inplace(double* p, int64_t len) {
 void attention_head_expanded(float* out, int64_t ldo, const float* q, int64_t ldq, const double* kvh,
                              const float* cache, int64_t ldc, int64_t n, int64_t p0, const Dims& d, double scale) {
   const int64_t T = p0 + n, dkv = d.Dn + d.Dv;
-#pragma omp parallel if (worth_threads(n * T * dkv))
-  {
+  parallel_region(n * T * dkv, [&] {
     std::vector<double> p(static_cast<size_t>(T)), o(static_cast<size_t>(d.Dv));
 #pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < n; ++i) {
@@ -47,7 +46,7 @@ void attention_head_expanded(float* out, int64_t ldo, const float* q, int64_t ld
       }
       for (int64_t j = 0; j < d.Dv; ++j) out[i * ldo + j] = float(o[size_t(j)]);
     }
-  }
+  });
 }
 
 void attention_head_latent(double* out_lat, const double* q_lat, const float* q, int64_t ldq, const float* cache,

@@ -53,8 +53,7 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
                     const RouterParams& p) {
   const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
   K3_ASSERT(K >= 1 && K <= E && G >= 1 && E % G == 0);
-#pragma omp parallel if (worth_threads(N * E * K))
-  {
+  parallel_region(N * E * K, [&] {
     std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
     std::vector<int32_t> order(static_cast<size_t>(E));
     std::vector<float> gscore(static_cast<size_t>(G));
@@ -79,7 +78,7 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
         weight[n * K + k] = float(w * p.scaling);
       }
     }
-  }
+  });
 }
 
 void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,

@@ -7,8 +7,7 @@
 namespace k3 {
 
 void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, int64_t N, int64_t D, int64_t ld) {
-#pragma omp parallel for schedule(static) if (worth_threads(N * D))
-  for (int64_t n = 0; n < N; ++n) {
+  parallel_for(N, N * D, [&](int64_t n) {
     const float* xr = x + n * ld;
     float* yr = y + n * ld;
     double ss = 0.0;
@@ -18,7 +17,7 @@ void rmsnorm_forward(float* y, const float* x, const float* weight, float eps, i
       for (int64_t i = 0; i < D; ++i) yr[i] = weight[i] * (xr[i] * r);
     else
       for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * r;
-  }
+  });
 }
 
 void rmsnorm_forward(double* y, const double* x, const double* w, double eps, int64_t N, int64_t D) {

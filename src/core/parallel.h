@@ -17,31 +17,9 @@ inline bool worth_threads(int64_t work) { return work > kMinParallelWork; }
 // `#pragma omp parallel if (false)` still builds a team of one, about a microsecond, and decoding k3-tiny runs
 // hundreds of such loops a token.
 
-// body(i) for i in [0, n): static schedule on OpenMP's threads, or in order on the calling thread.
-template <class F>
-inline void parallel_for(int64_t n, int64_t work, F&& body) {
-  if (worth_threads(work)) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
-}
-
-// As parallel_for, with a dynamic schedule (iterations of uneven cost).
-template <class F>
-inline void parallel_for_dynamic(int64_t n, int64_t work, F&& body) {
-  if (worth_threads(work)) {
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
-}
-
 // body() once per thread of a parallel region, or once on the calling thread. For loops that keep per-thread
 // scratch: body sets it up, then shares its loop with `#pragma omp for` (outside a region that runs every
-// iteration on the calling thread, at no cost).
+// iteration on the calling thread, in order, for a few nanoseconds).
 template <class F>
 inline void parallel_region(int64_t work, F&& body) {
   if (worth_threads(work)) {
@@ -50,6 +28,24 @@ inline void parallel_region(int64_t work, F&& body) {
   } else {
     body();
   }
+}
+
+// body(i) for i in [0, n): static schedule on OpenMP's threads, or in order on the calling thread.
+template <class F>
+inline void parallel_for(int64_t n, int64_t work, F&& body) {
+  parallel_region(work, [&] {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  });
+}
+
+// As parallel_for, with a dynamic schedule (iterations of uneven cost).
+template <class F>
+inline void parallel_for_dynamic(int64_t n, int64_t work, F&& body) {
+  parallel_region(work, [&] {
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  });
 }
 
 }  // namespace k3

@@ -55,17 +55,30 @@ constexpr int64_t kSmallN = 4;
 // Weight elements widened per BLAS slab (~8 MB as fp64), so the slab stays in cache.
 constexpr int64_t kSlabElems = int64_t(1) << 20;
 
+// sum_i w[i] x[i] in Acc, over kLanes partial sums (i mod kLanes) added pairwise at the end. A bf16 or fp32 weight
+// times an fp32 activation is exact in double, so in fp64 only the additions round. The pairwise end matters
+// at decode's short rows: an `omp simd` reduction ends with its lanes added one after another (32 dependent
+// additions, four times the loop itself at a row of 128).
 template <class Acc, class W>
 inline Acc dot(const W* w, const float* x, int64_t n) {
-  Acc acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) {
-    float wf;
-    if constexpr (sizeof(W) == 2) wf = bf16_to_f32(w[i]);
-    else wf = w[i];
-    acc += Acc(wf) * Acc(x[i]);
+  constexpr int kLanes = 32;
+  auto widen = [](W v) -> float {
+    if constexpr (sizeof(W) == 2) return bf16_to_f32(v);
+    else return v;
+  };
+  Acc part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) part[l] += Acc(widen(w[i + l])) * Acc(x[i + l]);
   }
-  return acc;
+  for (int l = 0; i < n; ++i, ++l) part[l] += Acc(widen(w[i])) * Acc(x[i]);
+#pragma GCC unroll 8
+  for (int half = kLanes / 2; half >= 1; half /= 2) {
+#pragma omp simd
+    for (int l = 0; l < half; ++l) part[l] += part[l + half];
+  }
+  return part[0];
 }
 
 template <class Acc>

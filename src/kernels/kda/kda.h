@@ -15,8 +15,8 @@
 // buffers must not alias inputs unless a function says it works in place. T = 0 is a no-op; H, D, C,
 // K and chunk_size must be >= 1 (violations throw k3::Error naming the argument).
 //
-// Threading: the heavy kernels run `#pragma omp parallel for` over heads (or tokens). Each head (or row)
-// is computed by one thread, so results do not depend on the thread count.
+// Threading: the heavy kernels split their heads (or tokens) over OpenMP's threads with parallel_for
+// (core/parallel.h). Each head (or row) is computed by one thread, so results do not depend on the thread count.
 // Not here: the projections, beta = sigmoid(b_proj x), varlen batching, bf16 storage, the CUDA path.
 #pragma once
 #include <cstdint>

@@ -6,13 +6,14 @@
 // Each time is the median of --reps runs (after --warmup), CUDA events around the calls: "fwd" is one
 // forward (prep + sequential kernel, saving every chunk's entering state), "fwd+bwd" a forward and a backward
 // (the bf16 kernels' backward reads the forward's chunk items from its tape; the fp32 kernels' backward runs
-// prep again). B sequences of T tokens each, packed (cu_seqlens), fp32 q, k, v, g, beta, d_o as the training
-// path holds them (the bf16 kernels round operands to bf16 inside).
+// prep again). B sequences of T tokens each, packed (cu_seqlens). The fp32 kernels take fp32 q, k, v, g, beta,
+// d_o and give fp32 gradients; the bf16 kernels take q, k, v, d_o as bf16 and give dq, dk, dv as bf16 (g, beta,
+// o, dg, dbeta fp32), as the training path holds them: the bf16 copies are made once at setup, outside the timing.
 // "x fla" = fla chunk_kda's published time at the shape (ANCHORS.md: bf16 inputs, K3 gate, in-kernel q/k
 // L2 norm and beta sigmoid, which these kernels do not do) divided by ours: > 1 means faster than fla.
 // Memory: the fp32 kernels save chunks * H * D * D fp32 states (4.3 GB at B1 T32768 H32); the bf16 kernels' tape
 // holds them in bf16 beside the chunk items (0.72x that), and their backward workspace is the states' size in
-// bf16 again plus rows * H * D fp32. --no-f32 skips the fp32 SIMT kernels. Exits 0 with a message when there is
+// bf16 again plus rows * H * D bf16. --no-f32 skips the fp32 SIMT kernels. Exits 0 with a message when there is
 // no GPU.
 #include <algorithm>
 #include <cmath>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/dtype.h"
 #include "core/splitmix.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
 #include "kernels/kda/kda_chunk_train_tc_cuda.h"
@@ -101,13 +103,33 @@ void run_shape(const Shape& s, int warmup, int reps, bool with_f32) {
     std::printf("\n");
   };
   {
-    DeviceBuffer<unsigned char> ws(kc::kda_chunk_backward_train_bf16_workspace_bytes(p)),
-        saved(kc::kda_chunk_train_bf16_saved_bytes(p));
-    auto fwd = [&] { kc::kda_chunk_forward_train_bf16(p, o.data(), saved.data()); };
+    // bf16 q, k, v, d_o (converted once, here) and bf16 dq, dk, dv: the bf16 kernels' I/O.
+    std::vector<uint16_t> xb(nx);
+    for (size_t i = 0; i < nx; ++i) xb[i] = k3::f32_to_bf16(x[i]);
+    DeviceBuffer<uint16_t> qb(xb.data(), nx), kb(xb.data(), nx), vb(xb.data(), nx), dob16(xb.data(), nx);
+    DeviceBuffer<uint16_t> dqb(nx), dkb(nx), dvb(nx);
+    kc::KdaTrainBf16Params pb;
+    pb.q = qb.data();
+    pb.k = kb.data();
+    pb.v = vb.data();
+    pb.g = p.g;
+    pb.beta = p.beta;
+    pb.cu_seqlens = p.cu_seqlens;
+    pb.chunk_offsets = p.chunk_offsets;
+    pb.B = p.B;
+    pb.max_len = p.max_len;
+    pb.rows = p.rows;
+    pb.chunks = p.chunks;
+    pb.H = p.H;
+    pb.D = p.D;
+    pb.scale = p.scale;
+    DeviceBuffer<unsigned char> ws(kc::kda_chunk_backward_train_bf16_workspace_bytes(pb)),
+        saved(kc::kda_chunk_train_bf16_saved_bytes(pb));
+    auto fwd = [&] { kc::kda_chunk_forward_train_bf16(pb, o.data(), saved.data()); };
     auto fb = [&] {
       fwd();
-      kc::kda_chunk_backward_train_bf16(p, d_o, saved.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(),
-                                        ws.data());
+      kc::kda_chunk_backward_train_bf16(pb, dob16.data(), saved.data(), dqb.data(), dkb.data(), dvb.data(), dg.data(),
+                                        dbeta.data(), ws.data());
     };
     row("bf16 tc", median_ms(fwd, warmup, reps), median_ms(fb, warmup, reps));
   }
@@ -168,8 +190,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("%s\n", k3::cuda::device_summary().c_str());
-  std::printf("KDA training chunk core (C = 16, D = %d), fp32 in/out; median of %d after %d warm-up\n", D, reps,
-              warmup);
+  std::printf(
+      "KDA training chunk core (C = 16, D = %d), fp32 in/out (bf16 tc: bf16 q, k, v, d_o, dq, dk, dv); median of %d "
+      "after %d warm-up\n",
+      D, reps, warmup);
   for (const Shape& s : shapes) run_shape(s, warmup, reps, with_f32);
   return 0;
 }

@@ -9,6 +9,11 @@
 // (util/compare.h; a non-finite value fails first). Outputs that are OVERWRITTEN start as NaN (an element
 // left unwritten fails); parameter gradients start from a random non-zero buffer and are checked both as
 // the accumulated value and as the increment (so "=" instead of "+=" fails).
+//
+// The bf16 forms (the tensor-core recurrence's side) against the fp32 forms, bitwise: a bf16 output is the bf16
+// rounding of the fp32 form's output on the same input (so both forms run the one fp32 formula), and a backward
+// fed bf16-representable values, as bf16 bits to the one and as fp32 to the other, gives the fp32 form's bits.
+// The fp32 results are also checked against the twins at 1e-5, the bf16 outputs at bf16's rounding (2^-8).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,6 +28,7 @@
 #if defined(K3_HAVE_CUDA)
 
 #include "core/cuda.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/kda/kda_f64.h"
 #include "kernels/kda/kda_train_ops_cuda.h"
@@ -36,8 +42,11 @@ namespace kc = k3::kda::cuda;
 using k3::cuda::DeviceBuffer;
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
+using Bits = std::vector<uint16_t>;  // bf16 values
 
 constexpr double kTol = 1e-5;
+// A bf16 output against the twin: one rounding to nearest is <= 2^-9 relative per element, plus the fp32 error.
+constexpr double kBf16Tol = 1.0 / 256;
 constexpr int64_t kH = 3;
 constexpr int64_t kHeadDims[] = {32, 64, 128};
 const std::vector<int> kLens = {1, 5, 17, 40};
@@ -56,6 +65,28 @@ DeviceBuffer<float> up(const Vec& v) { return DeviceBuffer<float>(v.data(), v.si
 DeviceBuffer<float> nan_buffer(size_t n) { return up(Vec(n, kNaN)); }
 Vec down(const DeviceBuffer<float>& d) {
   Vec h(d.size());
+  d.download(h.data(), h.size());
+  return h;
+}
+// bf16: the bits of each value (rounded to nearest even), the values of bits, a copy rounded to bf16.
+Bits to_bf16(const Vec& v) {
+  Bits b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = k3::f32_to_bf16(v[i]);
+  return b;
+}
+Vec from_bf16(const Bits& b) {
+  Vec v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = k3::bf16_to_f32(b[i]);
+  return v;
+}
+Vec bf16_values(Vec v) {
+  k3::round_to_bf16(v.data(), int64_t(v.size()));
+  return v;
+}
+DeviceBuffer<uint16_t> up(const Bits& b) { return DeviceBuffer<uint16_t>(b.data(), b.size()); }
+DeviceBuffer<uint16_t> nan_bits(size_t n) { return up(Bits(n, uint16_t(0xffff))); }  // a bf16 NaN
+Bits down(const DeviceBuffer<uint16_t>& d) {
+  Bits h(d.size());
   d.download(h.data(), h.size());
   return h;
 }
@@ -91,6 +122,31 @@ std::vector<int32_t> cu_of(const std::vector<int>& lens) {
 struct ConvResult {
   Vec pre, act, d_in, dw;
 };
+
+// The twin, one sequence at a time (each starts from zero history); the backward takes the forward's pre
+// rounded to fp32 (pre_f, what the GPU backward is given).
+struct ConvTwin {
+  DVec pre, act, d_in, dw;
+  Vec pre_f;
+};
+ConvTwin conv_twin(const Vec& in, const Vec& w, const Vec& d_act, const Vec& dw0, int64_t C, int K,
+                   const std::vector<int32_t>& cu) {
+  const int64_t rows = cu.back();
+  const DVec in_d = widen(in), w_d = widen(w), d_act_d = widen(d_act);
+  ConvTwin t{zeros(rows * C), zeros(rows * C), zeros(rows * C), widen(dw0), {}};
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    const int64_t off = int64_t(cu[b]) * C, T = cu[b + 1] - cu[b];
+    k3::kda::conv_silu_forward(t.pre.data() + off, t.act.data() + off, in_d.data() + off, T, C, w_d.data(), K);
+  }
+  t.pre_f = narrow(t.pre);
+  const DVec pre_fd = widen(t.pre_f);
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    const int64_t off = int64_t(cu[b]) * C, T = cu[b + 1] - cu[b];
+    k3::kda::conv_silu_backward(t.d_in.data() + off, t.dw.data(), d_act_d.data() + off, pre_fd.data() + off,
+                                in_d.data() + off, T, C, w_d.data(), K);
+  }
+  return t;
+}
 // The GPU forward and backward on one packed batch; d_act and pre_saved are [rows, C].
 ConvResult conv_gpu(const Vec& in, const Vec& w, const Vec& d_act, const Vec& pre_saved, const Vec& dw0, int64_t C,
                     int K, const std::vector<int32_t>& cu) {
@@ -121,27 +177,14 @@ TEST(CudaTrainKdaOps, ConvSiluMatchesF64PerSequence) {
                                  std::to_string(lens.size()) + " starting with length " + std::to_string(lens[0]);
         const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
         const Vec d_act = randf(size_t(rows * C), ++seed), dw0 = randf(size_t(C * K), ++seed);
-        const DVec in_d = widen(in), w_d = widen(w), d_act_d = widen(d_act);
-
-        // The twin, one sequence at a time (each starts from zero history).
-        DVec pre = zeros(rows * C), act = zeros(rows * C), d_in = zeros(rows * C), dw = widen(dw0);
-        for (size_t b = 0; b + 1 < cu.size(); ++b) {
-          const int64_t off = int64_t(cu[b]) * C, T = cu[b + 1] - cu[b];
-          k3::kda::conv_silu_forward(pre.data() + off, act.data() + off, in_d.data() + off, T, C, w_d.data(), K);
-        }
-        const Vec pre_f = narrow(pre);
-        const DVec pre_fd = widen(pre_f);
-        for (size_t b = 0; b + 1 < cu.size(); ++b) {
-          const int64_t off = int64_t(cu[b]) * C, T = cu[b + 1] - cu[b];
-          k3::kda::conv_silu_backward(d_in.data() + off, dw.data(), d_act_d.data() + off, pre_fd.data() + off,
-                                      in_d.data() + off, T, C, w_d.data(), K);
-        }
+        const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
+        const Vec& pre_f = t.pre_f;
 
         const ConvResult g = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
-        EXPECT_LE(rel(g.pre, pre), kTol) << "pre, " << what;
-        EXPECT_LE(rel(g.act, act), kTol) << "act, " << what;
-        EXPECT_LE(rel(g.d_in, d_in), kTol) << "d_in, " << what;
-        EXPECT_ACCUMULATED(g.dw, dw, dw0, "dw, " + what);
+        EXPECT_LE(rel(g.pre, t.pre), kTol) << "pre, " << what;
+        EXPECT_LE(rel(g.act, t.act), kTol) << "act, " << what;
+        EXPECT_LE(rel(g.d_in, t.d_in), kTol) << "d_in, " << what;
+        EXPECT_ACCUMULATED(g.dw, t.dw, dw0, "dw, " + what);
 
         // Deterministic: a second run gives the same bits.
         const ConvResult g2 = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
@@ -159,6 +202,56 @@ TEST(CudaTrainKdaOps, ConvSiluMatchesF64PerSequence) {
         EXPECT_TRUE(same_bits(alone.pre, slice(g.pre)) && same_bits(alone.act, slice(g.act)) &&
                     same_bits(alone.d_in, slice(g.d_in)))
             << "the length-17 sequence alone differs from it packed, " << what;
+      }
+}
+
+// The bf16 forms on the same batch: act written as bf16, d_act (bf16-representable values) uploaded as bf16.
+struct ConvBf16Result {
+  Vec pre;
+  Bits act;
+  Vec d_in, dw;
+};
+ConvBf16Result conv_gpu_bf16(const Vec& in, const Vec& w, const Vec& d_act, const Vec& pre_saved, const Vec& dw0,
+                             int64_t C, int K, const std::vector<int32_t>& cu) {
+  const int B = int(cu.size()) - 1;
+  const int64_t rows = cu.back();
+  DeviceBuffer<int32_t> d_cu(cu.data(), cu.size());
+  auto d_in_x = up(in), d_w = up(w), d_pre_saved = up(pre_saved), d_dw = up(dw0);
+  auto d_dact = up(to_bf16(d_act));
+  auto d_pre = nan_buffer(size_t(rows * C)), d_din = nan_buffer(size_t(rows * C));
+  auto d_act_out = nan_bits(size_t(rows * C));
+  kc::conv_silu_forward_train(d_pre.data(), d_act_out.data(), d_in_x.data(), d_w.data(), C, K, d_cu.data(), B, rows);
+  auto ws = workspace(kc::conv_silu_backward_workspace_bytes(rows, C, K));
+  kc::conv_silu_backward_train(d_din.data(), d_dw.data(), d_dact.data(), d_pre_saved.data(), d_in_x.data(), d_w.data(),
+                               C, K, d_cu.data(), B, rows, ws.data());
+  return {down(d_pre), down(d_act_out), down(d_din), down(d_dw)};
+}
+
+TEST(CudaTrainKdaOps, ConvSiluBf16FormsMatchTheFp32Form) {
+  K3_REQUIRE_GPU();
+  const std::vector<std::vector<int>> batches = {kLens, {40, 0, 1, 17}};
+  uint64_t seed = 150;
+  for (int K : {4, 2})
+    for (int64_t D : kHeadDims)
+      for (const auto& lens : batches) {
+        const int64_t C = kH * D;
+        const std::vector<int32_t> cu = cu_of(lens);
+        const int64_t rows = cu.back();
+        const std::string what = "K " + std::to_string(K) + ", D " + std::to_string(D) + ", batch of " +
+                                 std::to_string(lens.size()) + " starting with length " + std::to_string(lens[0]);
+        const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
+        const Vec d_act = bf16_values(randf(size_t(rows * C), ++seed)), dw0 = randf(size_t(C * K), ++seed);
+        const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
+
+        const ConvResult f = conv_gpu(in, w, d_act, t.pre_f, dw0, C, K, cu);
+        const ConvBf16Result b = conv_gpu_bf16(in, w, d_act, t.pre_f, dw0, C, K, cu);
+        EXPECT_TRUE(same_bits(b.pre, f.pre)) << "pre differs from the fp32 form's, " << what;
+        EXPECT_EQ(b.act, to_bf16(f.act)) << "act is not the fp32 form's act rounded to bf16, " << what;
+        EXPECT_LE(rel(from_bf16(b.act), t.act), kBf16Tol) << "act, " << what;
+        EXPECT_TRUE(same_bits(b.d_in, f.d_in)) << "d_in differs from the fp32 form's, " << what;
+        EXPECT_TRUE(same_bits(b.dw, f.dw)) << "dw differs from the fp32 form's, " << what;
+        EXPECT_LE(rel(b.d_in, t.d_in), kTol) << "d_in, " << what;
+        EXPECT_ACCUMULATED(b.dw, t.dw, dw0, "dw, " + what);
       }
 }
 
@@ -308,6 +401,49 @@ TEST(CudaTrainKdaOps, GatedRmsNormMatchesF64) {
   }
 }
 
+// The bf16 form (d_o written as bf16) beside the fp32 form on the same inputs.
+TEST(CudaTrainKdaOps, GatedRmsNormBf16FormMatchesTheFp32Form) {
+  K3_REQUIRE_GPU();
+  const int64_t head_rows = cu_of(kLens).back() * kH;
+  uint64_t seed = 350;
+  for (int64_t D : kHeadDims) {
+    const int64_t n = head_rows * D;
+    const std::string what = "D " + std::to_string(D);
+    const Vec o = scaled_rows(randf(size_t(n), ++seed), D);
+    Vec gp = randf(size_t(n), ++seed, 2.0);
+    for (int64_t i = 0; i < n; i += 17) gp[size_t(i)] = (i / 17) % 2 ? 30.0f : -30.0f;
+    Vec w = randf(size_t(D), ++seed, 0.2);
+    for (float& x : w) x += 1.0f;
+    const Vec don = randf(size_t(n), ++seed), dw0 = randf(size_t(D), ++seed, 5.0);
+
+    DVec on = zeros(n), inv = zeros(head_rows), d_o = zeros(n), dgp = zeros(n), dw = widen(dw0);
+    const DVec o_d = widen(o), gp_d = widen(gp), w_d = widen(w), don_d = widen(don);
+    k3::kda::gated_rmsnorm_forward(on.data(), inv.data(), o_d.data(), gp_d.data(), w_d.data(), 1e-5f, head_rows, D);
+    const Vec inv_f = narrow(inv);
+    const DVec inv_fd = widen(inv_f);
+    k3::kda::gated_rmsnorm_backward(d_o.data(), dgp.data(), dw.data(), don_d.data(), o_d.data(), inv_fd.data(),
+                                    gp_d.data(), w_d.data(), head_rows, D);
+
+    auto g_o = up(o), g_gp = up(gp), g_w = up(w), g_don = up(don), g_inv = up(inv_f);
+    auto ws = workspace(kc::gated_rmsnorm_backward_workspace_bytes(head_rows, D));
+    auto f_do = nan_buffer(size_t(n)), f_dgp = nan_buffer(size_t(n)), f_dw = up(dw0);
+    kc::gated_rmsnorm_backward_train(f_do.data(), f_dgp.data(), f_dw.data(), g_don.data(), g_o.data(), g_inv.data(),
+                                     g_gp.data(), g_w.data(), head_rows, D, ws.data());
+    auto b_do = nan_bits(size_t(n));
+    auto b_dgp = nan_buffer(size_t(n)), b_dw = up(dw0);
+    kc::gated_rmsnorm_backward_train(b_do.data(), b_dgp.data(), b_dw.data(), g_don.data(), g_o.data(), g_inv.data(),
+                                     g_gp.data(), g_w.data(), head_rows, D, ws.data());
+    const Bits bdo = down(b_do);
+    const Vec bdgp = down(b_dgp), bdw = down(b_dw);
+    EXPECT_EQ(bdo, to_bf16(down(f_do))) << "d_o is not the fp32 form's d_o rounded to bf16, " << what;
+    EXPECT_TRUE(same_bits(bdgp, down(f_dgp))) << "dgp differs from the fp32 form's, " << what;
+    EXPECT_TRUE(same_bits(bdw, down(f_dw))) << "dw differs from the fp32 form's, " << what;
+    EXPECT_LE(rel(from_bf16(bdo), d_o), kBf16Tol) << "d_o, " << what;
+    EXPECT_LE(rel(bdgp, dgp), kTol) << "dgp, " << what;
+    EXPECT_ACCUMULATED(bdw, dw, dw0, "dw, " + what);
+  }
+}
+
 // ---- L2 norm -------------------------------------------------------------------------------------------------
 TEST(CudaTrainKdaOps, L2NormMatchesF64) {
   K3_REQUIRE_GPU();
@@ -339,6 +475,53 @@ TEST(CudaTrainKdaOps, L2NormMatchesF64) {
     // In place (d_in aliases d_out): the same bits.
     kc::l2norm_backward_train(g_dout.data(), g_dout.data(), g_out_saved.data(), g_inv_saved.data(), head_rows, D);
     EXPECT_TRUE(same_bits(down(g_dout), din)) << "in-place d_in differs, " << what;
+  }
+}
+
+// The bf16 forms: the forward's bf16 out is the fp32 form's out rounded; the backward takes that bf16 out and a
+// bf16 d_out and gives the fp32 form's bits on the same values.
+TEST(CudaTrainKdaOps, L2NormBf16FormsMatchTheFp32Form) {
+  K3_REQUIRE_GPU();
+  const int64_t head_rows = cu_of(kLens).back() * kH;
+  const float eps = 1e-6f;
+  uint64_t seed = 450;
+  for (int64_t D : kHeadDims) {
+    const int64_t n = head_rows * D;
+    const std::string what = "D " + std::to_string(D);
+    const Vec in = scaled_rows(randf(size_t(n), ++seed), D);
+    const Vec d_out = bf16_values(randf(size_t(n), ++seed));
+
+    DVec out = zeros(n), inv = zeros(head_rows);
+    const DVec in_d = widen(in);
+    k3::kda::l2norm_forward(out.data(), inv.data(), in_d.data(), head_rows, D, eps);
+
+    auto g_in = up(in), f_out = nan_buffer(size_t(n)), f_inv = nan_buffer(size_t(head_rows));
+    kc::l2norm_forward_train(f_out.data(), f_inv.data(), g_in.data(), head_rows, D, eps);
+    auto b_out = nan_bits(size_t(n));
+    auto b_inv = nan_buffer(size_t(head_rows));
+    kc::l2norm_forward_train(b_out.data(), b_inv.data(), g_in.data(), head_rows, D, eps);
+    const Bits out_bits = down(b_out);
+    const Vec inv_f = down(b_inv);
+    EXPECT_EQ(out_bits, to_bf16(down(f_out))) << "out is not the fp32 form's out rounded to bf16, " << what;
+    EXPECT_TRUE(same_bits(inv_f, down(f_inv))) << "inv differs from the fp32 form's, " << what;
+    EXPECT_LE(rel(from_bf16(out_bits), out), kBf16Tol) << "out, " << what;
+    EXPECT_LE(rel(inv_f, inv), kTol) << "inv, " << what;
+
+    // The backward on the bf16 forward's out (saved) and inv, and a bf16 d_out; the twin and the fp32 form see
+    // the same values.
+    const Vec out_saved = from_bf16(out_bits);
+    DVec d_in = zeros(n);
+    const DVec d_out_d = widen(d_out), out_sd = widen(out_saved), inv_fd = widen(inv_f);
+    k3::kda::l2norm_backward(d_in.data(), d_out_d.data(), out_sd.data(), inv_fd.data(), head_rows, D);
+    auto g_inv = up(inv_f);
+    auto f_dout = up(d_out), f_out_saved = up(out_saved), f_din = nan_buffer(size_t(n));
+    kc::l2norm_backward_train(f_din.data(), f_dout.data(), f_out_saved.data(), g_inv.data(), head_rows, D);
+    auto b_dout = up(to_bf16(d_out));
+    auto b_din = nan_buffer(size_t(n));
+    kc::l2norm_backward_train(b_din.data(), b_dout.data(), b_out.data(), g_inv.data(), head_rows, D);
+    const Vec bdin = down(b_din);
+    EXPECT_TRUE(same_bits(bdin, down(f_din))) << "d_in differs from the fp32 form's, " << what;
+    EXPECT_LE(rel(bdin, d_in), kTol) << "d_in, " << what;
   }
 }
 
@@ -402,8 +585,26 @@ TEST(CudaTrainKdaOps, BadArgumentsThrowNamedErrors) {
   EXPECT_NE(e.find("l2norm_backward_train: out is null"), std::string::npos) << e;
   e = error_of([&] { kc::sigmoid_forward_train(p, p, -1); });
   EXPECT_NE(e.find("sigmoid_forward_train"), std::string::npos) << e;
+  // The bf16 forms share the checks and name the same functions.
+  uint16_t* h = reinterpret_cast<uint16_t*>(uintptr_t(2048));
+  e = error_of([&] { kc::conv_silu_forward_train(p, h, p, p, 96, 9, cu, 2, 10); });
+  EXPECT_NE(e.find("conv_silu_forward_train: K must be in [1, 8]"), std::string::npos) << e;
+  e = error_of([&] { kc::conv_silu_backward_train(p, p + 64, h, p, p, p, 96, 4, cu, 2, 10, nullptr); });
+  EXPECT_NE(e.find("conv_silu_backward_train: workspace is null"), std::string::npos) << e;
+  e = error_of([&] {
+    kc::conv_silu_backward_train(p, p + 64, reinterpret_cast<const uint16_t*>(p), p, p, p, 96, 4, cu, 2, 10, ws);
+  });
+  EXPECT_NE(e.find("d_in must not alias d_act"), std::string::npos) << e;
+  e = error_of([&] { kc::gated_rmsnorm_backward_train(h, p, p, p, p, p, p, p, 10, 32, nullptr); });
+  EXPECT_NE(e.find("gated_rmsnorm_backward_train: workspace is null"), std::string::npos) << e;
+  e = error_of([&] { kc::l2norm_forward_train(h, p, p, 10, 0, 1e-6f); });
+  EXPECT_NE(e.find("l2norm_forward_train: need head_rows >= 0 and D >= 1"), std::string::npos) << e;
+  e = error_of([&] { kc::l2norm_backward_train(p, h, nullptr, p, 10, 32); });
+  EXPECT_NE(e.find("l2norm_backward_train: out is null"), std::string::npos) << e;
   // Empty inputs are no-ops (nothing is launched, no pointer is needed).
-  kc::conv_silu_forward_train(nullptr, nullptr, nullptr, nullptr, 96, 4, nullptr, 0, 0);
+  kc::conv_silu_forward_train(nullptr, static_cast<float*>(nullptr), nullptr, nullptr, 96, 4, nullptr, 0, 0);
+  kc::conv_silu_forward_train(nullptr, static_cast<uint16_t*>(nullptr), nullptr, nullptr, 96, 4, nullptr, 0, 0);
+  kc::l2norm_backward_train(nullptr, static_cast<const uint16_t*>(nullptr), nullptr, nullptr, 0, 32);
   kc::gate_backward_train(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, -5.0f, 0, 3, 32,
                           nullptr);
   EXPECT_EQ(kc::gate_backward_workspace_bytes(0, 3, 32), 0u);

@@ -1,7 +1,11 @@
 // The shared harness of the training KDA recurrence tests (test_cuda_train_kda_chunk.cpp: the fp32 kernels,
 // test_cuda_train_kda_chunk_tc.cpp: the bf16 tensor-core kernels): packed batches drawn per sequence, the float64
 // twin run sequence by sequence, a GPU run into NaN-filled outputs with a NaN guard after each, and the checks both
-// tests make. Each test names the entry points (Kernels) and its own tolerance. For builds with the CUDA backend.
+// tests make. Each test names the entry points (KernelsOf<T>) and its own tolerance. For builds with the CUDA backend.
+// The I/O type T is that of q, k, v, d_o, dq, dk, dv (float: the fp32 kernels; uint16_t, bf16 bits: the tensor-core
+// kernels); g, beta, o, dg, dbeta and the states are fp32 for both. For bf16 kernels the checks round the batch's q,
+// k, v and d_o to bf16 on the host first, so the float64 twin is given exactly the inputs the kernels get, and the
+// bf16 outputs are widened to fp32 (exactly) for the comparisons.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -12,10 +16,13 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "compare.h"
 #include "core/cuda.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/kda/kda_chunk_f64.h"
 #include "kernels/kda/kda_chunk_train_cuda.h"
@@ -28,7 +35,8 @@ using Vec = std::vector<float>;
 
 constexpr int kC = 16;
 constexpr size_t kGuard = 64;
-constexpr uint32_t kSentinel = 0x7fc00001u;  // a quiet NaN
+constexpr uint32_t kSentinel = 0x7fc00001u;  // a quiet NaN (fp32 outputs)
+constexpr uint16_t kSentinelBf16 = 0x7fc1u;  // a quiet NaN (bf16 outputs)
 
 enum class Gate { Random, AtBound, NearZero };
 inline const char* gate_name(Gate g) {
@@ -90,7 +98,24 @@ struct Outputs {
   std::vector<double> o, states, dq, dk, dv, dg, dbeta;  // the f64 twin's
 };
 
-// The f64 twin, sequence by sequence, on the same (fp32) inputs.
+// The batch as bf16 kernels take it: q, k, v and d_o rounded to bf16 (kept as fp32, exactly representable), so that
+// the f64 twin and any fp32 kernels run beside are given the very inputs the bf16 kernels get. g and beta stay fp32.
+inline Batch as_bf16_inputs(Batch bt) {
+  for (Vec* x : {&bt.q, &bt.k, &bt.v, &bt.d_o}) k3::round_to_bf16(x->data(), int64_t(x->size()));
+  return bt;
+}
+
+// Whether I/O type T is bf16 (uint16_t bits; else float), and the batch the kernels of I/O type T are tested on.
+template <typename T>
+constexpr bool kIsBf16 = std::is_same_v<T, uint16_t>;
+template <typename T>
+Batch inputs_for(Batch bt) {
+  static_assert(std::is_same_v<T, float> || kIsBf16<T>, "I/O type: float or uint16_t (bf16 bits)");
+  if constexpr (kIsBf16<T>) return as_bf16_inputs(std::move(bt));
+  else return bt;
+}
+
+// The f64 twin, sequence by sequence, on the inputs it is given (inputs_for: those the kernels get).
 inline Outputs reference(const Batch& bt) {
   const int64_t H = bt.H, D = bt.D, HD = H * D, DD = D * D;
   Outputs r;
@@ -117,77 +142,114 @@ inline Outputs reference(const Batch& bt) {
 }
 
 struct GpuOutputs {
-  Vec o, states, dq, dk, dv, dg, dbeta;
+  Vec o, states, dq, dk, dv, dg, dbeta;  // bf16 outputs widened to fp32 (exactly: the widening keeps every bit)
 };
 
-// An output buffer of n elements plus a guard, all NaN.
-inline DeviceBuffer<float> nan_buffer(size_t n) {
-  std::vector<uint32_t> bits(n + kGuard, kSentinel);
-  DeviceBuffer<float> d(n + kGuard);
-  k3::cuda::copy_to_device(d.data(), bits.data(), bits.size() * 4);
+// An output buffer of n elements of type T (float, or uint16_t bf16 bits) plus a guard, all NaN.
+template <typename T>
+DeviceBuffer<T> nan_buffer(size_t n) {
+  using Bits = std::conditional_t<kIsBf16<T>, uint16_t, uint32_t>;
+  static_assert(sizeof(Bits) == sizeof(T));
+  const Bits sentinel = kIsBf16<T> ? Bits(kSentinelBf16) : Bits(kSentinel);
+  std::vector<Bits> bits(n + kGuard, sentinel);
+  DeviceBuffer<T> d(n + kGuard);
+  k3::cuda::copy_to_device(d.data(), bits.data(), bits.size() * sizeof(Bits));
   return d;
 }
-// Downloads the n elements; fails the test if the guard after them was written.
-inline Vec download(const DeviceBuffer<float>& d, size_t n, const char* name) {
-  Vec h(n + kGuard);
+// Downloads the n elements (widening bf16 to fp32); fails the test if the guard after them was written.
+template <typename T>
+Vec download(const DeviceBuffer<T>& d, size_t n, const char* name) {
+  using Bits = std::conditional_t<kIsBf16<T>, uint16_t, uint32_t>;
+  const Bits sentinel = kIsBf16<T> ? Bits(kSentinelBf16) : Bits(kSentinel);
+  std::vector<T> h(n + kGuard);
   d.download(h.data(), h.size());
   for (size_t i = n; i < n + kGuard; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &h[i], 4);
-    if (bits != kSentinel) {
+    Bits bits;
+    std::memcpy(&bits, &h[i], sizeof(Bits));
+    if (bits != sentinel) {
       ADD_FAILURE() << name << ": written past its end at element " << i;
       break;
     }
   }
-  h.resize(n);
-  return h;
+  Vec r(n);
+  if constexpr (kIsBf16<T>) {
+    for (size_t i = 0; i < n; ++i) r[i] = k3::bf16_to_f32(h[i]);
+  } else {
+    std::memcpy(r.data(), h.data(), n * sizeof(float));  // every bit, NaN payloads included
+  }
+  return r;
+}
+// An input of I/O type T on the device. For bf16 the values must already be bf16 (inputs_for): the f64 twin is
+// given exactly what the kernels get, so any element the conversion would change fails the test.
+template <typename T>
+DeviceBuffer<T> upload_input(const Vec& x, const char* name) {
+  if constexpr (kIsBf16<T>) {
+    std::vector<uint16_t> b(x.size());
+    bool exact = true;
+    for (size_t i = 0; i < x.size(); ++i) {
+      b[i] = k3::f32_to_bf16(x[i]);
+      exact = exact && k3::bf16_to_f32(b[i]) == x[i];
+    }
+    if (!exact) ADD_FAILURE() << name << ": not rounded to bf16 before the reference (use inputs_for)";
+    return DeviceBuffer<uint16_t>(b.data(), b.size());
+  } else {
+    return DeviceBuffer<float>(x.data(), x.size());
+  }
 }
 
-// The entry points under test in one shape: the forward's tape (the fp32 kernels' tape is their fp32 states), the
-// workspaces (0: none), the forward, the backward (which reads the tape), and the tape's states as fp32 key-major
-// [chunks, H, D, D] for the comparison.
-struct Kernels {
-  size_t (*saved_bytes)(const k3::kda::cuda::KdaTrainParams&);
-  size_t (*forward_workspace_bytes)(const k3::kda::cuda::KdaTrainParams&);
-  size_t (*backward_workspace_bytes)(const k3::kda::cuda::KdaTrainParams&);
-  void (*forward)(const k3::kda::cuda::KdaTrainParams&, float* o, void* saved, void* workspace);
-  void (*backward)(const k3::kda::cuda::KdaTrainParams&, const float* d_o, const void* saved, float* dq, float* dk,
-                   float* dv, float* dg, float* dbeta, void* workspace);
-  void (*states)(const k3::kda::cuda::KdaTrainParams&, const void* saved, float* states);
+// The entry points under test in one shape, for I/O type T (q, k, v, d_o, dq, dk, dv; float or uint16_t bf16
+// bits): the forward's tape (the fp32 kernels' tape is their fp32 states), the workspaces (0: none), the forward,
+// the backward (which reads the tape), and the tape's states as fp32 key-major [chunks, H, D, D] for the comparison.
+template <typename T>
+struct KernelsOf {
+  using Params = k3::kda::cuda::KdaTrainParamsOf<T>;
+  size_t (*saved_bytes)(const Params&);
+  size_t (*forward_workspace_bytes)(const Params&);
+  size_t (*backward_workspace_bytes)(const Params&);
+  void (*forward)(const Params&, float* o, void* saved, void* workspace);
+  void (*backward)(const Params&, const T* d_o, const void* saved, T* dq, T* dk, T* dv, float* dg, float* dbeta,
+                   void* workspace);
+  void (*states)(const Params&, const void* saved, float* states);
 };
+using Fp32Kernels = KernelsOf<float>;
+using Bf16Kernels = KernelsOf<uint16_t>;
 
-inline const Kernels kFp32Kernels{k3::kda::cuda::kda_chunk_train_states_bytes,
-                                  k3::kda::cuda::kda_chunk_forward_train_workspace_bytes,
-                                  k3::kda::cuda::kda_chunk_backward_train_workspace_bytes,
-                                  [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void* ws) {
-                                    k3::kda::cuda::kda_chunk_forward_train(p, o, static_cast<float*>(saved), ws);
-                                  },
-                                  [](const k3::kda::cuda::KdaTrainParams& p, const float* d_o, const void* saved,
-                                     float* dq, float* dk, float* dv, float* dg, float* dbeta, void* ws) {
-                                    k3::kda::cuda::kda_chunk_backward_train(p, d_o, static_cast<const float*>(saved),
-                                                                            dq, dk, dv, dg, dbeta, ws);
-                                  },
-                                  [](const k3::kda::cuda::KdaTrainParams& p, const void* saved, float* states) {
-                                    k3::cuda::copy_on_device(states, saved,
-                                                             k3::kda::cuda::kda_chunk_train_states_bytes(p));
-                                  }};
+inline const Fp32Kernels kFp32Kernels{k3::kda::cuda::kda_chunk_train_states_bytes,
+                                      k3::kda::cuda::kda_chunk_forward_train_workspace_bytes,
+                                      k3::kda::cuda::kda_chunk_backward_train_workspace_bytes,
+                                      [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void* ws) {
+                                        k3::kda::cuda::kda_chunk_forward_train(p, o, static_cast<float*>(saved), ws);
+                                      },
+                                      [](const k3::kda::cuda::KdaTrainParams& p, const float* d_o, const void* saved,
+                                         float* dq, float* dk, float* dv, float* dg, float* dbeta, void* ws) {
+                                        k3::kda::cuda::kda_chunk_backward_train(p, d_o,
+                                                                                static_cast<const float*>(saved), dq,
+                                                                                dk, dv, dg, dbeta, ws);
+                                      },
+                                      [](const k3::kda::cuda::KdaTrainParams& p, const void* saved, float* states) {
+                                        k3::cuda::copy_on_device(states, saved,
+                                                                 k3::kda::cuda::kda_chunk_train_states_bytes(p));
+                                      }};
 
-inline const Kernels kBf16Kernels{k3::kda::cuda::kda_chunk_train_bf16_saved_bytes,
-                                  [](const k3::kda::cuda::KdaTrainParams&) { return size_t(0); },
-                                  k3::kda::cuda::kda_chunk_backward_train_bf16_workspace_bytes,
-                                  [](const k3::kda::cuda::KdaTrainParams& p, float* o, void* saved, void*) {
-                                    k3::kda::cuda::kda_chunk_forward_train_bf16(p, o, saved);
-                                  },
-                                  k3::kda::cuda::kda_chunk_backward_train_bf16,
-                                  k3::kda::cuda::kda_chunk_train_bf16_states};
+inline const Bf16Kernels kBf16Kernels{k3::kda::cuda::kda_chunk_train_bf16_saved_bytes,
+                                      [](const k3::kda::cuda::KdaTrainBf16Params&) { return size_t(0); },
+                                      k3::kda::cuda::kda_chunk_backward_train_bf16_workspace_bytes,
+                                      [](const k3::kda::cuda::KdaTrainBf16Params& p, float* o, void* saved, void*) {
+                                        k3::kda::cuda::kda_chunk_forward_train_bf16(p, o, saved);
+                                      },
+                                      k3::kda::cuda::kda_chunk_backward_train_bf16,
+                                      k3::kda::cuda::kda_chunk_train_bf16_states};
 
-inline GpuOutputs run_gpu(const Batch& bt, const Kernels& kernels) {
+// One forward and backward of `kernels` on bt (for bf16 kernels bt must hold bf16 values: inputs_for<T>).
+template <typename T>
+GpuOutputs run_gpu(const Batch& bt, const KernelsOf<T>& kernels) {
   const size_t nx = size_t(bt.rows) * bt.H * bt.D, nb = size_t(bt.rows) * bt.H;
   const size_t ns = size_t(bt.chunks) * bt.H * bt.D * bt.D;
-  DeviceBuffer<float> q(bt.q.data(), nx), k(bt.k.data(), nx), v(bt.v.data(), nx), g(bt.g.data(), nx);
-  DeviceBuffer<float> beta(bt.beta.data(), nb), d_o(bt.d_o.data(), nx);
+  DeviceBuffer<T> q = upload_input<T>(bt.q, "q"), k = upload_input<T>(bt.k, "k"), v = upload_input<T>(bt.v, "v"),
+                  d_o = upload_input<T>(bt.d_o, "d_o");
+  DeviceBuffer<float> g(bt.g.data(), nx), beta(bt.beta.data(), nb);
   DeviceBuffer<int32_t> cu(bt.cu.data(), bt.cu.size()), co(bt.co.data(), bt.co.size());
-  k3::kda::cuda::KdaTrainParams p;
+  typename KernelsOf<T>::Params p;
   p.q = q.data();
   p.k = k.data();
   p.v = v.data();
@@ -204,9 +266,9 @@ inline GpuOutputs run_gpu(const Batch& bt, const Kernels& kernels) {
   p.scale = bt.scale;
   const size_t ws_bytes = std::max(kernels.forward_workspace_bytes(p), kernels.backward_workspace_bytes(p));
   DeviceBuffer<unsigned char> ws(std::max<size_t>(ws_bytes, 16)), saved(std::max<size_t>(kernels.saved_bytes(p), 16));
-  DeviceBuffer<float> o = nan_buffer(nx), states = nan_buffer(ns);
-  DeviceBuffer<float> dq = nan_buffer(nx), dk = nan_buffer(nx), dv = nan_buffer(nx), dg = nan_buffer(nx),
-                      dbeta = nan_buffer(nb);
+  DeviceBuffer<float> o = nan_buffer<float>(nx), states = nan_buffer<float>(ns);
+  DeviceBuffer<T> dq = nan_buffer<T>(nx), dk = nan_buffer<T>(nx), dv = nan_buffer<T>(nx);
+  DeviceBuffer<float> dg = nan_buffer<float>(nx), dbeta = nan_buffer<float>(nb);
   kernels.forward(p, o.data(), saved.data(), ws.data());
   kernels.backward(p, d_o.data(), saved.data(), dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), ws.data());
   kernels.states(p, saved.data(), states.data());
@@ -225,9 +287,12 @@ inline GpuOutputs run_gpu(const Batch& bt, const Kernels& kernels) {
 constexpr int kHeadDims[] = {128, 64, 32};
 constexpr Gate kGates[] = {Gate::Random, Gate::AtBound, Gate::NearZero};
 
-// Every output of `kernels` against the f64 twin (relative L2 <= tol), at every head dim and gate regime. With
-// fp32 (the fp32 SIMT kernels beside a bf16 run), those run on the same batches too and must meet fp32_tol.
-inline void check_against_f64(const Kernels& kernels, double tol, const Kernels* fp32 = nullptr, double fp32_tol = 0) {
+// Every output of `kernels` against the f64 twin (relative L2 <= tol), at every head dim and gate regime, on the
+// inputs the kernels take (bf16 kernels: q, k, v, d_o rounded to bf16 for the twin too). With fp32 (the fp32 SIMT
+// kernels beside a bf16 run), those run on the same (rounded) batches with fp32 inputs and must meet fp32_tol.
+template <typename T>
+void check_against_f64(const KernelsOf<T>& kernels, double tol, const Fp32Kernels* fp32 = nullptr,
+                       double fp32_tol = 0) {
   uint64_t seed = 1;
   for (const int D : kHeadDims)
     for (const Gate gate : kGates) {
@@ -235,7 +300,7 @@ inline void check_against_f64(const Kernels& kernels, double tol, const Kernels*
       SCOPED_TRACE("D=" + std::to_string(D) + " H=" + std::to_string(H) + " gate=" + gate_name(gate));
       std::vector<SeqSpec> seqs;
       for (const int32_t len : {1, 16, 17, 50, 300}) seqs.push_back({len, ++seed});
-      const Batch bt = make_batch(seqs, H, D, gate);
+      const Batch bt = inputs_for<T>(make_batch(seqs, H, D, gate));
       const Outputs ref = reference(bt);
       const GpuOutputs gpu = run_gpu(bt, kernels);
       GpuOutputs f32;
@@ -260,14 +325,16 @@ inline void check_against_f64(const Kernels& kernels, double tol, const Kernels*
 }
 
 // A sequence's outputs do not depend on what is packed with it, and a batch gives the same bits run to run; the
-// pack (with an empty sequence in it) still matches the f64 twin's o and dg within relative L2 tol.
-inline void check_packing_independent(const Kernels& kernels, double tol) {
+// pack (with an empty sequence in it) still matches the f64 twin's o and dg within relative L2 tol. The bitwise
+// comparisons cover the bf16 outputs too (their fp32 widening keeps every bit and nothing else).
+template <typename T>
+void check_packing_independent(const KernelsOf<T>& kernels, double tol) {
   for (const int D : kHeadDims) {
     SCOPED_TRACE("D=" + std::to_string(D));
     const int H = 2;
     const SeqSpec x{50, 777};
-    const Batch alone = make_batch({x}, H, D, Gate::Random);
-    const Batch packed = make_batch({{300, 11}, {0, 12}, {17, 13}, x, {1, 14}}, H, D, Gate::Random);
+    const Batch alone = inputs_for<T>(make_batch({x}, H, D, Gate::Random));
+    const Batch packed = inputs_for<T>(make_batch({{300, 11}, {0, 12}, {17, 13}, x, {1, 14}}, H, D, Gate::Random));
     const GpuOutputs a = run_gpu(alone, kernels), p = run_gpu(packed, kernels), p2 = run_gpu(packed, kernels);
     // x is sequence 3 of the pack: rows from cu[3], chunks from co[3].
     const size_t HD = size_t(H) * D, r0 = size_t(packed.cu[3]), c0 = size_t(packed.co[3]);
@@ -295,8 +362,10 @@ inline void check_packing_independent(const Kernels& kernels, double tol) {
 
 // Bad arguments are k3::Errors raised on the host before anything is launched (no GPU needed); rows = 0 is a
 // no-op that touches nothing.
-inline void check_rejects_bad_arguments(const Kernels& kernels) {
-  k3::kda::cuda::KdaTrainParams p;
+template <typename T>
+void check_rejects_bad_arguments(const KernelsOf<T>& kernels) {
+  using Params = typename KernelsOf<T>::Params;
+  Params p;
   p.B = 1;
   p.rows = 20;
   p.chunks = 2;
@@ -307,28 +376,29 @@ inline void check_rejects_bad_arguments(const Kernels& kernels) {
   EXPECT_GE(kernels.saved_bytes(p), size_t(p.chunks * p.H * p.D * p.D) * 2);  // at least the states in bf16
   EXPECT_GT(kernels.backward_workspace_bytes(p), kernels.forward_workspace_bytes(p));
   float dummy[4] = {};
+  alignas(16) T io[8] = {};  // q, k, v, d_o, dq, dk, dv stand-ins of the I/O type
   alignas(16) unsigned char ws[16];
   {
-    k3::kda::cuda::KdaTrainParams b = p;
+    Params b = p;
     b.D = 48;
     EXPECT_THROW(kernels.saved_bytes(b), k3::Error);
     EXPECT_THROW(kernels.forward(b, dummy, ws, ws), k3::Error);
   }
   {
-    k3::kda::cuda::KdaTrainParams b = p;
+    Params b = p;
     b.H = 0;
     EXPECT_THROW(kernels.backward_workspace_bytes(b), k3::Error);
   }
   {
-    k3::kda::cuda::KdaTrainParams b = p;
+    Params b = p;
     b.chunks = 1;  // 20 rows need at least 2 chunks
     EXPECT_THROW(kernels.forward(b, dummy, ws, ws), k3::Error);
   }
   // Null inputs (rows > 0) are rejected before launch.
   EXPECT_THROW(kernels.forward(p, dummy, ws, ws), k3::Error);
-  EXPECT_THROW(kernels.backward(p, dummy, ws, dummy, dummy, dummy, dummy, dummy, ws), k3::Error);
+  EXPECT_THROW(kernels.backward(p, io, ws, io, io, io, dummy, dummy, ws), k3::Error);
   // rows = 0 is a no-op that touches nothing.
-  k3::kda::cuda::KdaTrainParams e;
+  Params e;
   e.H = 2;
   e.D = 32;
   EXPECT_EQ(kernels.saved_bytes(e), 0u);

@@ -79,8 +79,12 @@ namespace k3::kda::cuda {
 // Packed varlen batch: q, k, v, g [rows, H, D] (row-major [rows, H*D]), beta [rows, H]. Sequence b is rows
 // [cu_seqlens[b], cu_seqlens[b+1]); its chunks are 16-row pieces from its first row (the last may be shorter);
 // chunk_offsets[b] = sum_{b'<b} ceil(len_b'/16) (device, B+1 entries).
-struct KdaTrainParams {
-  const float *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
+// q, k, v [rows, H*D] of element type T (float here; bf16 bits, uint16_t, for the tensor-core kernels of
+// kda_chunk_train_tc_cuda.h), g [rows, H*D] and beta [rows, H] fp32 in both.
+template <class T>
+struct KdaTrainParamsOf {
+  const T *q = nullptr, *k = nullptr, *v = nullptr;
+  const float *g = nullptr, *beta = nullptr;
   const int32_t* cu_seqlens = nullptr;
   const int32_t* chunk_offsets = nullptr;
   int B = 0;
@@ -88,6 +92,7 @@ struct KdaTrainParams {
   int H = 0, D = 0;                           // D = head dim (key = value dim), one of 32, 64, 128
   float scale = 0;                            // 1/sqrt(D)
 };
+using KdaTrainParams = KdaTrainParamsOf<float>;
 
 // o [rows, H*D] OVERWRITTEN; states [chunks, H, D, D] OVERWRITTEN: the state entering each chunk (key-major
 // S[dk][dv]; zeros for a sequence's first chunk), as the f64 forward's chunk_states.

@@ -30,12 +30,24 @@ using chunk_train::ChunkLoc;
 using chunk_train::locate_chunk;
 
 using bf16 = __nv_bfloat16;
+using Params = KdaTrainBf16Params;  // q, k, v bf16 (as bf16 on the device), g, beta fp32
 constexpr int kMid = 7;       // the re-reference position of A and M (Gamma_m)
 constexpr int kLdT = 24;      // row stride (bf16) of a 16x16 tile in shared memory: 48 bytes, conflict-free ldmatrix
 
 template <int D>
 constexpr int ld_of() {  // row stride (bf16) of [16][D] and [D][D] tiles: D + 8 (a 16-byte shift per row)
   return D + 8;
+}
+
+// bf16 inputs arrive as uint16_t bits (the host side's type): element i, and the pair i, i + 1 widened.
+__device__ __forceinline__ float ld_bf16(const uint16_t* x, int64_t i) {
+  return __bfloat162float(reinterpret_cast<const bf16*>(x)[i]);
+}
+__device__ __forceinline__ float2 ld_bf16x2(const uint16_t* x, int64_t i) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + i));
+}
+__device__ __forceinline__ void st_bf16x2(uint16_t* x, int64_t i, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(x + i) = __floats2bfloat162_rn(a, b);
 }
 
 // ---- fragments --------------------------------------------------------------------------------------------
@@ -119,7 +131,7 @@ constexpr int prep_threads() {
 }
 
 template <int D>
-__global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kernel(KdaTrainParams p, unsigned char* items) {
+__global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kernel(Params p, unsigned char* items) {
   __shared__ __align__(16) PrepSmem<D> s;
   using I = Item<D>;
   constexpr int LD = ld_of<D>();
@@ -150,8 +162,8 @@ __global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kern
       const bool ok = half * 8 + i < n;
       const int64_t off = base + i * HD;
       gin[i] = ok ? *reinterpret_cast<const float2*>(p.g + off) : make_float2(0.f, 0.f);
-      qv[i] = ok ? *reinterpret_cast<const float2*>(p.q + off) : make_float2(0.f, 0.f);
-      kv[i] = ok ? *reinterpret_cast<const float2*>(p.k + off) : make_float2(0.f, 0.f);
+      qv[i] = ok ? ld_bf16x2(p.q, off) : make_float2(0.f, 0.f);
+      kv[i] = ok ? ld_bf16x2(p.k, off) : make_float2(0.f, 0.f);
     }
     float2 gam[C / 2], G = make_float2(0.f, 0.f);
 #pragma unroll
@@ -230,7 +242,7 @@ __global__ void __launch_bounds__(prep_threads<D>(), D == 128 ? 8 : 1) prep_kern
 
 // ---- sequential kernels ---------------------------------------------------------------------------------------
 // One CTA of seq_warps<D>() warps per (sequence, head, NV = 16 * warps value columns). The chunk's item and its
-// fp32 [16][NV] tile of V (forward) or dO (backward) arrive by cp.async kStages - 1 chunks ahead, so a step waits
+// bf16 [16][NV] tile of V (forward) or dO (backward) arrive by cp.async kStages - 1 chunks ahead, so a step waits
 // on neither: at a few CTAs per SM the step's latency is the kernels' time (docs/CUDA.md, KDA: the inference
 // recurrence's measurements), and a load issued in the step that uses it costs a memory round trip each step.
 template <int D>
@@ -241,10 +253,11 @@ constexpr int kStages = 4;
 
 template <int D>
 struct SeqStage {
-  static constexpr int NV = 16 * seq_warps<D>(), kLdX = NV + 4;  // +4 floats: the fragment reads of 4 token rows
-                                                                 // (8 banks apart) x 8 values hit 32 banks
+  // +8 bf16 (16 bytes): rows 2 apart are 8 banks apart, so the fragment reads of 4 token rows x 8 values hit 16
+  // distinct banks, and each row stays a run of 16-byte pieces for cp.async.
+  static constexpr int NV = 16 * seq_warps<D>(), kLdX = NV + 8;
   ItemSmem<D> it;
-  float X[C][kLdX];  // V or dO: token rows, the CTA's value columns
+  bf16 X[C][kLdX];  // V or dO: token rows, the CTA's value columns
 };
 template <int D>
 struct SeqSmem {
@@ -255,9 +268,9 @@ struct SeqSmem {
 // Queues the copies of chunk (item `item`, token rows from `x` with row stride HD, n of them valid) into stage `st`;
 // rows >= n of X are zero-filled. Every thread of the CTA takes part; one commit group.
 template <int D>
-__device__ __forceinline__ void load_stage(SeqStage<D>& st, const unsigned char* item, const float* x, int64_t HD,
+__device__ __forceinline__ void load_stage(SeqStage<D>& st, const unsigned char* item, const bf16* x, int64_t HD,
                                            int n) {
-  constexpr int NT = 32 * seq_warps<D>(), kPieces = Item<D>::kBytes / 16, NV = SeqStage<D>::NV, RP = NV / 4;
+  constexpr int NT = 32 * seq_warps<D>(), kPieces = Item<D>::kBytes / 16, NV = SeqStage<D>::NV, RP = NV / 8;
   const uint32_t dst = ptx::smem_u32(&st.it);
 #pragma unroll
   for (int k = 0; k < (kPieces + NT - 1) / NT; ++k) {
@@ -268,7 +281,7 @@ __device__ __forceinline__ void load_stage(SeqStage<D>& st, const unsigned char*
   for (int k = 0; k < (C * RP + NT - 1) / NT; ++k) {
     const int i = threadIdx.x + k * NT, r = i / RP, pc = i % RP;
     if ((C * RP) % NT == 0 || i < C * RP)
-      ptx::cp_async16(ptx::smem_u32(&st.X[r][pc * 4]), x + (r < n ? r * HD + pc * 4 : 0), r < n ? 16 : 0);
+      ptx::cp_async16(ptx::smem_u32(&st.X[r][pc * 8]), x + (r < n ? r * HD + pc * 8 : 0), r < n ? 16 : 0);
   }
 }
 
@@ -332,7 +345,7 @@ struct StateOut {
 // first value column.
 template <int D, bool kReverse>
 __device__ __forceinline__ void queue_step(SeqSmem<D>& sm, const SeqWalk& w, int64_t i, int stage,
-                                           const unsigned char* items, const float* x, int H, int h) {
+                                           const unsigned char* items, const bf16* x, int H, int h) {
   if (i < w.nch) {
     const int64_t lc = w.chunk(i, kReverse);
     load_stage<D>(sm.st[stage], items + ((w.c0 + lc) * H + h) * Item<D>::kBytes,
@@ -359,7 +372,7 @@ template <int D>
 struct StageAddr {
   uint32_t Kt, Qt, Kd, Aw, A, M;
   const float* El;
-  const float* X;
+  const bf16* X;
   __device__ __forceinline__ StageAddr(const SeqStage<D>& st) {
     const uint32_t base = ptx::smem_u32(&st);
     Kt = base + Item<D>::kKt, Qt = base + Item<D>::kQt, Kd = base + Item<D>::kKd;
@@ -373,7 +386,7 @@ struct StageAddr {
 // tile of keys 8 nt .. 8 nt + 7.
 template <int D>
 __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
-    fwd_seq_kernel(KdaTrainParams p, const unsigned char* items, float* o, bf16* states) {
+    fwd_seq_kernel(Params p, const unsigned char* items, float* o, bf16* states) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
   constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV, kLdX = SeqStage<D>::kLdX;
@@ -383,7 +396,7 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
   const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b],
                   (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
   const int64_t HD = int64_t(p.H) * D;
-  const float* x = p.v + int64_t(h) * D + blockIdx.z * NV;
+  const bf16* x = reinterpret_cast<const bf16*>(p.v) + int64_t(h) * D + blockIdx.z * NV;
   const LaneOff big(LD), small(kLdT);
   const int xo = 2 * q * kLdX + wv + g;  // X[2q][wv + g]: this lane's first V^T element
   // o's element (token row0 + 2q, column v0 + g); (8 j + (e & 1)) HD + 8 (e >> 1) from there.
@@ -412,7 +425,7 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[j][e] = sa.X[xo + (8 * j + (e & 1)) * kLdX + 8 * (e >> 1)];
+      for (int e = 0; e < 4; ++e) y[j][e] = __bfloat162float(sa.X[xo + (8 * j + (e & 1)) * kLdX + 8 * (e >> 1)]);
     // S0^T as A operands (keys 16 ks .. 16 ks + 15), for Y^T and O^T.
     float pk[2][4], ok[2][4];
     zero2(pk);
@@ -482,8 +495,7 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
 // Backward, sequential part: the forward's grid, chunks in reverse; warp w keeps dS^T (16 values x D keys).
 template <int D>
 __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
-    bwd_seq_kernel(KdaTrainParams p, const unsigned char* items, const float* d_o, bf16* dstates, float* dB,
-                   float* dv) {
+    bwd_seq_kernel(Params p, const unsigned char* items, const bf16* d_o, bf16* dstates, bf16* dB, bf16* dv) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SeqSmem<D>& sm = *reinterpret_cast<SeqSmem<D>*>(smem_raw);
   constexpr int LD = ld_of<D>(), NV = SeqStage<D>::NV, kLdX = SeqStage<D>::kLdX;
@@ -493,13 +505,13 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
   const SeqWalk w{p.cu_seqlens[b], p.cu_seqlens[b + 1], p.chunk_offsets[b],
                   (p.cu_seqlens[b + 1] - p.cu_seqlens[b] + C - 1) / C};
   const int64_t HD = int64_t(p.H) * D;
-  const float* x = d_o + int64_t(h) * D + blockIdx.z * NV;
+  const bf16* x = d_o + int64_t(h) * D + blockIdx.z * NV;
   const LaneOff big(LD), small(kLdT);
   const int xo = 2 * q * kLdX + wv + g;  // X[2q][wv + g]: this lane's first dO^T element
   // dv's and dB's element (token 2q of the last chunk, column v0 + g); (8 j + (e & 1)) HD + 8 (e >> 1) from there.
   const int64_t lane_off = (w.begin + C * (w.nch - 1) + 2 * q) * HD + int64_t(h) * D + v0 + g;
-  float* dv_lane = dv + lane_off;
-  float* dB_lane = dB + lane_off;
+  bf16* dv_lane = dv + lane_off;
+  bf16* dB_lane = dB + lane_off;
   const int64_t st_step = int64_t(p.H) * D * D;
   bf16* st_rows = dstates + (((w.c0 + w.nch - 1) * p.H + h) * D + v0) * D;  // the last chunk's dS^T rows
   float dS[D / 8][4];
@@ -524,7 +536,7 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int off = xo + (k & 1) * 8 + (k >> 1) * 8 * kLdX;  // value g + 8 (k & 1), token 2q + 8 (k >> 1)
-      ado[k] = ptx::pack_bf16x2(sa.X[off], sa.X[off + kLdX]);
+      ado[k] = uint32_t(__bfloat16_as_ushort(sa.X[off])) | uint32_t(__bfloat16_as_ushort(sa.X[off + kLdX])) << 16;
     }
     // dU^T = dS^T Kd^T + dO^T M.
     float du[2][4];
@@ -568,8 +580,8 @@ __global__ void __launch_bounds__(seq_warps<D>() * 32, 1)
       for (int e = 0; e < 4; ++e)
         if (8 * j + 2 * q + (e & 1) < n) {
           const int64_t off = (8 * j + (e & 1)) * HD + 8 * (e >> 1);
-          dv_lane[off] = dx[j][e];
-          dB_lane[off] = du[j][e] - ax[j][e];
+          dv_lane[off] = __float2bfloat16_rn(dx[j][e]);
+          dB_lane[off] = __float2bfloat16_rn(du[j][e] - ax[j][e]);
         }
     dv_lane -= C * HD;
     dB_lane -= C * HD;
@@ -632,9 +644,8 @@ struct BwdChunkSmem {
 // X^T (phase 2) and key channels 16 w .. 16 w + 15 of the gradients (phases 3-5).
 template <int D>
 __global__ void __launch_bounds__(2 * D, 2)
-    bwd_chunk_kernel(KdaTrainParams p, const unsigned char* items, const bf16* states, const float* d_o,
-                     const bf16* dstates, const float* dB, const float* dv, float* dq, float* dk, float* dg,
-                     float* dbeta) {
+    bwd_chunk_kernel(Params p, const unsigned char* items, const bf16* states, const bf16* d_o, const bf16* dstates,
+                     const bf16* dB, const bf16* dv, uint16_t* dq, uint16_t* dk, float* dg, float* dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using Sm = BwdChunkSmem<D>;
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
@@ -653,9 +664,9 @@ __global__ void __launch_bounds__(2 * D, 2)
   bf16* const S0T = s.S0T();
   bf16* const dST = s.dST();
 
-  // Phase 1: S0^T, Kt, Aw, A by cp.async (one group), dS^T (a second group, not needed before phase 3); meanwhile
-  // dO, dX (bf16 tiles), the decays (threads c < D), and into registers this warp's V^T and dB^T (phase 2) and this
-  // thread's q, k (phase 3b). The tape's permuted state pieces go back in order.
+  // Phase 1: S0^T, Kt, Aw, A by cp.async (one group), dS^T, dO and dX (a second group, not needed before phase 3);
+  // meanwhile the decays (threads c < D), and into registers this warp's V^T and dB^T (phase 2) and this thread's q,
+  // k (phase 3b). The tape's permuted state pieces go back in order; dO, dX rows >= n are zero-filled.
   auto load_state = [&](bf16* dst, const bf16* src) {
     for (int i = tid; i < D * RP; i += NT) {
       const int r = i / RP, pc = i % RP;
@@ -669,18 +680,13 @@ __global__ void __launch_bounds__(2 * D, 2)
     ptx::cp_async16(ptx::smem_u32(&s.Aw[0][0]) + i * 16, it + I::kAw + i * 16, 16);
   ptx::cp_async_commit();
   load_state(dST, dSg);
-  ptx::cp_async_commit();
-#pragma unroll
-  for (int k = 0; k < C / 4; ++k) {  // C D / 2 pairs over 2 D threads
-    const int i = tid + k * NT, r = (2 * i) / D, c = (2 * i) % D;
-    float2 o = make_float2(0.f, 0.f), x = make_float2(0.f, 0.f);
-    if (r < n) {
-      o = *reinterpret_cast<const float2*>(d_o + (row0 + r) * HD + hD + c);
-      x = *reinterpret_cast<const float2*>(dv + (row0 + r) * HD + hD + c);
-    }
-    *reinterpret_cast<uint32_t*>(&s.dO[r][c]) = ptx::pack_bf16x2(o.x, o.y);
-    *reinterpret_cast<uint32_t*>(&s.dX[r][c]) = ptx::pack_bf16x2(x.x, x.y);
+  for (int i = tid; i < C * RP; i += NT) {
+    const int r = i / RP, pc = i % RP;
+    const int64_t off = r < n ? (row0 + r) * HD + hD + pc * 8 : 0;
+    ptx::cp_async16(ptx::smem_u32(&s.dO[r][pc * 8]), d_o + off, r < n ? 16 : 0);
+    ptx::cp_async16(ptx::smem_u32(&s.dX[r][pc * 8]), dv + off, r < n ? 16 : 0);
   }
+  ptx::cp_async_commit();
   const int v0 = warp * 16;  // phase 2: value rows; phases 3-5: key channels (n0)
   float y[2][4], db[2][4];   // V^T, dB^T (value row, token column)
 #pragma unroll
@@ -689,8 +695,8 @@ __global__ void __launch_bounds__(2 * D, 2)
     for (int e = 0; e < 4; ++e) {
       const int tok = frag_col(j, e);
       const int64_t off = (row0 + tok) * HD + hD + v0 + frag_row(e);
-      y[j][e] = tok < n ? p.v[off] : 0.f;
-      db[j][e] = tok < n ? dB[off] : 0.f;
+      y[j][e] = tok < n ? ld_bf16(p.v, off) : 0.f;
+      db[j][e] = tok < n ? __bfloat162float(dB[off]) : 0.f;
     }
   const int c_own = tid % D, r_own = tid / D;  // phase 3b: channel c_own of rows r_own, r_own + 2, ..
   float qv[C / 2], kv[C / 2];
@@ -698,8 +704,8 @@ __global__ void __launch_bounds__(2 * D, 2)
   for (int i = 0; i < C / 2; ++i) {
     const int r = r_own + 2 * i;
     const int64_t off = (row0 + r) * HD + hD + c_own;
-    qv[i] = r < n ? p.scale * p.q[off] : 0.f;
-    kv[i] = r < n ? p.k[off] : 0.f;
+    qv[i] = r < n ? p.scale * ld_bf16(p.q, off) : 0.f;
+    kv[i] = r < n ? ld_bf16(p.k, off) : 0.f;
   }
   if (tid < D) {
     float gin[C];
@@ -867,7 +873,8 @@ __global__ void __launch_bounds__(2 * D, 2)
     mma2(dki, aat, br);
     mma2(dki, amt, bq);
   }
-  // Phase 5: the elementwise chain rule per accumulator pair (r, c), (r, c + 1), in fp32 from the fp32 inputs.
+  // Phase 5: the elementwise chain rule per accumulator pair (r, c), (r, c + 1), in fp32 from the inputs (bf16 q, k
+  // widened exactly; fp32 decays); dq, dk rounded to bf16 once, at the store.
   float(*dgam)[D] = s.dgam();
   float(*ykd)[D] = s.ykd();
 #pragma unroll
@@ -878,7 +885,7 @@ __global__ void __launch_bounds__(2 * D, 2)
       float2 dgam2 = make_float2(0.f, 0.f), y2 = make_float2(0.f, 0.f);
       if (r < n) {
         const int64_t off = (row0 + r) * HD + hD + c;
-        const float2 q2 = *reinterpret_cast<const float2*>(p.q + off), k2 = *reinterpret_cast<const float2*>(p.k + off);
+        const float2 q2 = ld_bf16x2(p.q, off), k2 = ld_bf16x2(p.k, off);
         float dq2[2], dk2[2], dgm[2], yy[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -894,8 +901,8 @@ __global__ void __launch_bounds__(2 * D, 2)
           yy[i] = r == n - 1 ? 0.f : gkd * (kv_ * eP);  // Kd_{n-1} = k_{n-1}: no dependence on Gamma
           dgm[i] = gqt * (qv_ * E) + gkt * (kv_ * E) - yy[i] + gqr * (qv_ * eR) + gkr * (kv_ * eR) - gki * (kv_ * eI);
         }
-        *reinterpret_cast<float2*>(dq + off) = make_float2(dq2[0], dq2[1]);
-        *reinterpret_cast<float2*>(dk + off) = make_float2(dk2[0], dk2[1]);
+        st_bf16x2(dq, off, dq2[0], dq2[1]);
+        st_bf16x2(dk, off, dk2[0], dk2[1]);
         dgam2 = make_float2(dgm[0], dgm[1]);
         y2 = make_float2(yy[0], yy[1]);
       }
@@ -940,7 +947,7 @@ static_assert(sizeof(BwdChunkSmem<128>) <= kMaxSmem / 2 - 1024 && sizeof(SeqSmem
 size_t item_bytes(int D) {
   return size_t(D == 32 ? Item<32>::kBytes : D == 64 ? Item<64>::kBytes : Item<128>::kBytes);
 }
-size_t states_bytes(const KdaTrainParams& p) { return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 2; }
+size_t states_bytes(const Params& p) { return size_t(p.chunks) * size_t(p.H) * size_t(p.D) * size_t(p.D) * 2; }
 
 template <class Kernel, class... Args>
 void launch(Kernel kernel, bool& attr_set, dim3 grid, int threads, size_t smem, Args... args) {
@@ -953,12 +960,12 @@ void launch(Kernel kernel, bool& attr_set, dim3 grid, int threads, size_t smem, 
 }
 
 template <int D>
-dim3 seq_grid(const KdaTrainParams& p) {
+dim3 seq_grid(const Params& p) {
   return dim3(unsigned(p.B), unsigned(p.H), unsigned(D / SeqStage<D>::NV));
 }
 
 template <int D>
-void forward(const KdaTrainParams& p, float* o, void* saved) {
+void forward(const Params& p, float* o, void* saved) {
   auto* states = static_cast<bf16*>(saved);
   auto* items = static_cast<unsigned char*>(saved) + states_bytes(p);
   prep_kernel<D><<<chunk_train::chunk_head_grid(p.chunks, p.H), prep_threads<D>()>>>(p, items);
@@ -969,33 +976,33 @@ void forward(const KdaTrainParams& p, float* o, void* saved) {
 }
 
 template <int D>
-void backward(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk, float* dv, float* dg,
+void backward(const Params& p, const bf16* d_o, const void* saved, uint16_t* dq, uint16_t* dk, bf16* dv, float* dg,
               float* dbeta, void* workspace) {
   const auto* states = static_cast<const bf16*>(saved);
   const auto* items = static_cast<const unsigned char*>(saved) + states_bytes(p);
   auto* dstates = static_cast<bf16*>(workspace);
-  float* dB = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + states_bytes(p));
+  bf16* dB = reinterpret_cast<bf16*>(static_cast<unsigned char*>(workspace) + states_bytes(p));
   static bool attr_seq = false, attr_chunk = false;
   launch(bwd_seq_kernel<D>, attr_seq, seq_grid<D>(p), seq_warps<D>() * 32, sizeof(SeqSmem<D>), p, items, d_o, dstates, dB,
          dv);
   launch(bwd_chunk_kernel<D>, attr_chunk, chunk_train::chunk_head_grid(p.chunks, p.H), 2 * D, sizeof(BwdChunkSmem<D>),
-         p, items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const float*>(dB),
-         static_cast<const float*>(dv), dq, dk, dg, dbeta);
+         p, items, states, d_o, static_cast<const bf16*>(dstates), static_cast<const bf16*>(dB),
+         static_cast<const bf16*>(dv), dq, dk, dg, dbeta);
 }
 
 }  // namespace
 
-size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p) {
+size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainBf16Params& p) {
   chunk_train::check_params("kda_chunk_train_bf16_saved_bytes", p);
   return states_bytes(p) + size_t(p.chunks) * size_t(p.H) * item_bytes(p.D);
 }
 
-size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p) {
+size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainBf16Params& p) {
   chunk_train::check_params("kda_chunk_backward_train_bf16_workspace_bytes", p);
-  return states_bytes(p) + size_t(p.rows) * size_t(p.H) * size_t(p.D) * 4;
+  return states_bytes(p) + size_t(p.rows) * size_t(p.H) * size_t(p.D) * 2;
 }
 
-void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved) {
+void kda_chunk_forward_train_bf16(const KdaTrainBf16Params& p, float* o, void* saved) {
   const char* fn = "kda_chunk_forward_train_bf16";
   chunk_train::check_params(fn, p);
   if (p.rows == 0) return;
@@ -1010,20 +1017,23 @@ void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved
   }
 }
 
-void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk,
-                                   float* dv, float* dg, float* dbeta, void* workspace) {
+void kda_chunk_backward_train_bf16(const KdaTrainBf16Params& p, const uint16_t* d_o, const void* saved, uint16_t* dq,
+                                   uint16_t* dk, uint16_t* dv, float* dg, float* dbeta, void* workspace) {
   const char* fn = "kda_chunk_backward_train_bf16";
   if (!chunk_train::check_backward(fn, p, d_o, saved, dq, dk, dv, dg, dbeta, workspace)) return;
   chunk_train::check_workspace(fn, saved, "the tape (saved)");
-  K3_CHECK(reinterpret_cast<uintptr_t>(d_o) % 16 == 0, fn, ": d_o must be 16-byte aligned");
+  K3_CHECK(reinterpret_cast<uintptr_t>(d_o) % 16 == 0 && reinterpret_cast<uintptr_t>(dv) % 16 == 0, fn,
+           ": d_o and dv must be 16-byte aligned");
+  const auto* o16 = reinterpret_cast<const bf16*>(d_o);
+  auto* dv16 = reinterpret_cast<bf16*>(dv);
   switch (p.D) {
-    case 32: backward<32>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
-    case 64: backward<64>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
-    default: backward<128>(p, d_o, saved, dq, dk, dv, dg, dbeta, workspace); break;
+    case 32: backward<32>(p, o16, saved, dq, dk, dv16, dg, dbeta, workspace); break;
+    case 64: backward<64>(p, o16, saved, dq, dk, dv16, dg, dbeta, workspace); break;
+    default: backward<128>(p, o16, saved, dq, dk, dv16, dg, dbeta, workspace); break;
   }
 }
 
-void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, float* states) {
+void kda_chunk_train_bf16_states(const KdaTrainBf16Params& p, const void* saved, float* states) {
   const char* fn = "kda_chunk_train_bf16_states";
   chunk_train::check_params(fn, p);
   if (p.chunks == 0) return;

@@ -36,10 +36,10 @@
 //            A chunk's item and its V tile arrive by cp.async three chunks ahead (4 stages), so a step waits on no
 //            memory. Saves S0^T per chunk (bf16, through stmatrix and one bulk copy per warp), writes O.
 //   bwd_seq  the same grid, chunks in reverse, dS^T in registers, dO staged as V is; saves dS^T (bf16) per chunk,
-//            writes dv = dX and dB (fp32, workspace).
+//            writes dv = dX and dB (bf16, workspace).
 //   bwd_chunk one CTA (2D threads, D/16 warps) per chunk and head, all chunks in parallel, two CTAs per SM at
-//            D = 128 (100 KB of shared memory each): S0^T, dS^T and the item's tiles arrive by cp.async while dO,
-//            dX and the decays load; Y^T, U^T, X^T from S0^T (value rows per warp, as fwd_seq), then every
+//            D = 128 (100 KB of shared memory each): S0^T, dS^T, dO, dX and the item's tiles arrive by cp.async while
+//            the decays load; Y^T, U^T, X^T from S0^T (value rows per warp, as fwd_seq), then every
 //            product above (key columns per warp), then the elementwise chain and the reverse cumsum. Qr, Kr, Ki
 //            are built where S0^T was, once its products are done.
 // The saved states are bf16 because every product that reads them takes bf16 operands anyway (the rounding the
@@ -57,35 +57,45 @@
 //     holds up to e^75 |k|^2, finite in fp32 accumulators).
 //   - Exponent rounding: the decays are expf of differences of fp32 cumulative sums (|Gamma| <= 80: ~8e-6
 //     absolute in the exponent), far below bf16's 4e-3.
+//   - q, k, v, dO are bf16 inputs, dq, dk, dv bf16 outputs (CONTRACT); dX and dB pass from bwd_seq to bwd_chunk in
+//     bf16 (the first is a bf16 output anyway, the second feeds only dbeta's dot with X).
 //   - U, Y, dU, dX, dO, S0, dS are rounded to bf16 where they are operands; the state S and the state gradient
 //     dS are carried in fp32 accumulators, so rounding does not compound along a sequence (the recurrence is
 //     contractive). g must be >= -5 per token for these range claims (K3's bound); g > 0 is not supported.
 //
-// CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; tape and workspace 16-byte aligned, caller-owned).
+// CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; tape and workspace 16-byte aligned, caller-owned), with
+// bf16 where the products take bf16 operands anyway: q, k, v and d_o come in as bf16 (uint16_t bits, 16-byte
+// aligned), dq, dk and dv leave as bf16; g, beta, o, dg and dbeta stay fp32 (the decays are exponentials of
+// cumulative sums of g, the one input whose rounding would compound, and o feeds an fp32 RMSNorm). That is fla's
+// contract for chunk_kda, and it halves the bytes of the kernels' dominant traffic (NUMERICS above: bf16 q, k, v,
+// dO are the values the products read in any case; the bar is met given the same bf16 inputs).
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "kernels/kda/kda_chunk_train_cuda.h"
 
 namespace k3::kda::cuda {
 
+using KdaTrainBf16Params = KdaTrainParamsOf<uint16_t>;  // q, k, v bf16; g, beta fp32
+
 // The forward's tape for the backward ("saved", caller-owned, 16-byte aligned): bf16 S0^T per chunk, value-major
 // [chunks, H, D (value), D (key)] with each row's 16-byte pieces permuted (the layout the forward writes without
 // bank conflicts; kda_chunk_train_bf16_states undoes it), then the chunk items [chunks, H] of 100 D + 3072 bytes.
-size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainParams& p);
+size_t kda_chunk_train_bf16_saved_bytes(const KdaTrainBf16Params& p);
 
-// o [rows, H*D] and saved OVERWRITTEN. No workspace beyond the tape. v must be 16-byte aligned (its tiles are
-// copied in 16-byte pieces), as d_o in the backward.
-void kda_chunk_forward_train_bf16(const KdaTrainParams& p, float* o, void* saved);
+// o [rows, H*D] (fp32) and saved OVERWRITTEN. No workspace beyond the tape.
+void kda_chunk_forward_train_bf16(const KdaTrainBf16Params& p, float* o, void* saved);
 
-// dq, dk, dv, dg [rows, H*D] and dbeta [rows, H] OVERWRITTEN (dg w.r.t. the per-token g), given d_o and the
-// forward's tape. Workspace: chunks * H * D * D bf16 (dS^T per chunk) and rows * H * D fp32 (dB).
-size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainParams& p);
-void kda_chunk_backward_train_bf16(const KdaTrainParams& p, const float* d_o, const void* saved, float* dq, float* dk,
-                                   float* dv, float* dg, float* dbeta, void* workspace);
+// dq, dk, dv [rows, H*D] (bf16), dg [rows, H*D] and dbeta [rows, H] (fp32) OVERWRITTEN (dg w.r.t. the per-token
+// g), given d_o (bf16) and the forward's tape. Workspace: chunks * H * D * D bf16 (dS^T per chunk) and
+// rows * H * D bf16 (dB).
+size_t kda_chunk_backward_train_bf16_workspace_bytes(const KdaTrainBf16Params& p);
+void kda_chunk_backward_train_bf16(const KdaTrainBf16Params& p, const uint16_t* d_o, const void* saved, uint16_t* dq,
+                                   uint16_t* dk, uint16_t* dv, float* dg, float* dbeta, void* workspace);
 
 // The tape's states as fp32 key-major S[dk][dv] per chunk and head, [chunks, H, D, D] OVERWRITTEN (the layout of
 // kda_chunk_forward_train's states): for tests and inspection.
-void kda_chunk_train_bf16_states(const KdaTrainParams& p, const void* saved, float* states);
+void kda_chunk_train_bf16_states(const KdaTrainBf16Params& p, const void* saved, float* states);
 
 }  // namespace k3::kda::cuda

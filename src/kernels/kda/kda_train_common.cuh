@@ -23,7 +23,8 @@ struct ChunkLoc {
 
 // The sequence holding global chunk ci: the b with chunk_offsets[b] <= ci < chunk_offsets[b+1] (binary
 // search; empty sequences have equal offsets and are skipped by the strict upper bound).
-__device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParams& p, int64_t ci) {
+template <class T>
+__device__ __forceinline__ ChunkLoc locate_chunk(const KdaTrainParamsOf<T>& p, int64_t ci) {
   int lo = 0, hi = p.B;  // chunk_offsets[lo] <= ci < chunk_offsets[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -47,7 +48,8 @@ inline dim3 chunk_head_grid(int64_t chunks, int H) {
 __device__ __forceinline__ int64_t grid_chunk() { return blockIdx.y + int64_t(gridDim.y) * blockIdx.z; }
 __device__ __forceinline__ int grid_head() { return int(blockIdx.x); }
 
-inline void check_params(const char* fn, const KdaTrainParams& p) {
+template <class T>
+void check_params(const char* fn, const KdaTrainParamsOf<T>& p) {
   K3_CHECK(p.D == 32 || p.D == 64 || p.D == 128, fn, ": head dim D must be 32, 64 or 128, got ", p.D);
   K3_CHECK(p.H >= 1 && p.H <= 65535, fn, ": H must be in [1, 65535], got ", p.H);
   K3_CHECK(p.B >= 0, fn, ": B must be >= 0, got ", p.B);
@@ -57,7 +59,8 @@ inline void check_params(const char* fn, const KdaTrainParams& p) {
            (p.rows + C - 1) / C, ", ", p.rows, "], got ", p.chunks);
 }
 
-inline void check_pointers(const char* fn, const KdaTrainParams& p) {
+template <class T>
+void check_pointers(const char* fn, const KdaTrainParamsOf<T>& p) {
   K3_CHECK(p.q && p.k && p.v && p.g && p.beta, fn, ": q, k, v, g and beta must be non-null");
   K3_CHECK(p.cu_seqlens && p.chunk_offsets, fn, ": cu_seqlens and chunk_offsets must be non-null");
   K3_CHECK(p.B >= 1, fn, ": B must be >= 1 when rows > 0, got ", p.B);
@@ -81,9 +84,9 @@ inline bool check_forward(const char* fn, const KdaTrainParams& p, const float* 
 }
 
 // The checks of the backward entry point `fn`; false when rows = 0 (nothing to do, pointers not checked).
-inline bool check_backward(const char* fn, const KdaTrainParams& p, const float* d_o, const void* states,
-                           const float* dq, const float* dk, const float* dv, const float* dg, const float* dbeta,
-                           const void* workspace) {
+template <class T>
+bool check_backward(const char* fn, const KdaTrainParamsOf<T>& p, const T* d_o, const void* states, const T* dq,
+                    const T* dk, const T* dv, const float* dg, const float* dbeta, const void* workspace) {
   check_params(fn, p);
   if (p.rows == 0) return false;
   check_pointers(fn, p);

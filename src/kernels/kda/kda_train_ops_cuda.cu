@@ -1,5 +1,9 @@
 // The KDA block's elementwise and per-row training ops on the GPU, fp32: contracts in kda_train_ops_cuda.h,
-// float64 twins in kda_f64.h.
+// float64 twins in kda_f64.h. The ops that feed or take from the tensor-core recurrence (conv + SiLU's act and
+// d_act, gated RMSNorm's d_o, L2 norm's out and d_out) also have bf16 forms: each kernel is a template on the
+// element type of the tensors that change, so both forms run one formula in fp32 and differ only in the load
+// (bf16 widens exactly) or the store (rounded to nearest even once, from the value the fp32 form writes). The
+// fp32 forms instantiate the template with float, whose load and store are plain, and keep their bits.
 //
 // Numerics. Values are fp32 and so is the elementwise math; every reduction (a row's sum of squares or dot
 // product, a parameter gradient's sum over rows) accumulates in float64 and is rounded once, so the sums
@@ -12,6 +16,8 @@
 // steps: kernel 1 writes a float64 partial sum per 64-row chunk and column to the workspace (the rows of a
 // chunk in ascending order), kernel 2 sums a column's partials in chunk order and adds the total, rounded
 // once, to the fp32 gradient. Chunks are fixed runs of packed rows, so the bits depend only on the inputs.
+#include <cuda_bf16.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -39,6 +45,17 @@ void check_chunk_grid(const char* fn, int64_t rows, int64_t cols) {
   K3_CHECK(chunks_of(rows) <= 0x7fffffff && blocks_for(cols, kThreads) <= 65535u, fn, ": ", rows, " rows of ", cols,
            " columns exceed the partial-sum grid");
 }
+
+// ---- element access: fp32 or bf16 storage, fp32 math -----------------------------------------------------------
+using bf16 = __nv_bfloat16;
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }  // exact
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(bf16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// The public bf16 forms take the bits as uint16_t (the header is plain C++).
+bf16* as_bf16(uint16_t* p) { return reinterpret_cast<bf16*>(p); }
+const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
 
 // ---- sigmoid pieces -----------------------------------------------------------------------------------------
 struct Sig {
@@ -88,8 +105,9 @@ void sum_chunks(float* acc, double* sum, const double* partial, int64_t n_chunks
 }
 
 // ---- conv + SiLU ----------------------------------------------------------------------------------------------
-// One thread per (t, c), taps in the twin's order j = 0..K-1 (oldest row first).
-__global__ void conv_fwd_kernel(float* pre, float* act, const float* in, const float* w, int64_t C, int K,
+// One thread per (t, c), taps in the twin's order j = 0..K-1 (oldest row first). Act: float or bf16.
+template <class Act>
+__global__ void conv_fwd_kernel(float* pre, Act* act, const float* in, const float* w, int64_t C, int K,
                                 const int32_t* cu, int B, int64_t rows) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= rows * C) return;
@@ -102,19 +120,21 @@ __global__ void conv_fwd_kernel(float* pre, float* act, const float* in, const f
     if (s >= start) acc = fmaf(w[c * K + j], in[s * C + c], acc);
   }
   pre[i] = acc;
-  act[i] = acc * sigmoid(acc);
+  store(act + i, acc * sigmoid(acc));
 }
 
-// d_pre = d_act SiLU'(pre), SiLU'(p) = s (1 + p (1 - s)).
-__device__ __forceinline__ float conv_dpre(const float* d_act, const float* pre, int64_t i) {
+// d_pre = d_act SiLU'(pre), SiLU'(p) = s (1 + p (1 - s)). DAct (d_act's element): float or bf16.
+template <class DAct>
+__device__ __forceinline__ float conv_dpre(const DAct* d_act, const float* pre, int64_t i) {
   const float p = pre[i];
   const Sig g = sig(p);
-  return d_act[i] * (g.s * (1.0f + p * g.oms));
+  return to_f32(d_act[i]) * (g.s * (1.0f + p * g.oms));
 }
 
 // d_in[s, c] = sum_j w[c, j] d_pre[s + P - j, c] over the rows of s's sequence; one thread per (s, c),
 // the rows in ascending order (j = K-1 down to 0).
-__global__ void conv_bwd_in_kernel(float* d_in, const float* d_act, const float* pre, const float* w, int64_t C, int K,
+template <class DAct>
+__global__ void conv_bwd_in_kernel(float* d_in, const DAct* d_act, const float* pre, const float* w, int64_t C, int K,
                                    const int32_t* cu, int B, int64_t rows) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= rows * C) return;
@@ -131,7 +151,8 @@ __global__ void conv_bwd_in_kernel(float* d_in, const float* d_act, const float*
 
 // Partial dw[c, j] = sum over the chunk's rows t of d_pre[t, c] in[t - P + j, c] (rows of t's sequence only),
 // written to partial[chunk][c*K + j].
-__global__ void conv_bwd_w_kernel(double* partial, const float* d_act, const float* pre, const float* in, int64_t C,
+template <class DAct>
+__global__ void conv_bwd_w_kernel(double* partial, const DAct* d_act, const float* pre, const float* in, int64_t C,
                                   int K, const int32_t* cu, int B, int64_t rows) {
   const int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
   if (c >= C) return;
@@ -233,8 +254,10 @@ __global__ void grms_fwd_kernel(float* on, float* inv, const float* o, const flo
   for (int64_t e = lane; e < D; e += 32) on[r * D + e] = orow[e] * v * w[e] * sigmoid(gp[r * D + e]);
 }
 
-// dn = don w s, n = o inv: d_o = inv (dn - n mean(dn n)), dgp = don n w s (1 - s).
-__global__ void grms_bwd_kernel(float* d_o, float* dgp, const float* don, const float* o, const float* inv,
+// dn = don w s, n = o inv: d_o = inv (dn - n mean(dn n)), dgp = don n w s (1 - s). DO (d_o's element): float
+// or bf16.
+template <class DO>
+__global__ void grms_bwd_kernel(DO* d_o, float* dgp, const float* don, const float* o, const float* inv,
                                 const float* gp, const float* w, int64_t rows, int64_t D) {
   const int64_t r = blockIdx.x * int64_t(kRowsPerWarpBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -252,7 +275,7 @@ __global__ void grms_bwd_kernel(float* d_o, float* dgp, const float* don, const 
     const float n = o[i] * v, dd = don[i];
     const float dn = dd * w[e] * g.s;
     dgp[i] = dd * n * w[e] * g.ds;
-    d_o[i] = v * (dn - n * mean);
+    store(d_o + i, v * (dn - n * mean));
   }
 }
 
@@ -270,7 +293,9 @@ __global__ void grms_bwd_w_kernel(double* partial, const float* don, const float
   partial[int64_t(blockIdx.x) * D + e] = acc;
 }
 
-__global__ void l2_fwd_kernel(float* out, float* inv, const float* in, int64_t rows, int64_t D, float eps) {
+// out = in inv; Out (out's element): float or bf16.
+template <class Out>
+__global__ void l2_fwd_kernel(Out* out, float* inv, const float* in, int64_t rows, int64_t D, float eps) {
   const int64_t r = blockIdx.x * int64_t(kRowsPerWarpBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
@@ -279,23 +304,24 @@ __global__ void l2_fwd_kernel(float* out, float* inv, const float* in, int64_t r
   for (int64_t d = lane; d < D; d += 32) ss += double(x[d]) * double(x[d]);
   const float v = static_cast<float>(1.0 / sqrt(rowwise::warp_sum(ss) + double(eps)));
   if (lane == 0) inv[r] = v;
-  for (int64_t d = lane; d < D; d += 32) out[r * D + d] = x[d] * v;
+  for (int64_t d = lane; d < D; d += 32) store(out + r * D + d, x[d] * v);
 }
 
-// d_in = inv (d_out - out (out . d_out)). d_in may alias d_out: a lane writes only the elements it read itself,
-// after the warp's sum (a shuffle, which every lane reaches after its reads).
-__global__ void l2_bwd_kernel(float* d_in, const float* d_out, const float* out, const float* inv, int64_t rows,
-                              int64_t D) {
+// d_in = inv (d_out - out (out . d_out)); T (out's and d_out's element): float or bf16. The fp32 form's d_in may
+// alias d_out: a lane writes only the elements it read itself, after the warp's sum (a shuffle, which every lane
+// reaches after its reads).
+template <class T>
+__global__ void l2_bwd_kernel(float* d_in, const T* d_out, const T* out, const float* inv, int64_t rows, int64_t D) {
   const int64_t r = blockIdx.x * int64_t(kRowsPerWarpBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (r >= rows) return;
   double dot = 0.0;
-  for (int64_t d = lane; d < D; d += 32) dot += double(out[r * D + d]) * double(d_out[r * D + d]);
+  for (int64_t d = lane; d < D; d += 32) dot += double(to_f32(out[r * D + d])) * double(to_f32(d_out[r * D + d]));
   const float dp = static_cast<float>(rowwise::warp_sum(dot));
   const float v = inv[r];
   for (int64_t d = lane; d < D; d += 32) {
     const int64_t i = r * D + d;
-    d_in[i] = v * (d_out[i] - out[i] * dp);
+    d_in[i] = v * (to_f32(d_out[i]) - to_f32(out[i]) * dp);
   }
 }
 
@@ -321,8 +347,11 @@ void need(const char* fn, const void* p, const char* name) { K3_CHECK(p != nullp
 }  // namespace
 
 // ---- conv + SiLU ----------------------------------------------------------------------------------------------
-void conv_silu_forward_train(float* pre, float* act, const float* in, const float* w, int64_t C, int K,
-                             const int32_t* cu_seqlens, int B, int64_t rows) {
+namespace {
+// Both forms of each direction: Act / DAct is float or bf16, the checks and launches are shared.
+template <class Act>
+void conv_forward(float* pre, Act* act, const float* in, const float* w, int64_t C, int K, const int32_t* cu_seqlens,
+                  int B, int64_t rows) {
   const char* fn = "conv_silu_forward_train";
   check_conv(fn, C, K, cu_seqlens, B, rows);
   if (rows == 0) return;
@@ -331,15 +360,9 @@ void conv_silu_forward_train(float* pre, float* act, const float* in, const floa
   K3_CUDA_LAUNCH_CHECK();
 }
 
-size_t conv_silu_backward_workspace_bytes(int64_t rows, int64_t C, int K) {
-  K3_CHECK(rows >= 0 && C >= 1 && K >= 1, "conv_silu_backward_workspace_bytes: need rows >= 0, C >= 1, K >= 1; got ",
-           rows, ", ", C, ", ", K);
-  return static_cast<size_t>(chunks_of(rows) * C * K) * sizeof(double);
-}
-
-void conv_silu_backward_train(float* d_in, float* dw, const float* d_act, const float* pre, const float* in,
-                              const float* w, int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows,
-                              void* workspace) {
+template <class DAct>
+void conv_backward(float* d_in, float* dw, const DAct* d_act, const float* pre, const float* in, const float* w,
+                   int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows, void* workspace) {
   const char* fn = "conv_silu_backward_train";
   check_conv(fn, C, K, cu_seqlens, B, rows);
   if (rows == 0) return;
@@ -353,6 +376,33 @@ void conv_silu_backward_train(float* d_in, float* dw, const float* d_act, const 
   sum_chunks(dw, nullptr, partial, chunks_of(rows), C * K);
   conv_bwd_in_kernel<<<blocks_for(rows * C, kThreads), kThreads>>>(d_in, d_act, pre, w, C, K, cu_seqlens, B, rows);
   K3_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void conv_silu_forward_train(float* pre, float* act, const float* in, const float* w, int64_t C, int K,
+                             const int32_t* cu_seqlens, int B, int64_t rows) {
+  conv_forward(pre, act, in, w, C, K, cu_seqlens, B, rows);
+}
+void conv_silu_forward_train(float* pre, uint16_t* act, const float* in, const float* w, int64_t C, int K,
+                             const int32_t* cu_seqlens, int B, int64_t rows) {
+  conv_forward(pre, as_bf16(act), in, w, C, K, cu_seqlens, B, rows);
+}
+
+size_t conv_silu_backward_workspace_bytes(int64_t rows, int64_t C, int K) {
+  K3_CHECK(rows >= 0 && C >= 1 && K >= 1, "conv_silu_backward_workspace_bytes: need rows >= 0, C >= 1, K >= 1; got ",
+           rows, ", ", C, ", ", K);
+  return static_cast<size_t>(chunks_of(rows) * C * K) * sizeof(double);
+}
+
+void conv_silu_backward_train(float* d_in, float* dw, const float* d_act, const float* pre, const float* in,
+                              const float* w, int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows,
+                              void* workspace) {
+  conv_backward(d_in, dw, d_act, pre, in, w, C, K, cu_seqlens, B, rows, workspace);
+}
+void conv_silu_backward_train(float* d_in, float* dw, const uint16_t* d_act, const float* pre, const float* in,
+                              const float* w, int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows,
+                              void* workspace) {
+  conv_backward(d_in, dw, as_bf16(d_act), pre, in, w, C, K, cu_seqlens, B, rows, workspace);
 }
 
 // ---- gate ---------------------------------------------------------------------------------------------------
@@ -413,8 +463,11 @@ size_t gated_rmsnorm_backward_workspace_bytes(int64_t head_rows, int64_t D) {
   return static_cast<size_t>(chunks_of(head_rows) * D) * sizeof(double);
 }
 
-void gated_rmsnorm_backward_train(float* d_o, float* dgp, float* dw, const float* don, const float* o, const float* inv,
-                                  const float* gp, const float* w, int64_t head_rows, int64_t D, void* workspace) {
+namespace {
+// Both forms: DO (d_o's element) is float or bf16.
+template <class DO>
+void gated_rmsnorm_backward(DO* d_o, float* dgp, float* dw, const float* don, const float* o, const float* inv,
+                            const float* gp, const float* w, int64_t head_rows, int64_t D, void* workspace) {
   const char* fn = "gated_rmsnorm_backward_train";
   check_rows(fn, head_rows, D);
   if (head_rows == 0) return;
@@ -428,9 +481,23 @@ void gated_rmsnorm_backward_train(float* d_o, float* dgp, float* dw, const float
   grms_bwd_kernel<<<blocks_for(head_rows, kRowsPerWarpBlock), kThreads>>>(d_o, dgp, don, o, inv, gp, w, head_rows, D);
   K3_CUDA_LAUNCH_CHECK();
 }
+}  // namespace
+
+void gated_rmsnorm_backward_train(float* d_o, float* dgp, float* dw, const float* don, const float* o, const float* inv,
+                                  const float* gp, const float* w, int64_t head_rows, int64_t D, void* workspace) {
+  gated_rmsnorm_backward(d_o, dgp, dw, don, o, inv, gp, w, head_rows, D, workspace);
+}
+void gated_rmsnorm_backward_train(uint16_t* d_o, float* dgp, float* dw, const float* don, const float* o,
+                                  const float* inv, const float* gp, const float* w, int64_t head_rows, int64_t D,
+                                  void* workspace) {
+  gated_rmsnorm_backward(as_bf16(d_o), dgp, dw, don, o, inv, gp, w, head_rows, D, workspace);
+}
 
 // ---- L2 norm ------------------------------------------------------------------------------------------------
-void l2norm_forward_train(float* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps) {
+namespace {
+// Both forms: Out / T (out's and d_out's element) is float or bf16.
+template <class Out>
+void l2norm_forward(Out* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps) {
   const char* fn = "l2norm_forward_train";
   check_rows(fn, head_rows, D);
   if (head_rows == 0) return;
@@ -439,14 +506,30 @@ void l2norm_forward_train(float* out, float* inv, const float* in, int64_t head_
   K3_CUDA_LAUNCH_CHECK();
 }
 
-void l2norm_backward_train(float* d_in, const float* d_out, const float* out, const float* inv, int64_t head_rows,
-                           int64_t D) {
+template <class T>
+void l2norm_backward(float* d_in, const T* d_out, const T* out, const float* inv, int64_t head_rows, int64_t D) {
   const char* fn = "l2norm_backward_train";
   check_rows(fn, head_rows, D);
   if (head_rows == 0) return;
   need(fn, d_in, "d_in"), need(fn, d_out, "d_out"), need(fn, out, "out"), need(fn, inv, "inv");
   l2_bwd_kernel<<<blocks_for(head_rows, kRowsPerWarpBlock), kThreads>>>(d_in, d_out, out, inv, head_rows, D);
   K3_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void l2norm_forward_train(float* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps) {
+  l2norm_forward(out, inv, in, head_rows, D, eps);
+}
+void l2norm_forward_train(uint16_t* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps) {
+  l2norm_forward(as_bf16(out), inv, in, head_rows, D, eps);
+}
+void l2norm_backward_train(float* d_in, const float* d_out, const float* out, const float* inv, int64_t head_rows,
+                           int64_t D) {
+  l2norm_backward(d_in, d_out, out, inv, head_rows, D);
+}
+void l2norm_backward_train(float* d_in, const uint16_t* d_out, const uint16_t* out, const float* inv, int64_t head_rows,
+                           int64_t D) {
+  l2norm_backward(d_in, as_bf16(d_out), as_bf16(out), inv, head_rows, D);
 }
 
 // ---- sigmoid ------------------------------------------------------------------------------------------------

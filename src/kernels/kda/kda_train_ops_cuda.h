@@ -39,6 +39,13 @@ size_t conv_silu_backward_workspace_bytes(int64_t rows, int64_t C, int K);
 void conv_silu_backward_train(float* d_in, float* dw, const float* d_act, const float* pre, const float* in,
                               const float* w, int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows,
                               void* workspace);
+// The bf16 forms for the tensor-core recurrence (kda_chunk_train_tc_cuda.h), whose v is bf16: act written as bf16
+// (uint16_t bits, rounded to nearest even from the same fp32 value), and d_act read as bf16. pre stays fp32.
+void conv_silu_forward_train(float* pre, uint16_t* act, const float* in, const float* w, int64_t C, int K,
+                             const int32_t* cu_seqlens, int B, int64_t rows);
+void conv_silu_backward_train(float* d_in, float* dw, const uint16_t* d_act, const float* pre, const float* in,
+                              const float* w, int64_t C, int K, const int32_t* cu_seqlens, int B, int64_t rows,
+                              void* workspace);
 
 // ---- the lower-bounded decay gate (kda::gate_forward / gate_backward) -----------------------------------
 // sg = sigmoid(exp(A_log[h]) (z + dt_bias[h*D + d])), g = lower_bound sg, both [rows, H*D] (sg saved).
@@ -65,12 +72,21 @@ size_t gated_rmsnorm_backward_workspace_bytes(int64_t head_rows, int64_t D);
 //   dw += don n s;  dgp = don n w s(1 - s);  dn = don w s;  d_o = inv (dn - n mean(dn n)).
 void gated_rmsnorm_backward_train(float* d_o, float* dgp, float* dw, const float* don, const float* o, const float* inv,
                                   const float* gp, const float* w, int64_t head_rows, int64_t D, void* workspace);
+// The same with d_o written as bf16 (the tensor-core recurrence's upstream gradient); everything else as above.
+void gated_rmsnorm_backward_train(uint16_t* d_o, float* dgp, float* dw, const float* don, const float* o,
+                                  const float* inv, const float* gp, const float* w, int64_t head_rows, int64_t D,
+                                  void* workspace);
 
 // ---- per-head L2 norm (kda::l2norm_forward / l2norm_backward) --------------------------------------------
 // Per head row of width D: out = in inv, inv[r] = 1/sqrt(sum in^2 + eps) (saved; the block uses eps 1e-6).
 void l2norm_forward_train(float* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps);
 // d_in = inv (d_out - out (out . d_out)), OVERWRITTEN; d_in may alias d_out.
 void l2norm_backward_train(float* d_in, const float* d_out, const float* out, const float* inv, int64_t head_rows,
+                           int64_t D);
+// The bf16 forms (the tensor-core recurrence's q, k and dq, dk): out written as bf16; the backward reads the
+// bf16 out and d_out (d_in fp32, a separate buffer).
+void l2norm_forward_train(uint16_t* out, float* inv, const float* in, int64_t head_rows, int64_t D, float eps);
+void l2norm_backward_train(float* d_in, const uint16_t* d_out, const uint16_t* out, const float* inv, int64_t head_rows,
                            int64_t D);
 
 // ---- beta = sigmoid(x), elementwise over n values ---------------------------------------------------------

@@ -133,7 +133,8 @@ struct KdaTrainTape {
   float *qc, *kc, *vc;   // [rows, HD] conv outputs (SiLU inputs)
   float *qs, *ks;        // [rows, HD] SiLU outputs of q, k
   float *q_inv, *k_inv;  // [rows, H]
-  float *q, *k, *v;      // [rows, HD] recurrence inputs
+  float *q, *k, *v;      // [rows, HD] recurrence inputs (FP32 mode; null in BF16)
+  uint16_t *q16, *k16, *v16;  // [rows, HD] the same in bf16 (BF16 mode: the tensor-core recurrence's inputs)
   float* beta;           // [rows, H]
   float* fa;             // [rows, D]
   float *z, *sg, *g;     // [rows, HD]

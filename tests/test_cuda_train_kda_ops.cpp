@@ -163,46 +163,66 @@ ConvResult conv_gpu(const Vec& in, const Vec& w, const Vec& d_act, const Vec& pr
   return {down(d_pre), down(d_act_out), down(d_din), down(d_dw)};
 }
 
-TEST(CudaTrainKdaOps, ConvSiluMatchesF64PerSequence) {
-  K3_REQUIRE_GPU();
+// The conv tests' cases: K 4 and 2, every head dim, two packed batches (one with an empty sequence). f(case)
+// draws its data from ++seed.
+struct ConvCase {
+  int K;
+  int64_t C, rows;
+  std::vector<int> lens;
+  std::vector<int32_t> cu;
+  std::string what;
+};
+template <class F>
+void for_each_conv_case(F f) {
   const std::vector<std::vector<int>> batches = {kLens, {40, 0, 1, 17}};
-  uint64_t seed = 100;
   for (int K : {4, 2})
     for (int64_t D : kHeadDims)
       for (const auto& lens : batches) {
-        const int64_t C = kH * D;
-        const std::vector<int32_t> cu = cu_of(lens);
-        const int64_t rows = cu.back();
-        const std::string what = "K " + std::to_string(K) + ", D " + std::to_string(D) + ", batch of " +
-                                 std::to_string(lens.size()) + " starting with length " + std::to_string(lens[0]);
-        const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
-        const Vec d_act = randf(size_t(rows * C), ++seed), dw0 = randf(size_t(C * K), ++seed);
-        const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
-        const Vec& pre_f = t.pre_f;
-
-        const ConvResult g = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
-        EXPECT_LE(rel(g.pre, t.pre), kTol) << "pre, " << what;
-        EXPECT_LE(rel(g.act, t.act), kTol) << "act, " << what;
-        EXPECT_LE(rel(g.d_in, t.d_in), kTol) << "d_in, " << what;
-        EXPECT_ACCUMULATED(g.dw, t.dw, dw0, "dw, " + what);
-
-        // Deterministic: a second run gives the same bits.
-        const ConvResult g2 = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
-        EXPECT_TRUE(same_bits(g.pre, g2.pre) && same_bits(g.act, g2.act) && same_bits(g.d_in, g2.d_in) &&
-                    same_bits(g.dw, g2.dw))
-            << "not bitwise repeatable, " << what;
-
-        // A sequence's activations and input gradient do not depend on the batch around it: the length-17
-        // sequence alone gives the bits it had packed.
-        size_t b17 = 0;
-        while (lens[b17] != 17) ++b17;
-        const int64_t off = int64_t(cu[b17]) * C, n = 17 * C;
-        auto slice = [&](const Vec& v) { return Vec(v.begin() + off, v.begin() + off + n); };
-        const ConvResult alone = conv_gpu(slice(in), w, slice(d_act), slice(pre_f), dw0, C, K, {0, 17});
-        EXPECT_TRUE(same_bits(alone.pre, slice(g.pre)) && same_bits(alone.act, slice(g.act)) &&
-                    same_bits(alone.d_in, slice(g.d_in)))
-            << "the length-17 sequence alone differs from it packed, " << what;
+        ConvCase c{K, kH * D, 0, lens, cu_of(lens), ""};
+        c.rows = c.cu.back();
+        c.what = "K " + std::to_string(K) + ", D " + std::to_string(D) + ", batch of " + std::to_string(lens.size()) +
+                 " starting with length " + std::to_string(lens[0]);
+        f(c);
       }
+}
+
+TEST(CudaTrainKdaOps, ConvSiluMatchesF64PerSequence) {
+  K3_REQUIRE_GPU();
+  uint64_t seed = 100;
+  for_each_conv_case([&](const ConvCase& cc) {
+    const int K = cc.K;
+    const int64_t C = cc.C, rows = cc.rows;
+    const std::vector<int>& lens = cc.lens;
+    const std::vector<int32_t>& cu = cc.cu;
+    const std::string& what = cc.what;
+    const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
+    const Vec d_act = randf(size_t(rows * C), ++seed), dw0 = randf(size_t(C * K), ++seed);
+    const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
+    const Vec& pre_f = t.pre_f;
+
+    const ConvResult g = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
+    EXPECT_LE(rel(g.pre, t.pre), kTol) << "pre, " << what;
+    EXPECT_LE(rel(g.act, t.act), kTol) << "act, " << what;
+    EXPECT_LE(rel(g.d_in, t.d_in), kTol) << "d_in, " << what;
+    EXPECT_ACCUMULATED(g.dw, t.dw, dw0, "dw, " + what);
+
+    // Deterministic: a second run gives the same bits.
+    const ConvResult g2 = conv_gpu(in, w, d_act, pre_f, dw0, C, K, cu);
+    EXPECT_TRUE(same_bits(g.pre, g2.pre) && same_bits(g.act, g2.act) && same_bits(g.d_in, g2.d_in) &&
+                same_bits(g.dw, g2.dw))
+        << "not bitwise repeatable, " << what;
+
+    // A sequence's activations and input gradient do not depend on the batch around it: the length-17
+    // sequence alone gives the bits it had packed.
+    size_t b17 = 0;
+    while (lens[b17] != 17) ++b17;
+    const int64_t off = int64_t(cu[b17]) * C, n = 17 * C;
+    auto slice = [&](const Vec& v) { return Vec(v.begin() + off, v.begin() + off + n); };
+    const ConvResult alone = conv_gpu(slice(in), w, slice(d_act), slice(pre_f), dw0, C, K, {0, 17});
+    EXPECT_TRUE(same_bits(alone.pre, slice(g.pre)) && same_bits(alone.act, slice(g.act)) &&
+                same_bits(alone.d_in, slice(g.d_in)))
+        << "the length-17 sequence alone differs from it packed, " << what;
+  });
 }
 
 // The bf16 forms on the same batch: act written as bf16, d_act (bf16-representable values) uploaded as bf16.
@@ -229,30 +249,26 @@ ConvBf16Result conv_gpu_bf16(const Vec& in, const Vec& w, const Vec& d_act, cons
 
 TEST(CudaTrainKdaOps, ConvSiluBf16FormsMatchTheFp32Form) {
   K3_REQUIRE_GPU();
-  const std::vector<std::vector<int>> batches = {kLens, {40, 0, 1, 17}};
   uint64_t seed = 150;
-  for (int K : {4, 2})
-    for (int64_t D : kHeadDims)
-      for (const auto& lens : batches) {
-        const int64_t C = kH * D;
-        const std::vector<int32_t> cu = cu_of(lens);
-        const int64_t rows = cu.back();
-        const std::string what = "K " + std::to_string(K) + ", D " + std::to_string(D) + ", batch of " +
-                                 std::to_string(lens.size()) + " starting with length " + std::to_string(lens[0]);
-        const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
-        const Vec d_act = bf16_values(randf(size_t(rows * C), ++seed)), dw0 = randf(size_t(C * K), ++seed);
-        const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
+  for_each_conv_case([&](const ConvCase& cc) {
+    const int K = cc.K;
+    const int64_t C = cc.C, rows = cc.rows;
+    const std::vector<int32_t>& cu = cc.cu;
+    const std::string& what = cc.what;
+    const Vec in = randf(size_t(rows * C), ++seed), w = randf(size_t(C * K), ++seed, 0.5);
+    const Vec d_act = bf16_values(randf(size_t(rows * C), ++seed)), dw0 = randf(size_t(C * K), ++seed);
+    const ConvTwin t = conv_twin(in, w, d_act, dw0, C, K, cu);
 
-        const ConvResult f = conv_gpu(in, w, d_act, t.pre_f, dw0, C, K, cu);
-        const ConvBf16Result b = conv_gpu_bf16(in, w, d_act, t.pre_f, dw0, C, K, cu);
-        EXPECT_TRUE(same_bits(b.pre, f.pre)) << "pre differs from the fp32 form's, " << what;
-        EXPECT_EQ(b.act, to_bf16(f.act)) << "act is not the fp32 form's act rounded to bf16, " << what;
-        EXPECT_LE(rel(from_bf16(b.act), t.act), kBf16Tol) << "act, " << what;
-        EXPECT_TRUE(same_bits(b.d_in, f.d_in)) << "d_in differs from the fp32 form's, " << what;
-        EXPECT_TRUE(same_bits(b.dw, f.dw)) << "dw differs from the fp32 form's, " << what;
-        EXPECT_LE(rel(b.d_in, t.d_in), kTol) << "d_in, " << what;
-        EXPECT_ACCUMULATED(b.dw, t.dw, dw0, "dw, " + what);
-      }
+    const ConvResult f = conv_gpu(in, w, d_act, t.pre_f, dw0, C, K, cu);
+    const ConvBf16Result b = conv_gpu_bf16(in, w, d_act, t.pre_f, dw0, C, K, cu);
+    EXPECT_TRUE(same_bits(b.pre, f.pre)) << "pre differs from the fp32 form's, " << what;
+    EXPECT_EQ(b.act, to_bf16(f.act)) << "act is not the fp32 form's act rounded to bf16, " << what;
+    EXPECT_LE(rel(from_bf16(b.act), t.act), kBf16Tol) << "act, " << what;
+    EXPECT_TRUE(same_bits(b.d_in, f.d_in)) << "d_in differs from the fp32 form's, " << what;
+    EXPECT_TRUE(same_bits(b.dw, f.dw)) << "dw differs from the fp32 form's, " << what;
+    EXPECT_LE(rel(b.d_in, t.d_in), kTol) << "d_in, " << what;
+    EXPECT_ACCUMULATED(b.dw, t.dw, dw0, "dw, " + what);
+  });
 }
 
 // ---- gate ----------------------------------------------------------------------------------------------------

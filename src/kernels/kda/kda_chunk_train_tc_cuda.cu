@@ -620,10 +620,11 @@ struct BwdChunkSmem {
   static constexpr int kStateElems = D * LD;                           // one padded D x D bf16 tile
   static constexpr int kTileElems = C * LD;                            // one padded 16 x D bf16 tile
   static constexpr int kF32Off = (3 * kTileElems * 2 + 15) / 16 * 16;  // bytes: dgam, ykd after Qr, Kr, Ki
+  static constexpr int kRawOff = kF32Off + 2 * C * D * 4;  // bytes: q, k (bf16 [C][LD] each) after dgam, ykd
   static constexpr int kBigBytes =
-      2 * kStateElems * 2 > kF32Off + 2 * C* D * 4 ? 2 * kStateElems * 2 : kF32Off + 2 * C* D * 4;
+      2 * kStateElems * 2 > kRawOff + 2 * kTileElems * 2 ? 2 * kStateElems * 2 : kRawOff + 2 * kTileElems * 2;
   alignas(16) unsigned char big[kBigBytes];
-  bf16 Kt[C][LD], dO[C][LD], dX[C][LD];
+  bf16 Kt[C][LD], dO[C][LD], dX[C][LD], V[C][LD], dBt[C][LD];
   bf16 UT[D][kLdT];  // U^T [value][token]
   bf16 Aw[C][kLdT], A[C][kLdT], dA[C][kLdT], dM[C][kLdT];
   float gam[C][D];  // Gamma (padded rows: g = 0)
@@ -638,6 +639,8 @@ struct BwdChunkSmem {
   __device__ bf16* Ki() { return reinterpret_cast<bf16*>(big) + 2 * kTileElems; }
   __device__ float (*dgam())[D] { return reinterpret_cast<float(*)[D]>(big + kF32Off); }
   __device__ float (*ykd())[D] { return reinterpret_cast<float(*)[D]>(big + kF32Off + C * D * 4); }
+  __device__ bf16* Qraw() { return reinterpret_cast<bf16*>(big + kRawOff); }
+  __device__ bf16* Kraw() { return reinterpret_cast<bf16*>(big + kRawOff) + kTileElems; }
 };
 
 // One CTA of 2 D threads (D / 16 warps) per (chunk, head). Warp w owns value rows 16 w .. 16 w + 15 of Y^T, U^T,
@@ -664,9 +667,10 @@ __global__ void __launch_bounds__(2 * D, 2)
   bf16* const S0T = s.S0T();
   bf16* const dST = s.dST();
 
-  // Phase 1: S0^T, Kt, Aw, A by cp.async (one group), dS^T, dO and dX (a second group, not needed before phase 3);
-  // meanwhile the decays (threads c < D), and into registers this warp's V^T and dB^T (phase 2) and this thread's q,
-  // k (phase 3b). The tape's permuted state pieces go back in order; dO, dX rows >= n are zero-filled.
+  // Phase 1: S0^T, Kt, Aw, A, V and dB by cp.async (one group), dS^T, dO, dX and g (a second group, not needed
+  // before phase 3); meanwhile this thread's q, k into registers (phase 3b). Every global read but q, k's is a
+  // cp.async, so no warp waits on memory before phase 2. The tape's permuted state pieces go back in order; token
+  // rows >= n are zero-filled.
   auto load_state = [&](bf16* dst, const bf16* src) {
     for (int i = tid; i < D * RP; i += NT) {
       const int r = i / RP, pc = i % RP;
@@ -678,48 +682,46 @@ __global__ void __launch_bounds__(2 * D, 2)
   for (int i = tid; i < I::kBig / 16; i += NT) ptx::cp_async16(ptx::smem_u32(&s.Kt[0][0]) + i * 16, it + I::kKt + i * 16, 16);
   for (int i = tid; i < 2 * I::kSmall / 16; i += NT)
     ptx::cp_async16(ptx::smem_u32(&s.Aw[0][0]) + i * 16, it + I::kAw + i * 16, 16);
+  // Token rows of D bf16 (RP pieces) from x into tile t; rows >= n zero-filled.
+  auto load_rows = [&](bf16(*t)[LD], const bf16* x) {
+    for (int i = tid; i < C * RP; i += NT) {
+      const int r = i / RP, pc = i % RP;
+      ptx::cp_async16(ptx::smem_u32(&t[r][pc * 8]), x + (r < n ? (row0 + r) * HD + hD + pc * 8 : 0), r < n ? 16 : 0);
+    }
+  };
+  load_rows(s.V, reinterpret_cast<const bf16*>(p.v));
+  load_rows(s.dBt, dB);
   ptx::cp_async_commit();
   load_state(dST, dSg);
-  for (int i = tid; i < C * RP; i += NT) {
-    const int r = i / RP, pc = i % RP;
-    const int64_t off = r < n ? (row0 + r) * HD + hD + pc * 8 : 0;
-    ptx::cp_async16(ptx::smem_u32(&s.dO[r][pc * 8]), d_o + off, r < n ? 16 : 0);
-    ptx::cp_async16(ptx::smem_u32(&s.dX[r][pc * 8]), dv + off, r < n ? 16 : 0);
+  load_rows(s.dO, d_o);
+  load_rows(s.dX, dv);
+  for (int i = tid; i < C * D / 4; i += NT) {  // g: D fp32 (D / 4 pieces) per row
+    const int r = i / (D / 4), pc = i % (D / 4);
+    ptx::cp_async16(ptx::smem_u32(&s.gam[r][pc * 4]), p.g + (r < n ? (row0 + r) * HD + hD + pc * 4 : 0),
+                    r < n ? 16 : 0);
   }
   ptx::cp_async_commit();
-  const int v0 = warp * 16;  // phase 2: value rows; phases 3-5: key channels (n0)
-  float y[2][4], db[2][4];   // V^T, dB^T (value row, token column)
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = frag_col(j, e);
-      const int64_t off = (row0 + tok) * HD + hD + v0 + frag_row(e);
-      y[j][e] = tok < n ? ld_bf16(p.v, off) : 0.f;
-      db[j][e] = tok < n ? __bfloat162float(dB[off]) : 0.f;
-    }
+  const int v0 = warp * 16;                    // phase 2: value rows; phases 3-5: key channels (n0)
   const int c_own = tid % D, r_own = tid / D;  // phase 3b: channel c_own of rows r_own, r_own + 2, ..
-  float qv[C / 2], kv[C / 2];
+  float qv[C / 2], kv[C / 2];                  // bf16 q, k widened (rows >= n: 0)
 #pragma unroll
   for (int i = 0; i < C / 2; ++i) {
     const int r = r_own + 2 * i;
     const int64_t off = (row0 + r) * HD + hD + c_own;
-    qv[i] = r < n ? p.scale * ld_bf16(p.q, off) : 0.f;
+    qv[i] = r < n ? ld_bf16(p.q, off) : 0.f;
     kv[i] = r < n ? ld_bf16(p.k, off) : 0.f;
   }
-  if (tid < D) {
-    float gin[C];
-#pragma unroll
-    for (int r = 0; r < C; ++r) gin[r] = r < n ? p.g[(row0 + r) * HD + hD + tid] : 0.f;
-    float G = 0.f;
-#pragma unroll
-    for (int r = 0; r < C; ++r) {
-      G += gin[r];
-      s.gam[r][tid] = G;
-    }
-  }
-  ptx::cp_async_wait<1>();  // S0^T and the item's tiles
+  ptx::cp_async_wait<1>();  // S0^T, the item's tiles, V, dB
   __syncthreads();
+  float y[2][4], db[2][4];  // V^T, dB^T (value row, token column)
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = frag_col(j, e), val = v0 + frag_row(e);
+      y[j][e] = __bfloat162float(s.V[tok][val]);
+      db[j][e] = __bfloat162float(s.dBt[tok][val]);
+    }
 
   // Phase 2 (warp w, value rows v0 ..): Y^T = V^T - S0^T Kt^T, U^T = Y^T Aw^T (to shared memory), X^T = Y^T - U^T
   // A^T, and the dbeta partials sum_j dB[r][j] X[r][j] over the warp's 16 values.
@@ -837,9 +839,19 @@ __global__ void __launch_bounds__(2 * D, 2)
         } else s.dA[r][sc] = __float2bfloat16_rn(r > sc ? -acc[j][e] : 0.f);
       }
   }
-  __syncthreads();  // S0^T, dS^T read for the last time
+  if (tid >= NT - D) {  // Gamma = the cumulative sum of g over the chunk, in place (channel tid - (NT - D))
+    const int c = tid - (NT - D);
+    float G = 0.f;
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      G += s.gam[r][c];
+      s.gam[r][c] = G;
+    }
+  }
+  __syncthreads();  // S0^T, dS^T read for the last time; Gamma complete
 
-  // Phase 3b: Qr, Kr, Ki where S0^T was (channel c_own of rows r_own, r_own + 2, ..).
+  // Phase 3b: Qr, Kr, Ki where S0^T was (channel c_own of rows r_own, r_own + 2, ..), and q, k as they came, for
+  // phase 5.
   {
     bf16 *Qr = s.Qr(), *Kr = s.Kr(), *Ki = s.Ki();
     const float Gm = s.gam[kMid][c_own];
@@ -847,7 +859,9 @@ __global__ void __launch_bounds__(2 * D, 2)
     for (int i = 0; i < C / 2; ++i) {
       const int r = r_own + 2 * i;
       const float gr = s.gam[r][c_own], er = expf(gr - Gm), ei = expf(Gm - gr);
-      Qr[r * LD + c_own] = __float2bfloat16_rn(qv[i] * er);
+      s.Qraw()[r * LD + c_own] = __float2bfloat16_rn(qv[i]);  // exact: qv is a widened bf16
+      s.Kraw()[r * LD + c_own] = __float2bfloat16_rn(kv[i]);
+      Qr[r * LD + c_own] = __float2bfloat16_rn(p.scale * qv[i] * er);
       Kr[r * LD + c_own] = __float2bfloat16_rn(kv[i] * er);
       Ki[r * LD + c_own] = __float2bfloat16_rn(kv[i] * ei);
     }
@@ -885,7 +899,8 @@ __global__ void __launch_bounds__(2 * D, 2)
       float2 dgam2 = make_float2(0.f, 0.f), y2 = make_float2(0.f, 0.f);
       if (r < n) {
         const int64_t off = (row0 + r) * HD + hD + c;
-        const float2 q2 = ld_bf16x2(p.q, off), k2 = ld_bf16x2(p.k, off);
+        const float2 q2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s.Qraw() + r * LD + c)),
+                     k2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s.Kraw() + r * LD + c));
         float dq2[2], dk2[2], dgm[2], yy[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -1022,8 +1037,9 @@ void kda_chunk_backward_train_bf16(const KdaTrainBf16Params& p, const uint16_t* 
   const char* fn = "kda_chunk_backward_train_bf16";
   if (!chunk_train::check_backward(fn, p, d_o, saved, dq, dk, dv, dg, dbeta, workspace)) return;
   chunk_train::check_workspace(fn, saved, "the tape (saved)");
-  K3_CHECK(reinterpret_cast<uintptr_t>(d_o) % 16 == 0 && reinterpret_cast<uintptr_t>(dv) % 16 == 0, fn,
-           ": d_o and dv must be 16-byte aligned");
+  K3_CHECK(reinterpret_cast<uintptr_t>(d_o) % 16 == 0 && reinterpret_cast<uintptr_t>(dv) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && reinterpret_cast<uintptr_t>(p.g) % 16 == 0,
+           fn, ": d_o, dv, v and g must be 16-byte aligned");
   const auto* o16 = reinterpret_cast<const bf16*>(d_o);
   auto* dv16 = reinterpret_cast<bf16*>(dv);
   switch (p.D) {

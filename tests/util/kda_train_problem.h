@@ -397,6 +397,23 @@ void check_rejects_bad_arguments(const KernelsOf<T>& kernels) {
   // Null inputs (rows > 0) are rejected before launch.
   EXPECT_THROW(kernels.forward(p, dummy, ws, ws), k3::Error);
   EXPECT_THROW(kernels.backward(p, io, ws, io, io, io, dummy, dummy, ws), k3::Error);
+  if constexpr (std::is_same_v<T, uint16_t>) {  // the bf16 backward copies g by 16-byte pieces
+    alignas(16) float g[8] = {};
+    const int32_t offsets[2] = {0, 2};
+    Params b = p;
+    b.q = b.k = b.v = io;
+    b.beta = dummy;
+    b.cu_seqlens = b.chunk_offsets = offsets;
+    b.g = g;
+    EXPECT_NO_THROW(kernels.backward_workspace_bytes(b));
+    b.g = g + 1;
+    try {
+      kernels.backward(b, io, ws, io, io, io, dummy, dummy, ws);
+      ADD_FAILURE() << "a misaligned g was accepted";
+    } catch (const k3::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("g must be 16-byte aligned"), std::string::npos) << e.what();
+    }
+  }
   // rows = 0 is a no-op that touches nothing.
   Params e;
   e.H = 2;

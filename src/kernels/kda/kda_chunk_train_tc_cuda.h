@@ -65,10 +65,10 @@
 //
 // CONTRACT: as kda_chunk_train_cuda.h (D in {32, 64, 128}; tape and workspace 16-byte aligned, caller-owned), with
 // bf16 where the products take bf16 operands anyway: q, k, v and d_o come in as bf16 (uint16_t bits, 16-byte
-// aligned), dq, dk and dv leave as bf16; g, beta, o, dg and dbeta stay fp32 (the decays are exponentials of
-// cumulative sums of g, the one input whose rounding would compound, and o feeds an fp32 RMSNorm). That is fla's
-// contract for chunk_kda, and it halves the bytes of the kernels' dominant traffic (NUMERICS above: bf16 q, k, v,
-// dO are the values the products read in any case; the bar is met given the same bf16 inputs).
+// aligned), dq, dk and dv leave as bf16; g (16-byte aligned), beta, o, dg and dbeta stay fp32 (the decays are
+// exponentials of cumulative sums of g, the one input whose rounding would compound, and o feeds an fp32 RMSNorm).
+// That is fla's contract for chunk_kda, and it halves the bytes of the kernels' dominant traffic (NUMERICS above:
+// bf16 q, k, v, dO are the values the products read in any case; the bar is met given the same bf16 inputs).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -19,5 +19,6 @@ void register_train(CLI::App& app);
 void register_corpus(CLI::App& app);
 void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);
+void register_vision_encode(CLI::App& app);
 
 }  // namespace k3::cli

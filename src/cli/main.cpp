@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   k3::cli::register_corpus(app);
   k3::cli::register_eval(app);
   k3::cli::register_serve(app);
+  k3::cli::register_vision_encode(app);
   k3::cli::add_strict_number_checks(app);
   try {
     k3::cli::apply_gemm_env();  // K3_GEMM=f32|f64: the CPU linears' accumulation (README, "Switches")

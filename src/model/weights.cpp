@@ -36,18 +36,7 @@ class Binder {
 
   // TensorStore::Matrix: where the checkpoint keeps it, as BF16, F32 or F16.
   WeightRef matrix(const std::string& name, int64_t rows, int64_t cols) const {
-    const TensorView& t = view(name, {rows, cols});
-    WeightRef w;
-    w.rows = rows;
-    w.cols = cols;
-    w.data = t.data;
-    switch (t.dtype) {
-      case DType::F32: w.format = WeightRef::Format::F32; break;
-      case DType::BF16: w.format = WeightRef::Format::BF16; break;
-      case DType::F16: w.format = WeightRef::Format::F16; break;
-      default: fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected F32, BF16 or F16");
-    }
-    return w;
+    return matrix_weight(st_, name, {rows, cols}, cfg_.source);
   }
 
   // TensorStore::ExpertMatrix: plain (`name`) or MXFP4 (`name`_packed + `name`_scale).
@@ -126,6 +115,25 @@ std::vector<float>& vector_slot(ModelWeights& m, const TensorEntry& e) {
 bool is_attnres_proj(TensorKind k) { return k == K::OutputAttnResProj || k == K::AttnResProj || k == K::MlpResProj; }
 
 }  // namespace
+
+WeightRef matrix_weight(const SafeTensors& st, const std::string& name, const std::vector<int64_t>& shape,
+                        const std::string& cfg_source) {
+  const TensorView& t = st.get(name);
+  if (t.shape != shape)
+    fail(*t.file, ": tensor '", name, "' has shape ", t.shape_str(), ", expected ", shape_str(shape), " from ",
+         cfg_source);
+  WeightRef w;
+  w.rows = shape.empty() ? 0 : shape[0];
+  w.cols = w.rows > 0 ? t.numel() / w.rows : 0;
+  w.data = t.data;
+  switch (t.dtype) {
+    case DType::F32: w.format = WeightRef::Format::F32; break;
+    case DType::BF16: w.format = WeightRef::Format::BF16; break;
+    case DType::F16: w.format = WeightRef::Format::F16; break;
+    default: fail(*t.file, ": tensor '", name, "' has dtype ", dtype_name(t.dtype), ", expected F32, BF16 or F16");
+  }
+  return w;
+}
 
 ModelWeights bind_weights(const K3Config& c, const SafeTensors& st) {
   const TensorTable table(c);

@@ -83,6 +83,12 @@ struct ModelWeights {
 // Throws k3::Error naming the checkpoint and the tensor on a missing tensor, wrong shape or dtype.
 ModelWeights bind_weights(const K3Config& cfg, const SafeTensors& st);
 
+// The float-like tensor `name` of st (F32, BF16 or F16, kept where it lies) as a linear layer's weight: rows =
+// shape[0], cols = the product of the rest (a conv kernel [out, C, p, p] is the matrix [out, C p p]). Its shape
+// must be `shape`; errors name the file, the tensor and cfg_source (the config the shape came from).
+WeightRef matrix_weight(const SafeTensors& st, const std::string& name, const std::vector<int64_t>& shape,
+                        const std::string& cfg_source);
+
 // The field of a layer that holds tensor kind k: for LayerWeights, and for a backend's mirror of it
 // with the same field names (the GPU's LayerDev, model/cuda/cuda_model_impl.h), so that binding and
 // uploading map kinds to fields in one place. nullptr for kinds that are no field of that sort: the

@@ -4,8 +4,8 @@ the reference code), checked against a fixture that make_vision_goldens.py wrote
 
   /usr/bin/python3 tests/tools/vision_goldens/check_vision_goldens.py tests/fixtures/vision-tiny
 
-Prints the relative L2 error of every golden tensor and exits 1 if any exceeds 1e-12 (both sides are float64;
-only the order of the additions differs). It pins down the reading of the spec the C++ port follows: the
+Prints the relative L2 error of every golden tensor and exits 1 if any exceeds 1e-7: both sides are computed in
+float64, and the golden is stored in float32 (a rounding of at most 2^-24 relative per value). It pins down the reading of the spec the C++ port follows: the
 patch embedding as a matrix product over (C, 14, 14), the bilinear position table (align_corners = False),
 the sin-cos time embedding, 2D RoPE with the column first, bidirectional attention per item, the sd2_tpool
 merge and the projector.
@@ -129,12 +129,12 @@ def main():
 
     worst = 0.0
     for name in sorted(gold):
-        g = gold[name]
+        g = gold[name].astype(np.float64)
         err = float(np.linalg.norm(ours[name] - g) / np.linalg.norm(g))
         worst = max(worst, err)
         print(f"{name:14s} {str(g.shape):16s} rel L2 {err:.2e}")
     print(f"worst {worst:.2e}")
-    sys.exit(0 if worst <= 1e-12 else 1)
+    sys.exit(0 if worst <= 1e-7 else 1)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ Writes into --out:
   model.safetensors     the tower's and projector's weights under the release's names (F32)
   pixels.safetensors    pixel_patches F32 [L, 3, 14, 14] (normalised, patchified), grid_thws I64 [n, 3]:
                         the input of `k3 vision-encode`
-  golden.safetensors    F64: merged.i [tokens, 4, width] and projected.i [tokens, text hidden] per item i (the
+  golden.safetensors    merged.i [tokens, 4, width] and projected.i [tokens, text hidden] per item i (the
                         output of `k3 vision-encode`), and the tower's states for layer-by-layer checks:
                         embed (after the position embedding), block.B (after block B), final (after the final
-                        norm), each [L, width] over all items
+                        norm), each [L, width] over all items; computed in float64, stored as F32 (k3 reads
+                        no F64) like the text fixture's goldens
 """
 import argparse, importlib, json, os, sys, tempfile, types
 
@@ -182,10 +183,10 @@ def main():
         merged = tower(x, g)
         projected = projector(merged)
 
-    golden = {k: v.numpy() for k, v in states.items()}
+    golden = {k: v.numpy().astype(np.float32) for k, v in states.items()}
     for i, (m, p) in enumerate(zip(merged, projected)):
-        golden[f"merged.{i}"] = m.numpy()
-        golden[f"projected.{i}"] = p.numpy()
+        golden[f"merged.{i}"] = m.numpy().astype(np.float32)
+        golden[f"projected.{i}"] = p.numpy().astype(np.float32)
         print(f"item {i}: grid {GRIDS[i]} -> merged {tuple(m.shape)}, projected {tuple(p.shape)}, "
               f"|projected| rms {float(p.pow(2).mean().sqrt()):.3f}", flush=True)
 

@@ -1,0 +1,68 @@
+// k3 vision-encode: the vision tower and projector over patchified pixels; writes what they give per item.
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/error.h"
+#include "io/output_file.h"
+#include "io/safetensors.h"
+#include "model/vision.h"
+
+namespace k3::cli {
+
+void register_vision_encode(CLI::App& app) {
+  struct Opts {
+    std::string model, pixels, out;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = app.add_subcommand(
+      "vision-encode",
+      "Run the vision tower (MoonViT-V2) and projector over preprocessed images and write their outputs.\n"
+      "Reads MODEL/config.json (its vision_config; a directory may hold only the tower and projector) and the\n"
+      "vision_tower.* and mm_projector.* tensors of its safetensors, on the CPU. PIXELS holds 'pixel_patches'\n"
+      "(F32 [L, 3, p, p]: normalised, patchified, each item's patches in (t, h, w) order) and 'grid_thws'\n"
+      "(I64 [n, 3]: each item's frames, patch rows, patch columns). OUT (written atomically) holds, for each item\n"
+      "i, 'merged.i' (F32 [tokens, 4, width]: the tower's output after the 2 x 2 merge) and 'projected.i'\n"
+      "(F32 [tokens, text hidden size]: what replaces the item's media placeholder in the text).");
+  sub->add_option("--model", o->model, "model directory (config.json with a vision_config + safetensors)")->required();
+  sub->add_option("--pixels", o->pixels, "input .safetensors: pixel_patches and grid_thws")->required();
+  sub->add_option("--out", o->out, "output .safetensors path (written atomically)")->required();
+  sub->callback([o] {
+    check_output_path(o->out);
+    const std::unique_ptr<VisionModel> m = VisionModel::load(o->model);
+    const VisionConfig& c = m->config();
+    const SafeTensors in = SafeTensors::open(o->pixels);
+    const TensorView& pv = in.get("pixel_patches");
+    if (pv.shape.size() != 4 || pv.shape[0] < 1 || pv.shape[1] != 3 || pv.shape[2] != c.patch_size ||
+        pv.shape[3] != c.patch_size)
+      fail(o->pixels, ": tensor 'pixel_patches' has shape ", pv.shape_str(), ", expected [L, 3, ", c.patch_size, ", ",
+           c.patch_size, "] (patch_size of ", c.source, ")");
+    const int64_t L = pv.shape[0];
+    const std::vector<float> pixels = in.read_f32("pixel_patches");
+    const TensorView& gv = in.get("grid_thws");
+    if (gv.shape.size() != 2 || gv.shape[1] != 3)
+      fail(o->pixels, ": tensor 'grid_thws' has shape ", gv.shape_str(), ", expected [n, 3] (t, h, w per item)");
+    const std::vector<int64_t> g = in.read_i64("grid_thws");
+    std::vector<VisionGrid> grids;
+    for (size_t i = 0; i + 2 < g.size(); i += 3) grids.push_back({g[i], g[i + 1], g[i + 2]});
+    m->check_grids(grids, L);
+    check_output_path(o->out);  // again, now that the model's and the pixels' files are known inputs
+    std::fprintf(stderr, "[%.2fs] vision-encode on the CPU: %zu item(s), %lld patches, tower %lld x %lld blocks\n",
+                 elapsed_seconds(), grids.size(), (long long)L, (long long)c.hidden_size, (long long)c.num_layers);
+    const std::vector<VisionItem> items = m->encode(pixels.data(), L, grids);
+    std::vector<TensorToWrite> t;
+    const int64_t K = c.merge_h * c.merge_w;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const std::string n = std::to_string(i);
+      t.push_back({"merged." + n, DType::F32, {items[i].tokens, K, c.hidden_size}, items[i].merged.data()});
+      t.push_back({"projected." + n, DType::F32, {items[i].tokens, c.text_hidden_size}, items[i].projected.data()});
+    }
+    write_safetensors(o->out, t);
+    std::fprintf(stderr, "[%.2fs] wrote %s: %zu item(s)\n", elapsed_seconds(), o->out.c_str(), items.size());
+  });
+}
+
+}  // namespace k3::cli

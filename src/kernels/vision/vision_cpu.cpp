@@ -1,0 +1,115 @@
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/parallel.h"
+#include "kernels/vision/vision.h"
+
+namespace k3 {
+
+namespace {
+
+// One axis of align_corners = false bilinear resizing: source index pair and weight of the second.
+struct Tap {
+  int64_t i0, i1;
+  double frac;
+};
+std::vector<Tap> taps(int64_t n_out, int64_t n_in) {
+  std::vector<Tap> t(static_cast<size_t>(n_out));
+  const double scale = double(n_in) / double(n_out);
+  for (int64_t i = 0; i < n_out; ++i) {
+    const double src = std::max((double(i) + 0.5) * scale - 0.5, 0.0);
+    const int64_t i0 = std::min(int64_t(src), n_in - 1);
+    t[size_t(i)] = {i0, std::min(i0 + 1, n_in - 1), src - double(i0)};
+  }
+  return t;
+}
+
+}  // namespace
+
+void position_table_resize(float* out, const float* table, int64_t H0, int64_t W0, int64_t h, int64_t w, int64_t D) {
+  if (h == H0 && w == W0) {
+    std::copy(table, table + H0 * W0 * D, out);
+    return;
+  }
+  const std::vector<Tap> tr = taps(h, H0), tc = taps(w, W0);
+  parallel_for(h * w, h * w * D * 8, [&](int64_t p) {
+    const Tap& r = tr[size_t(p / w)];
+    const Tap& c = tc[size_t(p % w)];
+    const float* a = table + (r.i0 * W0 + c.i0) * D;
+    const float* b = table + (r.i0 * W0 + c.i1) * D;
+    const float* e = table + (r.i1 * W0 + c.i0) * D;
+    const float* f = table + (r.i1 * W0 + c.i1) * D;
+    float* y = out + p * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const double top = double(a[d]) * (1.0 - c.frac) + double(b[d]) * c.frac;
+      const double bot = double(e[d]) * (1.0 - c.frac) + double(f[d]) * c.frac;
+      y[d] = float(top * (1.0 - r.frac) + bot * r.frac);
+    }
+  });
+}
+
+void frame_time_embedding(float* out, int64_t t, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t f = 0; f < t; ++f)
+    for (int64_t i = 0; i < half; ++i) {
+      const double a = double(f) * std::pow(10000.0, -double(i) / double(half));
+      out[f * D + i] = float(std::sin(a));
+      out[f * D + half + i] = float(std::cos(a));
+    }
+}
+
+void rope2d_forward(float* x, int64_t ld, int64_t n, int64_t heads, int64_t hd, const int32_t* rows,
+                    const int32_t* cols) {
+  const int64_t nf = hd / 4;
+  std::vector<double> freq(static_cast<size_t>(nf));
+  for (int64_t i = 0; i < nf; ++i) freq[size_t(i)] = 1.0 / std::pow(10000.0, double(4 * i) / double(hd));
+  parallel_for(n, n * heads * hd * 4, [&](int64_t r) {
+    float* row = x + r * ld;
+    for (int64_t i = 0; i < nf; ++i)
+      for (int axis = 0; axis < 2; ++axis) {  // pair 2i: the column; pair 2i + 1: the row
+        const double a = double(axis == 0 ? cols[r] : rows[r]) * freq[size_t(i)];
+        const double c = std::cos(a), s = std::sin(a);
+        const int64_t j = 2 * i + axis;  // the pair
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          float* p = row + hh * hd + 2 * j;
+          const double re = p[0], im = p[1];
+          p[0] = float(re * c - im * s);
+          p[1] = float(re * s + im * c);
+        }
+      }
+  });
+}
+
+void attention_bidirectional(float* o, const float* q, const float* k, const float* v, int64_t ld, int64_t n,
+                             int64_t heads, int64_t hd) {
+  const double scale = 1.0 / std::sqrt(double(hd));
+  parallel_region(heads * n * n * hd * 2, [&] {
+    std::vector<double> s(static_cast<size_t>(n)), acc(static_cast<size_t>(hd));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < heads * n; ++t) {
+      const int64_t hh = t / n, i = t % n;
+      const float* qi = q + i * ld + hh * hd;
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = k + j * ld + hh * hd;
+        double d = 0.0;
+        for (int64_t c = 0; c < hd; ++c) d += double(qi[c]) * double(kj[c]);
+        s[size_t(j)] = d * scale;
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      double z = 0.0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t j = 0; j < n; ++j) {
+        const double p = std::exp(s[size_t(j)] - mx);
+        z += p;
+        const float* vj = v + j * ld + hh * hd;
+        for (int64_t c = 0; c < hd; ++c) acc[size_t(c)] += p * double(vj[c]);
+      }
+      float* oi = o + i * heads * hd + hh * hd;
+      for (int64_t c = 0; c < hd; ++c) oi[c] = float(acc[size_t(c)] / z);
+    }
+  });
+}
+
+}  // namespace k3

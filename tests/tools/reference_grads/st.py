@@ -28,7 +28,8 @@ def save(path, tensors):
     h, off, blobs = {}, 0, []
     for k, a in tensors.items():
         a = np.ascontiguousarray(a)
-        dt = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[a.dtype]
+        dt = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
+              np.dtype(np.uint8): "U8"}[a.dtype]
         raw = a.tobytes()
         h[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
         off += len(raw)

@@ -1,0 +1,22 @@
+// An 8-bit image as a decoder gives it: rows top to bottom, each pixel's channels interleaved. channels: 1 (L,
+// greyscale), 2 (LA: greyscale and alpha), 3 (RGB) or 4 (RGBA).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace k3 {
+
+struct Image8 {
+  int64_t width = 0, height = 0;
+  int channels = 0;
+  std::vector<uint8_t> pixels;  // [height, width, channels]
+
+  Image8() = default;
+  Image8(int64_t w, int64_t h, int c) : width(w), height(h), channels(c), pixels(size_t(w * h * c), 0) {}
+  bool has_alpha() const { return channels == 2 || channels == 4; }
+  uint8_t* row(int64_t y) { return pixels.data() + y * width * channels; }
+  const uint8_t* row(int64_t y) const { return pixels.data() + y * width * channels; }
+};
+
+}  // namespace k3

@@ -1,0 +1,126 @@
+#include "media/resample_pillow.h"
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace k3 {
+
+namespace {
+
+constexpr int kPrecisionBits = 32 - 8 - 2;
+
+double bicubic(double x) {  // Keys' cubic, a = -0.5
+  constexpr double a = -0.5;
+  if (x < 0.0) x = -x;
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+  if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+  return 0.0;
+}
+
+// One axis: for each output index, the first input index, the number of taps and their fixed-point weights.
+struct Axis {
+  int ksize = 0;
+  std::vector<int> first, count;
+  std::vector<int32_t> weights;  // [out, ksize]
+};
+
+Axis coefficients(int in_size, int out_size) {
+  Axis a;
+  const double scale = double(float(in_size) - 0.0f) / out_size;
+  const double filterscale = scale < 1.0 ? 1.0 : scale;
+  const double support = 2.0 * filterscale;
+  a.ksize = int(std::ceil(support)) * 2 + 1;
+  a.first.resize(size_t(out_size));
+  a.count.resize(size_t(out_size));
+  a.weights.assign(size_t(out_size) * size_t(a.ksize), 0);
+  std::vector<double> k(size_t(a.ksize));
+  for (int xx = 0; xx < out_size; ++xx) {
+    const double center = (xx + 0.5) * scale, ss = 1.0 / filterscale;
+    int xmin = int(center - support + 0.5), xmax = int(center + support + 0.5);
+    if (xmin < 0) xmin = 0;
+    if (xmax > in_size) xmax = in_size;
+    xmax -= xmin;
+    double ww = 0.0;
+    for (int x = 0; x < xmax; ++x) ww += (k[size_t(x)] = bicubic((x + xmin - center + 0.5) * ss));
+    for (int x = 0; x < xmax; ++x) {
+      const double w = ww != 0.0 ? k[size_t(x)] / ww : k[size_t(x)];
+      a.weights[size_t(xx) * size_t(a.ksize) + size_t(x)] =
+          int32_t(w < 0 ? -0.5 + w * (1 << kPrecisionBits) : 0.5 + w * (1 << kPrecisionBits));
+    }
+    a.first[size_t(xx)] = xmin;
+    a.count[size_t(xx)] = xmax;
+  }
+  return a;
+}
+
+uint8_t clip8(int v) {
+  const int s = v >> kPrecisionBits;  // arithmetic shift: floor
+  return uint8_t(s < 0 ? 0 : s > 255 ? 255 : s);
+}
+
+// One pass along x (horizontal) or y over every channel of an interleaved 8-bit image.
+Image8 pass(const Image8& in, const Axis& a, bool horizontal, int64_t out_size) {
+  Image8 out(horizontal ? out_size : in.width, horizontal ? in.height : out_size, in.channels);
+  const int C = in.channels;
+  for (int64_t y = 0; y < out.height; ++y)
+    for (int64_t x = 0; x < out.width; ++x) {
+      const int64_t o = horizontal ? x : y;
+      const int first = a.first[size_t(o)], n = a.count[size_t(o)];
+      const int32_t* k = a.weights.data() + o * a.ksize;
+      for (int c = 0; c < C; ++c) {
+        int ss = 1 << (kPrecisionBits - 1);
+        for (int t = 0; t < n; ++t) {
+          const int64_t sx = horizontal ? first + t : x, sy = horizontal ? y : first + t;
+          ss += int(in.pixels[size_t((sy * in.width + sx) * C + c)]) * k[t];
+        }
+        out.pixels[size_t((y * out.width + x) * C + c)] = clip8(ss);
+      }
+    }
+  return out;
+}
+
+// Pillow's RGBA -> RGBa (and LA -> La): colour times alpha / 255, rounded its way.
+void premultiply(Image8& im) {
+  const int C = im.channels;
+  for (size_t p = 0; p < im.pixels.size(); p += size_t(C)) {
+    const unsigned alpha = im.pixels[p + size_t(C) - 1];
+    for (int c = 0; c + 1 < C; ++c) {
+      const unsigned tmp = unsigned(im.pixels[p + size_t(c)]) * alpha + 128;
+      im.pixels[p + size_t(c)] = uint8_t(((tmp >> 8) + tmp) >> 8);
+    }
+  }
+}
+
+// Pillow's RGBa -> RGBA (and La -> LA): colour * 255 / alpha, truncated and clipped; alpha 0 or 255 unchanged.
+void unpremultiply(Image8& im) {
+  const int C = im.channels;
+  for (size_t p = 0; p < im.pixels.size(); p += size_t(C)) {
+    const unsigned alpha = im.pixels[p + size_t(C) - 1];
+    if (alpha == 255 || alpha == 0) continue;
+    for (int c = 0; c + 1 < C; ++c) {
+      const unsigned v = 255u * im.pixels[p + size_t(c)] / alpha;
+      im.pixels[p + size_t(c)] = uint8_t(v > 255 ? 255 : v);
+    }
+  }
+}
+
+}  // namespace
+
+Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height) {
+  K3_CHECK(in.channels >= 1 && in.channels <= 4, "resize: images have 1 to 4 channels, got ", in.channels);
+  K3_CHECK(in.width >= 1 && in.height >= 1 && int64_t(in.pixels.size()) == in.width * in.height * in.channels,
+           "resize: a ", in.width, " x ", in.height, " x ", in.channels, " image holds ", in.pixels.size(), " bytes");
+  K3_CHECK(width >= 1 && height >= 1 && width <= (1 << 24) && height <= (1 << 24), "resize: target size ", width,
+           " x ", height, " is out of range");
+  if (width == in.width && height == in.height) return in;
+  Image8 im = in;
+  if (im.has_alpha()) premultiply(im);
+  if (width != im.width) im = pass(im, coefficients(int(im.width), int(width)), /*horizontal=*/true, width);
+  if (height != im.height) im = pass(im, coefficients(int(im.height), int(height)), /*horizontal=*/false, height);
+  if (im.has_alpha()) unpremultiply(im);
+  return im;
+}
+
+}  // namespace k3

@@ -33,7 +33,8 @@ namespace {
 
 // The RGB image the reference gets from fill_transparent_bg_with: alpha composited onto the chessboard in
 // float32 (each operation rounded to float32, as numpy's float32 arrays do; products and sums of these values are
-// exact in double, so computing them there and rounding once is the same), truncated; L repeated.
+// exact in double, so computing them there and rounding once is the same), truncated; L repeated. The compiler
+// may turn these steps back into float operations, so k3_media is built without FMA contraction (CMakeLists.txt).
 Image8 to_rgb(const Image8& im, const MediaProcConfig& cfg) {
   if (im.channels == 3) return im;
   Image8 out(im.width, im.height, 3);

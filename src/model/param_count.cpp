@@ -1,13 +1,10 @@
 #include "model/param_count.h"
 
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "core/json.h"
 #include "io/file.h"
 #include "model/tensor_table.h"
 #include "model/vision_config.h"
@@ -35,15 +32,8 @@ std::vector<ParamGroup> count_parameters(const K3Config& c) {
 }
 
 std::vector<ParamGroup> count_vision_parameters_json(const std::string& text, const std::string& src) {
-  using json = nlohmann::json;
-  const json root = parse_json(text, src);
-  int64_t text_h = 0;  // the text model's width, for a vision_config that does not give text_hidden_size
-  if (root.is_object()) {
-    const json& t = root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
-    if (t.contains("hidden_size") && t["hidden_size"].is_number_integer()) text_h = t["hidden_size"].get<int64_t>();
-  }
   VisionConfig v;
-  if (!parse_vision_config(text, src, &v, std::max<int64_t>(text_h, 0))) return {};
+  if (!parse_vision_config(text, src, &v)) return {};
   const int64_t p = v.patch_size, w = v.hidden_size, inter = v.intermediate_size, qkv = v.qkv_hidden_size;
   int64_t tower = w * 3 * p * p + (v.patch_embed_bias ? w : 0);  // patch_embed.proj [w, 3, p, p]
   tower += v.pos_emb_height * v.pos_emb_width * w;  // patch_embed.pos_emb [ph, pw, w] (time emb is fixed sin-cos)

@@ -71,7 +71,11 @@ bool read_vision_config(const json& root, const std::string& src, VisionConfig* 
   require_kind(f, "mm_projector_type", "patchmergerv2", "K3");
   require_kind(f, "projector_hidden_act", "gelu", "K3's projector");
 
-  // The text width: vision_config's, the top level's, or the text model's; those given must agree.
+  // The text width: vision_config's, the top level's, or the text model's (text_config.hidden_size, or a flat
+  // config's hidden_size; else the caller's fallback); those given must agree.
+  if (const json& t = root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
+      t.contains("hidden_size") && t["hidden_size"].is_number_integer() && t["hidden_size"].get<int64_t>() > 0)
+    text_hidden_size_fallback = t["hidden_size"].get<int64_t>();
   int64_t text_h = 0;
   std::string text_h_from;
   for (const Fields* g : {&f, &top}) {
@@ -102,15 +106,8 @@ VisionConfig load_vision_config(const std::string& path) {
   std::error_code ec;
   const std::string file =
       std::filesystem::is_directory(path, ec) ? (std::filesystem::path(path) / "config.json").string() : path;
-  const json root = parse_json(read_file(file, "config"), file);
-  int64_t text_h = 0;
-  if (root.is_object()) {  // the text model's width, where the file has one
-    const json* t = root.contains("text_config") && root["text_config"].is_object() ? &root["text_config"] : &root;
-    if (t->contains("hidden_size") && (*t)["hidden_size"].is_number_integer())
-      text_h = (*t)["hidden_size"].get<int64_t>();
-  }
   VisionConfig c;
-  if (!read_vision_config(root, file, &c, text_h > 0 ? text_h : 0))
+  if (!parse_vision_config(read_file(file, "config"), file, &c))
     fail(file, ": no vision_config (this model has no vision tower)");
   return c;
 }

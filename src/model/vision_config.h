@@ -32,8 +32,9 @@ struct VisionConfig {
 };
 
 // `text` holds a config.json. Returns false (and leaves *out alone) when it has no vision_config; any
-// malformed or unsupported field is a k3::Error naming src and the field. text_hidden_size_fallback (> 0): the
-// text model's hidden_size, used when neither vision_config.text_hidden_size nor a top-level one is given.
+// malformed or unsupported field is a k3::Error naming src and the field. The text width falls back to the
+// file's text model (text_config.hidden_size, or a flat config's hidden_size), else to
+// text_hidden_size_fallback (> 0), when neither vision_config.text_hidden_size nor a top-level one is given.
 bool parse_vision_config(const std::string& text, const std::string& src, VisionConfig* out,
                          int64_t text_hidden_size_fallback = 0);
 // The same from a file: a config.json, or a model directory holding one. A k3::Error when it has no

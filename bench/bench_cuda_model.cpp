@@ -16,6 +16,8 @@
 //   cpu:     the CPU engine (all cores) on a --cpu-tokens prompt and 8 decode steps after it, and the
 //            GPU's ratio at the same length (0 skips it); its linears accumulate as K3_GEMM says (f64
 //            unless K3_GEMM=f32, as for k3).
+// pick/graph: the same decode steps through forward_pick (greedy ids chosen on the device, no logits copied),
+// eager and as a CUDA graph (CudaModel::set_graphs), with their ratio.
 // Times are wall clock around forward() (which ends by copying logits to the host), medians of 3
 // for prefill, means over the steps for decode. Make the models first, e.g.
 // `build/k3 init --config configs/k3-1b.json --out models/k3-1b`.
@@ -87,6 +89,32 @@ double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint6
   return per;
 }
 
+// Mean seconds per decode step as a server takes it (CudaModel::forward_pick: greedy ids chosen on the device,
+// no logits to the host), eagerly or replayed from a decode graph.
+double gpu_pick_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed, bool graphs) {
+  const int64_t V = m.config().vocab_size;
+  m.set_graphs(graphs);
+  std::vector<std::unique_ptr<CudaSequenceCache>> caches = m.new_caches(B);
+  std::vector<CudaSequenceCache*> ptrs;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t b = 0; b < B; ++b) {
+    ptrs.push_back(caches[size_t(b)].get());
+    prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
+  }
+  m.forward(ptrs, prompts, false);
+  std::vector<std::vector<int32_t>> step(size_t(B), std::vector<int32_t>(1));
+  for (int64_t b = 0; b < B; ++b) step[size_t(b)][0] = int32_t((b * 31 + 7) % V);
+  TokenPick greedy;
+  greedy.pick = true;
+  const std::vector<TokenPick> picks(size_t(B), greedy);
+  for (int w = 0; w < 2; ++w) m.forward_pick(ptrs, step, picks);  // warm-up (plans; the graph's capture)
+  const auto t0 = clock_type::now();
+  for (int s = 0; s < steps; ++s) m.forward_pick(ptrs, step, picks);
+  const double per = seconds_since(t0) / steps;
+  m.set_graphs(true);
+  return per;
+}
+
 void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<int32_t>& prefills,
                  const std::vector<int32_t>& contexts, const std::vector<int32_t>& batches, int steps, int cpu_tokens) {
   auto t0 = clock_type::now();
@@ -107,8 +135,11 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
     const double s = gpu_prefill_seconds(*m, random_ids(T, V, 1));
     std::printf("%-10d %10.2f %12.0f\n", T, 1e3 * s, double(T) / s);
   }
-  std::printf("%-10s %6s %10s %12s | %16s %8s | %6s %6s %6s %6s %6s %6s  (profiled ms/step)\n", "context", "batch",
-              "ms/step", "tokens/s", "full-recompute ms", "ratio", "KDA", "MLA", "MoE", "dense", "head", "other");
+  std::printf("%-10s %6s %10s %12s | %16s %8s | %6s %6s %6s %6s %6s %6s | %9s %9s %12s %6s\n", "context", "batch",
+              "ms/step", "tokens/s", "full-recompute ms", "ratio", "KDA", "MLA", "MoE", "dense", "head", "other",
+              "pick ms", "graph ms", "graph tok/s", "gain");
+  std::printf("%-10s %6s %10s %12s | %16s %8s | %41s | %s\n", "", "", "(logits", "to host)", "", "",
+              "(profiled ms/step)", "(ids chosen on the GPU: eager, then graph)");
   for (int32_t ctx : contexts) {
     if (ctx + steps + 2 > c.max_position_embeddings) continue;
     const double full = gpu_prefill_seconds(*m, random_ids(ctx + 1, V, 3));
@@ -116,9 +147,14 @@ void bench_model(const std::string& dir, GpuPrecision prec, const std::vector<in
       BlockTimings bt;
       const double per = gpu_decode_seconds(*m, ctx, B, steps, 11, &bt);
       auto ms = [&](double x) { return 1e3 * x / steps; };
-      std::printf("%-10d %6d %10.3f %12.0f | %16.2f %7.1fx | %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f\n", ctx, B, 1e3 * per,
-                  double(B) / per, 1e3 * full, full / per, ms(bt.kda), ms(bt.mla), ms(bt.moe), ms(bt.dense_ffn),
-                  ms(bt.head), ms(bt.embed + bt.attnres_norm));
+      const double pick = gpu_pick_seconds(*m, ctx, B, steps, 11, false);
+      const double graph = gpu_pick_seconds(*m, ctx, B, steps, 11, true);
+      std::printf(
+          "%-10d %6d %10.3f %12.0f | %16.2f %7.1fx | %6.2f %6.2f %6.2f %6.2f %6.2f %6.2f | %9.3f %9.3f %12.0f %5.2fx\n",
+          ctx, B, 1e3 * per, double(B) / per, 1e3 * full, full / per, ms(bt.kda), ms(bt.mla), ms(bt.moe),
+          ms(bt.dense_ffn), ms(bt.head), ms(bt.embed + bt.attnres_norm), 1e3 * pick, 1e3 * graph, double(B) / graph,
+          pick / graph);
+      if (!m->graphs_off_reason().empty()) std::printf("  decode graphs off: %s\n", m->graphs_off_reason().c_str());
     }
   }
   if (cpu_tokens > 0) {

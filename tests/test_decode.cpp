@@ -949,6 +949,24 @@ TEST(Sampler, BadParamsThrowNamingTheFlag) {
 // 7. Generation stops on the config's eos id
 // ---------------------------------------------------------------------------------------------
 
+// The engine picks (TokenPick: greedy or temperature alone, with the sampler's draw) whenever nothing needs the
+// logits; forcing the host to sample (an observer) must give the very same ids for the same seed.
+TEST(Generate, EnginePicksAreTheSamplersIds) {
+  const std::vector<int32_t> prompt = golden_row("ids_a");
+  auto m = Model::load(fixture("k3-tiny-a/config.json"), fixture("k3-tiny-a/model.safetensors"));
+  auto engine = k3test::engine_of(*m);
+  for (const SamplingParams& p : {SamplingParams{}, sampling(0.8f, 0, 1.0f, 5), sampling(1.7f, 0, 1.0f, 9)}) {
+    Sampler by_engine(p), on_host(p);
+    const GenerateResult a = generate(engine->pick_session(), m->config(), prompt, 24, by_engine);
+    int observed = 0;
+    const GenerateResult b = generate_until(
+        engine->pick_session(), m->config(), prompt, 24, on_host, [](int32_t) { return true; },
+        [&](const float*, int64_t, int32_t) { ++observed; });
+    EXPECT_EQ(observed, int(b.tokens.size())) << "the observer forces sampling on the host";
+    EXPECT_EQ(a.tokens, b.tokens) << "temperature " << p.temperature << (p.greedy ? " (greedy)" : "");
+  }
+}
+
 TEST(Generate, StopsOnEosAndIncludesIt) {
   const std::vector<int32_t> prompt = golden_row("ids_a");
   Sampler greedy(SamplingParams{});

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -18,7 +19,9 @@ namespace k3::cuda {
 // visible. `why` (optional) receives the reason when it is false.
 bool available(std::string* why = nullptr);
 
-// All kernels of the CUDA backend run on the default stream, in order (one model, one stream).
+// All kernels of the CUDA backend run on the calling thread's default stream, in order (the backend is built
+// with --default-stream per-thread; cuBLAS is pointed at the same stream). A model is driven by one thread at a
+// time; work handed to another thread must be finished first (a copy to the host or synchronize()).
 // Device name, SM count and memory, for benchmark headers.
 std::string device_summary();
 
@@ -33,6 +36,24 @@ void zero_on_device(void* dst, size_t bytes);                   // queued on the
 void synchronize();
 // Free and total device memory (cudaMemGetInfo), for benchmarks' memory figures.
 void memory_info(size_t* free_bytes, size_t* total_bytes);
+
+// A CUDA graph of the work a function queues on this thread's stream: capture() runs f under stream capture
+// (nothing executes then) and instantiates the graph; launch() replays it, queued on the stream like any launch.
+// f must queue only capturable work: kernels, async copies and memsets, cuBLAS with its workspace set; no
+// allocation, no synchronous copy, no synchronisation. Anything else fails the capture: capture() then throws
+// k3::Error with CUDA's message, and the stream is usable again.
+class Graph {
+ public:
+  static std::unique_ptr<Graph> capture(const std::function<void()>& f);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  void launch();
+
+ private:
+  Graph() = default;
+  void* exec_ = nullptr;
+};
 
 // Times GPU work on the default stream with CUDA events (for benchmarks): start(), run kernels,
 // stop_ms() waits for them and returns the elapsed milliseconds.

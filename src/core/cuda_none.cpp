@@ -22,6 +22,9 @@ void copy_on_device(void*, const void*, size_t) { no_cuda(); }
 void zero_on_device(void*, size_t) { no_cuda(); }
 void synchronize() { no_cuda(); }
 void memory_info(size_t*, size_t*) { no_cuda(); }
+std::unique_ptr<Graph> Graph::capture(const std::function<void()>&) { no_cuda(); }
+Graph::~Graph() = default;
+void Graph::launch() { no_cuda(); }
 EventTimer::EventTimer() { no_cuda(); }
 EventTimer::~EventTimer() = default;
 void EventTimer::start() { no_cuda(); }

@@ -65,6 +65,42 @@ void zero_on_device(void* dst, size_t bytes) {
 void synchronize() { K3_CUDA_CHECK(cudaDeviceSynchronize()); }
 void memory_info(size_t* free_bytes, size_t* total_bytes) { K3_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes)); }
 
+std::unique_ptr<Graph> Graph::capture(const std::function<void()>& f) {
+  const cudaStream_t s = cudaStreamPerThread;
+  K3_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t g = nullptr;
+  try {
+    f();
+  } catch (...) {  // end the capture (the stream is then usable again), then report
+    cudaStreamEndCapture(s, &g);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    throw;
+  }
+  const cudaError_t e = cudaStreamEndCapture(s, &g);
+  if (e != cudaSuccess) {
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    fail("CUDA graph capture failed: ", cudaGetErrorString(e));
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  if (ie != cudaSuccess) {
+    cudaGetLastError();
+    fail("CUDA graph instantiation failed: ", cudaGetErrorString(ie));
+  }
+  auto out = std::unique_ptr<Graph>(new Graph());
+  out->exec_ = exec;
+  return out;
+}
+
+Graph::~Graph() {
+  if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+}
+
+void Graph::launch() { K3_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), cudaStreamPerThread)); }
+
 EventTimer::EventTimer() {
   cudaEvent_t a, b;
   K3_CUDA_CHECK(cudaEventCreate(&a));

@@ -123,6 +123,7 @@ class CpuEngine : public Engine {
       }
     c.length = last.length;
   }
+  void reset(EngineSequence& seq) override { *caches_of<SequenceCache>(this, {&seq})[0] = m_->new_cache(); }
   void set_profile(bool on) override { m_->options().profile = on; }
   const BlockTimings& timings() const override { return m_->timings(); }
   void reset_timings() override { m_->reset_timings(); }
@@ -173,6 +174,12 @@ class CudaEngine : public Engine {
     }
     m_->restore_state(c, copies);
   }
+  std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
+                                       const std::vector<std::vector<int32_t>>& tokens,
+                                       const std::vector<TokenPick>& picks) override {
+    return m_->forward_pick(caches_of<CudaSequenceCache>(this, seqs), tokens, picks);
+  }
+  void reset(EngineSequence& seq) override { m_->reset_cache(*caches_of<CudaSequenceCache>(this, {&seq})[0]); }
   void set_profile(bool on) override { m_->set_profile(on); }
   const BlockTimings& timings() const override { return m_->timings(); }
   void reset_timings() override { m_->reset_timings(); }
@@ -208,9 +215,31 @@ AppendFn Engine::session() {
   return [this, seq](const std::vector<int32_t>& t) { return forward({seq.get()}, {t}, false); };
 }
 
+PickFn Engine::pick_session() {
+  std::shared_ptr<EngineSequence> seq = std::move(new_sequences(1)[0]);
+  return [this, seq](const std::vector<int32_t>& t, const TokenPick& p) {
+    return std::move(forward_pick({seq.get()}, {t}, {p})[0]);
+  };
+}
+
+std::vector<PickResult> Engine::forward_pick(const std::vector<EngineSequence*>& seqs,
+                                             const std::vector<std::vector<int32_t>>& tokens,
+                                             const std::vector<TokenPick>& picks) {
+  K3_CHECK(picks.size() == seqs.size(), "forward_pick: ", picks.size(), " picks for ", seqs.size(), " sequences");
+  const std::vector<float> logits = forward(seqs, tokens, false);
+  const size_t V = size_t(config().vocab_size);
+  std::vector<PickResult> out(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b)
+    if (picks[b].pick || picks[b].want_logits)
+      out[b] = pick_on_host(std::vector<float>(logits.begin() + std::ptrdiff_t(b * V),
+                                               logits.begin() + std::ptrdiff_t((b + 1) * V)),
+                            picks[b]);
+  return out;
+}
+
 GenerateResult generate(Engine& e, const std::vector<int32_t>& prompt, int64_t max_new_tokens, Sampler& sampler,
                         const std::function<void(int32_t)>& on_token) {
-  return generate(e.session(), e.config(), prompt, max_new_tokens, sampler, on_token);
+  return generate(e.pick_session(), e.config(), prompt, max_new_tokens, sampler, on_token);
 }
 
 }  // namespace k3

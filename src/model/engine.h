@@ -80,6 +80,16 @@ class Engine {
                                      const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                      const ForwardHooks* hooks = nullptr) = 0;
 
+  // forward(seqs, tokens, false), but per sequence only what picks[b] asks: its next id (TokenPick: greedy or
+  // temperature sampling, exactly pick_on_host's rule) and/or its last logits. The GPU chooses ids on the device
+  // and copies only the logits asked for; the CPU picks on the host.
+  virtual std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
+                                               const std::vector<std::vector<int32_t>>& tokens,
+                                               const std::vector<TokenPick>& picks);
+  // Makes `seq` fresh again (length 0, zero state), as new_sequences made it, keeping its place in its pool:
+  // a server reuses the pool it made once rather than allocating per request.
+  virtual void reset(EngineSequence& seq) = 0;
+
   // The state of `seq` as it is now (its length is the snapshot's end), with the MLA rows from position
   // `rows_from` (0 <= rows_from <= length).
   virtual std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) = 0;
@@ -94,8 +104,10 @@ class Engine {
 
   // A full forward of rows on fresh sequences: logits of every position, rows in order.
   std::vector<float> forward_fresh(const std::vector<std::vector<int32_t>>& rows, const ForwardHooks* hooks = nullptr);
-  // A new single-sequence session for generate(): each call appends tokens and returns the last logits.
+  // A new single-sequence session for generate(): each call appends tokens and returns the last logits
+  // (session) or what the pick asks (pick_session).
   AppendFn session();
+  PickFn pick_session();
 };
 
 // generate() (model/generate.h) on a fresh sequence of `e`.

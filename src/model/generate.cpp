@@ -2,11 +2,43 @@
 
 #include <chrono>
 
+#include <cmath>
+#include <limits>
+
 #include "core/error.h"
+#include "core/finite.h"
 
 namespace k3 {
 
-GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+PickResult pick_on_host(std::vector<float> logits, const TokenPick& pick) {
+  PickResult r;
+  if (pick.pick) {
+    const int64_t V = int64_t(logits.size());
+    for (int64_t b = first_nonfinite(logits.data(), V); b >= 0 && b < V; ++b)
+      if (std::isnan(logits[size_t(b)]) || logits[size_t(b)] == std::numeric_limits<float>::infinity())
+        fail("sampler: logit ", b, " is ", nonfinite_name(logits[size_t(b)]));
+    if (pick.greedy) {
+      r.id = argmax(logits.data(), V);
+    } else {
+      std::vector<double> prob;
+      r.id = sample_temperature(logits.data(), V, pick.temperature, pick.uniform, prob);
+    }
+  }
+  if (pick.want_logits) r.logits = std::move(logits);
+  return r;
+}
+
+PickFn pick_fn(AppendFn append) {
+  return [append = std::move(append)](const std::vector<int32_t>& t, const TokenPick& p) {
+    return pick_on_host(append(t), p);
+  };
+}
+
+AppendFn append_fn(PickFn pick) {
+  return [pick = std::move(pick)](const std::vector<int32_t>& t) { return pick(t, TokenPick::logits()).logits; };
+}
+
+GenerateResult generate(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token) {
   return generate_until(append, cfg, prompt, max_new_tokens, sampler, [&](int32_t id) {
     if (on_token) on_token(id);
@@ -14,7 +46,18 @@ GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::
   });
 }
 
+GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                        int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token) {
+  return generate(pick_fn(append), cfg, prompt, max_new_tokens, sampler, on_token);
+}
+
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
+                              const StepObserver& observe, const LogitsMask& mask) {
+  return generate_until(pick_fn(append), cfg, prompt, max_new_tokens, sampler, keep_going, observe, mask);
+}
+
+GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
                               const StepObserver& observe, const LogitsMask& mask) {
   K3_CHECK(!prompt.empty(), "generate: the prompt is empty");
@@ -23,19 +66,35 @@ GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const
   using clock = std::chrono::steady_clock;
   GenerateResult r;
   if (max_new_tokens == 0) return r;
+  // The engine picks when nothing here needs the logits; a non-greedy pick takes the sampler's draw, as
+  // sampler.sample would (one per token), so the ids are the sampler's whichever side picks.
+  const bool engine_picks = !observe && !mask && sampler.temperature_only();
+  const SamplingParams& sp = sampler.params();
+  auto step = [&](const std::vector<int32_t>& tokens) {
+    TokenPick p = TokenPick::logits();
+    if (engine_picks) {
+      p.pick = true, p.want_logits = false, p.greedy = sp.greedy, p.temperature = sp.temperature;
+      if (!sp.greedy) p.uniform = sampler.next_uniform();
+    }
+    return append(tokens, p);
+  };
   auto t0 = clock::now();
-  std::vector<float> logits = append(prompt);
+  PickResult out = step(prompt);
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   t0 = clock::now();
   std::vector<float> masked;
   for (int64_t i = 0; i < max_new_tokens; ++i) {
-    if (mask) {
-      masked = logits;
-      mask(masked.data(), V);
+    int32_t next = out.id;
+    if (!engine_picks) {
+      const std::vector<float>& logits = out.logits;
+      if (mask) {
+        masked = logits;
+        mask(masked.data(), V);
+      }
+      next = sampler.sample(mask ? masked.data() : logits.data(), V);
+      if (observe) observe(logits.data(), V, next);
     }
-    const int32_t next = sampler.sample(mask ? masked.data() : logits.data(), V);
     r.tokens.push_back(next);
-    if (observe) observe(logits.data(), V, next);
     const bool go_on = keep_going ? keep_going(next) : true;
     if (next == eos) {
       r.stopped_on_eos = true;
@@ -45,7 +104,7 @@ GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const
       r.stopped_by_caller = true;
       break;
     }
-    if (i + 1 < max_new_tokens) logits = append({next});
+    if (i + 1 < max_new_tokens) out = step({next});
   }
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return r;

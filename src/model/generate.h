@@ -18,9 +18,38 @@ struct GenerateResult {
 };
 
 // append(tokens) appends tokens to the one sequence being generated and returns the logits [V] of its
-// last token (Engine::session gives one; model/engine.h has generate() on an Engine). on_token
-// (optional) is called with each new id as soon as it is chosen.
+// last token (Engine::session gives one).
 using AppendFn = std::function<std::vector<float>(const std::vector<int32_t>& tokens)>;
+
+// How a step's caller wants the next token of a sequence chosen (Engine::forward_pick, Slot::step): by the
+// engine, greedy or at a temperature alone with the draw `uniform` (Sampler::next_uniform; the GPU samples on the
+// device, so only the id comes back), and/or from the last logits it returns.
+struct TokenPick {
+  bool pick = false;         // the engine chooses the id
+  bool greedy = true;        // argmax, ties to the lower id; else sample_temperature (model/sampler.h)
+  float temperature = 1.0f;  // > 0 (sampling)
+  double uniform = 0.0;      // the draw in [0, 1) (sampling)
+  bool want_logits = false;  // the last logits [V] come back too
+  static TokenPick logits() { return TokenPick{false, true, 1.0f, 0.0, true}; }
+  static TokenPick none() { return TokenPick{false, true, 1.0f, 0.0, false}; }  // a prompt chunk's middle
+};
+struct PickResult {
+  int32_t id = -1;            // when pick
+  std::vector<float> logits;  // when want_logits
+};
+// append(tokens, pick): appends tokens to the one sequence being generated and returns what `pick` asks of its
+// last token.
+using PickFn = std::function<PickResult(const std::vector<int32_t>& tokens, const TokenPick& pick)>;
+// An AppendFn as a PickFn (picks on the host, model/sampler.h), and the other way round.
+PickFn pick_fn(AppendFn append);
+AppendFn append_fn(PickFn pick);
+// What `pick` asks of these logits, on the host: the engine-independent definition Engine::forward_pick follows.
+PickResult pick_on_host(std::vector<float> logits, const TokenPick& pick);
+
+// Generation over `append` (Engine::pick_session gives one; model/engine.h has generate() on an Engine).
+// on_token (optional) is called with each new id as soon as it is chosen.
+GenerateResult generate(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                        int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});
 GenerateResult generate(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                         int64_t max_new_tokens, Sampler& sampler, const std::function<void(int32_t)>& on_token = {});
 
@@ -35,6 +64,11 @@ using LogitsMask = std::function<void(float* logits, int64_t V)>;
 // connection does for the server. Otherwise it stops as generate() does. observe (optional) is called
 // with each step's logits (unmasked) and id before keep_going; mask (optional) restricts what the
 // sampler may pick (constrained decoding).
+// Without observe and mask, a greedy or temperature-only sampler lets the engine pick (TokenPick): on the GPU
+// no logits then come to the host.
+GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
+                              int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
+                              const StepObserver& observe = {}, const LogitsMask& mask = {});
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
                               const StepObserver& observe = {}, const LogitsMask& mask = {});

@@ -26,37 +26,46 @@ int32_t argmax(const float* logits, int64_t V) {
 
 Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { p_.check(); }
 
+bool Sampler::temperature_only() const { return p_.greedy || (!(p_.top_k > 0) && !(p_.top_p < 1.0f)); }
+
+double Sampler::next_uniform() { return double(rng_() >> 11) * 0x1.0p-53; }
+
+int32_t sample_temperature(const float* logits, int64_t V, float temperature, double u, std::vector<double>& prob) {
+  // p_v ∝ exp((l_v - l_max) / T): the difference first, then the division, in double (see Sampler::sample).
+  const double mx = logits[argmax(logits, V)], inv_t = 1.0 / double(temperature);
+  if (std::isinf(mx)) fail("sampler: every logit is -Inf");
+  prob.resize(size_t(V));
+  double z = 0.0;
+  for (int64_t v = 0; v < V; ++v) z += (prob[size_t(v)] = std::exp((double(logits[v]) - mx) * inv_t));
+  const double target = u * z;
+  double cum = 0.0;
+  int64_t last = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    if (prob[size_t(v)] == 0.0) continue;
+    cum += prob[size_t(v)];
+    last = v;
+    if (target < cum) return int32_t(v);
+  }
+  return int32_t(last);
+}
+
 int32_t Sampler::sample(const float* logits, int64_t V) {
   // -inf masks a token (it is never drawn); NaN and +inf have no probability to give.
   for (int64_t b = first_nonfinite(logits, V); b >= 0 && b < V; ++b)
     if (std::isnan(logits[b]) || logits[b] == std::numeric_limits<float>::infinity())
       fail("sampler: logit ", b, " is ", nonfinite_name(logits[b]));
   if (p_.greedy) return argmax(logits, V);
+  // Temperature alone: the draw walks the ids in order, no sort (a full sort of a 163,840-id vocabulary
+  // costs ~12 ms a token, more than a small model's step).
+  if (temperature_only()) return sample_temperature(logits, V, p_.temperature, next_uniform(), prob_);
+
   // p_i ∝ exp((l_i - l_max) / T): the difference first, then the division, in double. Dividing first
   // overflows for a tiny T (1e-40: l/T = inf, and exp(inf - inf) = NaN picked the worst token);
   // this way every exponent is <= 0, the best token's is exactly 0, and a tiny T tends to greedy.
   const double mx = logits[argmax(logits, V)], inv_t = 1.0 / double(p_.temperature);
   if (std::isinf(mx)) fail("sampler: every logit is -Inf");
   const auto weight = [&](float l) { return std::exp((double(l) - mx) * inv_t); };
-  const auto draw = [&](double z) { return double(rng_() >> 11) * 0x1.0p-53 * z; };  // uniform in [0, z)
-
-  // Temperature alone: the draw walks the ids in order, no sort (a full sort of a 163,840-id vocabulary
-  // costs ~12 ms a token, more than a small model's step).
-  if (!(p_.top_k > 0 && p_.top_k < V) && !(p_.top_p < 1.0f)) {
-    prob_.resize(size_t(V));
-    double z = 0.0;
-    for (int64_t v = 0; v < V; ++v) z += (prob_[size_t(v)] = weight(logits[v]));
-    const double u = draw(z);
-    double cum = 0.0;
-    int64_t last = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      if (prob_[size_t(v)] == 0.0) continue;
-      cum += prob_[size_t(v)];
-      last = v;
-      if (u < cum) return int32_t(v);
-    }
-    return int32_t(last);
-  }
+  const auto draw = [&](double z) { return next_uniform() * z; };  // uniform in [0, z)
 
   // top_k / top_p: candidates by logit, highest first; equal logits by id, so the order (and the draw) is
   // deterministic. Only the prefix the draw can reach is sorted: the top k, or (top_p alone) a prefix grown

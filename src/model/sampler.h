@@ -22,6 +22,11 @@ class Sampler {
   explicit Sampler(const SamplingParams& p);
   int32_t sample(const float* logits, int64_t V);
   const SamplingParams& params() const { return p_; }
+  // Whether sample() is greedy or temperature alone: what sample_temperature (and an engine's own sampling,
+  // Engine::forward_pick) does with the draw next_uniform() gives.
+  bool temperature_only() const;
+  // The draw sample() would take next, in [0, 1): a non-greedy sample() consumes exactly one.
+  double next_uniform();
 
  private:
   SamplingParams p_;
@@ -32,5 +37,10 @@ class Sampler {
 
 // argmax with ties broken toward the lower id.
 int32_t argmax(const float* logits, int64_t V);
+
+// Sampling at temperature T alone with the draw u in [0, 1): p_v ∝ exp((l_v - max) / T) in double, and the
+// first id (in id order) whose running sum of p passes u Σ p; past the end (rounding), the last id of nonzero p.
+// Sampler::sample's temperature branch; `prob` is scratch. The logits must be finite or -inf, one of them finite.
+int32_t sample_temperature(const float* logits, int64_t V, float temperature, double u, std::vector<double>& prob);
 
 }  // namespace k3

@@ -10,8 +10,9 @@ namespace k3::serve {
 // One append in flight: its tokens, how many the engine has consumed, and what it returns.
 struct Batcher::Job {
   const std::vector<int32_t>* tokens = nullptr;
+  TokenPick pick;  // what the last token's step returns
   size_t consumed = 0;
-  std::vector<float> logits;
+  PickResult result;
   std::string error;
   bool finished = false;
 };
@@ -111,10 +112,15 @@ void Batcher::release(SlotState* s) {
 }
 
 std::vector<float> Batcher::Slot::append(const std::vector<int32_t>& tokens) {
+  return step(tokens, TokenPick::logits()).logits;
+}
+
+PickResult Batcher::Slot::step(const std::vector<int32_t>& tokens, const TokenPick& pick) {
   K3_CHECK(!tokens.empty(), "serve: append of no tokens");
   Batcher& b = *b_;
   Job job;
   job.tokens = &tokens;
+  job.pick = pick;
   std::unique_lock<std::mutex> lock(b.mu_);
   if (!s_->broken.empty()) fail(s_->broken);
   if (b.stop_) fail("serve: the server is stopping");
@@ -126,19 +132,28 @@ std::vector<float> Batcher::Slot::append(const std::vector<int32_t>& tokens) {
   b.done_cv_.wait(lock, [&] { return job.finished; });
   s_->job = nullptr;
   if (!job.error.empty()) fail(job.error);
-  return std::move(job.logits);
+  return std::move(job.result);
 }
 
 void Batcher::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     work_cv_.wait(lock, [&] { return stop_ || !waiting_.empty() || !to_free_.empty(); });
-    if (!to_free_.empty()) {  // sequences of released slots, freed here where the engine runs
+    if (!to_free_.empty()) {  // sequences of released slots, reset for new slots here where the engine runs
       auto dead = std::move(to_free_);
       to_free_.clear();
       lock.unlock();
+      std::vector<std::unique_ptr<EngineSequence>> fresh;
+      for (auto& seq : dead) {
+        try {
+          engine_.reset(*seq);
+          fresh.push_back(std::move(seq));
+        } catch (const std::exception&) {  // (an engine error: the sequence is dropped, a new one made later)
+        }
+      }
       dead.clear();
       lock.lock();
+      for (auto& seq : fresh) free_.push_back(std::move(seq));
       continue;
     }
     if (stop_) {
@@ -199,19 +214,48 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     rows.emplace_back(j.tokens->begin() + std::ptrdiff_t(j.consumed),
                       j.tokens->begin() + std::ptrdiff_t(j.consumed + take[i]));
   }
-  lock.unlock();
   // A slot's sequence is made here, at its first step, from the cache's chain; one that cannot be made fails
   // that slot alone. The forward runs over the others; a failure there fails them all (their state is
   // undefined). A snapshot that fails is dropped, and that prompt is cached no further.
+  // The picks: a step that ends its append returns what the append asked; a prompt's middle chunk nothing.
+  std::vector<TokenPick> picks_of(step.size(), TokenPick::none());
+  for (size_t i = 0; i < step.size(); ++i) {
+    const Job& j = *step[i]->job;
+    if (j.consumed + take[i] == j.tokens->size()) picks_of[i] = j.pick;
+  }
+  // Fresh sequences for slots that start now: from the pool (made here at the first step) while it lasts.
+  std::vector<std::unique_ptr<EngineSequence>> spare;
+  size_t starting = 0;
+  for (const SlotState* s : step) starting += s->seq ? 0 : 1;
+  if (!pool_made_ && starting > 0) {
+    pool_made_ = true;
+    lock.unlock();
+    try {
+      spare = engine_.new_sequences(o_.max_batch);
+    } catch (const std::exception&) {  // (no room for the whole pool: sequences are made one by one below)
+    }
+    lock.lock();
+  }
+  while (spare.size() < starting && !free_.empty()) {
+    spare.push_back(std::move(free_.back()));
+    free_.pop_back();
+  }
+  lock.unlock();
   std::vector<std::string> failed(step.size());
   std::vector<EngineSequence*> seqs;
   std::vector<std::vector<int32_t>> ok_rows;
+  std::vector<TokenPick> picks;
   std::vector<int64_t> row_of(step.size(), -1);
   for (size_t i = 0; i < step.size(); ++i) {
     SlotState* s = step[i];
     try {
       if (!s->seq) {
-        s->seq = std::move(engine_.new_sequences(1).front());
+        if (!spare.empty()) {
+          s->seq = std::move(spare.back());
+          spare.pop_back();
+        } else {
+          s->seq = std::move(engine_.new_sequences(1).front());
+        }
         if (!s->restore.empty()) {
           std::vector<const SequenceSnapshot*> chain;
           for (const PrefixCache::Node* n : s->restore) chain.push_back(n->snap.get());
@@ -222,16 +266,17 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
       row_of[i] = int64_t(seqs.size());
       seqs.push_back(s->seq.get());
       ok_rows.push_back(std::move(rows[i]));
+      picks.push_back(picks_of[i]);
     } catch (const std::exception& e) {
       failed[i] = std::string("the engine failed: ") + e.what();
     }
   }
-  std::vector<float> logits;
+  std::vector<PickResult> results;
   std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
   std::vector<bool> uncached(step.size(), false);
   std::string error;
   try {
-    if (!seqs.empty()) logits = engine_.forward(seqs, ok_rows, false);
+    if (!seqs.empty()) results = engine_.forward_pick(seqs, ok_rows, picks);
   } catch (const std::exception& e) {
     error = std::string("the engine failed: ") + e.what();
   }
@@ -245,10 +290,10 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     }
   }
   lock.lock();
+  for (auto& seq : spare) free_.push_back(std::move(seq));
   ++steps_;
   step_sequences_ += int64_t(seqs.size());
   step_tokens_total_ += tokens;
-  const size_t V = size_t(engine_.config().vocab_size);
   for (size_t i = 0; i < step.size(); ++i) {
     SlotState* s = step[i];
     Job& j = *s->job;
@@ -267,8 +312,7 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     } else if (j.consumed < j.tokens->size()) {
       continue;  // more of its prompt next step
     } else {
-      const size_t r = size_t(row_of[i]);
-      j.logits.assign(logits.begin() + std::ptrdiff_t(r * V), logits.begin() + std::ptrdiff_t((r + 1) * V));
+      j.result = std::move(results[size_t(row_of[i])]);
     }
     j.finished = true;
     s->prompt_done = true;

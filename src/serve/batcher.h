@@ -23,7 +23,8 @@
 // With a prefix cache, a new prompt first resumes from the longest cached prefix of whole chunks, and every
 // full chunk of a prompt is snapshotted into the cache after its step (serve/prefix_cache.h).
 //
-// The engine's sequences are made, run and freed only on the engine thread (the engine is not thread-safe).
+// The engine's sequences are made (one pool of max_batch, reused), run, reset and freed only on the engine thread
+// (the engine is not thread-safe).
 // An engine error in a forward fails every append of that step (k3::Error); those slots refuse further
 // appends. A sequence that cannot be made or restored fails its own slot only, and a snapshot that fails is
 // dropped (the prompt is then cached no further).
@@ -72,11 +73,17 @@ class Batcher {
     ~Slot();
     Slot(const Slot&) = delete;
     Slot& operator=(const Slot&) = delete;
-    // Appends tokens to this slot's sequence (once the engine thread has run them) and returns the logits of
-    // the last one. Throws k3::Error when the engine failed on this slot's step or the batcher is stopping.
+    // Appends tokens to this slot's sequence (once the engine thread has run them) and returns what `pick` asks
+    // of the last one (Engine::forward_pick: the engine's pick of the next id and/or its logits). Throws
+    // k3::Error when the engine failed on this slot's step or the batcher is stopping.
+    PickResult step(const std::vector<int32_t>& tokens, const TokenPick& pick);
+    // step() returning the last token's logits.
     std::vector<float> append(const std::vector<int32_t>& tokens);
     AppendFn fn() {
       return [this](const std::vector<int32_t>& t) { return append(t); };
+    }
+    PickFn pick_fn() {
+      return [this](const std::vector<int32_t>& t, const TokenPick& p) { return step(t, p); };
     }
     // Prompt tokens the prefix cache supplied (0 until the first append has run, or without a hit).
     int64_t cached_tokens() const;
@@ -118,7 +125,11 @@ class Batcher {
   std::condition_variable work_cv_, done_cv_, admit_cv_;
   std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
   std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
-  std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (freed on the engine thread)
+  std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (reset on the engine thread)
+  // Fresh sequences for new slots: one pool of max_batch made at the first step (the GPU then runs a decode step
+  // over any of them as one launch per block step), released ones reset and returned here.
+  std::vector<std::unique_ptr<EngineSequence>> free_;
+  bool pool_made_ = false;
   Clock::time_point first_wait_;
   std::deque<uint64_t> admission_;  // acquire() calls waiting, in arrival order (the front is admitted next)
   uint64_t next_ticket_ = 0;

@@ -115,7 +115,7 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
   return p;
 }
 
-ChatResult run_chat(const K3Config& cfg, const AppendFn& append, const Tokenizer& tok, const ChatRequest& req,
+ChatResult run_chat(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const ChatRequest& req,
                     const PreparedPrompt& prompt, const std::function<bool(const ChatDelta&)>& emit,
                     const TokenTrie* trie) {
   const auto t0 = Clock::now();
@@ -182,9 +182,8 @@ ChatResult run_chat(const K3Config& cfg, const AppendFn& append, const Tokenizer
   return r;
 }
 
-TextResult run_completion(const K3Config& cfg, const AppendFn& append, const Tokenizer& tok,
-                          const CompletionRequest& req, const PreparedPrompt& prompt,
-                          const std::function<bool(const TextDelta&)>& emit) {
+TextResult run_completion(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const CompletionRequest& req,
+                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit) {
   const auto t0 = Clock::now();
   TextResult r;
   r.usage.prompt_tokens = int64_t(prompt.ids.size());

@@ -116,7 +116,7 @@ struct Server::Impl {
 
   // A request's run on a slot: its append, and what the prefix cache supplied.
   struct SlotRun {
-    AppendFn append;
+    PickFn append;
     const Batcher::Slot* slot;
     int64_t cached_tokens() const { return slot->cached_tokens(); }
   };
@@ -146,7 +146,7 @@ struct Server::Impl {
       Impl* s;
       ~Done() { s->running.fetch_sub(1); }
     } done{this};
-    return f(SlotRun{slot->fn(), slot.get()});
+    return f(SlotRun{slot->pick_fn(), slot.get()});
   }
 
   // OpenAI's choices[].logprobs of a chat response or chunk.

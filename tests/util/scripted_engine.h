@@ -68,6 +68,11 @@ class ScriptedEngine : public k3::Engine {
     s.tokens = last.tokens;
     s.forwards = last.forwards;
   }
+  void reset(k3::EngineSequence& seq) override {
+    Seq& s = static_cast<Seq&>(seq);
+    s.tokens = 0;
+    s.forwards = 0;
+  }
   void set_profile(bool) override {}
   const k3::BlockTimings& timings() const override { return timings_; }
   void reset_timings() override {}

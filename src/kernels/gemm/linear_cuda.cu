@@ -140,8 +140,9 @@ GemmContext::GemmContext() : impl_(std::make_unique<Impl>()) {
   K3_CUDA_CHECK(cudaMalloc(&impl_->workspace, kWorkspaceBytes));
   K3_CUBLAS_CHECK(cublasSetWorkspace(impl_->blas, impl_->workspace, kWorkspaceBytes));
   K3_CUBLAS_CHECK(cublasSetWorkspace(impl_->blas_exact, impl_->workspace, kWorkspaceBytes));
-  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas, 0));
-  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas_exact, 0));
+  // The calling thread's default stream, as every kernel of the backend (core/cuda.h).
+  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas, cudaStreamPerThread));
+  K3_CUBLAS_CHECK(cublasSetStream(impl_->blas_exact, cudaStreamPerThread));
 }
 
 GemmContext::~GemmContext() = default;
@@ -211,7 +212,7 @@ void linear_forward(GemmContext& ctx, const LinearParams& p) {
     const Plan& pl = c.plan(p, ld_x, ld_y, ld_w);
     if (pl.has_algo) {
       K3_CUBLAS_CHECK(cublasLtMatmul(c.lt, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &pl.algo,
-                                     c.workspace, kWorkspaceBytes, /*stream=*/0));
+                                     c.workspace, kWorkspaceBytes, cudaStreamPerThread));
       return;
     }
     if (p.backend == GemmBackend::Lt)

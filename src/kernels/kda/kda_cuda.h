@@ -95,11 +95,12 @@ namespace k3::kda::cuda {
 //   out, x: [B][T][C]    weight: [C][K] fp32    tail: [B][K-1][C] fp32 or nullptr (zeros; not updated)
 // Tap j multiplies input t-(K-1)+j. tail holds each sequence's previous K-1 PRE-conv inputs (oldest
 // first) and is updated in place to the last K-1 inputs (as the CPU twin, also when T < K-1). A decode
-// step is T = 1. out must not alias x. K in [1, 8].
+// step is T = 1. out must not alias x. K in [1, 8]. tail_slot (optional): [B] device indices, sequence b's
+// tail is entry tail_slot[b] of `tail` (a pool's sequences in any order).
 void short_conv_silu(float* out, const float* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
-                     float* tail);
+                     float* tail, const int32_t* tail_slot = nullptr);
 void short_conv_silu(uint16_t* out, const uint16_t* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
-                     float* tail);
+                     float* tail, const int32_t* tail_slot = nullptr);
 
 // In place per-head L2 normalisation of `rows` rows of H*D: x <- x / sqrt(sum_d x^2 + eps) (K3: 1e-6).
 void l2norm_heads(float* x, int64_t rows, int64_t H, int64_t D, float eps);
@@ -136,6 +137,9 @@ struct KdaParams {
   const float* beta = nullptr;      // [B][T][H]
   const float* state_in = nullptr;  // [B][H][D key][D value] fp32, key-major like the CPU twin; nullptr = zeros
   float* state_out = nullptr;       // same layout; nullptr = not written; may equal state_in
+  // kda_recurrent_forward only: [B] device indices; sequence b's state is entry state_slot[b] of state_in and
+  // state_out (a pool's sequences in any order). nullptr: entry b.
+  const int32_t* state_slot = nullptr;
   void* o = nullptr;                // [B][T][H][D]
   void* workspace = nullptr;        // kda_chunk_forward only: kda_chunk_workspace_bytes(B, T, H, in_dtype, D) bytes
   size_t workspace_bytes = 0;

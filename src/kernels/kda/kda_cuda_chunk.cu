@@ -812,6 +812,7 @@ std::string kda_chunk_can_run(const KdaParams& p) {
   std::string why;
   if (!k3::cuda::available(&why)) return why;
   if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_chunk_forward: need B >= 1, H >= 1, T >= 0";
+  if (p.state_slot) return "kda_chunk_forward: state_slot is taken by kda_recurrent_forward only";
   if (!is_head_dim(p.D))
     return "kda_chunk_forward: head dim D must be 32, 64 or 128 (Dk = Dv = D), got D = " + std::to_string(p.D);
   if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_chunk_forward: q/k/v and o must be BF16 or F32";

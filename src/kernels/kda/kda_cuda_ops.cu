@@ -33,17 +33,17 @@ unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + 
 // input comes from, so a sequence split across calls gives bit-identical outputs.
 template <class T>
 __global__ void conv_silu_kernel(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K,
-                                 const float* tail) {
+                                 const float* tail, const int32_t* tail_slot) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= B * Tn * C) return;
-  const int64_t c = i % C, t = (i / C) % Tn, b = i / (C * Tn);
+  const int64_t c = i % C, t = (i / C) % Tn, b = i / (C * Tn), bt = tail_slot ? tail_slot[b] : b;
   const int P = K - 1;
   float acc = 0.0f;
   for (int j = 0; j < K; ++j) {
     const int64_t s = t - P + j;
     float in;
     if (s >= 0) in = ld(x, (b * Tn + s) * C + c);
-    else if (tail != nullptr) in = tail[(b * P + P + s) * C + c];
+    else if (tail != nullptr) in = tail[(bt * P + P + s) * C + c];
     else continue;
     acc = fmaf(w[c * K + j], in, acc);
   }
@@ -53,27 +53,29 @@ __global__ void conv_silu_kernel(T* out, const T* x, int64_t B, int64_t Tn, int6
 // One thread per (b, c): the new tail row m is position T - P + m of [old tail ; x], filled in increasing m
 // (a row taken from the old tail has index T + m > m, not yet overwritten).
 template <class T>
-__global__ void conv_tail_kernel(const T* x, int64_t B, int64_t Tn, int64_t C, int K, float* tail) {
+__global__ void conv_tail_kernel(const T* x, int64_t B, int64_t Tn, int64_t C, int K, float* tail,
+                                 const int32_t* tail_slot) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= B * C) return;
-  const int64_t c = i % C, b = i / C;
+  const int64_t c = i % C, b = i / C, bt = tail_slot ? tail_slot[b] : b;
   const int P = K - 1;
   for (int m = 0; m < P; ++m) {
     const int64_t s = Tn - P + m;
-    const float val = s >= 0 ? ld(x, (b * Tn + s) * C + c) : tail[(b * P + P + s) * C + c];
-    tail[(b * P + m) * C + c] = val;
+    const float val = s >= 0 ? ld(x, (b * Tn + s) * C + c) : tail[(bt * P + P + s) * C + c];
+    tail[(bt * P + m) * C + c] = val;
   }
 }
 
 template <class T>
-void conv_launch(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K, float* tail) {
+void conv_launch(T* out, const T* x, int64_t B, int64_t Tn, int64_t C, const float* w, int K, float* tail,
+                 const int32_t* tail_slot) {
   K3_CHECK(B >= 1 && Tn >= 0 && C >= 1, "short_conv_silu: need B >= 1, T >= 0, C >= 1; got B=", B, " T=", Tn, " C=", C);
   K3_CHECK(K >= 1 && K <= 8, "short_conv_silu: K must be in [1, 8], got ", K);
   if (Tn == 0) return;
-  conv_silu_kernel<T><<<blocks_for(B * Tn * C, 256), 256>>>(out, x, B, Tn, C, w, K, tail);
+  conv_silu_kernel<T><<<blocks_for(B * Tn * C, 256), 256>>>(out, x, B, Tn, C, w, K, tail, tail_slot);
   K3_CUDA_LAUNCH_CHECK();
   if (tail != nullptr && K > 1) {
-    conv_tail_kernel<T><<<blocks_for(B * C, 256), 256>>>(x, B, Tn, C, K, tail);
+    conv_tail_kernel<T><<<blocks_for(B * C, 256), 256>>>(x, B, Tn, C, K, tail, tail_slot);
     K3_CUDA_LAUNCH_CHECK();
   }
 }
@@ -144,7 +146,8 @@ __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParam
   const TI* k = static_cast<const TI*>(p.k);
   const TI* v = static_cast<const TI*>(p.v);
   TO* o = static_cast<TO*>(p.o);
-  const float* S_in = p.state_in + (b * p.H + h) * D * D;
+  const int64_t bs = p.state_slot ? p.state_slot[b] : b;  // the sequence's place in the state buffers
+  const float* S_in = p.state_in + (bs * p.H + h) * D * D;
   float s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = S_in[(rg * R + i) * D + j];
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParam
     __syncthreads();
     if (rg == 0) st(o, off + j, (red_o[0][j] + red_o[1][j]) + (red_o[2][j] + red_o[3][j]));
   }
-  float* S_out = p.state_out + (b * p.H + h) * D * D;
+  float* S_out = p.state_out + (bs * p.H + h) * D * D;
 #pragma unroll
   for (int i = 0; i < R; ++i) S_out[(rg * R + i) * D + j] = s[i];
 }
@@ -189,12 +192,13 @@ bool is_act(DType t) { return t == DType::BF16 || t == DType::F32; }
 }  // namespace
 
 void short_conv_silu(float* out, const float* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
-                     float* tail) {
-  conv_launch<float>(out, x, B, T, C, weight, K, tail);
+                     float* tail, const int32_t* tail_slot) {
+  conv_launch<float>(out, x, B, T, C, weight, K, tail, tail_slot);
 }
 void short_conv_silu(uint16_t* out, const uint16_t* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
-                     float* tail) {
-  conv_launch<bf16>(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(x), B, T, C, weight, K, tail);
+                     float* tail, const int32_t* tail_slot) {
+  conv_launch<bf16>(reinterpret_cast<bf16*>(out), reinterpret_cast<const bf16*>(x), B, T, C, weight, K, tail,
+                    tail_slot);
 }
 
 template <class T>

@@ -281,6 +281,8 @@ struct DecodeArgs {
   float* o_lat;
   float* ws_o;   // [splits][B*n*H][R]
   float* ws_ml;  // [splits][B*n*H][2]
+  const int32_t* seq_slot;  // [B] or nullptr
+  const int32_t* seq_p0;    // [B] or nullptr
   int n, p0, T, H, R, Dr, splits, chunk;
   float scale_log2;
 };
@@ -311,14 +313,17 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
   const int rows = a.n * a.H;  // (token, head) rows of one sequence
   const int r0 = mt * kDcBM;
   const int64_t R64 = R;
+  // This sequence's cached length and place in the cache (per sequence when the lists are given).
+  const int p0 = a.seq_p0 ? a.seq_p0[b] : a.p0, T = p0 + a.n;
+  const int64_t bc = a.seq_slot ? a.seq_slot[b] : b;
 
   // Keys of this split that some row of the tile can see.
   const int last_row = min(rows, r0 + kDcBM) - 1;
   const int ks = split * a.chunk;
-  const int ke = min(min(a.T, ks + a.chunk), a.p0 + last_row / a.H + 1);
+  const int ke = min(min(T, ks + a.chunk), p0 + last_row / a.H + 1);
   const int n_tiles = ke > ks ? (ke - ks + kDcBN - 1) / kDcBN : 0;
 
-  const __nv_bfloat16* cg = a.cache + int64_t(b) * a.cache_stride_b;
+  const __nv_bfloat16* cg = a.cache + bc * a.cache_stride_b;
   auto load_tile = [&](int tile, int stage) {
     __nv_bfloat16* dst = sC + stage * S::kC;
     const int key0 = ks + tile * kDcBN;
@@ -368,7 +373,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r0 + lrow0 + 8 * r;
-    lim[r] = row < rows ? a.p0 + row / a.H : -1;
+    lim[r] = row < rows ? p0 + row / a.H : -1;
   }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
@@ -543,6 +548,10 @@ struct SplitPlan {
 
 SplitPlan plan_splits(const DecodeParams& p) {
   const int64_t T = p.p0 + p.n;
+  if (p.split_keys > 0) {  // fixed splits: a sequence's arithmetic is independent of the others' lengths
+    const int64_t chunk = (p.split_keys + kDcBN - 1) / kDcBN * kDcBN;
+    return {int((T + chunk - 1) / chunk), int(chunk)};
+  }
   const int64_t m_tiles = (p.n * p.d.H + kDcBM - 1) / kDcBM;
   int64_t splits = p.num_splits;
   if (splits <= 0) {
@@ -634,6 +643,9 @@ std::string can_run(const DecodeParams& p) {
   if (p.cache_stride_b != 0 && (p.cache_stride_b < T * p.ldc || p.cache_stride_b % 8 != 0))
     return "cache_stride_b = " + std::to_string(p.cache_stride_b) + ": must be 0 or >= T * ldc and a multiple of 8";
   if (p.num_splits < 0) return "num_splits = " + std::to_string(p.num_splits) + ": must be >= 0";
+  if (p.split_keys < 0 || p.split_keys > kIntMax / 2)
+    return "split_keys = " + std::to_string(p.split_keys) + ": must be in 0..2^30";
+  if ((p.seq_p0 != nullptr) != (p.seq_slot != nullptr)) return "seq_p0 and seq_slot go together";
   const std::pair<const char*, const void*> ptrs[] = {{"q_lat", p.q_lat}, {"cache", p.cache}, {"o_lat", p.o_lat}};
   for (const auto& [name, ptr] : ptrs) {
     const std::string e = misaligned(name, ptr);
@@ -680,6 +692,8 @@ void decode(const DecodeParams& p) {
   a.ldc = p.ldc;
   a.cache_stride_b = p.cache_stride_b != 0 ? p.cache_stride_b : (p.p0 + p.n) * p.ldc;
   a.o_lat = p.o_lat;
+  a.seq_slot = p.seq_slot;
+  a.seq_p0 = p.seq_p0;
   a.ws_o = static_cast<float*>(p.workspace);
   a.ws_ml = a.ws_o ? a.ws_o + size_t(sp.splits) * size_t(all_rows) * size_t(d.R) : nullptr;
   a.n = int(p.n);
@@ -699,6 +713,27 @@ void decode(const DecodeParams& p) {
     mla_decode_combine<<<unsigned(all_rows), 128>>>(a.ws_o, a.ws_ml, p.o_lat, all_rows, a.R, sp.splits);
     K3_CUDA_LAUNCH_CHECK();
   }
+}
+
+namespace {
+__global__ void append_rows_kernel(__nv_bfloat16* cache, int64_t ldc, int64_t stride_b, const int32_t* seq_slot,
+                                   const int32_t* seq_p0, const float* src, int64_t width, int64_t B) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= B * width) return;
+  const int64_t b = i / width, c = i % width;
+  cache[int64_t(seq_slot[b]) * stride_b + int64_t(seq_p0[b]) * ldc + c] = __float2bfloat16_rn(src[i]);
+}
+}  // namespace
+
+void append_rows(uint16_t* cache, int64_t ldc, int64_t cache_stride_b, const int32_t* seq_slot, const int32_t* seq_p0,
+                 const float* src, int64_t width, int64_t B) {
+  K3_CHECK(B >= 0 && width >= 0 && width <= ldc && cache_stride_b >= ldc, "mla::cuda::append_rows: bad shape B=", B,
+           " width=", width, " ldc=", ldc, " cache_stride_b=", cache_stride_b);
+  if (B == 0 || width == 0) return;
+  const int64_t n = B * width;
+  append_rows_kernel<<<unsigned((n + 255) / 256), 256>>>(reinterpret_cast<__nv_bfloat16*>(cache), ldc, cache_stride_b,
+                                                         seq_slot, seq_p0, src, width, B);
+  K3_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace k3::mla::cuda

@@ -1,7 +1,9 @@
 // The K3 text model on the GPU (cuda_model.h): loading, the device cache, and the forward pass: the
 // GPU backend of the decoder schedule (model/decoder.h), which model/model.cpp's CPU backend runs too.
 #ifdef K3_HAVE_CUDA
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
@@ -10,6 +12,7 @@
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
 #include "kernels/norm/norm_cuda.h"
+#include "kernels/sample/pick_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
 #include "model/decoder.h"
 #include "model/nonfinite.h"
@@ -116,11 +119,12 @@ size_t CudaSequenceCache::bytes() const {  // this sequence's share of its pool
   size_t b = 0;
   for (auto& k : p.kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
   for (auto& m : p.mla) b += m.rows.size();
-  return b / size_t(p.B);
+  return b / size_t(p.B);  // (the padding place's share included)
 }
 
 namespace gpu {
 std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_length) {
+  if (segs.empty()) return {};
   bool one = segs.size() > 1;
   const CudaSequenceCache::Impl& c0 = *segs[0].cache;
   for (size_t i = 1; i < segs.size() && one; ++i) {
@@ -132,6 +136,38 @@ std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_
   std::vector<SeqGroup> g;
   for (const SegmentDev& s : segs) g.push_back(SeqGroup{s.row0, s.n, 1, s.cache});
   return g;
+}
+}  // namespace gpu
+
+// ---- decode graphs ---------------------------------------------------------------------------------------
+namespace gpu {
+// A pooled decode step (PooledDecode) of one pool captured as a CUDA graph for `bucket` rows: the step's B
+// sequences and bucket - B padding rows, which run the pool's padding place (token 0 at its position 4; its state
+// is garbage and nothing reads it). The graph has its own arena and MoE dispatch, so what it captured stays put;
+// its inputs (ids, places, lengths, picks) and outputs (ids, checks) sit at fixed device addresses, and the MLA
+// decode plans its splits for the pool's capacity rather than the step's lengths. A grown MLA cache moves its
+// rows: the graph is then made again.
+struct DecodeGraph {
+  const CachePool* pool = nullptr;
+  int64_t bucket = 0;
+  std::vector<const void*> rows;  // each MLA layer's row buffer at capture
+  DeviceArena arena;
+  std::unique_ptr<moe::cuda::Dispatch> dispatch;
+  cuda::DeviceBuffer<int32_t> in;    // ids | places | lengths, bucket each
+  cuda::DeviceBuffer<uint8_t> pick;  // sample::cuda::PickRow [bucket]
+  cuda::DeviceBuffer<int32_t> out;   // ids | bad, bucket each
+  float* logits = nullptr;           // [bucket, V] in the arena
+  std::unique_ptr<cuda::Graph> graph;
+};
+
+// Rows of the graph for a step of B sequences: powers of two to 32, then multiples of 32.
+int64_t graph_bucket(int64_t B) {
+  if (B <= 32) {
+    int64_t b = 1;
+    while (b < B) b *= 2;
+    return b;
+  }
+  return (B + 31) / 32 * 32;
 }
 }  // namespace gpu
 
@@ -154,16 +190,38 @@ struct CudaModel::Impl {
   bool profile = false;
   bool reference = PathOptions::from_env().reference;  // K3_REFERENCE=1, as the CPU model
   BlockTimings timings;
+  bool use_graphs = true;      // CudaModel::set_graphs
+  std::string graphs_off_why;  // set when a capture failed: decode runs eagerly from then on
+  std::vector<std::unique_ptr<gpu::DecodeGraph>> graphs;
 
+  // The forward without the check of the logits: fp32 logits [M, V] on the device (the arena's, valid until the
+  // next forward), M = all tokens (all_positions) or the sequences.
+  float* forward_dev(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
+                     bool all_positions, const ForwardHooks* hooks);
   template <class T>
-  std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
-                             const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
-                             const ForwardHooks* hooks);
+  float* forward_dev(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
+                     bool all_positions, const ForwardHooks* hooks);
   void validate(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens) const;
   template <class T>
-  std::vector<float> run_layers(const std::vector<CudaSequenceCache*>& caches,
-                                const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
-                                const ForwardHooks* hooks);
+  float* run_layers(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
+                    bool all_positions, const ForwardHooks* hooks);
+  // The layers and the head over ids already on the device, with the given scratch: what run_layers and a decode
+  // graph share.
+  template <class T>
+  float* run_step(const std::vector<gpu::SegmentDev>& segs, const int32_t* ids_dev, int64_t N, gpu::DeviceArena& ar,
+                  moe::cuda::Dispatch* disp, const gpu::PooledDecode* pooled, bool all_positions,
+                  const ForwardHooks* hooks);
+  // forward_pick's decode step as a CUDA graph, when every sequence is a pooled decode; false (nothing run)
+  // when the step is not one, graphs are off or a capture failed.
+  bool pick_by_graph(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                     const std::vector<std::vector<int32_t>>& tokens, const std::vector<TokenPick>& picks,
+                     const std::vector<sample::cuda::PickRow>& rows, std::vector<PickResult>& res);
+  // After a forward whose logits (host copy, `bad` the first non-finite entry) are not all finite: marks the caches
+  // broken and throws the error naming where the first non-finite value appeared.
+  [[noreturn]] void fail_nonfinite_forward(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                                           const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                           const ForwardHooks* hooks, bool fresh, const std::vector<float>& logits,
+                                           int64_t bad);
 };
 
 CudaModel::CudaModel() : impl_(std::make_unique<Impl>()) {}
@@ -268,6 +326,9 @@ void CudaModel::restore_state(CudaSequenceCache& cache, const std::vector<const 
 GpuPrecision CudaModel::precision() const { return impl_->precision; }
 size_t CudaModel::weight_bytes() const { return impl_->w.bytes; }
 void CudaModel::set_profile(bool on) { impl_->profile = on; }
+void CudaModel::set_graphs(bool on) { impl_->use_graphs = on; }
+std::string CudaModel::graphs_off_reason() const { return impl_->graphs_off_why; }
+int64_t CudaModel::graph_count() const { return int64_t(impl_->graphs.size()); }
 void CudaModel::set_reference(bool on) { impl_->reference = on; }
 bool CudaModel::reference() const { return impl_->reference; }
 const BlockTimings& CudaModel::timings() const { return impl_->timings; }
@@ -300,6 +361,7 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::string& config_path, const
   const int64_t lrow = I.cfg.kv_lora_rank + I.cfg.qk_rope_head_dim;
   I.mla_ldc = precision == GpuPrecision::BF16 ? (lrow + 7) / 8 * 8 : lrow;
   I.gemm = std::make_unique<gemm::cuda::GemmContext>();
+  cuda::synchronize();  // the upload ran on this thread's stream; another thread may run the model next
   return m;
 }
 
@@ -309,17 +371,19 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
   K3_CHECK(B >= 1, "new_caches: need at least one sequence, got ", B);
   const K3Config& c = impl_->cfg;
   auto pool = std::make_shared<gpu::CachePool>();
-  pool->B = B;
+  pool->B = B + 1;  // the last place pads decode graphs (gpu::DecodeGraph)
+  pool->pad = B;
   const size_t L = size_t(c.num_hidden_layers);
   pool->kda.resize(L);
   pool->mla.resize(L);
   const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
   for (size_t l = 0; l < L; ++l) {
     if (c.layer_kind[l] != AttnKind::KDA) continue;          // MLA rows are allocated as tokens arrive
-    pool->kda[l].q_tail = gpu::DevVector(tail * size_t(B));  // zero-initialised
-    pool->kda[l].k_tail = gpu::DevVector(tail * size_t(B));
-    pool->kda[l].v_tail = gpu::DevVector(tail * size_t(B));
-    pool->kda[l].state = gpu::DevVector(size_t(B * c.kda_num_heads * c.kda_head_dim * c.kda_head_dim));
+    const size_t places = size_t(pool->B);
+    pool->kda[l].q_tail = gpu::DevVector(tail * places);  // zero-initialised
+    pool->kda[l].k_tail = gpu::DevVector(tail * places);
+    pool->kda[l].v_tail = gpu::DevVector(tail * places);
+    pool->kda[l].state = gpu::DevVector(places * size_t(c.kda_num_heads * c.kda_head_dim * c.kda_head_dim));
   }
   std::vector<std::unique_ptr<CudaSequenceCache>> out;
   for (int64_t b = 0; b < B; ++b) {
@@ -332,21 +396,107 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
   return out;
 }
 
+namespace {
+bool all_fresh(const std::vector<CudaSequenceCache*>& caches) {
+  for (CudaSequenceCache* c : caches)
+    if (!c || c->length() != 0) return false;
+  return true;
+}
+}  // namespace
+
 std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& caches,
                                       const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                                       const ForwardHooks* hooks) {
-  bool fresh = true;
-  for (CudaSequenceCache* c : caches) fresh = fresh && c && c->length() == 0;
-  std::vector<float> logits = impl_->precision == GpuPrecision::F32
-                                  ? impl_->forward<float>(caches, tokens, all_positions, hooks)
-                                  : impl_->forward<bf16>(caches, tokens, all_positions, hooks);
+  const bool fresh = all_fresh(caches);
+  const float* dev = impl_->forward_dev(caches, tokens, all_positions, hooks);
+  int64_t rows = int64_t(tokens.size());
+  if (all_positions) {
+    rows = 0;
+    for (const auto& t : tokens) rows += int64_t(t.size());
+  }
+  std::vector<float> logits(size_t(rows * impl_->cfg.vocab_size));
+  cuda::copy_to_host(logits.data(), dev, logits.size() * 4);
   // Only the logits are checked on the GPU (they come to the host anyway); the block where a
   // non-finite value first appeared is found afterwards, on the failure path only.
   const int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
   if (bad < 0) return logits;
+  impl_->fail_nonfinite_forward(*this, caches, tokens, all_positions, hooks, fresh, logits, bad);
+}
+
+std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCache*>& caches,
+                                                const std::vector<std::vector<int32_t>>& tokens,
+                                                const std::vector<TokenPick>& picks) {
+  K3_CHECK(picks.size() == caches.size(), "forward_pick (cuda): ", picks.size(), " picks for ", caches.size(),
+           " sequences");
+  const int64_t B = int64_t(caches.size()), V = impl_->cfg.vocab_size;
+  std::vector<sample::cuda::PickRow> rows(static_cast<size_t>(B));
+  for (size_t b = 0; b < picks.size(); ++b) {
+    const TokenPick& p = picks[b];
+    if (!p.pick) continue;
+    if (!p.greedy) {
+      K3_CHECK(std::isfinite(p.temperature) && p.temperature > 0.0f, "forward_pick: sequence ", b,
+               ": temperature must be > 0, got ", p.temperature);
+      K3_CHECK(p.uniform >= 0.0 && p.uniform < 1.0, "forward_pick: sequence ", b, ": the draw must be in [0, 1), got ",
+               p.uniform);
+    }
+    rows[b] = sample::cuda::PickRow{p.greedy ? 1 : 2, p.temperature, p.uniform};
+  }
+  std::vector<PickResult> res;
+  if (impl_->pick_by_graph(*this, caches, tokens, picks, rows, res)) return res;
+  const bool fresh = all_fresh(caches);
+  const float* dev = impl_->forward_dev(caches, tokens, false, nullptr);
+  gpu::DeviceArena& arena = impl_->arena;
+  auto* rows_dev = static_cast<sample::cuda::PickRow*>(arena.take_bytes(rows.size() * sizeof(rows[0])));
+  cuda::copy_to_device(rows_dev, rows.data(), rows.size() * sizeof(rows[0]));
+  int32_t* out_dev = arena.take<int32_t>(2 * B);  // ids [B], bad [B]
+  sample::cuda::pick_tokens(dev, B, V, rows_dev, out_dev, out_dev + B);
+  std::vector<int32_t> out(size_t(2 * B));
+  cuda::copy_to_host(out.data(), out_dev, out.size() * 4);
+  for (int64_t b = 0; b < B; ++b) {
+    if (out[size_t(B + b)] == 0) continue;
+    std::vector<float> logits(size_t(B * V));
+    cuda::copy_to_host(logits.data(), dev, logits.size() * 4);
+    int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
+    if (bad < 0) bad = b * V;  // a row of only -inf
+    impl_->fail_nonfinite_forward(*this, caches, tokens, false, nullptr, fresh, logits, bad);
+  }
+  res.assign(static_cast<size_t>(B), PickResult{});
+  for (int64_t b = 0; b < B; ++b) {
+    if (picks[size_t(b)].pick) res[size_t(b)].id = out[size_t(b)];
+    if (picks[size_t(b)].want_logits) {
+      res[size_t(b)].logits.resize(size_t(V));
+      cuda::copy_to_host(res[size_t(b)].logits.data(), dev + b * V, size_t(V) * 4);
+    }
+  }
+  return res;
+}
+
+void CudaModel::reset_cache(CudaSequenceCache& cache) const {
+  CudaSequenceCache::Impl& c = cache.impl();
+  K3_CHECK(c.owner == impl_->id, "reset_cache: a cache of another model");
+  const K3Config& cfg = impl_->cfg;
+  const StateLayout L = state_layout(cfg, impl_->mla_ldc, impl_->precision);
+  gpu::CachePool& p = *c.pool;
+  for (size_t l = 0; l < size_t(cfg.num_hidden_layers); ++l) {
+    if (cfg.layer_kind[l] != AttnKind::KDA) continue;  // MLA rows past the length are never read
+    gpu::KdaPoolDev& k = p.kda[l];
+    const size_t t0 = size_t(c.index) * L.tail;
+    cuda::zero_on_device(k.q_tail.data() + t0, L.tail * 4);
+    cuda::zero_on_device(k.k_tail.data() + t0, L.tail * 4);
+    cuda::zero_on_device(k.v_tail.data() + t0, L.tail * 4);
+    cuda::zero_on_device(k.state.data() + size_t(c.index) * L.state, L.state * 4);
+  }
+  c.length = 0;
+  c.broken = false;
+}
+
+void CudaModel::Impl::fail_nonfinite_forward(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                                             const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                             const ForwardHooks* hooks, bool fresh, const std::vector<float>& logits,
+                                             int64_t bad) {
   for (CudaSequenceCache* c : caches) c->impl().broken = true;
-  const K3Config& c = impl_->cfg;
-  const SafeTensors st = SafeTensors::open(impl_->weights_path);
+  const K3Config& c = cfg;
+  const SafeTensors st = SafeTensors::open(weights_path);
   if (fresh && !hooks) {
     // The same forward again on new caches, with every block output copied to the host and checked.
     struct First {
@@ -359,27 +509,33 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& cac
       if (first.layer != -2) return;
       if (const int64_t i = first_nonfinite(d, rows * cols); i >= 0) first = {name, l, i / cols, d[i]};
     };
-    try {  // Impl's forward: it does not check the logits, so this pass reads no weight
-      std::vector<std::unique_ptr<CudaSequenceCache>> again = new_caches(int64_t(caches.size()));
+    try {  // forward_dev does not check the logits, so this pass reads no weight
+      std::vector<std::unique_ptr<CudaSequenceCache>> again = m.new_caches(int64_t(caches.size()));
       std::vector<CudaSequenceCache*> ptrs;
       for (auto& a : again) ptrs.push_back(a.get());
-      if (impl_->precision == GpuPrecision::F32) impl_->forward<float>(ptrs, tokens, all_positions, &locate);
-      else impl_->forward<bf16>(ptrs, tokens, all_positions, &locate);
+      forward_dev(ptrs, tokens, all_positions, &locate);
     } catch (const Error&) {  // the pass is for the message; without it, the logits' message below
     }
     if (first.layer != -2) fail_nonfinite(c, st, first.block.c_str(), first.layer, first.row, first.value);
   }
   fail_nonfinite_logits(c, st, bad / c.vocab_size, logits[size_t(bad)],
-                        " of the GPU forward (" + std::string(gpu_precision_name(impl_->precision)) + ")");
+                        " of the GPU forward (" + std::string(gpu_precision_name(precision)) + ")");
+}
+
+float* CudaModel::Impl::forward_dev(const std::vector<CudaSequenceCache*>& caches,
+                                    const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                    const ForwardHooks* hooks) {
+  return precision == GpuPrecision::F32 ? forward_dev<float>(caches, tokens, all_positions, hooks)
+                                        : forward_dev<bf16>(caches, tokens, all_positions, hooks);
 }
 
 // Validation errors leave the caches untouched; a failure once the layers have started (out of device
 // memory, a kernel error) leaves earlier layers' KDA state and conv tails advanced, so the caches are
 // marked broken and refused from then on rather than silently giving wrong logits.
 template <class T>
-std::vector<float> CudaModel::Impl::forward(const std::vector<CudaSequenceCache*>& caches,
-                                            const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
-                                            const ForwardHooks* hooks) {
+float* CudaModel::Impl::forward_dev(const std::vector<CudaSequenceCache*>& caches,
+                                    const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                    const ForwardHooks* hooks) {
   validate(caches, tokens);
   try {
     return run_layers<T>(caches, tokens, all_positions, hooks);
@@ -504,25 +660,26 @@ class CudaBackend {
   }
   void add_partial(Act& partial, Act out) { elementwise::cuda::add_inplace(partial, out, N_ * D_); }
 
-  // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head, fp32 logits to the host.
-  std::vector<float> head() {
-    const int64_t V = c_.vocab_size;
+  // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head: fp32 logits [M, V] on the device
+  // (in the arena, valid until the next forward).
+  float* head() {
     const T* hn = xn_;
     int64_t M = N_;
     if (!all_positions_) {
       M = int64_t(segs_.size());
-      T* sel = r_.arena.take<T>(M * D_);
-      constexpr DType act = dtype_of<T>();
-      for (size_t i = 0; i < segs_.size(); ++i)
-        elementwise::cuda::copy_rows(sel + int64_t(i) * D_, act, D_, xn_ + (segs_[i].row0 + segs_[i].n - 1) * D_, act,
-                                     D_, 1, D_);
+      T* sel = xn_;  // one row per sequence: x̂ is the selection
+      if (M != N_) {
+        constexpr DType act = dtype_of<T>();
+        sel = r_.arena.take<T>(M * D_);
+        for (size_t i = 0; i < segs_.size(); ++i)
+          elementwise::cuda::copy_rows(sel + int64_t(i) * D_, act, D_, xn_ + (segs_[i].row0 + segs_[i].n - 1) * D_, act,
+                                       D_, 1, D_);
+      }
       hn = sel;
     }
-    float* logits_dev = r_.arena.take<float>(M * V);
+    float* logits_dev = r_.arena.take<float>(M * c_.vocab_size);
     linear_f32_out<T>(r_, logits_dev, hn, M, w_.lm_head);
-    std::vector<float> logits(size_t(M * V));
-    cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
-    return logits;
+    return logits_dev;
   }
 
  private:
@@ -540,9 +697,9 @@ class CudaBackend {
 }  // namespace gpu
 
 template <class T>
-std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCache*>& caches,
-                                               const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
-                                               const ForwardHooks* hooks) {
+float* CudaModel::Impl::run_layers(const std::vector<CudaSequenceCache*>& caches,
+                                   const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                                   const ForwardHooks* hooks) {
   const K3Config& c = cfg;
   std::vector<gpu::SegmentDev> segs;
   std::vector<int32_t> ids;
@@ -552,6 +709,26 @@ std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCac
     ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
     N += int64_t(tokens[b].size());
   }
+  // The pooled decode (cuda_model_impl.h): the leading sequences of one pool that add one token each to at
+  // least 4 cached ones (where a lone decode would take the absorbed form too). BF16 path, not the reference.
+  gpu::PooledDecode pooled;
+  int64_t P = 0;
+  if (precision == GpuPrecision::BF16 && !reference) {
+    while (P < int64_t(segs.size()) && segs[size_t(P)].n == 1 && segs[size_t(P)].cache->pool == segs[0].cache->pool &&
+           segs[size_t(P)].cache->length >= 4)
+      ++P;
+  }
+  if (P > 0) {  // slots and lengths travel with the ids, in one copy
+    pooled.B = P;
+    pooled.pool = segs[0].cache->pool.get();
+    for (int64_t b = 0; b < P; ++b) ids.push_back(int32_t(segs[size_t(b)].cache->index));
+    for (int64_t b = 0; b < P; ++b) {
+      const int64_t len = segs[size_t(b)].cache->length;
+      K3_CHECK(len < (int64_t(1) << 30), "forward (cuda): a sequence of ", len, " tokens is past the decode's range");
+      ids.push_back(int32_t(len));
+      pooled.max_p0 = std::max(pooled.max_p0, len);
+    }
+  }
   arena.reset();
   if constexpr (!std::is_same_v<T, float>) {
     if (N > dispatch_tokens) {
@@ -560,13 +737,148 @@ std::vector<float> CudaModel::Impl::run_layers(const std::vector<CudaSequenceCac
       dispatch_tokens = N;
     }
   }
-  gpu::Run run{c, precision, *gemm, arena, dispatch.get(), mla_ldc, hooks, reference};
-  int32_t* ids_dev = arena.take<int32_t>(N);
+  int32_t* ids_dev = arena.take<int32_t>(int64_t(ids.size()));
   cuda::copy_to_device(ids_dev, ids.data(), ids.size() * 4);
-  gpu::CudaBackend<T> be(run, w, segs, ids_dev, N, all_positions, profile);
-  std::vector<float> logits = decoder_forward(be, c, &timings);
+  if (P > 0) pooled.slot = ids_dev + N, pooled.p0 = ids_dev + N + P;
+  float* logits = run_step<T>(segs, ids_dev, N, arena, dispatch.get(), P > 0 ? &pooled : nullptr, all_positions, hooks);
   for (const gpu::SegmentDev& s : segs) s.cache->length += s.n;
   return logits;
+}
+
+template <class T>
+float* CudaModel::Impl::run_step(const std::vector<gpu::SegmentDev>& segs, const int32_t* ids_dev, int64_t N,
+                                 gpu::DeviceArena& ar, moe::cuda::Dispatch* disp, const gpu::PooledDecode* pooled,
+                                 bool all_positions, const ForwardHooks* hooks) {
+  gpu::Run run{cfg, precision, *gemm, ar, disp, mla_ldc, hooks, reference, pooled};
+  gpu::CudaBackend<T> be(run, w, segs, ids_dev, N, all_positions, profile);
+  return decoder_forward(be, cfg, &timings);
+}
+
+bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                                    const std::vector<std::vector<int32_t>>& tokens,
+                                    const std::vector<TokenPick>& picks, const std::vector<sample::cuda::PickRow>& rows,
+                                    std::vector<PickResult>& res) {
+  if (!use_graphs || !graphs_off_why.empty() || precision != GpuPrecision::BF16 || reference || profile) return false;
+  const int64_t B = int64_t(caches.size()), V = cfg.vocab_size;
+  validate(caches, tokens);
+  gpu::CachePool* pool = caches[0]->impl().pool.get();
+  int64_t max_p0 = 0;
+  for (size_t b = 0; b < caches.size(); ++b) {
+    const CudaSequenceCache::Impl& c = caches[b]->impl();
+    if (tokens[b].size() != 1 || c.pool.get() != pool || c.length < 4) return false;
+    max_p0 = std::max(max_p0, c.length);
+  }
+  if (max_p0 >= (int64_t(1) << 30)) return false;
+  const int64_t bucket = gpu::graph_bucket(B);
+  const size_t esize = sizeof(bf16);
+  std::vector<const void*> rows_now;
+  try {
+    // Room for this step's rows first (a capture cannot allocate): a grown cache invalidates its graphs.
+    for (size_t l = 0; l < pool->mla.size(); ++l)
+      if (cfg.layer_kind[l] != AttnKind::KDA) {
+        gpu::reserve_rows(pool->mla[l], pool->B, max_p0 + 1, mla_ldc, esize);
+        rows_now.push_back(pool->mla[l].rows.data());
+      }
+  } catch (...) {
+    for (CudaSequenceCache* c : caches) c->impl().broken = true;  // rows may have moved part way
+    throw;
+  }
+  gpu::DecodeGraph* g = nullptr;
+  for (auto it = graphs.begin(); it != graphs.end();) {
+    gpu::DecodeGraph& d = **it;
+    if (d.pool == pool && d.rows != rows_now) {  // stale: this pool's rows moved
+      it = graphs.erase(it);
+      continue;
+    }
+    if (d.pool == pool && d.bucket == bucket) g = &d;
+    ++it;
+  }
+  int64_t capacity = 0;
+  for (size_t l = 0; l < pool->mla.size(); ++l)
+    if (cfg.layer_kind[l] != AttnKind::KDA) capacity = pool->mla[l].capacity;
+  std::vector<gpu::SegmentDev> segs(static_cast<size_t>(bucket));
+  for (int64_t b = 0; b < bucket; ++b) segs[size_t(b)] = gpu::SegmentDev{b, 1, nullptr};
+  // Inputs: the real rows, then padding rows on the pool's padding place.
+  std::vector<int32_t> in(size_t(3 * bucket));
+  std::vector<sample::cuda::PickRow> pick(static_cast<size_t>(bucket));
+  auto fill_padding = [&](int64_t from) {
+    for (int64_t b = from; b < bucket; ++b) {
+      in[size_t(b)] = 0, in[size_t(bucket + b)] = int32_t(pool->pad), in[size_t(2 * bucket + b)] = 4;
+      pick[size_t(b)] = sample::cuda::PickRow{};
+    }
+  };
+  if (!g) {
+    auto made = std::make_unique<gpu::DecodeGraph>();
+    made->pool = pool;
+    made->bucket = bucket;
+    made->rows = rows_now;
+    made->in = cuda::DeviceBuffer<int32_t>(size_t(3 * bucket));
+    made->pick = cuda::DeviceBuffer<uint8_t>(size_t(bucket) * sizeof(sample::cuda::PickRow));
+    made->out = cuda::DeviceBuffer<int32_t>(size_t(2 * bucket));
+    made->dispatch = std::make_unique<moe::cuda::Dispatch>(bucket, std::max<int64_t>(cfg.num_experts, 1),
+                                                           std::max<int64_t>(cfg.num_experts_per_token, 1));
+    gpu::PooledDecode pd;
+    pd.B = bucket, pd.pool = pool, pd.slot = made->in.data() + bucket, pd.p0 = made->in.data() + 2 * bucket;
+    pd.max_p0 = capacity - 1;  // the splits of the pool's capacity: valid while the rows stay
+    gpu::DecodeGraph& d = *made;
+    auto body = [&] {
+      d.arena.reset();
+      d.logits = run_step<bf16>(segs, d.in.data(), bucket, d.arena, d.dispatch.get(), &pd, false, nullptr);
+      sample::cuda::pick_tokens(d.logits, bucket, V, reinterpret_cast<const sample::cuda::PickRow*>(d.pick.data()),
+                                d.out.data(), d.out.data() + bucket);
+    };
+    try {
+      // A run on padding alone sizes the arena and does every first-use setup (GEMM plans, kernel attributes)
+      // outside the capture; the capture then takes the same addresses.
+      fill_padding(0);
+      d.in.upload(in.data(), in.size());
+      d.pick.upload(reinterpret_cast<const uint8_t*>(pick.data()), pick.size() * sizeof(pick[0]));
+      body();
+      cuda::synchronize();
+      d.arena.reset();
+      d.graph = cuda::Graph::capture(body);
+    } catch (const Error& e) {
+      graphs_off_why = e.what();  // decode runs eagerly from now on
+      return false;
+    }
+    graphs.push_back(std::move(made));
+    g = graphs.back().get();
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    in[size_t(b)] = tokens[size_t(b)][0];
+    in[size_t(bucket + b)] = int32_t(caches[size_t(b)]->impl().index);
+    in[size_t(2 * bucket + b)] = int32_t(caches[size_t(b)]->impl().length);
+    pick[size_t(b)] = rows[size_t(b)];
+  }
+  fill_padding(B);
+  std::vector<int32_t> out(size_t(2 * bucket));
+  try {
+    g->in.upload(in.data(), in.size());
+    g->pick.upload(reinterpret_cast<const uint8_t*>(pick.data()), pick.size() * sizeof(pick[0]));
+    g->graph->launch();
+    g->out.download(out.data(), out.size());
+  } catch (...) {
+    for (CudaSequenceCache* c : caches) c->impl().broken = true;
+    throw;
+  }
+  for (CudaSequenceCache* c : caches) c->impl().length += 1;
+  for (int64_t b = 0; b < B; ++b) {
+    if (out[size_t(bucket + b)] == 0) continue;
+    std::vector<float> logits(size_t(B * V));
+    cuda::copy_to_host(logits.data(), g->logits, logits.size() * 4);
+    int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
+    if (bad < 0) bad = b * V;  // a row of only -inf
+    fail_nonfinite_forward(m, caches, tokens, false, nullptr, false, logits, bad);
+  }
+  res.assign(size_t(B), PickResult{});
+  for (int64_t b = 0; b < B; ++b) {
+    if (picks[size_t(b)].pick) res[size_t(b)].id = out[size_t(b)];
+    if (picks[size_t(b)].want_logits) {
+      res[size_t(b)].logits.resize(size_t(V));
+      cuda::copy_to_host(res[size_t(b)].logits.data(), g->logits + b * V, size_t(V) * 4);
+    }
+  }
+  return true;
 }
 
 }  // namespace k3

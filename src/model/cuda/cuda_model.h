@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/generate.h"
 #include "model/layers.h"
 
 namespace k3 {
@@ -99,6 +100,22 @@ class CudaModel {
   std::vector<float> forward(const std::vector<CudaSequenceCache*>& caches,
                              const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
                              const ForwardHooks* hooks = nullptr);
+
+  // As Engine::forward_pick: appends like forward(.., false), then per sequence what picks[b] asks. Ids are chosen
+  // on the device (kernels/sample/pick_cuda.h) and only the rows whose logits are asked for come to the host;
+  // every row is checked for non-finite logits all the same.
+  std::vector<PickResult> forward_pick(const std::vector<CudaSequenceCache*>& caches,
+                                       const std::vector<std::vector<int32_t>>& tokens,
+                                       const std::vector<TokenPick>& picks);
+  // Decode graphs (on by default): forward_pick runs a decode step over sequences of one pool (one new token each,
+  // at least 4 cached, BF16, not the reference forms, profiling off) as a CUDA graph captured once per pool and
+  // batch bucket, rather than as ~40 launches per layer. The same kernels on the same inputs: a graph step gives
+  // the eager step's bits (tested). A capture that fails turns them off for the model (graphs_off_reason says why).
+  void set_graphs(bool on);
+  std::string graphs_off_reason() const;
+  int64_t graph_count() const;  // graphs held now
+  // Makes `c` fresh (length 0, zero KDA tails and state) in its place in its pool (Engine::reset).
+  void reset_cache(CudaSequenceCache& c) const;
 
   // A prefix cache's copies (Engine::snapshot / restore): the state of `c` with its MLA rows from rows_from, and
   // a fresh cache made to hold the state a contiguous chain of copies describes (rows of each in order, the KDA

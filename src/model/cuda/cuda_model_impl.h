@@ -125,12 +125,26 @@ struct MlaPoolDev {
   int64_t capacity = 0;              // rows per sequence
 };
 struct CachePool {
-  int64_t B = 0;
+  int64_t B = 0;    // places: the sequences made together, and one more (pad) that decode graphs fill up with
+  int64_t pad = 0;  // the padding place (B - 1), never a sequence's
   std::vector<KdaPoolDev> kda;  // [num_layers] (used at KDA layers)
   std::vector<MlaPoolDev> mla;  // [num_layers] (used at MLA layers)
 };
 // Room for `need` rows per sequence in a pool's layer (grown geometrically for all its sequences; old rows kept).
 void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize);
+
+// A decode step's sequences of one pool, run by one launch per step of the attention blocks whatever their
+// places in the pool and their lengths: segments 0..B-1 (rows 0..B-1, one new token each), sequence b at pool
+// place slot[b] holding p0[b] tokens (device arrays; max_p0 the largest). The MLA decode splits the keys in
+// fixed runs (kPooledSplitKeys), so a sequence's arithmetic does not depend on what else is in the step.
+struct PooledDecode {
+  int64_t B = 0;
+  CachePool* pool = nullptr;
+  const int32_t* slot = nullptr;  // device [B]
+  const int32_t* p0 = nullptr;    // device [B]
+  int64_t max_p0 = 0;
+};
+inline constexpr int64_t kPooledSplitKeys = 256;
 
 // Everything a layer needs for one forward besides its weights.
 struct Run {
@@ -142,6 +156,7 @@ struct Run {
   int64_t mla_ldc;                // cache row stride (elements)
   const ForwardHooks* hooks;
   bool reference;  // the specification forms: KDA recurrence, expanded MLA (CudaModel::set_reference)
+  const PooledDecode* pooled = nullptr;  // segments 0..pooled->B-1 run pooled; null: none
 };
 
 // A run of rows [row0, row0 + n) of one sequence, with that sequence's device state.
@@ -159,6 +174,12 @@ struct SeqGroup {
   CudaSequenceCache::Impl* first = nullptr;
 };
 std::vector<SeqGroup> seq_groups(const std::vector<SegmentDev>& segs, bool same_length);
+
+// The segments a layer runs by themselves: all of them, or those after the pooled decode's.
+inline std::vector<SegmentDev> unpooled(const Run& r, const std::vector<SegmentDev>& segs) {
+  const size_t skip = r.pooled ? size_t(r.pooled->B) : 0;
+  return std::vector<SegmentDev>(segs.begin() + std::ptrdiff_t(skip), segs.end());
+}
 
 // y[M, W.rows] (ld_y) = x[M, W.cols] (ld_x) · Wᵀ. BF16 path: x bf16, y bf16 or fp32. F32 path: x, y fp32.
 template <class T>

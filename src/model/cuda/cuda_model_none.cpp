@@ -49,6 +49,15 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>&, co
                                       bool, const ForwardHooks*) {
   fail("CudaModel: no CUDA backend");
 }
+std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCache*>&,
+                                                const std::vector<std::vector<int32_t>>&,
+                                                const std::vector<TokenPick>&) {
+  fail("CudaModel: no CUDA backend");
+}
+void CudaModel::reset_cache(CudaSequenceCache&) const { fail("CudaModel: no CUDA backend"); }
+void CudaModel::set_graphs(bool) {}
+std::string CudaModel::graphs_off_reason() const { return "no CUDA backend"; }
+int64_t CudaModel::graph_count() const { return 0; }
 
 }  // namespace k3
 #endif  // K3_HAVE_CUDA

@@ -25,7 +25,13 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   T* q = r.arena.take<T>(N * HD);
   T* k = r.arena.take<T>(N * HD);
   T* v = r.arena.take<T>(N * HD);
-  const std::vector<SeqGroup> groups = seq_groups(segs, /*same_length=*/false);
+  const std::vector<SeqGroup> groups = seq_groups(unpooled(r, segs), /*same_length=*/false);
+  if (const PooledDecode* pd = r.pooled) {  // rows 0..B-1: one token of each pooled sequence
+    KdaPoolDev& pk = pd->pool->kda[size_t(layer)];
+    kda::cuda::short_conv_silu(q, qp, pd->B, 1, HD, w.q_conv.data(), int(K), pk.q_tail.data(), pd->slot);
+    kda::cuda::short_conv_silu(k, kp, pd->B, 1, HD, w.k_conv.data(), int(K), pk.k_tail.data(), pd->slot);
+    kda::cuda::short_conv_silu(v, vp, pd->B, 1, HD, w.v_conv.data(), int(K), pk.v_tail.data(), pd->slot);
+  }
   for (const SeqGroup& s : groups) {
     KdaPoolDev& pk = s.first->pool->kda[size_t(layer)];
     const int64_t o = s.row0 * HD, ti = s.first->index * (K - 1) * HD;
@@ -55,14 +61,24 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   // chunked fp32 form splits operands into bf16 pairs (~2^-16 per product, kda_cuda.h), which the
   // fixtures' AttnRes cancellations would amplify past 1e-4 (docs/NUMERICS.md).
   T* o = kp;  // reuses kp
-  for (const SeqGroup& s : groups) {
-    float* state = s.first->pool->kda[size_t(layer)].state.data() + s.first->index * H * D * D;
+  auto core_params = [&](int64_t row0, int64_t B, int64_t n) {
     kda::cuda::KdaParams p;
-    p.B = s.B, p.T = s.n, p.H = H, p.D = int(D);
+    p.B = B, p.T = n, p.H = H, p.D = int(D);
     p.scale = 1.0f / std::sqrt(float(D));
     p.in_dtype = p.out_dtype = dtype_of<T>();
-    p.q = q + s.row0 * HD, p.k = k + s.row0 * HD, p.v = v + s.row0 * HD, p.o = o + s.row0 * HD;
-    p.g = g + s.row0 * HD, p.beta = beta + s.row0 * H;
+    p.q = q + row0 * HD, p.k = k + row0 * HD, p.v = v + row0 * HD, p.o = o + row0 * HD;
+    p.g = g + row0 * HD, p.beta = beta + row0 * H;
+    return p;
+  };
+  if (const PooledDecode* pd = r.pooled) {
+    kda::cuda::KdaParams p = core_params(0, pd->B, 1);
+    p.state_in = p.state_out = pd->pool->kda[size_t(layer)].state.data();
+    p.state_slot = pd->slot;
+    kda::cuda::kda_recurrent_forward(p);
+  }
+  for (const SeqGroup& s : groups) {
+    float* state = s.first->pool->kda[size_t(layer)].state.data() + s.first->index * H * D * D;
+    kda::cuda::KdaParams p = core_params(s.row0, s.B, s.n);
     p.state_in = state, p.state_out = state;
     if (exact || r.reference || s.n < kda::cuda::kChunk) {
       kda::cuda::kda_recurrent_forward(p);

@@ -75,7 +75,46 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   }
 
   T* o = r.arena.take<T>(N * H * d.Dv);  // [N, H, Dv]
-  for (const SeqGroup& g : seq_groups(segs, /*same_length=*/true)) {
+  // The absorbed form over rows [row0, row0 + rows_n) (query tokens of one or more sequences), given how the
+  // decode kernel finds each sequence's cache rows.
+  auto absorbed = [&](int64_t row0, int64_t rows_n, mla::cuda::DecodeParams dp) {
+    if constexpr (std::is_same_v<T, float>) {
+      fail("GPU MLA: the absorbed form is the BF16 path's");
+    } else {
+      const bf16* qs = q + row0 * H * dq;
+      const bf16* kvb = w.kv_b_proj.as<bf16>();
+      bf16* q_lat = r.arena.take<bf16>(rows_n * H * d.R);  // [rows, H, R]
+      per_head_linear(r, q_lat, H * d.R, d.R, qs, H * dq, dq, rows_n, d.Dn, d.R, kvb, d.R, dkv * d.R, true, H);
+      bf16* q_rot = r.arena.take<bf16>(rows_n * H * d.Dr);
+      elementwise::cuda::copy_rows(q_rot, act, d.Dr, qs + d.Dn, act, dq, rows_n * H, d.Dr);
+      float* o_lat = r.arena.take<float>(rows_n * H * d.R);
+      dp.q_lat = q_lat, dp.q_rot = q_rot, dp.q_type = mla::cuda::Dtype::BF16;
+      dp.ldc = ldc, dp.o_lat = o_lat, dp.d = d;
+      dp.workspace_bytes = mla::cuda::decode_workspace_bytes(dp);
+      dp.workspace = dp.workspace_bytes ? r.arena.take_bytes(dp.workspace_bytes) : nullptr;
+      mla::cuda::decode(dp);
+      bf16* o_lat16 = r.arena.take<bf16>(rows_n * H * d.R);
+      gemm::cuda::convert_f32_to_bf16(o_lat16, o_lat, rows_n * H * d.R);
+      per_head_linear(r, o + row0 * H * d.Dv, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, rows_n, d.R, d.Dv,
+                      kvb + d.Dn * d.R, d.R, dkv * d.R, false, H);
+    }
+  };
+  if (const PooledDecode* pd = r.pooled) {  // rows 0..B-1: one token of each pooled sequence
+    MlaPoolDev& mp = pd->pool->mla[size_t(layer)];
+    reserve_rows(mp, pd->pool->B, pd->max_p0 + 1, ldc, sizeof(T));
+    const int64_t seq_stride = mp.capacity * ldc;
+    T* base = reinterpret_cast<T*>(mp.rows.data());
+    if constexpr (std::is_same_v<T, float>) {
+      fail("GPU MLA: the pooled decode is the BF16 path's");
+    } else {
+      mla::cuda::append_rows(base, ldc, seq_stride, pd->slot, pd->p0, ckv, lrow, pd->B);
+      mla::cuda::DecodeParams dp;
+      dp.cache = base, dp.cache_stride_b = seq_stride, dp.B = pd->B, dp.n = 1, dp.p0 = pd->max_p0;
+      dp.seq_slot = pd->slot, dp.seq_p0 = pd->p0, dp.split_keys = kPooledSplitKeys;
+      absorbed(0, pd->B, dp);
+    }
+  }
+  for (const SeqGroup& g : seq_groups(unpooled(r, segs), /*same_length=*/true)) {
     CachePool& pool = *g.first->pool;
     MlaPoolDev& mp = pool.mla[size_t(layer)];
     const int64_t p0 = g.first->length, Tc = p0 + g.n;
@@ -118,26 +157,10 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
         pp.d = d, pp.B = 1, pp.n = g.n, pp.p0 = p0;
         mla::cuda::prefill(pp);
       }
-    } else {                             // BF16 absorbed (decode), the whole group at once
-      const int64_t rows_n = g.B * g.n;  // query tokens of the group, consecutive from g.row0
-      const bf16* qs = q + g.row0 * H * dq;
-      const bf16* kvb = w.kv_b_proj.as<bf16>();
-      bf16* q_lat = r.arena.take<bf16>(rows_n * H * d.R);  // [B n, H, R]
-      per_head_linear(r, q_lat, H * d.R, d.R, qs, H * dq, dq, rows_n, d.Dn, d.R, kvb, d.R, dkv * d.R, true, H);
-      bf16* q_rot = r.arena.take<bf16>(rows_n * H * d.Dr);
-      elementwise::cuda::copy_rows(q_rot, act, d.Dr, qs + d.Dn, act, dq, rows_n * H, d.Dr);
-      float* o_lat = r.arena.take<float>(rows_n * H * d.R);
+    } else {  // BF16 absorbed (decode), the whole group at once
       mla::cuda::DecodeParams dp;
-      dp.q_lat = q_lat, dp.q_rot = q_rot, dp.q_type = mla::cuda::Dtype::BF16;
-      dp.cache = rows0, dp.ldc = ldc, dp.cache_stride_b = seq_stride, dp.o_lat = o_lat, dp.d = d;
-      dp.B = g.B, dp.n = g.n, dp.p0 = p0;
-      dp.workspace_bytes = mla::cuda::decode_workspace_bytes(dp);
-      dp.workspace = dp.workspace_bytes ? r.arena.take_bytes(dp.workspace_bytes) : nullptr;
-      mla::cuda::decode(dp);
-      bf16* o_lat16 = r.arena.take<bf16>(rows_n * H * d.R);
-      gemm::cuda::convert_f32_to_bf16(o_lat16, o_lat, rows_n * H * d.R);
-      per_head_linear(r, o + g.row0 * H * d.Dv, H * d.Dv, d.Dv, o_lat16, H * d.R, d.R, rows_n, d.R, d.Dv,
-                      kvb + d.Dn * d.R, d.R, dkv * d.R, false, H);
+      dp.cache = rows0, dp.cache_stride_b = seq_stride, dp.B = g.B, dp.n = g.n, dp.p0 = p0;
+      absorbed(g.row0, g.B * g.n, dp);
     }
   }
   if (!w.g_proj.empty()) {

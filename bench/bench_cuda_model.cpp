@@ -61,28 +61,39 @@ double gpu_prefill_seconds(CudaModel& m, const std::vector<int32_t>& ids) {
   return t[1];
 }
 
+// B sequences of one pool after a prefix of ctx random tokens each, and one next token for each.
+struct DecodeSetup {
+  std::vector<std::unique_ptr<CudaSequenceCache>> caches;  // one pool: batched launches
+  std::vector<CudaSequenceCache*> ptrs;
+  std::vector<std::vector<int32_t>> step;
+};
+DecodeSetup prefilled(CudaModel& m, int64_t ctx, int64_t B, uint64_t seed) {
+  const int64_t V = m.config().vocab_size;
+  DecodeSetup d;
+  d.caches = m.new_caches(B);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t b = 0; b < B; ++b) {
+    d.ptrs.push_back(d.caches[size_t(b)].get());
+    prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
+  }
+  m.forward(d.ptrs, prompts, false);
+  d.step.assign(size_t(B), std::vector<int32_t>(1));
+  for (int64_t b = 0; b < B; ++b) d.step[size_t(b)][0] = int32_t((b * 31 + 7) % V);
+  return d;
+}
+
 // Mean seconds per decode step of B sequences after a prefix of ctx tokens each.
 double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed,
                           BlockTimings* breakdown = nullptr) {
-  const int64_t V = m.config().vocab_size;
-  std::vector<std::unique_ptr<CudaSequenceCache>> caches = m.new_caches(B);  // one pool: batched launches
-  std::vector<CudaSequenceCache*> ptrs;
-  std::vector<std::vector<int32_t>> prompts;
-  for (int64_t b = 0; b < B; ++b) {
-    ptrs.push_back(caches[size_t(b)].get());
-    prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
-  }
-  m.forward(ptrs, prompts, false);
-  std::vector<std::vector<int32_t>> step(size_t(B), std::vector<int32_t>(1));
-  for (int64_t b = 0; b < B; ++b) step[size_t(b)][0] = int32_t((b * 31 + 7) % V);
-  m.forward(ptrs, step, false);  // warm-up step (first decode-shaped GEMM plans)
+  DecodeSetup d = prefilled(m, ctx, B, seed);
+  m.forward(d.ptrs, d.step, false);  // warm-up step (first decode-shaped GEMM plans)
   const auto t0 = clock_type::now();
-  for (int s = 0; s < steps; ++s) m.forward(ptrs, step, false);
+  for (int s = 0; s < steps; ++s) m.forward(d.ptrs, d.step, false);
   const double per = seconds_since(t0) / steps;
   if (breakdown) {  // the same steps again, profiled (a wait after every block)
     m.reset_timings();
     m.set_profile(true);
-    for (int s = 0; s < steps; ++s) m.forward(ptrs, step, false);
+    for (int s = 0; s < steps; ++s) m.forward(d.ptrs, d.step, false);
     m.set_profile(false);
     *breakdown = m.timings();
   }
@@ -92,24 +103,14 @@ double gpu_decode_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint6
 // Mean seconds per decode step as a server takes it (CudaModel::forward_pick: greedy ids chosen on the device,
 // no logits to the host), eagerly or replayed from a decode graph.
 double gpu_pick_seconds(CudaModel& m, int64_t ctx, int64_t B, int steps, uint64_t seed, bool graphs) {
-  const int64_t V = m.config().vocab_size;
   m.set_graphs(graphs);
-  std::vector<std::unique_ptr<CudaSequenceCache>> caches = m.new_caches(B);
-  std::vector<CudaSequenceCache*> ptrs;
-  std::vector<std::vector<int32_t>> prompts;
-  for (int64_t b = 0; b < B; ++b) {
-    ptrs.push_back(caches[size_t(b)].get());
-    prompts.push_back(random_ids(ctx, V, seed + uint64_t(b)));
-  }
-  m.forward(ptrs, prompts, false);
-  std::vector<std::vector<int32_t>> step(size_t(B), std::vector<int32_t>(1));
-  for (int64_t b = 0; b < B; ++b) step[size_t(b)][0] = int32_t((b * 31 + 7) % V);
+  DecodeSetup d = prefilled(m, ctx, B, seed);
   TokenPick greedy;
   greedy.pick = true;
   const std::vector<TokenPick> picks(size_t(B), greedy);
-  for (int w = 0; w < 2; ++w) m.forward_pick(ptrs, step, picks);  // warm-up (plans; the graph's capture)
+  for (int w = 0; w < 2; ++w) m.forward_pick(d.ptrs, d.step, picks);  // warm-up (plans; the graph's capture)
   const auto t0 = clock_type::now();
-  for (int s = 0; s < steps; ++s) m.forward_pick(ptrs, step, picks);
+  for (int s = 0; s < steps; ++s) m.forward_pick(d.ptrs, d.step, picks);
   const double per = seconds_since(t0) / steps;
   m.set_graphs(true);
   return per;

@@ -648,6 +648,7 @@ TEST(CudaModel, PooledBatchEqualsSequencesAlone) {
       check({1, 2}, {{int32_t(60)}, {int32_t(61)}}, false, "decode step of members 1 and 2");
       check({2, 0}, {{int32_t(62)}, {int32_t(63)}}, false, "decode step of members 2 and 0 (out of pool order)");
       check({0}, {tokens(80, V, 11)}, true, "80-token append of member 0 alone (the pool grows)");
+      EXPECT_LT(pool[2]->bytes(), pool[0]->bytes()) << "a member's MLA rows grow alone";
       check({0, 1, 2}, {{int32_t(70)}, {int32_t(71)}, {int32_t(72)}}, false, "decode step after the growth");
       for (int i = 0; i < 3; ++i) EXPECT_EQ(pool[size_t(i)]->length(), alone[size_t(i)]->length());
     }

@@ -230,8 +230,13 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   if (!pool_made_ && starting > 0) {
     pool_made_ = true;
     lock.unlock();
+    // As many places as the budget could ever admit at once (each sequence's fixed state at least).
+    int64_t places = o_.max_batch;
+    if (o_.cache_budget > 0)
+      places = std::clamp<int64_t>(int64_t(o_.cache_budget / std::max<size_t>(engine_.sequence_bytes(1), 1)), 1,
+                                   o_.max_batch);
     try {
-      spare = engine_.new_sequences(o_.max_batch);
+      spare = engine_.new_sequences(places);
     } catch (const std::exception&) {  // (no room for the whole pool: sequences are made one by one below)
     }
     lock.lock();

@@ -126,8 +126,9 @@ class Batcher {
   std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
   std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
   std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (reset on the engine thread)
-  // Fresh sequences for new slots: one pool of max_batch made at the first step (the GPU then runs a decode step
-  // over any of them as one launch per block step), released ones reset and returned here.
+  // Fresh sequences for new slots: one pool made at the first step, of max_batch places or as many as the cache
+  // budget could admit (the GPU then runs a decode step over any of them as one launch per block step); released
+  // ones reset and returned here. Slots past the pool get sequences of their own.
   std::vector<std::unique_ptr<EngineSequence>> free_;
   bool pool_made_ = false;
   Clock::time_point first_wait_;

@@ -281,8 +281,8 @@ struct DecodeArgs {
   float* o_lat;
   float* ws_o;   // [splits][B*n*H][R]
   float* ws_ml;  // [splits][B*n*H][2]
-  const int32_t* seq_slot;  // [B] or nullptr
-  const int32_t* seq_p0;    // [B] or nullptr
+  const __nv_bfloat16* const* seq_cache;  // [B] or nullptr
+  const int32_t* seq_p0;                  // [B] or nullptr
   int n, p0, T, H, R, Dr, splits, chunk;
   float scale_log2;
 };
@@ -313,9 +313,8 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
   const int rows = a.n * a.H;  // (token, head) rows of one sequence
   const int r0 = mt * kDcBM;
   const int64_t R64 = R;
-  // This sequence's cached length and place in the cache (per sequence when the lists are given).
+  // This sequence's cached length and rows (per sequence when the lists are given).
   const int p0 = a.seq_p0 ? a.seq_p0[b] : a.p0, T = p0 + a.n;
-  const int64_t bc = a.seq_slot ? a.seq_slot[b] : b;
 
   // Keys of this split that some row of the tile can see.
   const int last_row = min(rows, r0 + kDcBM) - 1;
@@ -323,7 +322,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
   const int ke = min(min(T, ks + a.chunk), p0 + last_row / a.H + 1);
   const int n_tiles = ke > ks ? (ke - ks + kDcBN - 1) / kDcBN : 0;
 
-  const __nv_bfloat16* cg = a.cache + bc * a.cache_stride_b;
+  const __nv_bfloat16* cg = a.seq_cache ? a.seq_cache[b] : a.cache + int64_t(b) * a.cache_stride_b;
   auto load_tile = [&](int tile, int stage) {
     __nv_bfloat16* dst = sC + stage * S::kC;
     const int key0 = ks + tile * kDcBN;
@@ -645,10 +644,14 @@ std::string can_run(const DecodeParams& p) {
   if (p.num_splits < 0) return "num_splits = " + std::to_string(p.num_splits) + ": must be >= 0";
   if (p.split_keys < 0 || p.split_keys > kIntMax / 2)
     return "split_keys = " + std::to_string(p.split_keys) + ": must be in 0..2^30";
-  if ((p.seq_p0 != nullptr) != (p.seq_slot != nullptr)) return "seq_p0 and seq_slot go together";
-  const std::pair<const char*, const void*> ptrs[] = {{"q_lat", p.q_lat}, {"cache", p.cache}, {"o_lat", p.o_lat}};
-  for (const auto& [name, ptr] : ptrs) {
-    const std::string e = misaligned(name, ptr);
+  if ((p.seq_p0 != nullptr) != (p.seq_cache != nullptr)) return "seq_p0 and seq_cache go together";
+  // Per-sequence rows come as a device list of pointers (8-byte aligned; each row buffer is the start of a
+  // DeviceBuffer, 256-byte aligned); else the rows themselves are read by 16 bytes.
+  if (p.seq_cache && reinterpret_cast<uintptr_t>(p.seq_cache) % 8 != 0) return "seq_cache is not 8-byte aligned";
+  const std::pair<const char*, const void*> ptrs[] = {{"q_lat", p.q_lat}, {"o_lat", p.o_lat}, {"cache", p.cache}};
+  const size_t checked = p.seq_cache ? 2 : 3;  // (cache is unused with seq_cache)
+  for (size_t i = 0; i < checked; ++i) {
+    const std::string e = misaligned(ptrs[i].first, ptrs[i].second);
     if (!e.empty()) return e;
   }
   if (d.Dr > 0) {
@@ -692,7 +695,7 @@ void decode(const DecodeParams& p) {
   a.ldc = p.ldc;
   a.cache_stride_b = p.cache_stride_b != 0 ? p.cache_stride_b : (p.p0 + p.n) * p.ldc;
   a.o_lat = p.o_lat;
-  a.seq_slot = p.seq_slot;
+  a.seq_cache = reinterpret_cast<const __nv_bfloat16* const*>(p.seq_cache);
   a.seq_p0 = p.seq_p0;
   a.ws_o = static_cast<float*>(p.workspace);
   a.ws_ml = a.ws_o ? a.ws_o + size_t(sp.splits) * size_t(all_rows) * size_t(d.R) : nullptr;
@@ -716,23 +719,23 @@ void decode(const DecodeParams& p) {
 }
 
 namespace {
-__global__ void append_rows_kernel(__nv_bfloat16* cache, int64_t ldc, int64_t stride_b, const int32_t* seq_slot,
-                                   const int32_t* seq_p0, const float* src, int64_t width, int64_t B) {
+__global__ void append_rows_kernel(__nv_bfloat16* const* seq_rows, int64_t ldc, const int32_t* seq_p0, const float* src,
+                                   int64_t width, int64_t B) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= B * width) return;
   const int64_t b = i / width, c = i % width;
-  cache[int64_t(seq_slot[b]) * stride_b + int64_t(seq_p0[b]) * ldc + c] = __float2bfloat16_rn(src[i]);
+  seq_rows[b][int64_t(seq_p0[b]) * ldc + c] = __float2bfloat16_rn(src[i]);
 }
 }  // namespace
 
-void append_rows(uint16_t* cache, int64_t ldc, int64_t cache_stride_b, const int32_t* seq_slot, const int32_t* seq_p0,
-                 const float* src, int64_t width, int64_t B) {
-  K3_CHECK(B >= 0 && width >= 0 && width <= ldc && cache_stride_b >= ldc, "mla::cuda::append_rows: bad shape B=", B,
-           " width=", width, " ldc=", ldc, " cache_stride_b=", cache_stride_b);
+void append_rows(uint16_t* const* seq_rows, int64_t ldc, const int32_t* seq_p0, const float* src, int64_t width,
+                 int64_t B) {
+  K3_CHECK(B >= 0 && width >= 0 && width <= ldc, "mla::cuda::append_rows: bad shape B=", B, " width=", width,
+           " ldc=", ldc);
   if (B == 0 || width == 0) return;
   const int64_t n = B * width;
-  append_rows_kernel<<<unsigned((n + 255) / 256), 256>>>(reinterpret_cast<__nv_bfloat16*>(cache), ldc, cache_stride_b,
-                                                         seq_slot, seq_p0, src, width, B);
+  append_rows_kernel<<<unsigned((n + 255) / 256), 256>>>(reinterpret_cast<__nv_bfloat16* const*>(seq_rows), ldc, seq_p0,
+                                                         src, width, B);
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -58,10 +58,10 @@ struct DecodeParams {
   int64_t B = 1, n = 1, p0 = 0;     // n new tokens per sequence at positions p0..p0+n-1; T = p0 + n
   int num_splits = 0;               // split-K over T: 0 = choose from the SM count and T
   int64_t split_keys = 0;           // > 0: splits of this many keys (rounded up to 32), whatever B and the SMs
-  // Per-sequence lengths and places (device [B] each, both or neither): sequence b has cached seq_p0[b] <= p0
-  // tokens and lives at cache + seq_slot[b] * cache_stride_b; p0 is then the largest, for the planning.
+  // Per-sequence lengths and rows (device [B] each, both or neither; cache is then unused): sequence b has cached
+  // seq_p0[b] <= p0 tokens in the rows at seq_cache[b]; p0 is then the largest, for the planning.
   const int32_t* seq_p0 = nullptr;
-  const int32_t* seq_slot = nullptr;
+  const uint16_t* const* seq_cache = nullptr;
   void* workspace = nullptr;        // device scratch of decode_workspace_bytes(*this) bytes (when > 0)
   size_t workspace_bytes = 0;
 };
@@ -100,11 +100,11 @@ size_t decode_workspace_bytes(const DecodeParams& p);
 // Throws k3::Error when can_run says no or the workspace is missing or too small.
 void decode(const DecodeParams& p);
 
-// One new cache row per sequence of a pool, for a decode step over its sequences in any order: row seq_p0[b]
-// of sequence seq_slot[b] (at cache + seq_slot[b] * cache_stride_b) <- src[b] (fp32 [B, width], rounded to
-// bf16 to nearest even, as elementwise::cuda::copy_rows). seq_slot, seq_p0: device [B].
-void append_rows(uint16_t* cache, int64_t ldc, int64_t cache_stride_b, const int32_t* seq_slot, const int32_t* seq_p0,
-                 const float* src, int64_t width, int64_t B);
+// One new cache row per sequence, for a decode step over sequences whose rows live apart: row seq_p0[b] of the
+// rows at seq_rows[b] (ldc elements apart) <- src[b] (fp32 [B, width], rounded to bf16 to nearest even, as
+// elementwise::cuda::copy_rows). seq_rows, seq_p0: device [B].
+void append_rows(uint16_t* const* seq_rows, int64_t ldc, const int32_t* seq_p0, const float* src, int64_t width,
+                 int64_t B);
 
 #else  // a build without the CUDA backend: every entry point says so
 inline std::string can_run(const ExactParams&) { return "this build has no CUDA backend"; }
@@ -119,7 +119,7 @@ inline size_t decode_workspace_bytes(const DecodeParams&) {
   fail("mla::cuda::decode_workspace_bytes: this build has no CUDA backend");
 }
 inline void decode(const DecodeParams&) { fail("mla::cuda::decode: this build has no CUDA backend"); }
-inline void append_rows(uint16_t*, int64_t, int64_t, const int32_t*, const int32_t*, const float*, int64_t, int64_t) {
+inline void append_rows(uint16_t* const*, int64_t, const int32_t*, const float*, int64_t, int64_t) {
   fail("mla::cuda::append_rows: this build has no CUDA backend");
 }
 #endif

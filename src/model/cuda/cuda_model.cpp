@@ -118,8 +118,10 @@ size_t CudaSequenceCache::bytes() const {  // this sequence's share of its pool
   const gpu::CachePool& p = *impl_->pool;
   size_t b = 0;
   for (auto& k : p.kda) b += (k.q_tail.size() + k.k_tail.size() + k.v_tail.size() + k.state.size()) * 4;
-  for (auto& m : p.mla) b += m.rows.size();
-  return b / size_t(p.B);  // (the padding place's share included)
+  b /= size_t(p.B);  // (the KDA slices of every place are alike)
+  for (auto& m : p.mla)
+    if (!m.rows.empty()) b += m.rows[size_t(impl_->index)].size();
+  return b;
 }
 
 namespace gpu {
@@ -144,16 +146,17 @@ namespace gpu {
 // A pooled decode step (PooledDecode) of one pool captured as a CUDA graph for `bucket` rows: the step's B
 // sequences and bucket - B padding rows, which run the pool's padding place (token 0 at its position 4; its state
 // is garbage and nothing reads it). The graph has its own arena and MoE dispatch, so what it captured stays put;
-// its inputs (ids, places, lengths, picks) and outputs (ids, checks) sit at fixed device addresses, and the MLA
-// decode plans its splits for the pool's capacity rather than the step's lengths. A grown MLA cache moves its
-// rows: the graph is then made again.
+// its inputs (ids, places, lengths, where each sequence's MLA rows are, picks) and outputs (ids, checks) sit at
+// fixed device addresses. The MLA decode plans its splits for the pool's largest capacity rather than the step's
+// lengths; a sequence that outgrows it has the graph made again.
 struct DecodeGraph {
   const CachePool* pool = nullptr;
   int64_t bucket = 0;
-  std::vector<const void*> rows;  // each MLA layer's row buffer at capture
+  int64_t plan_cap = 0;  // the MLA decode's splits cover sequences of up to this many rows
   DeviceArena arena;
   std::unique_ptr<moe::cuda::Dispatch> dispatch;
-  cuda::DeviceBuffer<int32_t> in;    // ids | places | lengths, bucket each
+  cuda::DeviceBuffer<int32_t> in;     // ids | places | lengths, bucket each
+  cuda::DeviceBuffer<uint8_t> table;  // each row's MLA rows, [MLA layers][bucket] pointers
   cuda::DeviceBuffer<uint8_t> pick;  // sample::cuda::PickRow [bucket]
   cuda::DeviceBuffer<int32_t> out;   // ids | bad, bucket each
   float* logits = nullptr;           // [bucket, V] in the arena
@@ -205,6 +208,10 @@ struct CudaModel::Impl {
   template <class T>
   float* run_layers(const std::vector<CudaSequenceCache*>& caches, const std::vector<std::vector<int32_t>>& tokens,
                     bool all_positions, const ForwardHooks* hooks);
+  // The MLA row buffers of a pooled decode ([MLA layers][B], the first P of segs, then bucket - P padding rows on
+  // the pool's padding place), room made for each sequence's new row (at least `plan` rows when plan > 0).
+  std::vector<uint16_t*> pooled_rows(gpu::CachePool& pool, const std::vector<gpu::SegmentDev>& segs, int64_t P,
+                                     int64_t bucket) const;
   // The layers and the head over ids already on the device, with the given scratch: what run_layers and a decode
   // graph share.
   template <class T>
@@ -278,7 +285,7 @@ std::unique_ptr<CudaStateCopy> CudaModel::copy_state(const CudaSequenceCache& ca
       const gpu::MlaPoolDev& m = p.mla[l];
       const size_t n = size_t(c.length - rows_from) * L.row_bytes;
       cuda::DeviceBuffer<uint8_t> b(n);
-      cuda::copy_on_device(b.data(), m.rows.data() + size_t(c.index * m.capacity + rows_from) * L.row_bytes, n);
+      cuda::copy_on_device(b.data(), m.rows[size_t(c.index)].data() + size_t(rows_from) * L.row_bytes, n);
       out->bytes += n;
       out->mla[l] = std::move(b);
     }
@@ -310,12 +317,12 @@ void CudaModel::restore_state(CudaSequenceCache& cache, const std::vector<const 
       cuda::copy_on_device(k.state.data() + size_t(c.index) * L.state, b + 3 * L.tail, L.state * 4);
     } else if (rows > 0) {
       gpu::MlaPoolDev& m = p.mla[l];
-      gpu::reserve_rows(m, p.B, rows, impl_->mla_ldc, L.row_bytes / size_t(impl_->mla_ldc));
-      size_t at = size_t(c.index * m.capacity) * L.row_bytes;
+      gpu::reserve_rows(m, c.index, rows, impl_->mla_ldc, L.row_bytes / size_t(impl_->mla_ldc));
+      size_t at = 0;
       for (const CudaStateCopy* s : chain) {
         const cuda::DeviceBuffer<uint8_t>& r = s->impl_->mla[l];
         if (r.size() == 0) continue;
-        cuda::copy_on_device(m.rows.data() + at, r.data(), r.size());
+        cuda::copy_on_device(m.rows[size_t(c.index)].data() + at, r.data(), r.size());
         at += r.size();
       }
     }
@@ -378,7 +385,11 @@ std::vector<std::unique_ptr<CudaSequenceCache>> CudaModel::new_caches(int64_t B)
   pool->mla.resize(L);
   const size_t HD = size_t(c.kda_dim()), tail = size_t(c.short_conv_kernel_size - 1) * HD;
   for (size_t l = 0; l < L; ++l) {
-    if (c.layer_kind[l] != AttnKind::KDA) continue;          // MLA rows are allocated as tokens arrive
+    if (c.layer_kind[l] != AttnKind::KDA) {  // MLA rows are allocated as tokens arrive, per place
+      pool->mla[l].rows.resize(size_t(pool->B));
+      pool->mla[l].capacity.assign(size_t(pool->B), 0);
+      continue;
+    }
     const size_t places = size_t(pool->B);
     pool->kda[l].q_tail = gpu::DevVector(tail * places);  // zero-initialised
     pool->kda[l].k_tail = gpu::DevVector(tail * places);
@@ -739,10 +750,33 @@ float* CudaModel::Impl::run_layers(const std::vector<CudaSequenceCache*>& caches
   }
   int32_t* ids_dev = arena.take<int32_t>(int64_t(ids.size()));
   cuda::copy_to_device(ids_dev, ids.data(), ids.size() * 4);
-  if (P > 0) pooled.slot = ids_dev + N, pooled.p0 = ids_dev + N + P;
+  if (P > 0) {
+    pooled.slot = ids_dev + N, pooled.p0 = ids_dev + N + P;
+    const std::vector<uint16_t*> rows = pooled_rows(*pooled.pool, segs, P, 0);
+    auto* rows_dev = static_cast<uint16_t**>(arena.take_bytes(rows.size() * sizeof(rows[0])));
+    cuda::copy_to_device(rows_dev, rows.data(), rows.size() * sizeof(rows[0]));
+    pooled.rows = rows_dev;
+  }
   float* logits = run_step<T>(segs, ids_dev, N, arena, dispatch.get(), P > 0 ? &pooled : nullptr, all_positions, hooks);
   for (const gpu::SegmentDev& s : segs) s.cache->length += s.n;
   return logits;
+}
+
+std::vector<uint16_t*> CudaModel::Impl::pooled_rows(gpu::CachePool& pool, const std::vector<gpu::SegmentDev>& segs,
+                                                    int64_t P, int64_t bucket) const {
+  const int64_t rows_per_layer = std::max(P, bucket);
+  std::vector<uint16_t*> out;
+  for (size_t l = 0; l < pool.mla.size(); ++l) {
+    if (cfg.layer_kind[l] == AttnKind::KDA) continue;
+    gpu::MlaPoolDev& mp = pool.mla[l];
+    for (int64_t b = 0; b < rows_per_layer; ++b) {
+      const int64_t place = b < P ? segs[size_t(b)].cache->index : pool.pad;
+      const int64_t need = b < P ? segs[size_t(b)].cache->length + 1 : 5;  // padding: its row 4
+      gpu::reserve_rows(mp, place, need, mla_ldc, sizeof(bf16));
+      out.push_back(reinterpret_cast<uint16_t*>(mp.rows[size_t(place)].data()));
+    }
+  }
+  return out;
 }
 
 template <class T>
@@ -770,34 +804,27 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
   }
   if (max_p0 >= (int64_t(1) << 30)) return false;
   const int64_t bucket = gpu::graph_bucket(B);
-  const size_t esize = sizeof(bf16);
-  std::vector<const void*> rows_now;
-  try {
-    // Room for this step's rows first (a capture cannot allocate): a grown cache invalidates its graphs.
-    for (size_t l = 0; l < pool->mla.size(); ++l)
-      if (cfg.layer_kind[l] != AttnKind::KDA) {
-        gpu::reserve_rows(pool->mla[l], pool->B, max_p0 + 1, mla_ldc, esize);
-        rows_now.push_back(pool->mla[l].rows.data());
-      }
-  } catch (...) {
-    for (CudaSequenceCache* c : caches) c->impl().broken = true;  // rows may have moved part way
-    throw;
-  }
+  std::vector<gpu::SegmentDev> segs(static_cast<size_t>(bucket));
+  for (int64_t b = 0; b < bucket; ++b)
+    segs[size_t(b)] = gpu::SegmentDev{b, 1, b < B ? &caches[size_t(b)]->impl() : nullptr};
+  // Room for this step's rows first (a capture cannot allocate); the table of where they are is an input.
+  const std::vector<uint16_t*> table = pooled_rows(*pool, segs, B, bucket);
+  // The MLA decode's splits are planned for the largest capacity of the pool when the graph is made: a graph
+  // whose plan no longer covers a sequence of the step is made again (capacities grow geometrically).
+  int64_t pool_cap = 0;
+  for (size_t l = 0; l < pool->mla.size(); ++l)
+    for (int64_t cap : pool->mla[l].capacity) pool_cap = std::max(pool_cap, cap);
+  if (pool_cap >= (int64_t(1) << 30)) return false;
   gpu::DecodeGraph* g = nullptr;
   for (auto it = graphs.begin(); it != graphs.end();) {
     gpu::DecodeGraph& d = **it;
-    if (d.pool == pool && d.rows != rows_now) {  // stale: this pool's rows moved
+    if (d.pool == pool && d.plan_cap < max_p0 + 1) {  // stale: a sequence outgrew its plan
       it = graphs.erase(it);
       continue;
     }
     if (d.pool == pool && d.bucket == bucket) g = &d;
     ++it;
   }
-  int64_t capacity = 0;
-  for (size_t l = 0; l < pool->mla.size(); ++l)
-    if (cfg.layer_kind[l] != AttnKind::KDA) capacity = pool->mla[l].capacity;
-  std::vector<gpu::SegmentDev> segs(static_cast<size_t>(bucket));
-  for (int64_t b = 0; b < bucket; ++b) segs[size_t(b)] = gpu::SegmentDev{b, 1, nullptr};
   // Inputs: the real rows, then padding rows on the pool's padding place.
   std::vector<int32_t> in(size_t(3 * bucket));
   std::vector<sample::cuda::PickRow> pick(static_cast<size_t>(bucket));
@@ -811,15 +838,17 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
     auto made = std::make_unique<gpu::DecodeGraph>();
     made->pool = pool;
     made->bucket = bucket;
-    made->rows = rows_now;
+    made->plan_cap = pool_cap;
     made->in = cuda::DeviceBuffer<int32_t>(size_t(3 * bucket));
+    made->table = cuda::DeviceBuffer<uint8_t>(table.size() * sizeof(table[0]));
     made->pick = cuda::DeviceBuffer<uint8_t>(size_t(bucket) * sizeof(sample::cuda::PickRow));
     made->out = cuda::DeviceBuffer<int32_t>(size_t(2 * bucket));
     made->dispatch = std::make_unique<moe::cuda::Dispatch>(bucket, std::max<int64_t>(cfg.num_experts, 1),
                                                            std::max<int64_t>(cfg.num_experts_per_token, 1));
     gpu::PooledDecode pd;
     pd.B = bucket, pd.pool = pool, pd.slot = made->in.data() + bucket, pd.p0 = made->in.data() + 2 * bucket;
-    pd.max_p0 = capacity - 1;  // the splits of the pool's capacity: valid while the rows stay
+    pd.rows = reinterpret_cast<uint16_t* const*>(made->table.data());
+    pd.max_p0 = pool_cap - 1;
     gpu::DecodeGraph& d = *made;
     auto body = [&] {
       d.arena.reset();
@@ -831,6 +860,8 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
       // A run on padding alone sizes the arena and does every first-use setup (GEMM plans, kernel attributes)
       // outside the capture; the capture then takes the same addresses.
       fill_padding(0);
+      const std::vector<uint16_t*> pad_table = pooled_rows(*pool, segs, 0, bucket);
+      d.table.upload(reinterpret_cast<const uint8_t*>(pad_table.data()), pad_table.size() * sizeof(pad_table[0]));
       d.in.upload(in.data(), in.size());
       d.pick.upload(reinterpret_cast<const uint8_t*>(pick.data()), pick.size() * sizeof(pick[0]));
       body();
@@ -854,6 +885,7 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
   std::vector<int32_t> out(size_t(2 * bucket));
   try {
     g->in.upload(in.data(), in.size());
+    g->table.upload(reinterpret_cast<const uint8_t*>(table.data()), table.size() * sizeof(table[0]));
     g->pick.upload(reinterpret_cast<const uint8_t*>(pick.data()), pick.size() * sizeof(pick[0]));
     g->graph->launch();
     g->out.download(out.data(), out.size());

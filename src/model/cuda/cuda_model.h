@@ -88,10 +88,11 @@ class CudaModel {
   // filled; a pool grows its rows geometrically, by up to 2x that).
   size_t sequence_bytes(int64_t tokens) const;
   std::unique_ptr<CudaSequenceCache> new_cache() const;
-  // B caches whose device state lives in one pool: a forward over all of them, in this order and with
-  // the same number of new tokens each, runs the per-sequence steps (short conv, KDA core, and for
-  // sequences of equal length the MLA cache append and absorbed decode) as one launch for the batch
-  // instead of one per sequence. Any other use is correct too, one sequence at a time.
+  // B caches whose device state lives in one pool (with one more place, which pads decode graphs): a decode
+  // step over any of them (one new token each, at least 4 cached, leading the forward's sequences) runs the
+  // short conv, KDA core, MLA cache append and absorbed decode as one launch each, whatever their order and
+  // lengths; a prefill over all of them in order with equal token counts runs the conv and KDA core as one.
+  // Any other use is correct too, one sequence at a time. Each sequence's MLA rows grow on their own.
   std::vector<std::unique_ptr<CudaSequenceCache>> new_caches(int64_t B) const;
 
   // As Model::forward: appends tokens[b] to *caches[b] and returns fp32 logits on the host, one row

@@ -112,17 +112,20 @@ class DeviceArena {
   size_t peak_ = 0;    // the most in use at once, ever
 };
 
-// The device state of a pool of B sequences (made together by CudaModel::new_caches). Each layer's
-// buffers hold all B sequences back to back in the layouts the kernels take for a batch, so a forward
-// over consecutive members of one pool with equal token counts runs the per-sequence steps (conv,
-// KDA core, the MLA cache append and the absorbed decode) once for all of them.
+// The device state of a pool of sequences (made together by CudaModel::new_caches): each KDA layer's tails
+// and state hold every place back to back, each MLA layer's rows are per place. A decode step over any of
+// the pool's sequences runs the per-sequence steps (conv, KDA core, the MLA cache append and the absorbed
+// decode) once for all of them (PooledDecode); a prefill over consecutive members with equal token counts
+// runs the conv and the KDA core once.
 struct KdaPoolDev {
   DevVector q_tail, k_tail, v_tail;  // [B][K-1][H*D] fp32
   DevVector state;                   // [B][H][Dk][Dv] fp32
 };
 struct MlaPoolDev {
-  cuda::DeviceBuffer<uint8_t> rows;  // [B][capacity][ldc] of the activation type: [latent (R) | k_rot (Dr) | pad]
-  int64_t capacity = 0;              // rows per sequence
+  // Each place's rows [capacity][ldc] of the activation type, [latent (R) | k_rot (Dr) | pad], grown on its own
+  // (geometrically), so one long sequence does not make room for the whole pool.
+  std::vector<cuda::DeviceBuffer<uint8_t>> rows;  // [places]
+  std::vector<int64_t> capacity;                  // [places]
 };
 struct CachePool {
   int64_t B = 0;    // places: the sequences made together, and one more (pad) that decode graphs fill up with
@@ -130,18 +133,22 @@ struct CachePool {
   std::vector<KdaPoolDev> kda;  // [num_layers] (used at KDA layers)
   std::vector<MlaPoolDev> mla;  // [num_layers] (used at MLA layers)
 };
-// Room for `need` rows per sequence in a pool's layer (grown geometrically for all its sequences; old rows kept).
-void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize);
+// Room for `need` rows at a place of a pool's layer (grown geometrically; old rows kept, the buffer moves).
+void reserve_rows(MlaPoolDev& mp, int64_t place, int64_t need, int64_t ldc, size_t esize);
+// Index of MLA layer `layer` among the model's MLA layers.
+int64_t mla_ordinal(const K3Config& c, int64_t layer);
 
 // A decode step's sequences of one pool, run by one launch per step of the attention blocks whatever their
 // places in the pool and their lengths: segments 0..B-1 (rows 0..B-1, one new token each), sequence b at pool
-// place slot[b] holding p0[b] tokens (device arrays; max_p0 the largest). The MLA decode splits the keys in
-// fixed runs (kPooledSplitKeys), so a sequence's arithmetic does not depend on what else is in the step.
+// place slot[b] holding p0[b] tokens with its MLA rows at rows[.][b] (device arrays; max_p0 the largest, or more:
+// the MLA decode plans its splits for it). The MLA decode splits the keys in fixed runs (kPooledSplitKeys), so a
+// sequence's arithmetic does not depend on what else is in the step.
 struct PooledDecode {
   int64_t B = 0;
   CachePool* pool = nullptr;
-  const int32_t* slot = nullptr;  // device [B]
-  const int32_t* p0 = nullptr;    // device [B]
+  const int32_t* slot = nullptr;    // device [B]
+  const int32_t* p0 = nullptr;      // device [B]
+  uint16_t* const* rows = nullptr;  // device [MLA layers][B]: each sequence's rows, room for its new one made
   int64_t max_p0 = 0;
 };
 inline constexpr int64_t kPooledSplitKeys = 256;

@@ -1,5 +1,6 @@
 // Gated MLA block on the GPU: the CUDA twin of model/mla_layer.cpp. New rows' [latent | k_rot] are
-// appended to each sequence's device cache; attention then reads the cache in one of two forms:
+// appended to each sequence's device cache (its own rows buffer); attention then reads the cache in one of two
+// forms:
 //   expanded (prefill, and every call of the F32 path): kv_b applied to all cached latents, then the
 //            flash prefill kernel (BF16) or the fp64 exact kernel (F32);
 //   absorbed (BF16 decode, when the new tokens are under a quarter of the cache): q_lat = W_kbᵀ q_nope
@@ -16,16 +17,22 @@
 
 namespace k3::gpu {
 
-// (Old rows kept by one strided copy.)
-void reserve_rows(MlaPoolDev& mp, int64_t B, int64_t need, int64_t ldc, size_t esize) {
-  if (need <= mp.capacity) return;
-  const int64_t cap = std::max<int64_t>({need, 2 * mp.capacity, 64});
-  cuda::DeviceBuffer<uint8_t> grown(size_t(B * cap * ldc) * esize);
-  const size_t old_seq = size_t(mp.capacity * ldc) * esize, new_seq = size_t(cap * ldc) * esize;
-  for (int64_t b = 0; b < B && old_seq > 0; ++b)
-    cuda::copy_on_device(grown.data() + size_t(b) * new_seq, mp.rows.data() + size_t(b) * old_seq, old_seq);
-  mp.rows = std::move(grown);
-  mp.capacity = cap;
+void reserve_rows(MlaPoolDev& mp, int64_t place, int64_t need, int64_t ldc, size_t esize) {
+  const size_t at = size_t(place);
+  K3_CHECK(at < mp.rows.size(), "reserve_rows: place ", place, " of ", mp.rows.size());
+  const int64_t old = mp.capacity[at];
+  if (need <= old) return;
+  const int64_t cap = std::max<int64_t>({need, 2 * old, 64});
+  cuda::DeviceBuffer<uint8_t> grown(size_t(cap * ldc) * esize);
+  if (old > 0) cuda::copy_on_device(grown.data(), mp.rows[at].data(), size_t(old * ldc) * esize);
+  mp.rows[at] = std::move(grown);
+  mp.capacity[at] = cap;
+}
+
+int64_t mla_ordinal(const K3Config& c, int64_t layer) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < layer; ++l) n += c.layer_kind[size_t(l)] == AttnKind::MLA;
+  return n;
 }
 
 namespace {
@@ -99,40 +106,33 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
                       kvb + d.Dn * d.R, d.R, dkv * d.R, false, H);
     }
   };
-  if (const PooledDecode* pd = r.pooled) {  // rows 0..B-1: one token of each pooled sequence
-    MlaPoolDev& mp = pd->pool->mla[size_t(layer)];
-    reserve_rows(mp, pd->pool->B, pd->max_p0 + 1, ldc, sizeof(T));
-    const int64_t seq_stride = mp.capacity * ldc;
-    T* base = reinterpret_cast<T*>(mp.rows.data());
+  if (const PooledDecode* pd = r.pooled) {  // rows 0..B-1: one token of each pooled sequence (room made by the caller)
     if constexpr (std::is_same_v<T, float>) {
       fail("GPU MLA: the pooled decode is the BF16 path's");
     } else {
-      mla::cuda::append_rows(base, ldc, seq_stride, pd->slot, pd->p0, ckv, lrow, pd->B);
+      uint16_t* const* rows = pd->rows + mla_ordinal(c, layer) * pd->B;
+      mla::cuda::append_rows(rows, ldc, pd->p0, ckv, lrow, pd->B);
       mla::cuda::DecodeParams dp;
-      dp.cache = base, dp.cache_stride_b = seq_stride, dp.B = pd->B, dp.n = 1, dp.p0 = pd->max_p0;
-      dp.seq_slot = pd->slot, dp.seq_p0 = pd->p0, dp.split_keys = kPooledSplitKeys;
+      dp.B = pd->B, dp.n = 1, dp.p0 = pd->max_p0;
+      dp.seq_cache = rows, dp.seq_p0 = pd->p0, dp.split_keys = kPooledSplitKeys;
       absorbed(0, pd->B, dp);
     }
   }
   for (const SeqGroup& g : seq_groups(unpooled(r, segs), /*same_length=*/true)) {
-    CachePool& pool = *g.first->pool;
-    MlaPoolDev& mp = pool.mla[size_t(layer)];
+    MlaPoolDev& mp = g.first->pool->mla[size_t(layer)];
     const int64_t p0 = g.first->length, Tc = p0 + g.n;
-    reserve_rows(mp, pool.B, Tc, ldc, sizeof(T));
-    const int64_t seq_stride = mp.capacity * ldc;  // elements between the pool's sequences
-    T* rows0 = reinterpret_cast<T*>(mp.rows.data()) + g.first->index * seq_stride;
+    auto rows_of = [&](int64_t b) { return reinterpret_cast<T*>(mp.rows[size_t(g.first->index + b)].data()); };
     // Append the new rows: sequence b's n rows go to its rows p0 .. p0+n-1.
-    if (g.n == 1)
-      elementwise::cuda::copy_rows(rows0 + p0 * ldc, act, seq_stride, ckv + g.row0 * lrow, DType::F32, lrow, g.B, lrow);
-    else
-      for (int64_t b = 0; b < g.B; ++b)
-        elementwise::cuda::copy_rows(rows0 + b * seq_stride + p0 * ldc, act, ldc, ckv + (g.row0 + b * g.n) * lrow,
-                                     DType::F32, lrow, g.n, lrow);
+    for (int64_t b = 0; b < g.B; ++b) {
+      reserve_rows(mp, g.first->index + b, Tc, ldc, sizeof(T));
+      elementwise::cuda::copy_rows(rows_of(b) + p0 * ldc, act, ldc, ckv + (g.row0 + b * g.n) * lrow, DType::F32, lrow,
+                                   g.n, lrow);
+    }
 
     if constexpr (std::is_same_v<T, float>) {  // the F32 path: expanded, in fp64, a sequence at a time
       double* kvh = r.arena.take<double>(Tc * H * dkv);
       for (int64_t b = 0; b < g.B; ++b) {
-        const float* rows = rows0 + b * seq_stride;
+        const float* rows = rows_of(b);
         const int64_t r0 = g.row0 + b * g.n;
         gemm::cuda::linear_exact_f64(r.gemm, kvh, H * dkv, rows, ldc, w.kv_b_proj.as<double>(), Tc, H * dkv, d.R);
         mla::cuda::ExactParams ep;
@@ -145,7 +145,7 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
       bf16* kk = r.arena.take<bf16>(Tc * H * dq);  // [Tc, H, Dn + Dr]
       bf16* vv = r.arena.take<bf16>(Tc * H * d.Dv);
       for (int64_t b = 0; b < g.B; ++b) {
-        const bf16* rows = rows0 + b * seq_stride;
+        const bf16* rows = rows_of(b);
         const int64_t r0 = g.row0 + b * g.n;
         linear<T>(r, kvh, DType::BF16, H * dkv, rows, ldc, Tc, w.kv_b_proj);
         elementwise::cuda::copy_rows(kk, act, dq, kvh, act, dkv, Tc * H, d.Dn);
@@ -157,10 +157,12 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
         pp.d = d, pp.B = 1, pp.n = g.n, pp.p0 = p0;
         mla::cuda::prefill(pp);
       }
-    } else {  // BF16 absorbed (decode), the whole group at once
-      mla::cuda::DecodeParams dp;
-      dp.cache = rows0, dp.cache_stride_b = seq_stride, dp.B = g.B, dp.n = g.n, dp.p0 = p0;
-      absorbed(g.row0, g.B * g.n, dp);
+    } else {  // BF16 absorbed (a short append to a long cache), a sequence at a time
+      for (int64_t b = 0; b < g.B; ++b) {
+        mla::cuda::DecodeParams dp;
+        dp.cache = rows_of(b), dp.B = 1, dp.n = g.n, dp.p0 = p0;
+        absorbed(g.row0 + b * g.n, g.n, dp);
+      }
     }
   }
   if (!w.g_proj.empty()) {

@@ -1,7 +1,6 @@
 #include "serve/batcher.h"
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 
 #include "core/error.h"
@@ -15,6 +14,7 @@ struct Batcher::Job {
   size_t consumed = 0;
   PickResult result;
   std::string error;
+  bool finished = false;
 };
 
 struct Batcher::SlotState {
@@ -29,9 +29,6 @@ struct Batcher::SlotState {
   int64_t restored = 0;                 // prompt tokens the cache supplied
   std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
   Job* job = nullptr;                   // the append in flight
-  // Set (release) once the engine thread is done with the job; its thread waits on it without the batcher's
-  // lock, so a step's end wakes each slot's thread alone rather than all of them through one mutex.
-  std::atomic<bool> done{false};
   std::string broken;                   // why appends are refused (an engine error on this sequence)
 };
 
@@ -128,16 +125,12 @@ PickResult Batcher::Slot::step(const std::vector<int32_t>& tokens, const TokenPi
   if (!s_->broken.empty()) fail(s_->broken);
   if (b.stop_) fail("serve: the server is stopping");
   s_->job = &job;
-  s_->done.store(false, std::memory_order_relaxed);
   if (!s_->started) s_->started = true, ++b.started_;
-  const bool first = b.waiting_.empty();
-  if (first) b.first_wait_ = Clock::now();
+  if (b.waiting_.empty()) b.first_wait_ = Clock::now();
   b.waiting_.push_back(s_);
-  // The engine thread waits for the first append (it then gathers) and for the last one it gathers for.
-  const bool wake = first || int64_t(b.waiting_.size()) >= b.started_;
-  lock.unlock();
-  if (wake) b.work_cv_.notify_all();
-  s_->done.wait(false, std::memory_order_acquire);
+  b.work_cv_.notify_all();
+  b.done_cv_.wait(lock, [&] { return job.finished; });
+  s_->job = nullptr;
   if (!job.error.empty()) fail(job.error);
   return std::move(job.result);
 }
@@ -164,8 +157,9 @@ void Batcher::loop() {
       continue;
     }
     if (stop_) {
-      for (SlotState* s : waiting_) s->job->error = "serve: the server is stopping", finish(s);
+      for (SlotState* s : waiting_) s->job->error = "serve: the server is stopping", s->job->finished = true;
       waiting_.clear();
+      done_cv_.notify_all();
       return;
     }
     // Gather: wait (a short while) for the slots that are still sampling their next token.
@@ -176,8 +170,10 @@ void Batcher::loop() {
       step(lock);
     } catch (const std::exception& e) {  // (allocation failures outside the engine): fail what waits, go on
       if (!lock.owns_lock()) lock.lock();
-      for (SlotState* s : waiting_) s->job->error = s->broken = std::string("serve: ") + e.what(), finish(s);
+      for (SlotState* s : waiting_)
+        s->job->error = s->broken = std::string("serve: ") + e.what(), s->job->finished = true;
       waiting_.clear();
+      done_cv_.notify_all();
     }
   }
 }
@@ -323,17 +319,12 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     } else {
       j.result = std::move(results[size_t(row_of[i])]);
     }
+    j.finished = true;
     s->prompt_done = true;
     waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
-    finish(s);
   }
   if (!waiting_.empty()) first_wait_ = Clock::now();
-}
-
-void Batcher::finish(SlotState* s) {
-  s->job = nullptr;
-  s->done.store(true, std::memory_order_release);
-  s->done.notify_one();  // (under the lock: the slot cannot be released before this returns)
+  done_cv_.notify_all();
 }
 
 Batcher::Stats Batcher::stats() const {

@@ -118,12 +118,11 @@ class Batcher {
   void loop();
   void step(std::unique_lock<std::mutex>& lock);  // one forward over the waiting slots (called locked)
   void release(SlotState* s);
-  void finish(SlotState* s);  // the slot's append is done (error or result set): wakes its thread (called locked)
 
   Engine& engine_;
   const BatcherOptions o_;
   mutable std::mutex mu_;
-  std::condition_variable work_cv_, admit_cv_;
+  std::condition_variable work_cv_, done_cv_, admit_cv_;
   std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
   std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
   std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (reset on the engine thread)

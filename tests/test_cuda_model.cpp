@@ -657,8 +657,9 @@ TEST(CudaModel, PooledBatchEqualsSequencesAlone) {
 
 // Decode graphs (CudaModel::set_graphs): a pooled decode step replayed from a CUDA graph gives the eager step's
 // bits, ids and logits. Four sequences (a graph bucket, so the GEMMs see the same rows) of unequal lengths in
-// out-of-pool order, greedy and sampled picks, over steps that cross a growth of the MLA cache (the graph is
-// made again); then a batch of 3 (padded to 4) against the same sequences run eagerly.
+// out-of-pool order, greedy and sampled picks, over steps in which their MLA rows grow under the graph (new row
+// tables) and the longest outgrows the graph's plan (64 rows: the graph is made again); then a batch of 3
+// (padded to 4) against the same sequences run eagerly.
 TEST(CudaModel, DecodeGraphEqualsEagerDecode) {
   K3_REQUIRE_GPU();
   CudaModel& m = gpu_tiny(GpuPrecision::BF16);
@@ -676,7 +677,7 @@ TEST(CudaModel, DecodeGraphEqualsEagerDecode) {
     std::vector<std::vector<int32_t>> prompts;
     for (size_t i = 0; i < order.size(); ++i) {
       seqs.push_back(r.pool[size_t(order[i])].get());
-      prompts.push_back(tokens(int64_t(5 + 23 * i), V, 20 + i));
+      prompts.push_back(tokens(int64_t(5 + 7 * i), V, 20 + i));
     }
     m.forward(seqs, prompts, false);
     std::vector<std::vector<int32_t>> next(order.size());
@@ -698,7 +699,7 @@ TEST(CudaModel, DecodeGraphEqualsEagerDecode) {
     }
     return r;
   };
-  // 70 steps: the pool's MLA rows (first reserved for the longest prompt, 74 tokens) grow under the graph.
+  // 70 steps: every place's rows start at 64 (prompts of 5 to 26 tokens); the longest passes 64 at step 38.
   const Run eager = run(false, {3, 0, 4, 1}, 70);
   const Run graph = run(true, {3, 0, 4, 1}, 70);
   EXPECT_EQ(m.graphs_off_reason(), "");

@@ -150,7 +150,7 @@ namespace gpu {
 // fixed device addresses. The MLA decode plans its splits for the pool's largest capacity rather than the step's
 // lengths; a sequence that outgrows it has the graph made again.
 struct DecodeGraph {
-  const CachePool* pool = nullptr;
+  std::weak_ptr<CachePool> pool;  // (a graph of a freed pool is dropped: it holds that pool's addresses)
   int64_t bucket = 0;
   int64_t plan_cap = 0;  // the MLA decode's splits cover sequences of up to this many rows
   DeviceArena arena;
@@ -818,11 +818,13 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
   gpu::DecodeGraph* g = nullptr;
   for (auto it = graphs.begin(); it != graphs.end();) {
     gpu::DecodeGraph& d = **it;
-    if (d.pool == pool && d.plan_cap < max_p0 + 1) {  // stale: a sequence outgrew its plan
+    const std::shared_ptr<gpu::CachePool> owner = d.pool.lock();
+    const bool mine = owner.get() == pool;
+    if (!owner || (mine && d.plan_cap < max_p0 + 1)) {  // its pool is gone, or a sequence outgrew its plan
       it = graphs.erase(it);
       continue;
     }
-    if (d.pool == pool && d.bucket == bucket) g = &d;
+    if (mine && d.bucket == bucket) g = &d;
     ++it;
   }
   // Inputs: the real rows, then padding rows on the pool's padding place.
@@ -836,7 +838,7 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
   };
   if (!g) {
     auto made = std::make_unique<gpu::DecodeGraph>();
-    made->pool = pool;
+    made->pool = caches[0]->impl().pool;
     made->bucket = bucket;
     made->plan_cap = pool_cap;
     made->in = cuda::DeviceBuffer<int32_t>(size_t(3 * bucket));

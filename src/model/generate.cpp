@@ -2,11 +2,7 @@
 
 #include <chrono>
 
-#include <cmath>
-#include <limits>
-
 #include "core/error.h"
-#include "core/finite.h"
 
 namespace k3 {
 
@@ -14,9 +10,7 @@ PickResult pick_on_host(std::vector<float> logits, const TokenPick& pick) {
   PickResult r;
   if (pick.pick) {
     const int64_t V = int64_t(logits.size());
-    for (int64_t b = first_nonfinite(logits.data(), V); b >= 0 && b < V; ++b)
-      if (std::isnan(logits[size_t(b)]) || logits[size_t(b)] == std::numeric_limits<float>::infinity())
-        fail("sampler: logit ", b, " is ", nonfinite_name(logits[size_t(b)]));
+    check_sampleable(logits.data(), V);
     if (pick.greedy) {
       r.id = argmax(logits.data(), V);
     } else {

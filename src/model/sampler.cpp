@@ -49,11 +49,14 @@ int32_t sample_temperature(const float* logits, int64_t V, float temperature, do
   return int32_t(last);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t V) {
-  // -inf masks a token (it is never drawn); NaN and +inf have no probability to give.
+void check_sampleable(const float* logits, int64_t V) {
   for (int64_t b = first_nonfinite(logits, V); b >= 0 && b < V; ++b)
     if (std::isnan(logits[b]) || logits[b] == std::numeric_limits<float>::infinity())
       fail("sampler: logit ", b, " is ", nonfinite_name(logits[b]));
+}
+
+int32_t Sampler::sample(const float* logits, int64_t V) {
+  check_sampleable(logits, V);  // (-inf masks a token: it is never drawn)
   if (p_.greedy) return argmax(logits, V);
   // Temperature alone: the draw walks the ids in order, no sort (a full sort of a 163,840-id vocabulary
   // costs ~12 ms a token, more than a small model's step).

@@ -38,6 +38,10 @@ class Sampler {
 // argmax with ties broken toward the lower id.
 int32_t argmax(const float* logits, int64_t V);
 
+// The check of logits before any pick: NaN and +inf have no probability to give (-inf masks a token).
+// Throws k3::Error naming the first such logit.
+void check_sampleable(const float* logits, int64_t V);
+
 // Sampling at temperature T alone with the draw u in [0, 1): p_v ∝ exp((l_v - max) / T) in double, and the
 // first id (in id order) whose running sum of p passes u Σ p; past the end (rounding), the last id of nonzero p.
 // Sampler::sample's temperature branch; `prob` is scratch. The logits must be finite or -inf, one of them finite.

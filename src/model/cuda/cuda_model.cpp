@@ -223,6 +223,12 @@ struct CudaModel::Impl {
   bool pick_by_graph(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
                      const std::vector<std::vector<int32_t>>& tokens, const std::vector<TokenPick>& picks,
                      const std::vector<sample::cuda::PickRow>& rows, std::vector<PickResult>& res);
+  // forward_pick's results from the device's picks (ids, bad: [B] on the host) and logits [B, V] on the device:
+  // a bad row fails the forward as fail_nonfinite_forward does; rows asked for their logits get them.
+  std::vector<PickResult> pick_results(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                                       const std::vector<std::vector<int32_t>>& tokens,
+                                       const std::vector<TokenPick>& picks, const float* logits_dev, const int32_t* ids,
+                                       const int32_t* bad, bool fresh);
   // After a forward whose logits (host copy, `bad` the first non-finite entry) are not all finite: marks the caches
   // broken and throws the error naming where the first non-finite value appeared.
   [[noreturn]] void fail_nonfinite_forward(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
@@ -463,20 +469,28 @@ std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCa
   sample::cuda::pick_tokens(dev, B, V, rows_dev, out_dev, out_dev + B);
   std::vector<int32_t> out(size_t(2 * B));
   cuda::copy_to_host(out.data(), out_dev, out.size() * 4);
+  return impl_->pick_results(*this, caches, tokens, picks, dev, out.data(), out.data() + B, fresh);
+}
+
+std::vector<PickResult> CudaModel::Impl::pick_results(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,
+                                                      const std::vector<std::vector<int32_t>>& tokens,
+                                                      const std::vector<TokenPick>& picks, const float* logits_dev,
+                                                      const int32_t* ids, const int32_t* bad, bool fresh) {
+  const int64_t B = int64_t(caches.size()), V = cfg.vocab_size;
   for (int64_t b = 0; b < B; ++b) {
-    if (out[size_t(B + b)] == 0) continue;
+    if (bad[b] == 0) continue;
     std::vector<float> logits(size_t(B * V));
-    cuda::copy_to_host(logits.data(), dev, logits.size() * 4);
-    int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
-    if (bad < 0) bad = b * V;  // a row of only -inf
-    impl_->fail_nonfinite_forward(*this, caches, tokens, false, nullptr, fresh, logits, bad);
+    cuda::copy_to_host(logits.data(), logits_dev, logits.size() * 4);
+    int64_t at = first_nonfinite(logits.data(), int64_t(logits.size()));
+    if (at < 0) at = b * V;  // a row of only -inf
+    fail_nonfinite_forward(m, caches, tokens, false, nullptr, fresh, logits, at);
   }
-  res.assign(static_cast<size_t>(B), PickResult{});
+  std::vector<PickResult> res(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    if (picks[size_t(b)].pick) res[size_t(b)].id = out[size_t(b)];
+    if (picks[size_t(b)].pick) res[size_t(b)].id = ids[b];
     if (picks[size_t(b)].want_logits) {
       res[size_t(b)].logits.resize(size_t(V));
-      cuda::copy_to_host(res[size_t(b)].logits.data(), dev + b * V, size_t(V) * 4);
+      cuda::copy_to_host(res[size_t(b)].logits.data(), logits_dev + b * V, size_t(V) * 4);
     }
   }
   return res;
@@ -896,22 +910,7 @@ bool CudaModel::Impl::pick_by_graph(CudaModel& m, const std::vector<CudaSequence
     throw;
   }
   for (CudaSequenceCache* c : caches) c->impl().length += 1;
-  for (int64_t b = 0; b < B; ++b) {
-    if (out[size_t(bucket + b)] == 0) continue;
-    std::vector<float> logits(size_t(B * V));
-    cuda::copy_to_host(logits.data(), g->logits, logits.size() * 4);
-    int64_t bad = first_nonfinite(logits.data(), int64_t(logits.size()));
-    if (bad < 0) bad = b * V;  // a row of only -inf
-    fail_nonfinite_forward(m, caches, tokens, false, nullptr, false, logits, bad);
-  }
-  res.assign(size_t(B), PickResult{});
-  for (int64_t b = 0; b < B; ++b) {
-    if (picks[size_t(b)].pick) res[size_t(b)].id = out[size_t(b)];
-    if (picks[size_t(b)].want_logits) {
-      res[size_t(b)].logits.resize(size_t(V));
-      cuda::copy_to_host(res[size_t(b)].logits.data(), g->logits + b * V, size_t(V) * 4);
-    }
-  }
+  res = pick_results(m, caches, tokens, picks, g->logits, out.data(), out.data() + bucket, false);
   return true;
 }
 

@@ -452,56 +452,62 @@ TEST(CudaMoeRouter, ExactTiesGoToTheLowerExpert) {
 
 TEST(CudaMoeDispatch, CountsOffsetsSlotsAndTiles) {
   K3_REQUIRE_GPU();
-  std::mt19937_64 r(99);
-  const int64_t T = 300, E = 40, K = 6, S = T * K;
-  const std::vector<int32_t> idx = skewed_idx(T, E, K, r);
-  DeviceBuffer<int32_t> didx(idx.data(), idx.size());
-  mc::Dispatch d(T, E, K);
-  for (int rep = 0; rep < 3; ++rep) {  // later builds must not see an earlier one's state
-    const int tm = rep == 1 ? 64 : 128;
-    d.build(didx.data(), T, tm);
-    ASSERT_EQ(d.tile_m(), tm);
-    k3::cuda::synchronize();
-    std::vector<int32_t> counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1)),
-        slot_of(static_cast<size_t>(S)), slot_token(static_cast<size_t>(S)), nt(1);
-    k3::cuda::copy_to_host(counts.data(), d.counts(), counts.size() * 4);
-    k3::cuda::copy_to_host(offsets.data(), d.offsets(), offsets.size() * 4);
-    k3::cuda::copy_to_host(slot_of.data(), d.slot_of(), slot_of.size() * 4);
-    k3::cuda::copy_to_host(slot_token.data(), d.slot_token(), slot_token.size() * 4);
-    k3::cuda::copy_to_host(nt.data(), d.num_tiles(), 4);
-    std::vector<int32_t> want(static_cast<size_t>(E), 0);
-    for (int32_t e : idx) ++want[static_cast<size_t>(e)];
-    ASSERT_EQ(counts, want);
-    EXPECT_EQ(counts[0], T);
-    EXPECT_EQ(counts[1], 1);
-    EXPECT_EQ(counts[2], 0);
-    int32_t run = 0, tiles = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      ASSERT_EQ(offsets[static_cast<size_t>(e)], run) << e;
-      run += want[static_cast<size_t>(e)];
-      tiles += (want[static_cast<size_t>(e)] + tm - 1) / tm;
+  // The single-CTA plan (S <= kPlanSmallSlots) and the general path, each with experts fewer and more than the
+  // scan's threads (one and two experts per thread).
+  const std::pair<int64_t, int64_t> shapes[] = {{300, 40}, {7, 1500}, {3000, 40}, {3000, 1500}};
+  for (const auto& [T, E] : shapes) {
+    SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(E));
+    std::mt19937_64 r(99);
+    const int64_t K = 6, S = T * K;
+    const std::vector<int32_t> idx = skewed_idx(T, E, K, r);
+    DeviceBuffer<int32_t> didx(idx.data(), idx.size());
+    mc::Dispatch d(T, E, K);
+    for (int rep = 0; rep < 3; ++rep) {  // later builds must not see an earlier one's state
+      const int tm = rep == 1 ? 64 : 128;
+      d.build(didx.data(), T, tm);
+      ASSERT_EQ(d.tile_m(), tm);
+      k3::cuda::synchronize();
+      std::vector<int32_t> counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1)),
+          slot_of(static_cast<size_t>(S)), slot_token(static_cast<size_t>(S)), nt(1);
+      k3::cuda::copy_to_host(counts.data(), d.counts(), counts.size() * 4);
+      k3::cuda::copy_to_host(offsets.data(), d.offsets(), offsets.size() * 4);
+      k3::cuda::copy_to_host(slot_of.data(), d.slot_of(), slot_of.size() * 4);
+      k3::cuda::copy_to_host(slot_token.data(), d.slot_token(), slot_token.size() * 4);
+      k3::cuda::copy_to_host(nt.data(), d.num_tiles(), 4);
+      std::vector<int32_t> want(static_cast<size_t>(E), 0);
+      for (int32_t e : idx) ++want[static_cast<size_t>(e)];
+      ASSERT_EQ(counts, want);
+      EXPECT_EQ(counts[0], T);
+      EXPECT_EQ(counts[1], 1);
+      EXPECT_EQ(counts[2], 0);
+      int32_t run = 0, tiles = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        ASSERT_EQ(offsets[static_cast<size_t>(e)], run) << e;
+        run += want[static_cast<size_t>(e)];
+        tiles += (want[static_cast<size_t>(e)] + tm - 1) / tm;
+      }
+      ASSERT_EQ(offsets[static_cast<size_t>(E)], S);
+      ASSERT_EQ(nt[0], tiles);
+      ASSERT_LE(tiles, d.max_tiles());
+      std::vector<char> seen(static_cast<size_t>(S), 0);
+      for (int64_t i = 0; i < S; ++i) {
+        const int32_t pos = slot_of[static_cast<size_t>(i)], e = idx[static_cast<size_t>(i)];
+        ASSERT_TRUE(pos >= offsets[static_cast<size_t>(e)] && pos < offsets[static_cast<size_t>(e + 1)])
+            << "slot " << i << " outside expert " << e;
+        ASSERT_FALSE(seen[static_cast<size_t>(pos)]) << "sorted row " << pos << " used twice";
+        seen[static_cast<size_t>(pos)] = 1;
+        ASSERT_EQ(slot_token[static_cast<size_t>(pos)], int32_t(i / K));
+      }
+      std::vector<int32_t> tl(static_cast<size_t>(2 * tiles));
+      k3::cuda::copy_to_host(tl.data(), d.tiles(), tl.size() * 4);
+      std::vector<int32_t> covered(static_cast<size_t>(E), 0);
+      for (int32_t t = 0; t < tiles; ++t) {
+        const int32_t e = tl[static_cast<size_t>(2 * t)], m0 = tl[static_cast<size_t>(2 * t + 1)];
+        ASSERT_TRUE(e >= 0 && e < E && m0 % tm == 0 && m0 < want[static_cast<size_t>(e)]) << "tile " << t;
+        covered[static_cast<size_t>(e)] += std::min(tm, want[static_cast<size_t>(e)] - m0);
+      }
+      EXPECT_EQ(covered, want);
     }
-    ASSERT_EQ(offsets[static_cast<size_t>(E)], S);
-    ASSERT_EQ(nt[0], tiles);
-    ASSERT_LE(tiles, d.max_tiles());
-    std::vector<char> seen(static_cast<size_t>(S), 0);
-    for (int64_t i = 0; i < S; ++i) {
-      const int32_t pos = slot_of[static_cast<size_t>(i)], e = idx[static_cast<size_t>(i)];
-      ASSERT_TRUE(pos >= offsets[static_cast<size_t>(e)] && pos < offsets[static_cast<size_t>(e + 1)])
-          << "slot " << i << " outside expert " << e;
-      ASSERT_FALSE(seen[static_cast<size_t>(pos)]) << "sorted row " << pos << " used twice";
-      seen[static_cast<size_t>(pos)] = 1;
-      ASSERT_EQ(slot_token[static_cast<size_t>(pos)], int32_t(i / K));
-    }
-    std::vector<int32_t> tl(static_cast<size_t>(2 * tiles));
-    k3::cuda::copy_to_host(tl.data(), d.tiles(), tl.size() * 4);
-    std::vector<int32_t> covered(static_cast<size_t>(E), 0);
-    for (int32_t t = 0; t < tiles; ++t) {
-      const int32_t e = tl[static_cast<size_t>(2 * t)], m0 = tl[static_cast<size_t>(2 * t + 1)];
-      ASSERT_TRUE(e >= 0 && e < E && m0 % tm == 0 && m0 < want[static_cast<size_t>(e)]) << "tile " << t;
-      covered[static_cast<size_t>(e)] += std::min(tm, want[static_cast<size_t>(e)] - m0);
-    }
-    EXPECT_EQ(covered, want);
   }
 }
 

@@ -13,6 +13,7 @@
 //   - Row kernels keep one row in registers: each thread holds up to kRowElemsPerThread floats, in
 //     NV vectors of VEC elements; row_geometry picks the block size for a row length.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -159,7 +160,11 @@ constexpr int kRowMaxThreads = 512;
 constexpr int64_t kRowMaxElems = int64_t(kRowElemsPerThread) * kRowMaxThreads;  // 16384
 
 // Block size and vectors-per-thread for a row of `nvec` vectors when each thread holds at most
-// `nv_max` of them: the fewest warps that fit, so small rows do not idle a big block.
+// `nv_max` of them: the fewest warps that fit, but at least one vector per thread up to kRowMinThreads, so that
+// a short row (k3-1b's 512 floats) is not one warp walking its sources alone: a decode step has one row per
+// sequence, and its latency is the block's. The geometry depends on the row length only, never on the row
+// count, so a row's bits are the same in a step of one sequence and in a batch.
+constexpr int kRowMinThreads = 128;
 struct RowGeometry {
   int threads = 32;
   int nv = 1;
@@ -167,7 +172,9 @@ struct RowGeometry {
 inline RowGeometry row_geometry(int64_t nvec, int nv_max) {
   RowGeometry g;
   int64_t t = (nvec + nv_max - 1) / nv_max;
+  const int64_t one_each = (nvec + 31) / 32 * 32;
   t = (t + 31) / 32 * 32;
+  t = std::max(t, std::min<int64_t>(one_each, kRowMinThreads));
   g.threads = int(t < 32 ? 32 : (t > kRowMaxThreads ? kRowMaxThreads : t));
   g.nv = int((nvec + g.threads - 1) / g.threads);
   return g;

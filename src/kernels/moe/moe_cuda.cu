@@ -29,6 +29,7 @@
 // the tile shape, the raster or the skipping (test KernelVariantsAreBitwiseEqual).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
 
 #include <algorithm>
 #include <cfloat>
@@ -208,33 +209,80 @@ __global__ void count_kernel(int32_t* __restrict__ counts, const int32_t* __rest
     atomicAdd(&counts[idx[i]], 1);
 }
 
-// One CTA: offsets (exclusive scan of counts), cursors, and the TM-row tile list.
-__global__ void scan_kernel(int32_t* __restrict__ offsets, int32_t* __restrict__ cursor, int32_t* __restrict__ tiles,
-                            int32_t* __restrict__ num_tiles, const int32_t* __restrict__ counts, int E, int TM) {
-  extern __shared__ int32_t scan_smem[];  // [E] row offsets, [E] tile offsets
-  int32_t* roff = scan_smem;
-  int32_t* toff = scan_smem + E;
-  if (threadIdx.x == 0) {
-    int32_t r = 0, tt = 0;
-    for (int e = 0; e < E; ++e) {
-      const int32_t c = counts[e];
-      roff[e] = r;
-      toff[e] = tt;
-      r += c;
-      tt += (c + TM - 1) / TM;
-    }
-    offsets[E] = r;
-    *num_tiles = tt;
+// The exclusive scan of one CTA over E experts (E ≤ any size): row offsets and TM-row tile offsets, written
+// to roff/toff (shared memory, [E] each). Thread t owns the contiguous experts [t P, (t + 1) P), P = ceil(E /
+// blockDim.x), so one block scan of the per-thread totals does it. Returns the totals (rows, tiles).
+template <int kThreads>
+__device__ int2 scan_counts(int32_t* roff, int32_t* toff, const int32_t* counts, int E, int TM) {
+  using Scan = cub::BlockScan<int2, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int P = (E + kThreads - 1) / kThreads, e0 = min(E, int(threadIdx.x) * P), e1 = min(E, e0 + P);
+  int2 mine{0, 0};
+  for (int e = e0; e < e1; ++e) mine.x += counts[e], mine.y += (counts[e] + TM - 1) / TM;
+  int2 before, total;
+  Scan(tmp).ExclusiveScan(
+      mine, before, int2{0, 0},
+      [](int2 a, int2 b) {
+        return int2{a.x + b.x, a.y + b.y};
+      },
+      total);
+  for (int e = e0; e < e1; ++e) {
+    roff[e] = before.x, toff[e] = before.y;
+    before.x += counts[e], before.y += (counts[e] + TM - 1) / TM;
   }
   __syncthreads();
+  return total;
+}
+
+// Writes offsets [E + 1], the TM-row tile list and its length from counts and their scans (one CTA).
+__device__ void write_plan(int32_t* offsets, int32_t* tiles, int32_t* num_tiles, const int32_t* counts,
+                           const int32_t* roff, const int32_t* toff, int2 total, int E, int TM) {
+  if (threadIdx.x == 0) offsets[E] = total.x, *num_tiles = total.y;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     offsets[e] = roff[e];
-    cursor[e] = roff[e];
-    const int32_t c = counts[e];
-    for (int m = 0; m * TM < c; ++m) {
+    for (int m = 0; m * TM < counts[e]; ++m) {
       tiles[2 * (toff[e] + m)] = e;
       tiles[2 * (toff[e] + m) + 1] = m * TM;
     }
+  }
+}
+
+constexpr int kScanThreads = 1024;
+
+// One CTA: offsets (exclusive scan of counts), cursors, and the TM-row tile list.
+__global__ void __launch_bounds__(kScanThreads)
+    scan_kernel(int32_t* __restrict__ offsets, int32_t* __restrict__ cursor, int32_t* __restrict__ tiles,
+                int32_t* __restrict__ num_tiles, const int32_t* __restrict__ counts, int E, int TM) {
+  extern __shared__ int32_t scan_smem[];  // [E] row offsets, [E] tile offsets
+  int32_t* roff = scan_smem;
+  int32_t* toff = scan_smem + E;
+  const int2 total = scan_counts<kScanThreads>(roff, toff, counts, E, TM);
+  write_plan(offsets, tiles, num_tiles, counts, roff, toff, total, E, TM);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cursor[e] = roff[e];
+}
+
+// The whole plan in one CTA for few slots (decode steps): counts, scan and scatter with shared-memory atomics,
+// one launch where the general path takes a memset and three kernels.
+__global__ void __launch_bounds__(kScanThreads)
+    plan_small_kernel(int32_t* __restrict__ counts_out, int32_t* __restrict__ offsets, int32_t* __restrict__ tiles,
+                      int32_t* __restrict__ num_tiles, int32_t* __restrict__ slot_of, int32_t* __restrict__ slot_token,
+                      const int32_t* __restrict__ idx, int S, int K, int E, int TM) {
+  extern __shared__ int32_t plan_smem[];  // [E] counts, [E] row offsets (then cursors), [E] tile offsets
+  int32_t* counts = plan_smem;
+  int32_t* roff = plan_smem + E;
+  int32_t* toff = plan_smem + 2 * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < S; i += blockDim.x) atomicAdd(&counts[idx[i]], 1);
+  __syncthreads();
+  const int2 total = scan_counts<kScanThreads>(roff, toff, counts, E, TM);
+  write_plan(offsets, tiles, num_tiles, counts, roff, toff, total, E, TM);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts_out[e] = counts[e];
+  __syncthreads();  // roff becomes the cursors
+  for (int i = threadIdx.x; i < S; i += blockDim.x) {
+    const int32_t pos = atomicAdd(&roff[idx[i]], 1);
+    slot_of[i] = pos;
+    slot_token[pos] = i / K;
   }
 }
 
@@ -753,20 +801,25 @@ void Dispatch::build(const int32_t* idx, int64_t T, int tile_m) {
   const int64_t S = T * K_;
   tile_m_ = tile_m ? tile_m : choose_tile_m(S, E_);
   max_tiles_ = (S + tile_m_ - 1) / tile_m_ + std::min(E_, S);
-  K3_CUDA_CHECK(cudaMemsetAsync(counts_.data(), 0, size_t(E_) * 4));
-  if (S > 0) {
-    count_kernel<<<grid_for(S, 256), 256>>>(counts_.data(), idx, S);
+  if (S <= kPlanSmallSlots && E_ <= kPlanSmallExperts) {
+    const size_t smem = size_t(3 * E_) * 4;
+    K3_CUDA_CHECK(cudaFuncSetAttribute(plan_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    plan_small_kernel<<<1, kScanThreads, smem>>>(counts_.data(), offsets_.data(), tiles_.data(), num_tiles_.data(),
+                                                 slot_of_.data(), slot_token_.data(), idx, int(S), int(K_), int(E_),
+                                                 tile_m_);
     K3_CUDA_LAUNCH_CHECK();
+    return;
   }
+  K3_CUDA_CHECK(cudaMemsetAsync(counts_.data(), 0, size_t(E_) * 4));
+  count_kernel<<<grid_for(S, 256), 256>>>(counts_.data(), idx, S);
+  K3_CUDA_LAUNCH_CHECK();
   const size_t smem = size_t(2 * E_) * 4;
   K3_CUDA_CHECK(cudaFuncSetAttribute(scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  scan_kernel<<<1, 1024, smem>>>(offsets_.data(), cursor_.data(), tiles_.data(), num_tiles_.data(), counts_.data(),
-                                 int(E_), tile_m_);
+  scan_kernel<<<1, kScanThreads, smem>>>(offsets_.data(), cursor_.data(), tiles_.data(), num_tiles_.data(),
+                                         counts_.data(), int(E_), tile_m_);
   K3_CUDA_LAUNCH_CHECK();
-  if (S > 0) {
-    scatter_kernel<<<grid_for(S, 256), 256>>>(slot_of_.data(), slot_token_.data(), cursor_.data(), idx, S, int(K_));
-    K3_CUDA_LAUNCH_CHECK();
-  }
+  scatter_kernel<<<grid_for(S, 256), 256>>>(slot_of_.data(), slot_token_.data(), cursor_.data(), idx, S, int(K_));
+  K3_CUDA_LAUNCH_CHECK();
 }
 
 // ---- weights --------------------------------------------------------------------------------------

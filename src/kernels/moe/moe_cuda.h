@@ -64,8 +64,11 @@ void router_forward(int32_t* idx, float* weight, const float* logits, const floa
 //   slot_of [T*K]     sorted row of (t, k)
 //   tiles [2*max_tiles], num_tiles [1]: (expert, first row within the expert) of each TM-row tile
 // tile_m: 64 or 128 to force the GEMMs' tile rows, 0 to choose from S/E.
+// Up to kPlanSmallSlots slots (decode steps; with E <= kPlanSmallExperts) the plan is one single-CTA launch with
+// shared-memory counters; larger builds take a memset, a counting kernel, the scan and a scatter kernel.
 class Dispatch {
  public:
+  static constexpr int64_t kPlanSmallSlots = 16384, kPlanSmallExperts = 4096;
   Dispatch(int64_t max_tokens, int64_t num_experts, int64_t top_k);
   void build(const int32_t* idx, int64_t T, int tile_m = 0);
 

@@ -1,7 +1,9 @@
-// Token picks on the GPU (pick_cuda.h). One CTA of 1024 threads per row; thread t owns the contiguous ids
-// [t C, (t + 1) C), C = ceil(V / 1024), so every per-thread loop walks ids in increasing order as the host does.
+// Token picks on the GPU (pick_cuda.h). One CTA of 1024 threads per row. The maximum and the check read the row
+// coalesced (thread t takes ids t, t + 1024, ...: the max with ties to the lower id and the check do not depend on
+// the order). The temperature draw needs ids in order: warp w owns the contiguous ids [w C, (w + 1) C),
+// C = ceil(V / 32), its lanes reading them 32 at a time, so that every load is coalesced and the walk to the drawn
+// id is one warp scanning 32 ids a step.
 #include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 #include <cmath>
 
@@ -12,7 +14,7 @@ namespace k3::sample::cuda {
 
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 1024, kWarps = kThreads / 32;
 
 struct Best {
   float v;
@@ -24,32 +26,51 @@ struct BestOp {
   }
 };
 
+__device__ __forceinline__ double warp_sum(double x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Inclusive prefix sum over the lanes of a warp.
+__device__ __forceinline__ double warp_inclusive_sum(double x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict__ logits, int64_t V,
                                                         const PickRow* __restrict__ rows, int32_t* ids, int32_t* bad) {
   using Reduce = cub::BlockReduce<Best, kThreads>;
   using ReduceInt = cub::BlockReduce<int, kThreads>;
-  using Scan = cub::BlockScan<double, kThreads>;
   __shared__ union {
     typename Reduce::TempStorage best;
     typename ReduceInt::TempStorage flag;
-    typename Scan::TempStorage scan;
   } tmp;
   __shared__ Best s_best;
   __shared__ int s_bad, s_pick, s_last;
+  __shared__ double s_wsum[kWarps], s_before[kWarps], s_total;
 
   const int64_t r = blockIdx.x;
   const float* l = logits + r * V;
   const PickRow row = rows[r];
-  const int tid = threadIdx.x;
-  const int64_t C = (V + kThreads - 1) / kThreads, begin = min(V, tid * C), end = min(V, begin + C);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // Pass 1: the largest logit (lowest id among equals) and the check.
-  Best mine{-INFINITY, begin < V ? int32_t(begin) : INT32_MAX};
+  // Pass 1: the largest logit (lowest id among equals) and the check, four loads in flight per thread.
+  Best mine{-INFINITY, INT32_MAX};
   int nonfinite = 0;
-  for (int64_t v = begin; v < end; ++v) {
-    const float x = l[v];
-    if (isnan(x) || x == INFINITY) nonfinite = 1;
-    if (x > mine.v) mine = Best{x, int32_t(v)};
+  for (int64_t v0 = tid; v0 < V; v0 += 4 * kThreads) {
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = v0 + j * kThreads < V ? l[v0 + j * kThreads] : -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (isnan(x[j]) || x[j] == INFINITY) nonfinite = 1;
+      if (x[j] > mine.v) mine = Best{x[j], int32_t(v0 + j * kThreads)};
+    }
   }
   const Best best = Reduce(tmp.best).Reduce(mine, BestOp());
   if (tid == 0) s_best = best;
@@ -66,38 +87,46 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict_
     return;
   }
 
-  // Pass 2 (temperature): each thread's run of weights, the runs added by a scan, then the thread whose
-  // interval [before, before + sum) holds the target walks its ids (on past its run if rounding asks).
+  // Pass 2 (temperature): each warp's sum of weights over its run, the runs added in order, then the warp whose
+  // interval [before, before + sum) holds the target walks its ids 32 at a time (on past its run if rounding
+  // asks); the last id of nonzero weight is the answer when the walk falls off the end.
   const double mx = s_best.v, inv_t = 1.0 / double(row.temperature);
+  const int64_t C = (V + kWarps - 1) / kWarps, begin = min(V, warp * C), end = min(V, begin + C);
   double sum = 0.0;
   int last_nonzero = -1;
-  for (int64_t v = begin; v < end; ++v) {
+  for (int64_t v = begin + lane; v < end; v += 32) {
     const double w = exp((double(l[v]) - mx) * inv_t);
     sum += w;
     if (w != 0.0) last_nonzero = int(v);
   }
-  double before = 0.0, total = 0.0;
-  Scan(tmp.scan).ExclusiveSum(sum, before, total);
-  if (tid == 0) s_pick = -1, s_last = -1;
+  sum = warp_sum(sum);
+  if (lane == 0) s_wsum[warp] = sum;
+  if (tid == 0) s_pick = INT32_MAX, s_last = -1;
   __syncthreads();
   if (last_nonzero >= 0) atomicMax(&s_last, last_nonzero);
-  const double target = row.uniform * total;
-  if (sum > 0.0 && before <= target && target < before + sum) {
-    double cum = before;
-    int found = -1;
-    for (int64_t v = begin; v < V; ++v) {
-      const double w = exp((double(l[v]) - mx) * inv_t);
-      if (w == 0.0) continue;
-      cum += w;
-      if (target < cum) {
-        found = int(v);
-        break;
-      }
-    }
-    if (found >= 0) atomicMin(reinterpret_cast<unsigned*>(&s_pick), unsigned(found));
+  if (warp == 0) {
+    const double w = s_wsum[lane], incl = warp_inclusive_sum(w, lane);
+    s_before[lane] = incl - w;
+    if (lane == 31) s_total = incl;
   }
   __syncthreads();
-  if (tid == 0) ids[r] = s_pick >= 0 ? s_pick : s_last, bad[r] = 0;
+  const double target = row.uniform * s_total, before = s_before[warp];
+  if (sum > 0.0 && before <= target && target < before + sum) {
+    double cum = before;
+    for (int64_t base = begin; base < V; base += 32) {
+      const int64_t v = base + lane;
+      const double w = v < V ? exp((double(l[v]) - mx) * inv_t) : 0.0;
+      const double incl = warp_inclusive_sum(w, lane);
+      const unsigned hit = __ballot_sync(0xffffffffu, w != 0.0 && target < cum + incl);
+      if (hit) {
+        if (lane == 0) atomicMin(&s_pick, int(base) + __ffs(int(hit)) - 1);
+        break;
+      }
+      cum += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) ids[r] = s_pick != INT32_MAX ? s_pick : s_last, bad[r] = 0;
 }
 
 }  // namespace

@@ -5,8 +5,9 @@
 //   greedy       argmax, ties to the lower id;
 //   temperature  p_v ∝ exp((l_v - max) / T) in double; the first id (in id order) whose running sum of p passes
 //                u Σ p, u the request's draw; past the end, the last id of nonzero p.
-// The one difference is the order of the double sums: each of 1024 threads sums a contiguous run of ids, and a
-// block scan adds the runs, where the host adds id after id. A draw within a few ulps of a boundary between two
+// The one difference is the order of the double sums: each of 32 warps sums a contiguous run of ids (its lanes
+// strided, then a butterfly), a scan adds the runs, and the walk adds 32 ids at a time by a warp scan, where the
+// host adds id after id. A draw within a few ulps of a boundary between two
 // ids may therefore pick the neighbour; the distribution and the draw are the same.
 // Every row is also checked: a NaN or +inf logit, or a row of only -inf, sets its `bad` flag (the host then
 // fetches the logits and reports them as the CPU path does).

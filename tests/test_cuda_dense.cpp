@@ -34,11 +34,13 @@
 #include "core/error.h"
 #include "kernels/attnres/attnres.h"
 #include "kernels/attnres/attnres_cuda.h"
+#include "kernels/common/elementwise_cuda.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/ffn/glu_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
 #include "kernels/gemm/linear.h"
 #include "kernels/gemm/linear_cuda.h"
+#include "kernels/gemm/linear_rows_cuda.h"
 #include "kernels/norm/norm.h"
 #include "kernels/norm/norm_cuda.h"
 #include "util/compare.h"
@@ -554,6 +556,58 @@ TEST(CudaDense, AttnResRowLengthsAndManyRows) {
   run_attnres_case({6, 400, 7168, DType::F32, DType::BF16, false, true, true, 2.0 / std::sqrt(7168.0)}, seed++);
 }
 
+// The pending residual update done by the mix (last_addend / last_store): the same bits as add_inplace (or a
+// copy) and then the mix, on rows the fused kernel takes (512, 98 floats) and rows that take the separate launch
+// (7168).
+TEST(CudaDense, AttnResDoesThePendingUpdate) {
+  K3_REQUIRE_GPU();
+  namespace ar = k3::attnres::cuda;
+  uint64_t seed = 3000;
+  for (const int64_t D : {int64_t(512), int64_t(98), int64_t(7168)})
+    for (const bool add : {true, false}) {
+      SCOPED_TRACE("D " + std::to_string(D) + (add ? " add" : " copy"));
+      const int64_t N = 3, ND = N * D;
+      const int S = 4;
+      std::vector<std::vector<float>> src;
+      for (int i = 0; i < S; ++i) src.push_back(randf(ND, seed++, 1.0 + i));
+      const auto addend = randf(ND, seed++, 0.5), q = randf(D, seed++, 2.0 / std::sqrt(double(D)));
+      kc::DeviceBuffer<float> dq(q.data(), q.size()), dadd(addend.data(), addend.size());
+      auto run = [&](bool fused, std::vector<float>& normed, std::vector<float>& last) {
+        std::vector<kc::DeviceBuffer<float>> d;
+        for (const auto& v : src) d.emplace_back(v.data(), v.size());
+        kc::DeviceBuffer<float> store(static_cast<size_t>(ND)), y(static_cast<size_t>(ND));
+        ar::AttnResParams p;
+        for (int i = 0; i < S; ++i) p.sources[i] = d[size_t(i)].data();
+        p.S = S, p.N = N, p.D = D, p.query = dq.data(), p.normed = y.data();
+        float* target = add ? d[size_t(S - 1)].data() : store.data();
+        if (fused) {
+          p.last_store = target, p.last_addend = add ? dadd.data() : nullptr;
+        } else {
+          if (add) k3::elementwise::cuda::add_inplace(target, dadd.data(), ND);
+          else kc::copy_on_device(target, d[size_t(S - 1)].data(), size_t(ND) * 4);
+          p.sources[S - 1] = target;
+        }
+        ASSERT_EQ(ar::can_run(p), "");
+        ar::attnres_forward(p);
+        normed.resize(size_t(ND)), last.resize(size_t(ND));
+        y.download(normed.data(), normed.size());
+        kc::copy_to_host(last.data(), target, size_t(ND) * 4);
+      };
+      std::vector<float> y0, l0, y1, l1;
+      run(false, y0, l0);
+      run(true, y1, l1);
+      EXPECT_EQ(y1, y0);
+      EXPECT_EQ(l1, l0);
+    }
+  kc::DeviceBuffer<float> b(64);
+  ar::AttnResParams p;
+  p.S = 2, p.N = 1, p.D = 16, p.sources[0] = b.data(), p.sources[1] = b.data() + 16, p.query = b.data();
+  p.normed = b.data() + 32, p.last_addend = b.data() + 48;
+  EXPECT_NE(ar::can_run(p).find("without last_store"), std::string::npos);
+  p.last_store = b.data() + 32;
+  EXPECT_NE(ar::can_run(p).find("must be it"), std::string::npos);
+}
+
 TEST(CudaDense, AttnResRejectsWhatItCannotRun) {
   K3_REQUIRE_GPU();
   k3::attnres::cuda::AttnResParams p;
@@ -683,6 +737,80 @@ TEST(CudaDense, GemmBf16MatchesCpu) {
     const double e = run_gemm(ctx, g, DType::BF16, DType::F32, B::Lt, x, w);
     EXPECT_LE(e, kTolGemmBf16F32) << gemm_ctx(g, DType::BF16, DType::F32, B::Lt);
   }
+}
+
+// Several linears of a few rows in one launch (linear_rows_cuda.h): each output against the fp64 CPU twin,
+// guards and padding untouched; a row's bits the same whatever M (a sequence alone or in a batch).
+TEST(CudaDense, LinearRowsMatchCpuAndRowsAreIndependent) {
+  K3_REQUIRE_GPU();
+  namespace g = k3::gemm::cuda;
+  uint64_t seed = 700;
+  for (const int64_t K : {int64_t(40), int64_t(512), int64_t(7168)}) {
+    const int64_t M = 8, ldx = K + 8;
+    struct Out {
+      int64_t N, ld;
+      DType t;
+    };
+    const std::vector<Out> outs = {{136, 136, DType::BF16}, {8, 11, DType::F32}, {1000, 1000, DType::F32}};
+    const auto x = bf16_round(randf(M * ldx, seed++, 1.0));
+    DevIn dx(x, DType::BF16);
+    std::vector<std::vector<float>> w;
+    std::vector<DevIn> dw;
+    for (const Out& o : outs) {
+      w.push_back(bf16_round(randf(o.N * K, seed++, 1.0 / std::sqrt(double(K)))));
+      dw.emplace_back(w.back(), DType::BF16);
+    }
+    auto run = [&](int64_t m0, int64_t rows, std::vector<GuardedOut>& y) {
+      std::vector<g::LinearRowsOutput> ro;
+      for (size_t i = 0; i < outs.size(); ++i) {
+        y.emplace_back(size_t(rows * outs[i].ld), outs[i].t);
+        g::LinearRowsOutput l;
+        l.w = static_cast<const uint16_t*>(dw[i].data()), l.N = outs[i].N, l.y = y.back().data(), l.y_type = outs[i].t;
+        l.ld_y = outs[i].ld;
+        ro.push_back(l);
+      }
+      const auto* xp = static_cast<const uint16_t*>(dx.data()) + m0 * ldx;
+      ASSERT_EQ(g::linear_rows_can_run(xp, ldx, rows, K, ro.data(), int(ro.size())), "");
+      g::linear_rows(xp, ldx, rows, K, ro.data(), int(ro.size()));
+      kc::synchronize();
+    };
+    std::vector<GuardedOut> all, one, three;
+    run(0, M, all);
+    run(5, 1, one);    // row 5 alone
+    run(2, 3, three);  // rows 2..4
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const Out& o = outs[i];
+      std::vector<float> ref(size_t(M * o.N));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < o.N; ++n) {
+          double s = 0.0;
+          for (int64_t k = 0; k < K; ++k) s += double(x[size_t(m * ldx + k)]) * double(w[i][size_t(n * K + k)]);
+          ref[size_t(m * o.N + n)] = float(s);
+        }
+      std::string bad;
+      const auto got = all[i].rows(M, o.N, o.ld, &bad);
+      EXPECT_TRUE(bad.empty()) << bad << " K " << K << " output " << i;
+      EXPECT_LE(k3test::rel_l2(got, ref), o.t == DType::BF16 ? kTolBf16 : kTolGemmBf16F32)
+          << "K " << K << " output " << i;
+      const auto r1 = one[i].rows(1, o.N, o.ld, &bad);
+      const auto r3 = three[i].rows(3, o.N, o.ld, &bad);
+      EXPECT_TRUE(bad.empty()) << bad;
+      EXPECT_EQ(r1, std::vector<float>(got.begin() + 5 * o.N, got.begin() + 6 * o.N)) << "K " << K << " output " << i;
+      EXPECT_EQ(r3, std::vector<float>(got.begin() + 2 * o.N, got.begin() + 5 * o.N)) << "K " << K << " output " << i;
+    }
+  }
+  // What it cannot run is refused with the reason.
+  DevIn dx(std::vector<float>(64 * 16, 0.5f), DType::BF16);
+  const auto* xp = static_cast<const uint16_t*>(dx.data());
+  GuardedOut y(64, DType::F32);
+  g::LinearRowsOutput o;
+  o.w = xp, o.N = 4, o.y = y.data(), o.y_type = DType::F32;
+  EXPECT_EQ(g::linear_rows_can_run(xp, 16, 2, 16, &o, 1), "");
+  EXPECT_NE(g::linear_rows_can_run(xp, 16, 9, 16, &o, 1).find("M = 9"), std::string::npos);
+  EXPECT_NE(g::linear_rows_can_run(xp, 12, 2, 12, &o, 1).find("K = 12"), std::string::npos);
+  EXPECT_NE(g::linear_rows_can_run(xp + 1, 16, 2, 16, &o, 1).find("aligned"), std::string::npos);
+  EXPECT_NE(g::linear_rows_can_run(xp, 16, 2, 16, &o, 0).find("outputs"), std::string::npos);
+  EXPECT_THROW(g::linear_rows(xp, 8, 2, 16, &o, 1), k3::Error);
 }
 
 TEST(CudaDense, GemmF32ExactIsNotTf32) {

@@ -21,12 +21,14 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "core/cuda.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "kernels/common/elementwise_cuda.h"
 #include "kernels/kda/kda.h"
 #include "kernels/kda/kda_cuda.h"
 #include "util/compare.h"
@@ -326,6 +328,63 @@ TEST(CudaKdaRecurrent, MatchesCpuRecurrence) {
       }
     }
   }
+}
+
+// The recurrence with the gate, beta's sigmoid and the gated output norm fused (KdaGateNorm) against the four
+// launches, bit for bit: outputs and states, fp32 and bf16, every head dim, sequences in scrambled pool places.
+template <class T>
+void gate_norm_fused_matches(int D, int64_t Tn, std::mt19937& rng) {
+  const int64_t B = 3, H = 4, HD = H * D, rows = B * Tn, places = 5;
+  const std::vector<int32_t> slot = {3, 0, 4};
+  constexpr DType dt = std::is_same_v<T, float> ? DType::F32 : DType::BF16;
+  auto act = [&](const Vec& v) {
+    if constexpr (std::is_same_v<T, float>) return DeviceBuffer<float>(v.data(), v.size());
+    else return DeviceBuffer<uint16_t>(to_bf16(v).data(), v.size());
+  };
+  const Vec q = normal(rng, size_t(rows * HD), 0.2f), k = normal(rng, size_t(rows * HD), 0.2f);
+  const Vec v = normal(rng, size_t(rows * HD)), z = normal(rng, size_t(rows * HD), 2.0f);
+  const Vec gate = normal(rng, size_t(rows * HD), 2.0f), beta = normal(rng, size_t(rows * H), 2.0f);
+  const Vec A_log = normal(rng, size_t(H), 0.5f), dt_bias = normal(rng, size_t(HD), 0.5f);
+  const Vec o_norm = normal(rng, size_t(D), 0.3f), state0 = normal(rng, size_t(places * H * D * D), 0.1f);
+  auto dq = act(q), dk = act(k), dv = act(v), dgate = act(gate);
+  DeviceBuffer<float> dz(z.data(), z.size()), dA(A_log.data(), A_log.size()), ddt(dt_bias.data(), dt_bias.size());
+  DeviceBuffer<float> dw(o_norm.data(), o_norm.size());
+  DeviceBuffer<int32_t> dslot(slot.data(), slot.size());
+  auto params = [&](DeviceBuffer<float>& state, DeviceBuffer<float>& b, DeviceBuffer<T>& o) {
+    kc::KdaParams p;
+    p.B = B, p.T = Tn, p.H = H, p.D = D, p.scale = 1.0f / std::sqrt(float(D)), p.in_dtype = p.out_dtype = dt;
+    p.q = dq.data(), p.k = dk.data(), p.v = dv.data(), p.o = o.data(), p.beta = b.data();
+    p.state_in = p.state_out = state.data(), p.state_slot = dslot.data();
+    return p;
+  };
+  // Four launches.
+  DeviceBuffer<float> s1(state0.data(), state0.size()), b1(beta.data(), beta.size()), g(static_cast<size_t>(rows * HD));
+  DeviceBuffer<T> o1(static_cast<size_t>(rows * HD));
+  kc::gate_forward(g.data(), dz.data(), dA.data(), ddt.data(), -5.0f, rows, H, D);
+  k3::elementwise::cuda::sigmoid_inplace(b1.data(), rows * H);
+  kc::KdaParams p1 = params(s1, b1, o1);
+  p1.g = g.data();
+  kc::kda_recurrent_forward(p1);
+  kc::gated_rmsnorm(o1.data(), o1.data(), dgate.data(), dw.data(), 1e-5f, rows, H, D);
+  // One.
+  DeviceBuffer<float> s2(state0.data(), state0.size()), b2(beta.data(), beta.size());
+  DeviceBuffer<T> o2(static_cast<size_t>(rows * HD));
+  kc::KdaGateNorm f;
+  f.z = dz.data(), f.A_log = dA.data(), f.dt_bias = ddt.data(), f.lower_bound = -5.0f, f.out_gate = dgate.data();
+  f.o_norm = dw.data(), f.o_eps = 1e-5f;
+  kc::kda_recurrent_forward(params(s2, b2, o2), f);
+  EXPECT_EQ(download(o2, size_t(rows * HD)), download(o1, size_t(rows * HD))) << "D " << D << " T " << Tn;
+  EXPECT_EQ(download(s2, state0.size()), download(s1, state0.size())) << "D " << D << " T " << Tn;
+}
+
+TEST(CudaKdaRecurrent, GateAndNormFusedEqualSeparateLaunches) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(16);
+  for (int D : kHeadDims)
+    for (int64_t Tn : {int64_t(1), int64_t(3)}) {
+      gate_norm_fused_matches<float>(D, Tn, rng);
+      gate_norm_fused_matches<uint16_t>(D, Tn, rng);
+    }
 }
 
 // A chunked prefill of T1 tokens, then decode steps (recurrent, T = 1), equals one chunked prefill of all
@@ -692,6 +751,64 @@ TEST(CudaKdaConv, MatchesCpuAndDecodeStepsEqualPrefill) {
   EXPECT_EQ(download(tail2, size_t(B * P * C)), whole_tail);
 }
 
+// One decode step of q, k, v through conv_qkv_decode (one launch, the q and k norms fused) against
+// short_conv_silu on each and l2norm_heads on q and k, bit for bit: outputs and tails, sequences in a pool of
+// more places in a scrambled order, fp32 and bf16, every head dim it takes.
+template <class T>
+void conv_qkv_matches_separate_launches(int64_t D, std::mt19937& rng) {
+  const int64_t B = 3, H = 5, C = H * D, places = 6;
+  const int K = 4, P = K - 1;
+  const std::vector<int32_t> slot = {4, 0, 2};
+  DeviceBuffer<int32_t> dslot(slot.data(), slot.size());
+  std::vector<DeviceBuffer<float>> w, tail_a, tail_b;
+  std::vector<Vec> x(3);
+  for (int i = 0; i < 3; ++i) {
+    const Vec wi = normal(rng, size_t(C * K), 0.5f), ti = round_bf16(normal(rng, size_t(places * P * C)));
+    x[size_t(i)] = round_bf16(normal(rng, size_t(B * C)));
+    w.emplace_back(wi.data(), wi.size());
+    tail_a.emplace_back(ti.data(), ti.size());
+    tail_b.emplace_back(ti.data(), ti.size());
+  }
+  auto upload = [&](const Vec& v) {
+    if constexpr (std::is_same_v<T, float>) return DeviceBuffer<float>(v.data(), v.size());
+    else return DeviceBuffer<uint16_t>(to_bf16(v).data(), v.size());
+  };
+  std::vector<DeviceBuffer<T>> in, out_a, out_b;
+  for (int i = 0; i < 3; ++i)
+    in.push_back(upload(x[size_t(i)])), out_a.emplace_back(size_t(B * C)), out_b.emplace_back(size_t(B * C));
+  for (int i = 0; i < 3; ++i)
+    kc::short_conv_silu(out_a[size_t(i)].data(), in[size_t(i)].data(), B, 1, C, w[size_t(i)].data(), K,
+                        tail_a[size_t(i)].data(), dslot.data());
+  kc::l2norm_heads(out_a[0].data(), B, H, D, 1e-6f);
+  kc::l2norm_heads(out_a[1].data(), B, H, D, 1e-6f);
+  kc::conv_qkv_decode({out_b[0].data(), out_b[1].data(), out_b[2].data()}, {in[0].data(), in[1].data(), in[2].data()},
+                      {w[0].data(), w[1].data(), w[2].data()}, K,
+                      {tail_b[0].data(), tail_b[1].data(), tail_b[2].data()}, dslot.data(), B, H, D, 1e-6f);
+  for (int i = 0; i < 3; ++i) {
+    std::vector<T> a(size_t(B * C)), b(size_t(B * C));
+    k3::cuda::copy_to_host(a.data(), out_a[size_t(i)].data(), a.size() * sizeof(T));
+    k3::cuda::copy_to_host(b.data(), out_b[size_t(i)].data(), b.size() * sizeof(T));
+    EXPECT_EQ(a, b) << "tensor " << i << " D " << D;
+    EXPECT_EQ(download(tail_a[size_t(i)], size_t(places * P * C)), download(tail_b[size_t(i)], size_t(places * P * C)))
+        << "tail " << i << " D " << D;
+  }
+}
+
+TEST(CudaKdaConv, FusedDecodeStepEqualsSeparateLaunches) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(15);
+  for (int64_t D : {32, 64, 96, 128}) {
+    conv_qkv_matches_separate_launches<float>(D, rng);
+    conv_qkv_matches_separate_launches<uint16_t>(D, rng);
+  }
+  DeviceBuffer<float> f(size_t(64));
+  DeviceBuffer<int32_t> slot(size_t(1));
+  EXPECT_THROW(kc::conv_qkv_decode({f.data(), f.data(), f.data()}, {f.data(), f.data(), f.data()},
+                                   {f.data(), f.data(), f.data()}, 4, {f.data(), f.data(), f.data()}, slot.data(), 1, 1,
+                                   48, 1e-6f),
+               k3::Error);
+}
+
 TEST(CudaKdaL2Norm, MatchesCpu) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(12);
@@ -728,6 +845,14 @@ TEST(CudaKdaGate, MatchesCpuAndRespectsTheBound) {
   DeviceBuffer<uint16_t> dzb(to_bf16(z).data(), z.size());
   kc::gate_forward(dg.data(), dzb.data(), dA.data(), ddt.data(), -5.0f, rows, H, D);
   EXPECT_LE(rel(download(dg, z.size()), ref), kF32Tol);  // z is exactly bf16, g is fp32 either way
+
+  // beta: made sigmoid(beta) in place by the same launch, the bits of elementwise::cuda::sigmoid_inplace.
+  const Vec beta = normal(rng, size_t(rows * H), 4.0f);
+  DeviceBuffer<float> db1(beta.data(), beta.size()), db2(beta.data(), beta.size()), dg2(z.size());
+  kc::gate_forward(dg2.data(), dzb.data(), dA.data(), ddt.data(), -5.0f, rows, H, D, db1.data());
+  k3::elementwise::cuda::sigmoid_inplace(db2.data(), rows * H);
+  EXPECT_EQ(download(db1, beta.size()), download(db2, beta.size()));
+  EXPECT_EQ(download(dg2, z.size()), download(dg, z.size()));
 }
 
 TEST(CudaKdaGatedRmsNorm, MatchesCpuInPlace) {

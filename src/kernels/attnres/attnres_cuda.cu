@@ -26,10 +26,13 @@
 // so that the run-time indexed source pointers are read from the parameter space, not a local copy.
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
+#include "core/cuda.h"
 #include "core/cuda_check.cuh"
 #include "core/error.h"
 #include "kernels/attnres/attnres_cuda.h"
+#include "kernels/common/elementwise_cuda.h"
 #include "kernels/common/rowwise_cuda.cuh"
 
 namespace k3::attnres::cuda {
@@ -50,6 +53,8 @@ struct Args {
   void* normed;
   const float* norm_weight;
   float norm_eps;
+  const float* last_addend;  // AttnResParams: the pending residual update of the last source
+  float* last_store;
 };
 
 // A thread's slice of one source row as loaded (NVMAX packs of VEC elements; packs past the row
@@ -116,39 +121,11 @@ constexpr int prefetch_slices() {
   return VEC == 1 ? 1 : sizeof(Tsrc) == 2 ? 3 : 2;
 }
 
-template <class Tsrc, class Tout, int VEC, int EPT, int NB>
-__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(const __grid_constant__ Args<Tsrc> a) {
-  constexpr int NVMAX = EPT / VEC;
-  __shared__ float sh[32][2];
-  __shared__ float sh1[32][1];
-  const int64_t row = blockIdx.x;
-  const int D = a.D, nv = a.nv, S = a.S;
-
-  float acc[NVMAX][VEC];
-#pragma unroll
-  for (int j = 0; j < NVMAX; ++j)
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
-  float m = -INFINITY, z = 0.0f;
-
-  // NB slices, used in turn: while one is merged, the loads of the next NB-1 sources into the others
-  // are in flight. The source loop is unrolled by NB so that every slice index is a compile-time
-  // constant (the slices stay in registers). merge_source has barriers: `i < S` is uniform.
-  Slice<Tsrc, VEC, NVMAX> sl[NB];
-#pragma unroll
-  for (int b = 0; b < NB - 1; ++b)
-    if (b < S) load_slice(sl[b], a.src[b] + row * a.ld_src, nv, D);
-  for (int i0 = 0; i0 < S; i0 += NB) {
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const int i = i0 + b;
-      if (i < S) {
-        if (i + NB - 1 < S) load_slice(sl[(b + NB - 1) % NB], a.src[i + NB - 1] + row * a.ld_src, nv, D);
-        merge_source(sl[b], acc, m, z, a, sh);
-      }
-    }
-  }
-
+// h = acc / z, stored as Tout, and (with a.normed) the RMSNorm of h: the end of both kernels.
+template <class Tsrc, class Tout, int VEC, int NVMAX>
+__device__ __forceinline__ void finish_row(float (&acc)[NVMAX][VEC], float z, const Args<Tsrc>& a, int64_t row,
+                                           float (*sh1)[1]) {
+  const int D = a.D, nv = a.nv;
   // h = acc / z, as it will be stored (rounded to Tout): the norm below reads exactly that.
   float ss[1] = {0.0f};
 #pragma unroll
@@ -186,12 +163,118 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(co
   }
 }
 
+template <class Tsrc, class Tout, int VEC, int EPT, int NB>
+__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(const __grid_constant__ Args<Tsrc> a) {
+  constexpr int NVMAX = EPT / VEC;
+  __shared__ float sh[32][2];
+  __shared__ float sh1[32][1];
+  const int64_t row = blockIdx.x;
+  const int D = a.D, nv = a.nv, S = a.S;
+
+  float acc[NVMAX][VEC];
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
+  float m = -INFINITY, z = 0.0f;
+
+  // NB slices, used in turn: while one is merged, the loads of the next NB-1 sources into the others
+  // are in flight. The source loop is unrolled by NB so that every slice index is a compile-time
+  // constant (the slices stay in registers). merge_source has barriers: `i < S` is uniform.
+  Slice<Tsrc, VEC, NVMAX> sl[NB];
+#pragma unroll
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < S) load_slice(sl[b], a.src[b] + row * a.ld_src, nv, D);
+  for (int i0 = 0; i0 < S; i0 += NB) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int i = i0 + b;
+      if (i < S) {
+        if (i + NB - 1 < S) load_slice(sl[(b + NB - 1) % NB], a.src[i + NB - 1] + row * a.ld_src, nv, D);
+        merge_source(sl[b], acc, m, z, a, sh);
+      }
+    }
+  }
+
+  finish_row<Tsrc, Tout, VEC, NVMAX>(acc, z, a, row, sh1);
+}
+
+// Rows of at most one pack per thread (k3-1b's 512 floats; any row the geometry gives nv = 1): every source is
+// loaded at once and all their (Σv², Σv·q) are reduced by one block_sum, then merged in order as merge_source
+// does. block_sum reduces each value alone, in the same order whatever their count, and the geometry is the row
+// kernel's, so the arithmetic and its order are attnres_row_kernel's; a decode step's row waits on one reduction
+// instead of S.
+template <class Tsrc, class Tout, int VEC, int SMAX>
+__global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_pack_kernel(const __grid_constant__ Args<Tsrc> a) {
+  __shared__ float sh[32][2 * SMAX];
+  __shared__ float sh1[32][1];
+  const int64_t row = blockIdx.x;
+  const int D = a.D, S = a.S, d0 = int(threadIdx.x) * VEC;
+  Slice<Tsrc, VEC, 1> sl[SMAX];
+#pragma unroll
+  for (int i = 0; i < SMAX; ++i) {
+    if (i < S) load_slice(sl[i], a.src[i] + row * a.ld_src, 1, D);
+    if constexpr (std::is_same_v<Tsrc, float>) {
+      if (i == S - 1 && a.last_store && d0 < D) {  // the pending residual update (uniform but for d0)
+        if (a.last_addend) {
+          float ad[VEC];
+          rowwise::load_vec<float, VEC>(ad, a.last_addend + row * a.ld_src + d0);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) sl[i].raw[0][k] += ad[k];
+        }
+        rowwise::store_vec<float, VEC>(a.last_store + row * a.ld_src + d0, sl[i].raw[0]);
+      }
+    }
+  }
+  float q[VEC];
+  if (d0 < D) rowwise::load_vec<float, VEC>(q, a.query + d0);
+  float part[2 * SMAX];  // per source: Σv², Σv·q
+#pragma unroll
+  for (int i = 0; i < SMAX; ++i) {
+    part[2 * i] = part[2 * i + 1] = 0.0f;
+    if (i < S && d0 < D)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float v = rowwise::to_f32(sl[i].raw[0][k]);
+        part[2 * i] = fmaf(v, v, part[2 * i]);
+        part[2 * i + 1] = fmaf(v, q[k], part[2 * i + 1]);
+      }
+  }
+  rowwise::block_sum<2 * SMAX>(part, sh);
+  float acc[1][VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[0][k] = 0.0f;
+  float m = -INFINITY, z = 0.0f;
+#pragma unroll
+  for (int i = 0; i < SMAX; ++i) {
+    if (i >= S) break;
+    const float sc = part[2 * i + 1] / sqrtf(part[2 * i] / float(D) + a.eps);
+    const float m_new = fmaxf(m, sc);
+    const float c_old = expf(m - m_new), c_new = expf(sc - m_new);
+    z = fmaf(z, c_old, c_new);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[0][k] = fmaf(acc[0][k], c_old, c_new * rowwise::to_f32(sl[i].raw[0][k]));
+    m = m_new;
+  }
+  finish_row<Tsrc, Tout, VEC, 1>(acc, z, a, row, sh1);
+}
+
 // One block per row of `nvec` packs, each thread holding at most EPT elements of it.
 template <class Tsrc, class Tout, int VEC, int EPT, int NB>
 void run_kernel(Args<Tsrc> a, int64_t N, int64_t nvec) {
   const auto g = rowwise::row_geometry(nvec, EPT / VEC);
   a.nv = g.nv;
-  attnres_row_kernel<Tsrc, Tout, VEC, EPT, NB><<<unsigned(N), g.threads>>>(a);
+  if (a.last_store && (g.nv != 1 || !std::is_same_v<Tsrc, float>)) {  // the update first, as its own launch
+    float* last = a.last_store;
+    if (a.last_addend) elementwise::cuda::add_inplace(last, a.last_addend, N * a.D);
+    else k3::cuda::copy_on_device(last, a.src[a.S - 1], size_t(N * a.D) * sizeof(float));
+    a.src[a.S - 1] = reinterpret_cast<const Tsrc*>(last);
+    a.last_addend = nullptr, a.last_store = nullptr;
+  }
+  if (g.nv == 1 && a.S <= 4) attnres_pack_kernel<Tsrc, Tout, VEC, 4><<<unsigned(N), g.threads>>>(a);
+  else if (g.nv == 1 && a.S <= 8) attnres_pack_kernel<Tsrc, Tout, VEC, 8><<<unsigned(N), g.threads>>>(a);
+  else if (g.nv == 1) attnres_pack_kernel<Tsrc, Tout, VEC, kMaxSources><<<unsigned(N), g.threads>>>(a);
+  else attnres_row_kernel<Tsrc, Tout, VEC, EPT, NB><<<unsigned(N), g.threads>>>(a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -209,11 +292,15 @@ void launch(const AttnResParams& p) {
   a.normed = p.normed;
   a.norm_weight = p.norm_weight;
   a.norm_eps = p.norm_eps;
+  a.last_addend = p.last_addend;
+  a.last_store = p.last_store;
 
   constexpr int VEC = 16 / int(sizeof(Tsrc));
   bool vec = p.D % VEC == 0 && a.ld_src % VEC == 0 && a.ld_out % VEC == 0 && rowwise::aligned16(p.query) &&
              (!p.out || rowwise::aligned16(p.out)) && (!p.normed || rowwise::aligned16(p.normed)) &&
-             (!p.norm_weight || rowwise::aligned16(p.norm_weight));
+             (!p.norm_weight || rowwise::aligned16(p.norm_weight)) &&
+             (!p.last_store || rowwise::aligned16(p.last_store)) &&
+             (!p.last_addend || rowwise::aligned16(p.last_addend));
   for (int i = 0; i < p.S; ++i) vec = vec && rowwise::aligned16(p.sources[i]);
   if (vec) run_kernel<Tsrc, Tout, VEC, rowwise::kRowElemsPerThread, prefetch_slices<Tsrc, VEC>()>(a, p.N, p.D / VEC);
   else run_kernel<Tsrc, Tout, 1, rowwise::kRowElemsPerThread, prefetch_slices<Tsrc, 1>()>(a, p.N, p.D);
@@ -240,6 +327,13 @@ std::string can_run(const AttnResParams& p) {
       if (!p.sources[i]) return "attnres (cuda): source " + std::to_string(i) + " is null";
     if (!p.query) return "attnres (cuda): null query";
     if (!p.out && !p.normed) return "attnres (cuda): neither out nor normed is set";
+  }
+  if (p.last_addend && !p.last_store) return "attnres (cuda): last_addend without last_store";
+  if (p.last_store) {
+    if (p.src_type != DType::F32) return "attnres (cuda): a pending update needs F32 sources";
+    if (p.ld_src && p.ld_src != p.D) return "attnres (cuda): a pending update needs dense rows";
+    if (p.last_addend && p.S >= 1 && p.last_store != p.sources[p.S - 1])
+      return "attnres (cuda): last_addend updates the last source in place: last_store must be it";
   }
   return {};
 }

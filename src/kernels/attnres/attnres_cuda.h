@@ -40,6 +40,14 @@ struct AttnResParams {
   void* normed = nullptr;              // [N, ld_out] RMSNorm(h), or null for no fused norm
   const float* norm_weight = nullptr;  // [D] or null (plain RMS normalisation)
   float norm_eps = 1e-5f;
+
+  // The decoder's pending residual update, done by the mix that reads it first (F32 sources, dense rows):
+  // with last_addend, the last source is sources[S-1] + last_addend and last_store must be sources[S-1] (the
+  // partial sum updated in place); with last_store alone, the last source is copied there (a new partial sum).
+  // The bits of elementwise::cuda::add_inplace or a copy, then the mix. Fused into the kernel where each thread
+  // holds one pack of the row (k3-1b's rows), else a separate launch first.
+  const float* last_addend = nullptr;  // [N, D]
+  float* last_store = nullptr;         // [N, D]
 };
 
 // Empty string when attnres_forward can take p, else why not.

@@ -102,16 +102,27 @@ void short_conv_silu(float* out, const float* x, int64_t B, int64_t T, int64_t C
 void short_conv_silu(uint16_t* out, const uint16_t* x, int64_t B, int64_t T, int64_t C, const float* weight, int K,
                      float* tail, const int32_t* tail_slot = nullptr);
 
+// One decode step (T = 1) of the q, k and v convs of a KDA layer in one launch, q and k then L2-normalised per
+// head: the bits of short_conv_silu (with tail_slot) on each followed by l2norm_heads on q and k. out, in: [3]
+// (q, k, v) of [B][H*D]; weight [3] of [H*D][K]; tail [3] of [slots][K-1][H*D], updated; tail_slot: [B] device
+// indices. D a multiple of 32 up to 128.
+void conv_qkv_decode(float* const (&out)[3], const float* const (&in)[3], const float* const (&weight)[3], int K,
+                     float* const (&tail)[3], const int32_t* tail_slot, int64_t B, int64_t H, int64_t D, float eps);
+void conv_qkv_decode(uint16_t* const (&out)[3], const uint16_t* const (&in)[3], const float* const (&weight)[3], int K,
+                     float* const (&tail)[3], const int32_t* tail_slot, int64_t B, int64_t H, int64_t D, float eps);
+
 // In place per-head L2 normalisation of `rows` rows of H*D: x <- x / sqrt(sum_d x^2 + eps) (K3: 1e-6).
 void l2norm_heads(float* x, int64_t rows, int64_t H, int64_t D, float eps);
 void l2norm_heads(uint16_t* x, int64_t rows, int64_t H, int64_t D, float eps);
 
 // Lower-bounded decay gate: g[r,h,d] = lower_bound * sigmoid(exp(A_log[h]) * (z[r,h,d] + dt_bias[h*D+d])).
 //   g: [rows][H][D] fp32    z: [rows][H][D]    A_log: [H]    dt_bias: [H*D]    lower_bound < 0 (K3: -5)
+// beta (optional, [rows][H] fp32): the write strength's pre-activation, made sigmoid(beta) in place in the same
+// launch (the bits of elementwise::cuda::sigmoid_inplace).
 void gate_forward(float* g, const float* z, const float* A_log, const float* dt_bias, float lower_bound, int64_t rows,
-                  int64_t H, int64_t D);
+                  int64_t H, int64_t D, float* beta = nullptr);
 void gate_forward(float* g, const uint16_t* z, const float* A_log, const float* dt_bias, float lower_bound,
-                  int64_t rows, int64_t H, int64_t D);
+                  int64_t rows, int64_t H, int64_t D, float* beta = nullptr);
 
 // Gated output norm: y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(gate), per head row of Dv.
 //   y, o, gate: [rows][H][Dv]    weight: [Dv] fp32    y may alias o.
@@ -195,6 +206,21 @@ std::string kda_recurrent_can_run(const KdaParams& p);
 // The fused recurrence, token by token with the state in fp32 registers: one CTA (4 D threads) per
 // (sequence, head). Decode is T = 1; it also serves as the GPU reference for the chunked form.
 void kda_recurrent_forward(const KdaParams& p);
+
+// The recurrence with the ops around it in a decode step fused in: the gate from z (gate_forward's arithmetic; p.g
+// is not read), beta's sigmoid (p.beta holds the pre-activation; elementwise::cuda::sigmoid_inplace's
+// arithmetic), and o stored after the gated RMSNorm (gated_rmsnorm's arithmetic, y = o): the bits of
+// gate_forward, sigmoid, kda_recurrent_forward and gated_rmsnorm in turn, in one launch.
+struct KdaGateNorm {
+  const float* z = nullptr;        // [B][T][H][D] fp32, the gate's pre-activation
+  const float* A_log = nullptr;    // [H]
+  const float* dt_bias = nullptr;  // [H*D]
+  float lower_bound = -5.0f;
+  const void* out_gate = nullptr;  // [B][T][H][D] of out_dtype: the output gate's pre-activation
+  const float* o_norm = nullptr;   // [D]
+  float o_eps = 1e-5f;
+};
+void kda_recurrent_forward(const KdaParams& p, const KdaGateNorm& f);
 
 // For the benchmark: the number of value-column slices (CTAs per head) the recurrence kernel of
 // kda_chunk_forward uses at this shape (1 .. D/16; each slice is a CTA of 16-column warp groups), chosen so that

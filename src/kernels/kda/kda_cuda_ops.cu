@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/cuda.h"
 #include "core/cuda_check.cuh"
@@ -22,6 +23,12 @@ __device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16* p, int64_t i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void st(float* p, int64_t i, float x) { p[i] = x; }
 __device__ __forceinline__ void st(bf16* p, int64_t i, float x) { p[i] = __float2bfloat16_rn(x); }
+// x as st() would store it, read back.
+template <class T>
+__device__ __forceinline__ float ld_rounded(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return __bfloat162float(__float2bfloat16_rn(x));
+}
 
 // 1 / (1 + e^-x), as the CPU twin: no NaN at either end.
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -102,6 +109,60 @@ __global__ void l2norm_kernel(T* x, int64_t rows, int64_t D, float eps) {
   for (int64_t d = lane; d < D; d += 32) st(p, d, ld(p, d) * inv);
 }
 
+// ---- one decode step of the three convs and the q, k norms ------------------------------------------------
+// One warp per (tensor, sequence, head): lane l takes channels h D + l, l + 32, ... (D / 32 <= 4 of them). Each
+// channel is short_conv_silu's thread for T = 1 (the same taps in the same order, the tail shifted by the same
+// thread that read it), and q and k are then normalised as l2norm_kernel does: the rounded outputs' squares
+// summed lane-strided, the same butterfly. So the fused step has the bits of the four-plus-two launches.
+template <class T>
+struct ConvQkvArgs {
+  T* out[3];
+  const T* in[3];
+  const float* w[3];
+  float* tail[3];
+  const int32_t* tail_slot;
+  int64_t B, H, D;
+  int K;
+  float eps;
+};
+
+template <class T>
+__global__ void conv_qkv_decode_kernel(const __grid_constant__ ConvQkvArgs<T> a) {
+  const int64_t warp = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (warp >= 3 * a.B * a.H) return;
+  const int which = int(warp / (a.B * a.H));
+  const int64_t b = (warp / a.H) % a.B, h = warp % a.H, C = a.H * a.D, bt = a.tail_slot[b];
+  const int P = a.K - 1;
+  const float* w = a.w[which];
+  float* tail = a.tail[which] + bt * P * C;
+  float y[4];
+  float ss = 0.0f;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int64_t d = lane + 32 * m;
+    if (d >= a.D) break;
+    const int64_t c = h * a.D + d;
+    const float x = ld(a.in[which], b * C + c);
+    float acc = 0.0f;
+    for (int j = 0; j < P; ++j) acc = fmaf(w[c * a.K + j], tail[j * C + c], acc);
+    acc = fmaf(w[c * a.K + P], x, acc);
+    for (int j = 0; j + 1 < P; ++j) tail[j * C + c] = tail[(j + 1) * C + c];
+    if (P > 0) tail[(P - 1) * C + c] = x;
+    y[m] = ld_rounded<T>(acc * sigmoidf_(acc));
+    ss = fmaf(y[m], y[m], ss);
+  }
+  float inv = 1.0f;
+  if (which < 2) inv = 1.0f / sqrtf(rowwise::warp_sum(ss) + a.eps);
+  T* out = a.out[which] + b * C + h * a.D;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int64_t d = lane + 32 * m;
+    if (d >= a.D) break;
+    st(out, d, which < 2 ? y[m] * inv : y[m]);
+  }
+}
+
 template <class T>
 __global__ void gated_rmsnorm_kernel(T* y, const T* o, const T* gate, const float* w, float eps, int64_t rows,
                                      int64_t D) {
@@ -118,9 +179,10 @@ __global__ void gated_rmsnorm_kernel(T* y, const T* o, const T* gate, const floa
 
 template <class T>
 __global__ void gate_kernel(float* g, const T* z, const float* A_log, const float* dt_bias, float lb, int64_t rows,
-                            int64_t H, int64_t D) {
+                            int64_t H, int64_t D, float* beta) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= rows * H * D) return;
+  if (beta && i < rows * H) beta[i] = rowwise::sigmoid_stable(beta[i]);
   const int64_t hd = i % (H * D), h = hd / D;
   g[i] = lb * sigmoidf_(expf(A_log[h]) * (ld(z, i) + dt_bias[hd]));
 }
@@ -135,11 +197,15 @@ template <int D>
 constexpr int rec_threads() {
   return 4 * D;
 }
-template <class TI, class TO, int D>
-__global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParams p) {
+// FUSE (KdaGateNorm): the gate computed from z as gate_kernel does, beta's sigmoid taken as it reads it, and each
+// token's head output put through gated_rmsnorm_kernel's arithmetic (the rounded outputs' squares summed
+// lane-strided by one warp, the same butterfly) before it is stored.
+template <class TI, class TO, int D, bool FUSE>
+__global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParams p, KdaGateNorm f) {
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
   constexpr int R = D / 4;  // state rows per thread
-  __shared__ float sk[D], sq[D], sa[D], red_u[4][D], red_o[4][D];
+  __shared__ float sk[D], sq[D], sa[D], red_u[4][D], red_o[4][D], so[FUSE ? D : 1];
+  __shared__ float s_inv;
   const int64_t b = blockIdx.x / p.H, h = blockIdx.x % p.H;
   const int tid = threadIdx.x, j = tid % D, rg = tid / D;
   const TI* q = static_cast<const TI*>(p.q);
@@ -157,7 +223,9 @@ __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParam
     if (tid < D) {
       sk[tid] = ld(k, off + tid);
       sq[tid] = p.scale * ld(q, off + tid);
-      sa[tid] = expf(p.g[off + tid]);
+      if constexpr (FUSE)
+        sa[tid] = expf(f.lower_bound * sigmoidf_(expf(f.A_log[h]) * (f.z[off + tid] + f.dt_bias[h * D + tid])));
+      else sa[tid] = expf(p.g[off + tid]);
     }
     __syncthreads();
     float u = 0.0f;
@@ -170,7 +238,9 @@ __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParam
     red_u[rg][j] = u;
     __syncthreads();
     const float uu = (red_u[0][j] + red_u[1][j]) + (red_u[2][j] + red_u[3][j]);
-    const float d = p.beta[(b * p.T + t) * p.H + h] * (ld(v, off + j) - uu);
+    float bt = p.beta[(b * p.T + t) * p.H + h];
+    if constexpr (FUSE) bt = rowwise::sigmoid_stable(bt);
+    const float d = bt * (ld(v, off + j) - uu);
     float ov = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -180,7 +250,22 @@ __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParam
     }
     red_o[rg][j] = ov;
     __syncthreads();
-    if (rg == 0) st(o, off + j, (red_o[0][j] + red_o[1][j]) + (red_o[2][j] + red_o[3][j]));
+    const float oj = (red_o[0][j] + red_o[1][j]) + (red_o[2][j] + red_o[3][j]);
+    if constexpr (FUSE) {
+      if (rg == 0) so[j] = ld_rounded<TO>(oj);
+      __syncthreads();
+      if (tid < 32) {
+        float ss = 0.0f;
+        for (int d2 = tid; d2 < D; d2 += 32) ss = fmaf(so[d2], so[d2], ss);
+        ss = rowwise::warp_sum(ss);
+        if (tid == 0) s_inv = 1.0f / sqrtf(ss / float(D) + f.o_eps);
+      }
+      __syncthreads();
+      if (rg == 0)
+        st(o, off + j, so[j] * s_inv * f.o_norm[j] * sigmoidf_(ld(static_cast<const TO*>(f.out_gate), off + j)));
+    } else {
+      if (rg == 0) st(o, off + j, oj);
+    }
   }
   float* S_out = p.state_out + (bs * p.H + h) * D * D;
 #pragma unroll
@@ -215,22 +300,47 @@ void l2norm_heads(uint16_t* x, int64_t rows, int64_t H, int64_t D, float eps) {
 }
 
 template <class T>
+static void conv_qkv_launch(T* const (&out)[3], const T* const (&in)[3], const float* const (&w)[3], int K,
+                            float* const (&tail)[3], const int32_t* tail_slot, int64_t B, int64_t H, int64_t D,
+                            float eps) {
+  K3_CHECK(B >= 1 && H >= 1 && D >= 32 && D <= 128 && D % 32 == 0 && K >= 1 && K <= 8 && tail_slot,
+           "conv_qkv_decode: need B >= 1, H >= 1, D in {32, 64, 96, 128}, K in [1, 8] and tail slots; got B=", B,
+           " H=", H, " D=", D, " K=", K);
+  ConvQkvArgs<T> a{};
+  for (int i = 0; i < 3; ++i) a.out[i] = out[i], a.in[i] = in[i], a.w[i] = w[i], a.tail[i] = tail[i];
+  a.tail_slot = tail_slot, a.B = B, a.H = H, a.D = D, a.K = K, a.eps = eps;
+  conv_qkv_decode_kernel<T><<<blocks_for(3 * B * H, 8), 256>>>(a);
+  K3_CUDA_LAUNCH_CHECK();
+}
+void conv_qkv_decode(float* const (&out)[3], const float* const (&in)[3], const float* const (&weight)[3], int K,
+                     float* const (&tail)[3], const int32_t* tail_slot, int64_t B, int64_t H, int64_t D, float eps) {
+  conv_qkv_launch<float>(out, in, weight, K, tail, tail_slot, B, H, D, eps);
+}
+void conv_qkv_decode(uint16_t* const (&out)[3], const uint16_t* const (&in)[3], const float* const (&weight)[3], int K,
+                     float* const (&tail)[3], const int32_t* tail_slot, int64_t B, int64_t H, int64_t D, float eps) {
+  bf16* o[3];
+  const bf16* x[3];
+  for (int i = 0; i < 3; ++i) o[i] = reinterpret_cast<bf16*>(out[i]), x[i] = reinterpret_cast<const bf16*>(in[i]);
+  conv_qkv_launch<bf16>(o, x, weight, K, tail, tail_slot, B, H, D, eps);
+}
+
+template <class T>
 static void gate_launch(float* g, const T* z, const float* A_log, const float* dt_bias, float lb, int64_t rows,
-                        int64_t H, int64_t D) {
+                        int64_t H, int64_t D, float* beta) {
   K3_CHECK(rows >= 0 && H >= 1 && D >= 1, "gate_forward: need rows >= 0, H >= 1, D >= 1");
   K3_CHECK(lb < 0.0f, "gate_forward: lower_bound must be negative, got ", lb);
   const int64_t n = rows * H * D;
   if (n == 0) return;
-  gate_kernel<T><<<blocks_for(n, 256), 256>>>(g, z, A_log, dt_bias, lb, rows, H, D);
+  gate_kernel<T><<<blocks_for(n, 256), 256>>>(g, z, A_log, dt_bias, lb, rows, H, D, beta);
   K3_CUDA_LAUNCH_CHECK();
 }
 void gate_forward(float* g, const float* z, const float* A_log, const float* dt_bias, float lower_bound, int64_t rows,
-                  int64_t H, int64_t D) {
-  gate_launch(g, z, A_log, dt_bias, lower_bound, rows, H, D);
+                  int64_t H, int64_t D, float* beta) {
+  gate_launch(g, z, A_log, dt_bias, lower_bound, rows, H, D, beta);
 }
 void gate_forward(float* g, const uint16_t* z, const float* A_log, const float* dt_bias, float lower_bound,
-                  int64_t rows, int64_t H, int64_t D) {
-  gate_launch(g, reinterpret_cast<const bf16*>(z), A_log, dt_bias, lower_bound, rows, H, D);
+                  int64_t rows, int64_t H, int64_t D, float* beta) {
+  gate_launch(g, reinterpret_cast<const bf16*>(z), A_log, dt_bias, lower_bound, rows, H, D, beta);
 }
 
 template <class T>
@@ -266,26 +376,42 @@ std::string kda_recurrent_can_run(const KdaParams& p) {
   return {};
 }
 
-void kda_recurrent_forward(const KdaParams& p) {
-  const std::string why = kda_recurrent_can_run(p);
-  K3_CHECK(why.empty(), why);
+template <bool FUSE>
+static void recurrent_launch(const KdaParams& p, const KdaGateNorm& f) {
   const unsigned grid = static_cast<unsigned>(p.B * p.H);
   const bool f32 = p.in_dtype == DType::F32;
   switch (p.D) {
     case 32:
-      if (f32) recurrent_kernel<float, float, 32><<<grid, rec_threads<32>()>>>(p);
-      else recurrent_kernel<bf16, bf16, 32><<<grid, rec_threads<32>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 32, FUSE><<<grid, rec_threads<32>()>>>(p, f);
+      else recurrent_kernel<bf16, bf16, 32, FUSE><<<grid, rec_threads<32>()>>>(p, f);
       break;
     case 64:
-      if (f32) recurrent_kernel<float, float, 64><<<grid, rec_threads<64>()>>>(p);
-      else recurrent_kernel<bf16, bf16, 64><<<grid, rec_threads<64>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 64, FUSE><<<grid, rec_threads<64>()>>>(p, f);
+      else recurrent_kernel<bf16, bf16, 64, FUSE><<<grid, rec_threads<64>()>>>(p, f);
       break;
     default:
-      if (f32) recurrent_kernel<float, float, 128><<<grid, rec_threads<128>()>>>(p);
-      else recurrent_kernel<bf16, bf16, 128><<<grid, rec_threads<128>()>>>(p);
+      if (f32) recurrent_kernel<float, float, 128, FUSE><<<grid, rec_threads<128>()>>>(p, f);
+      else recurrent_kernel<bf16, bf16, 128, FUSE><<<grid, rec_threads<128>()>>>(p, f);
       break;
   }
   K3_CUDA_LAUNCH_CHECK();
+}
+
+void kda_recurrent_forward(const KdaParams& p) {
+  const std::string why = kda_recurrent_can_run(p);
+  K3_CHECK(why.empty(), why);
+  recurrent_launch<false>(p, KdaGateNorm{});
+}
+
+void kda_recurrent_forward(const KdaParams& p, const KdaGateNorm& f) {
+  KdaParams pg = p;
+  pg.g = f.z;  // the check wants a gate input: here z
+  const std::string why = kda_recurrent_can_run(pg);
+  K3_CHECK(why.empty(), why);
+  K3_CHECK(f.z && f.A_log && f.dt_bias && f.out_gate && f.o_norm && f.lower_bound < 0.0f,
+           "kda_recurrent_forward (gate and norm fused): z, A_log, dt_bias, out_gate and o_norm are required and the "
+           "lower bound negative");
+  recurrent_launch<true>(p, f);
 }
 
 }  // namespace k3::kda::cuda

@@ -5,12 +5,14 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
+#include <utility>
 
 #include "core/error.h"
 #include "core/finite.h"
 #include "kernels/attnres/attnres_cuda.h"
 #include "kernels/common/elementwise_cuda.h"
 #include "kernels/gemm/convert_cuda.h"
+#include "kernels/gemm/linear_rows_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sample/pick_cuda.h"
 #include "model/cuda/cuda_model_impl.h"
@@ -84,19 +86,59 @@ void* DeviceArena::take_bytes(size_t bytes) {
 }
 
 template <class T>
-void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W) {
+void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W,
+            bool accumulate) {
   if constexpr (std::is_same_v<T, float>) {
     K3_CHECK(y_type == DType::F32, "GPU model (F32 path): a linear output must be F32");
-    gemm::cuda::linear_exact(r.gemm, static_cast<float*>(y), ld_y, x, ld_x, W.as<double>(), M, W.rows, W.cols);
+    if (!accumulate) {
+      gemm::cuda::linear_exact(r.gemm, static_cast<float*>(y), ld_y, x, ld_x, W.as<double>(), M, W.rows, W.cols);
+      return;
+    }
+    // The exact GEMM rounds its fp64 sum once to fp32; the sum is then added (dense y: ld_y = W.rows).
+    K3_CHECK(ld_y == W.rows, "GPU model (F32 path): an accumulating linear needs dense rows");
+    const DeviceArena::Mark scratch = r.arena.mark();
+    float* t = r.arena.take<float>(M * W.rows);
+    gemm::cuda::linear_exact(r.gemm, t, W.rows, x, ld_x, W.as<double>(), M, W.rows, W.cols);
+    elementwise::cuda::add_inplace(static_cast<float*>(y), t, M * W.rows);
+    r.arena.rewind(scratch);
   } else {
     gemm::cuda::LinearParams p;
     p.y = y, p.y_type = y_type, p.ld_y = ld_y, p.x = x, p.ld_x = ld_x, p.w = W.as<bf16>(), p.in_type = DType::BF16;
-    p.M = M, p.N = W.rows, p.K = W.cols;
+    p.M = M, p.N = W.rows, p.K = W.cols, p.accumulate = accumulate;
     gemm::cuda::linear_forward(r.gemm, p);
   }
 }
-template void linear<float>(Run&, void*, DType, int64_t, const float*, int64_t, int64_t, const DevMatrix&);
-template void linear<bf16>(Run&, void*, DType, int64_t, const bf16*, int64_t, int64_t, const DevMatrix&);
+template void linear<float>(Run&, void*, DType, int64_t, const float*, int64_t, int64_t, const DevMatrix&, bool);
+template void linear<bf16>(Run&, void*, DType, int64_t, const bf16*, int64_t, int64_t, const DevMatrix&, bool);
+
+template <class T>
+void linears_of_rows(Run& r, const T* x, int64_t M, std::initializer_list<LinearOut> outs) {
+  std::vector<LinearOut> live;
+  for (const LinearOut& o : outs)
+    if (o.W && o.y) live.push_back(o);
+  if (live.empty()) return;
+  const int64_t K = live[0].W->cols;
+  for (const LinearOut& o : live)
+    K3_CHECK(o.W->cols == K, "linears_of_rows: weights of ", o.W->cols, " and ", K, " columns");
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (r.pooled && r.pooled->B == M && M <= gemm::cuda::kLinearRowsMaxM &&
+        int(live.size()) <= gemm::cuda::kLinearRowsMaxOutputs) {
+      std::vector<gemm::cuda::LinearRowsOutput> ro;
+      for (const LinearOut& o : live) {
+        gemm::cuda::LinearRowsOutput l;
+        l.w = o.W->as<uint16_t>(), l.N = o.W->rows, l.y = o.y, l.y_type = o.y_type;
+        ro.push_back(l);
+      }
+      if (gemm::cuda::linear_rows_can_run(x, K, M, K, ro.data(), int(ro.size())).empty()) {
+        gemm::cuda::linear_rows(x, K, M, K, ro.data(), int(ro.size()));
+        return;
+      }
+    }
+  }
+  for (const LinearOut& o : live) linear<T>(r, o.y, o.y_type, o.W->rows, x, K, M, *o.W);
+}
+template void linears_of_rows<float>(Run&, const float*, int64_t, std::initializer_list<LinearOut>);
+template void linears_of_rows<bf16>(Run&, const bf16*, int64_t, std::initializer_list<LinearOut>);
 
 }  // namespace gpu
 
@@ -627,12 +669,16 @@ class CudaBackend {
   }
 
   // x̂ <- RMSNorm(AttnRes(blocks, partial; query)) in one kernel; before the first block, RMSNorm alone.
+  // A pending update of `partial` (start_partial / add_partial) is done here, fused into the AttnRes kernel.
   void mix(MixSite site, int64_t l, const std::vector<Act>& blocks, Act partial) {
     const LayerDev* L = l >= 0 ? &w_.layers[size_t(l)] : nullptr;
     const DevVector& norm_w = site == MixSite::AttnIn  ? L->input_layernorm
                               : site == MixSite::FfnIn ? L->post_attention_layernorm
                                                        : w_.norm;
+    const Pending pending = std::exchange(pending_, Pending{});
+    K3_CHECK(!pending.partial || pending.partial == partial, "forward (cuda): a pending update of another partial sum");
     if (blocks.empty()) {
+      finish(pending);
       norm::cuda::rmsnorm_forward(xn_, partial, norm_w.data(), float(c_.rms_norm_eps), N_, D_);
       return;
     }
@@ -643,14 +689,16 @@ class CudaBackend {
     K3_CHECK(int(blocks.size()) + 1 <= attnres::cuda::kMaxSources, "forward (cuda): ", blocks.size() + 1,
              " AttnRes sources, more than the kernel's ", attnres::cuda::kMaxSources);
     for (size_t i = 0; i < blocks.size(); ++i) p.sources[i] = blocks[i];
-    p.sources[blocks.size()] = partial;
+    p.sources[blocks.size()] = pending.copy_of ? pending.copy_of : partial;
     p.S = int(blocks.size()) + 1;
+    p.last_store = pending.partial, p.last_addend = pending.addend;
     p.src_type = DType::F32, p.N = N_, p.D = D_, p.query = query.data(), p.eps = float(c_.rms_norm_eps);
     p.out_type = dtype_of<T>(), p.normed = xn_, p.norm_weight = norm_w.data(), p.norm_eps = float(c_.rms_norm_eps);
     attnres::cuda::attnres_forward(p);
   }
 
   Act attention(int64_t l) {
+    K3_CHECK(!pending_.partial, "forward (cuda): attention would overwrite a pending update's block output");
     const DeviceArena::Mark scratch = r_.arena.mark();
     const LayerDev& L = w_.layers[size_t(l)];
     if (c_.layer_kind[size_t(l)] == AttnKind::KDA) kda_attention_forward<T>(r_, out_, xn_, N_, segs_, l, L.kda);
@@ -660,6 +708,7 @@ class CudaBackend {
   }
 
   Act ffn(int64_t l) {
+    K3_CHECK(!pending_.partial, "forward (cuda): the FFN would overwrite a pending update's block output");
     const DeviceArena::Mark scratch = r_.arena.mark();
     const LayerDev& L = w_.layers[size_t(l)];
     if (c_.is_moe_layer(l)) moe_ffn_forward<T>(r_, out_, xn_, N_, l, L.moe);
@@ -678,15 +727,28 @@ class CudaBackend {
     if (hooks->replace && hooks->replace(name, l, h.data(), N_, D_)) cuda::copy_to_device(out, h.data(), h.size() * 4);
   }
 
+  // The partial sum's updates wait for the next mix, which reads the partial sum first and does them in its own
+  // launch (the decoder mixes after every update, before the block output's buffer is written again).
   Act start_partial(Act out) {
     float* p = r_.arena.take<float>(N_ * D_);
-    cuda::copy_on_device(p, out, size_t(N_ * D_) * 4);
+    finish(std::exchange(pending_, Pending{p, nullptr, out}));
     return p;
   }
-  void add_partial(Act& partial, Act out) { elementwise::cuda::add_inplace(partial, out, N_ * D_); }
+  void add_partial(Act& partial, Act out) { finish(std::exchange(pending_, Pending{partial, out, nullptr})); }
 
   // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head: fp32 logits [M, V] on the device
   // (in the arena, valid until the next forward).
+  // An update of the partial sum not yet done: partial += addend, or partial = copy_of.
+  struct Pending {
+    float* partial = nullptr;
+    const float* addend = nullptr;
+    const float* copy_of = nullptr;
+  };
+  void finish(const Pending& p) {  // the update as its own launch
+    if (p.addend) elementwise::cuda::add_inplace(p.partial, p.addend, N_ * D_);
+    else if (p.copy_of) cuda::copy_on_device(p.partial, p.copy_of, size_t(N_ * D_) * 4);
+  }
+
   float* head() {
     const T* hn = xn_;
     int64_t M = N_;
@@ -717,6 +779,7 @@ class CudaBackend {
   const bool all_positions_, profile_;
   T* xn_ = nullptr;       // the last mix's output: the next block's input
   float* out_ = nullptr;  // a block output
+  Pending pending_;
 };
 
 }  // namespace gpu

@@ -3,6 +3,7 @@
 // launcher headers; only compiled with the CUDA backend.
 #pragma once
 #ifdef K3_HAVE_CUDA
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -188,9 +189,11 @@ inline std::vector<SegmentDev> unpooled(const Run& r, const std::vector<SegmentD
   return std::vector<SegmentDev>(segs.begin() + std::ptrdiff_t(skip), segs.end());
 }
 
-// y[M, W.rows] (ld_y) = x[M, W.cols] (ld_x) · Wᵀ. BF16 path: x bf16, y bf16 or fp32. F32 path: x, y fp32.
+// y[M, W.rows] (ld_y) = x[M, W.cols] (ld_x) · Wᵀ, or y += that with accumulate (y is read). BF16 path: x bf16,
+// y bf16 or fp32. F32 path: x, y fp32.
 template <class T>
-void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W);
+void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W,
+            bool accumulate = false);
 template <class T>
 void linear(Run& r, T* y, const T* x, int64_t M, const DevMatrix& W) {
   linear<T>(r, y, dtype_of<T>(), W.rows, x, W.cols, M, W);
@@ -199,6 +202,19 @@ template <class T>
 void linear_f32_out(Run& r, float* y, const T* x, int64_t M, const DevMatrix& W) {
   linear<T>(r, y, DType::F32, W.rows, x, W.cols, M, W);
 }
+
+// Several linears of the same rows of x: y_i [M, W_i.rows] (dense, of y_type_i). A pooled decode step of at most
+// gemm::cuda::kLinearRowsMaxM sequences and nothing else (the BF16 path's) runs them as one linear_rows launch,
+// anything else as one GEMM each. Only such steps: linear_rows sums in another order than cuBLAS, so a sequence
+// prefilled, or appended to, alone or in a batch still takes the same GEMMs either way, and a decode step of
+// up to that many sequences gives each the bits it gets alone. A null W or y skips that output.
+struct LinearOut {
+  const DevMatrix* W = nullptr;
+  void* y = nullptr;
+  DType y_type = DType::F32;
+};
+template <class T>
+void linears_of_rows(Run& r, const T* x, int64_t M, std::initializer_list<LinearOut> outs);
 
 // The blocks (CUDA twins of model/layers.h): x̂ [N, hidden] of the activation type in, fp32 [N, hidden] out.
 template <class T>

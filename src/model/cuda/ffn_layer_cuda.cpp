@@ -17,19 +17,26 @@ namespace k3::gpu {
 
 namespace {
 
+// out[N, down.rows] fp32 = down( act(g, u) ) from g = gate x and u = up x [N, I] (g is overwritten).
+// With accumulate, out += that instead (out is read).
+template <class T>
+void glu_down(Run& r, float* out, T* g, const T* u, int64_t N, const GluDev& w, bool accumulate = false) {
+  const int64_t I = w.gate_proj.rows;
+  ffn::cuda::GluLaunch gl;
+  gl.out = g, gl.out_type = dtype_of<T>(), gl.gate = g, gl.up = u, gl.in_type = dtype_of<T>();
+  gl.rows = N, gl.cols = I, gl.act = glu_params(r.c);
+  ffn::cuda::glu_forward(gl);
+  linear<T>(r, out, DType::F32, w.down_proj.rows, g, I, N, w.down_proj, accumulate);
+}
+
 // out[N, down.rows] fp32 = down( act(gate x, up x) ).
 template <class T>
 void glu_mlp(Run& r, float* out, const T* x, int64_t N, const GluDev& w) {
   const int64_t I = w.gate_proj.rows;
   T* g = r.arena.take<T>(N * I);
   T* u = r.arena.take<T>(N * I);
-  linear<T>(r, g, x, N, w.gate_proj);
-  linear<T>(r, u, x, N, w.up_proj);
-  ffn::cuda::GluLaunch gl;
-  gl.out = g, gl.out_type = dtype_of<T>(), gl.gate = g, gl.up = u, gl.in_type = dtype_of<T>();
-  gl.rows = N, gl.cols = I, gl.act = glu_params(r.c);
-  ffn::cuda::glu_forward(gl);
-  linear_f32_out<T>(r, out, g, N, w.down_proj);
+  linears_of_rows<T>(r, x, N, {{&w.gate_proj, g, dtype_of<T>()}, {&w.up_proj, u, dtype_of<T>()}});
+  glu_down<T>(r, out, g, u, N, w);
 }
 
 // The F32 path's routed experts: u [N, lat] = Σ_k w[t,k] expert_{idx[t,k]}(z[t]).
@@ -94,8 +101,19 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
   const K3Config& c = r.c;
   const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size, D = c.hidden_size;
 
+  // Every projection of x̂ at once (one launch for a decode step of a few sequences): the router's logits, the
+  // latent down-projection, and the shared experts' gate and up.
+  constexpr DType act = dtype_of<T>();
+  const int64_t Ish = w.shared.empty() ? 0 : w.shared.gate_proj.rows;
   float* logits = r.arena.take<float>(N * E);
-  linear_f32_out<T>(r, logits, x, N, w.router);
+  T* z = r.arena.take<T>(N * lat);
+  T* sg = w.shared.empty() ? nullptr : r.arena.take<T>(N * Ish);
+  T* su = w.shared.empty() ? nullptr : r.arena.take<T>(N * Ish);
+  linears_of_rows<T>(r, x, N,
+                     {{&w.router, logits, DType::F32},
+                      {&w.latent_down, z, act},
+                      {&w.shared.gate_proj, sg, act},
+                      {&w.shared.up_proj, su, act}});
   int32_t* idx = r.arena.take<int32_t>(N * K);
   float* wt = r.arena.take<float>(N * K);
   moe::cuda::router_forward(idx, wt, logits, w.router_bias.data(), N, router_params(c));
@@ -105,8 +123,6 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     r.hooks->topk(layer, h.data(), N, K);
   }
 
-  T* z = r.arena.take<T>(N * lat);
-  linear<T>(r, z, x, N, w.latent_down);
   float* u = r.arena.take<float>(N * lat);  // fp32 aggregate of the routed experts
   if constexpr (std::is_same_v<T, float>) {
     experts_exact(r, u, z, idx, wt, N, w);
@@ -116,19 +132,18 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     bf16* y = r.arena.take<bf16>(N * K * lat);
     moe::cuda::experts_forward(u, h, y, z, wt, *r.dispatch, w.w1.linear(), w.w3.linear(), w.w2.linear(), glu_params(c));
   }
-  if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
   if constexpr (std::is_same_v<T, float>) {
+    if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
     linear_f32_out<T>(r, out, u, N, w.latent_up);
-  } else {
+  } else {  // the norm writes the bf16 rows latent_up reads (the bits of an fp32 norm, then a conversion)
     bf16* u16 = r.arena.take<bf16>(N * lat);
-    gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
+    if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u16, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
+    else gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
     linear_f32_out<T>(r, out, u16, N, w.latent_up);
   }
-  if (!w.shared.empty()) {
-    float* sh = r.arena.take<float>(N * D);
-    glu_mlp<T>(r, sh, x, N, w.shared);
-    elementwise::cuda::add_inplace(out, sh, N * D);
-  }
+  // The shared experts' down-projection adds into out in the GEMM's epilogue (fp32 acc + out, rounded once, as
+  // out + sh was): one launch fewer.
+  if (!w.shared.empty()) glu_down<T>(r, out, sg, su, N, w.shared, /*accumulate=*/true);
 }
 
 template void dense_ffn_forward<float>(Run&, float*, const float*, int64_t, const GluDev&);

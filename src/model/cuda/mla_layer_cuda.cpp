@@ -60,20 +60,23 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   const int64_t H = d.H, dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv, lrow = d.R + d.Dr, ldc = r.mla_ldc;
   constexpr DType act = dtype_of<T>();
 
-  T* q = r.arena.take<T>(N * H * dq);  // [N, H, Dn + Dr]
-  if (!w.q_a_proj.empty()) {
-    T* qa = r.arena.take<T>(N * c.q_lora_rank);
-    linear<T>(r, qa, x, N, w.q_a_proj);
+  // Every projection of x̂ at once (one launch for a decode step of a few sequences): q's low-rank input (or q),
+  // the latent and k_rot, the output gate's pre-activation.
+  T* q = r.arena.take<T>(N * H * dq);          // [N, H, Dn + Dr]
+  float* ckv = r.arena.take<float>(N * lrow);  // [N, R + Dr]: the latent normalised in place, k_rot as is
+  T* qa = w.q_a_proj.empty() ? nullptr : r.arena.take<T>(N * c.q_lora_rank);
+  T* gate = w.g_proj.empty() ? nullptr : r.arena.take<T>(N * H * d.Dv);
+  linears_of_rows<T>(r, x, N,
+                     {{qa ? &w.q_a_proj : &w.q_proj, qa ? qa : q, act},
+                      {&w.kv_a_proj_with_mqa, ckv, DType::F32},
+                      {&w.g_proj, gate, act}});
+  if (qa) {
     norm::cuda::RmsNormParams np;
     np.y = qa, np.y_type = act, np.x = qa, np.x_type = act, np.weight = w.q_a_layernorm.data();
     np.eps = float(c.mla_norm_eps), np.N = N, np.D = c.q_lora_rank;
     norm::cuda::rmsnorm_forward(np);
     linear<T>(r, q, qa, N, w.q_b_proj);
-  } else {
-    linear<T>(r, q, x, N, w.q_proj);
   }
-  float* ckv = r.arena.take<float>(N * lrow);  // [N, R + Dr]: the latent normalised in place, k_rot as is
-  linear_f32_out<T>(r, ckv, x, N, w.kv_a_proj_with_mqa);
   {
     norm::cuda::RmsNormParams np;
     np.y = ckv, np.y_type = DType::F32, np.ld_y = lrow, np.x = ckv, np.x_type = DType::F32, np.ld_x = lrow;
@@ -165,11 +168,7 @@ void mla_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
       }
     }
   }
-  if (!w.g_proj.empty()) {
-    T* gate = r.arena.take<T>(N * H * d.Dv);
-    linear<T>(r, gate, x, N, w.g_proj);
-    elementwise::cuda::mul_sigmoid(o, gate, N * H * d.Dv);
-  }
+  if (gate) elementwise::cuda::mul_sigmoid(o, gate, N * H * d.Dv);
   linear_f32_out<T>(r, out, o, N, w.o_proj);
 }
 

@@ -99,7 +99,7 @@ void dense_ffn_forward(Run& r, float* out, const T* x, int64_t N, const GluDev& 
 template <class T>
 void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, const MoeDev& w) {
   const K3Config& c = r.c;
-  const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size, D = c.hidden_size;
+  const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
 
   // Every projection of x̂ at once (one launch for a decode step of a few sequences): the router's logits, the
   // latent down-projection, and the shared experts' gate and up.

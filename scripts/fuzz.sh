@@ -52,6 +52,10 @@ for name, mode, text in [("deep_tools", b"\x06", req_tools), ("deep_content", b"
         f.write(mode + text.encode())
 PY
 
+# The image decoder starts from the fixture's PNGs and JPEGs.
+mkdir -p "$build/seeds/fuzz_image_decode"
+cp tests/fixtures/image-decode/*.png tests/fixtures/image-decode/*.jpg "$build/seeds/fuzz_image_decode/"
+
 failed=0
 summary=()
 for name in $targets; do

@@ -4,7 +4,7 @@
 # Idempotent: whatever is already present is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev libcpp-httplib-dev pkg-config gnuplot-nox
+PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev libcpp-httplib-dev libpng-dev libjpeg62-turbo-dev pkg-config gnuplot-nox
       clang libclang-rt-14-dev python3)
 missing=()
 for p in "${PKGS[@]}"; do

@@ -10,5 +10,6 @@ mkdir -p .gpudeps
 cd .gpudeps
 apt-get download libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libopenblas0-openmp \
   libopenblas-openmp-dev libopenblas-dev libgfortran5 libquadmath0 nlohmann-json3-dev libgtest-dev libcli11-dev \
-  libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev libbrotli1 libssl-dev libssl3 zlib1g-dev
+  libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev libbrotli1 libssl-dev libssl3 zlib1g-dev \
+  libpng-dev libpng16-16 libjpeg62-turbo-dev libjpeg62-turbo
 ls -la

@@ -16,6 +16,8 @@
 #include "core/error.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "media/image_decode.h"
+#include "media/vision_preprocess.h"
 #include "model/vision.h"
 #include "model/vision_config.h"
 #include "util/cli.h"
@@ -124,6 +126,45 @@ TEST(Vision, CliWritesWhatTheReferenceGives) {
     EXPECT_LE(rel_l2(o.read_f32("merged." + n, {tokens, 4, 32}), golden().read_f32("merged." + n)), kBar) << n;
     EXPECT_LE(rel_l2(o.read_f32("projected." + n, {tokens, 40}), golden().read_f32("projected." + n)), kBar) << n;
   }
+}
+
+// --image: files decoded and preprocessed (media/), one item each, the same outputs as the library path.
+TEST(Vision, CliEncodesImageFiles) {
+  k3test::TempDir dir("vision-cli-image");
+  const std::string out = dir.file("out.safetensors");
+  const std::vector<std::string> files = {fixture("image-decode/png_RGBA_64x48.png"),
+                                          fixture("image-decode/jpeg_RGB_17x9.jpg")};
+  const k3test::Outcome r = k3test::run_k3(
+      {"vision-encode", "--model", fixture("vision-tiny"), "--image", files[0], "--image", files[1], "--out", out});
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::unique_ptr<VisionModel> m = fixture_model();
+  MediaProcConfig cfg;
+  cfg.patch_size = m->config().patch_size, cfg.merge_kernel_size = m->config().merge_h;
+  std::vector<float> pixels;
+  std::vector<VisionGrid> grids;
+  for (const std::string& f : files) {
+    const VisionInput v = preprocess_image(read_image_file(f), cfg);
+    pixels.insert(pixels.end(), v.patches.begin(), v.patches.end());
+    grids.push_back({1, v.grid_h, v.grid_w});
+  }
+  const int64_t p = m->config().patch_size;
+  const std::vector<VisionItem> want = m->encode(pixels.data(), int64_t(pixels.size()) / (3 * p * p), grids);
+  const SafeTensors o = SafeTensors::open(out);
+  ASSERT_EQ(o.names().size(), 4u);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(o.read_f32("merged." + std::to_string(i)), want[i].merged) << i;
+    EXPECT_EQ(o.read_f32("projected." + std::to_string(i)), want[i].projected) << i;
+  }
+  // Neither input, both, and a file that is not an image: errors that say so.
+  EXPECT_THAT(k3test::error_line(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--out", out})),
+              HasSubstr("--image"));
+  EXPECT_NE(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--image", files[0], "--pixels",
+                            fixture("vision-tiny/pixels.safetensors"), "--out", out})
+                .status,
+            0);
+  EXPECT_THAT(k3test::error_line(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--image",
+                                                 fixture("image-decode/png_P.png"), "--out", out})),
+              HasSubstr("png_P.png"));
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------------

@@ -362,7 +362,8 @@ void gated_rmsnorm(uint16_t* y, const uint16_t* o, const uint16_t* gate, const f
                  weight, eps, rows, H, Dv);
 }
 
-std::string kda_recurrent_can_run(const KdaParams& p) {
+// Why the recurrence cannot take p, its gate input being `gate` (p.g, or KdaGateNorm's z when fused).
+static std::string recurrent_why_not(const KdaParams& p, const float* gate) {
   std::string why;
   if (!k3::cuda::available(&why)) return why;
   if (p.B < 1 || p.H < 1 || p.T < 0) return "kda_recurrent_forward: need B >= 1, H >= 1, T >= 0";
@@ -371,10 +372,12 @@ std::string kda_recurrent_can_run(const KdaParams& p) {
   if (!is_act(p.in_dtype) || !is_act(p.out_dtype)) return "kda_recurrent_forward: q/k/v and o must be BF16 or F32";
   if (p.in_dtype != p.out_dtype) return "kda_recurrent_forward: o must have the dtype of q/k/v";
   if (!p.state_in || !p.state_out) return "kda_recurrent_forward: state_in and state_out are required (may alias)";
-  if (p.T > 0 && (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.o))
+  if (p.T > 0 && (!p.q || !p.k || !p.v || !gate || !p.beta || !p.o))
     return "kda_recurrent_forward: q, k, v, g, beta and o are required";
   return {};
 }
+
+std::string kda_recurrent_can_run(const KdaParams& p) { return recurrent_why_not(p, p.g); }
 
 template <bool FUSE>
 static void recurrent_launch(const KdaParams& p, const KdaGateNorm& f) {
@@ -404,9 +407,7 @@ void kda_recurrent_forward(const KdaParams& p) {
 }
 
 void kda_recurrent_forward(const KdaParams& p, const KdaGateNorm& f) {
-  KdaParams pg = p;
-  pg.g = f.z;  // the check wants a gate input: here z
-  const std::string why = kda_recurrent_can_run(pg);
+  const std::string why = recurrent_why_not(p, f.z);
   K3_CHECK(why.empty(), why);
   K3_CHECK(f.z && f.A_log && f.dt_bias && f.out_gate && f.o_norm && f.lower_bound < 0.0f,
            "kda_recurrent_forward (gate and norm fused): z, A_log, dt_bias, out_gate and o_norm are required and the "

@@ -736,8 +736,6 @@ class CudaBackend {
   }
   void add_partial(Act& partial, Act out) { finish(std::exchange(pending_, Pending{partial, out, nullptr})); }
 
-  // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head: fp32 logits [M, V] on the device
-  // (in the arena, valid until the next forward).
   // An update of the partial sum not yet done: partial += addend, or partial = copy_of.
   struct Pending {
     float* partial = nullptr;
@@ -749,6 +747,8 @@ class CudaBackend {
     else if (p.copy_of) cuda::copy_on_device(p.partial, p.copy_of, size_t(N_ * D_) * 4);
   }
 
+  // The selected rows of the final x̂ (AttnRes and norm fused in mix), lm_head: fp32 logits [M, V] on the device
+  // (in the arena, valid until the next forward).
   float* head() {
     const T* hn = xn_;
     int64_t M = N_;

@@ -16,9 +16,6 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
   const bool exact = r.precision == GpuPrecision::F32;
   // Every projection of x̂ at once (one launch for a decode step of a few sequences): q, k, v before their
   // convs, the output gate's pre-activation, the gate's low-rank input and the write strength's pre-activation.
-  // The gate's pre-activation z stays fp32 in both paths: g = -5 sigmoid(e^A (z + dt_bias)) has slope up
-  // to 5/4 e^A in z (e^A up to 16 at the reference's init), so a bf16 z (relative error 2^-9) would move
-  // g by up to ~0.04 per token, and every such error multiplies the state's decay (e^g) directly.
   constexpr DType act = dtype_of<T>();
   T* qp = r.arena.take<T>(N * HD);
   T* kp = r.arena.take<T>(N * HD);
@@ -60,6 +57,9 @@ void kda_attention_forward(Run& r, float* out, const T* x, int64_t N, const std:
     kda::cuda::l2norm_heads(k + r0 * HD, N - r0, H, D, kQkNormEps);
   }
 
+  // The gate's pre-activation z stays fp32 in both paths: g = -5 sigmoid(e^A (z + dt_bias)) has slope up
+  // to 5/4 e^A in z (e^A up to 16 at the reference's init), so a bf16 z (relative error 2^-9) would move
+  // g by up to ~0.04 per token, and every such error multiplies the state's decay (e^g) directly.
   float* z = r.arena.take<float>(N * HD);
   float* g = r.arena.take<float>(N * HD);
   linear_f32_out<T>(r, z, fa, N, w.f_b_proj);

@@ -2,8 +2,8 @@
 // sending streamed text completions back to back for --seconds, at each stream count of --streams. Prints per
 // stream count the requests answered and failed, the tokens generated, the aggregate tokens/s, time to first
 // token (median and 95th percentile, from sending the request) and per output token (mean over requests), the
-// engine's mean batch (sequences per forward, from /metrics), and the process's resident memory before and
-// after the phase. Every request must complete (200, its [DONE] and its usage chunk); a failure is counted and
+// engine's mean batch (sequences per forward, from /metrics), how busy it was (the share of the phase spent in
+// forwards) and its forwards per second, and the process's resident memory before and after the phase. Every request must complete (200, its [DONE] and its usage chunk); a failure is counted and
 // shown. The load test of the server: `--streams 64 --seconds 60` on the CPU fixture model.
 //
 //   build/bench_serve_load --model DIR [--tokenizer DIR] [--device cpu|cuda] [--streams 1,4,16] [--seconds 15]
@@ -200,13 +200,14 @@ int main(int argc, char** argv) {
     std::mt19937_64 shared_rng(12345);
     json shared = json::array();
     for (int64_t i = 0; i < shared_prefix; ++i) shared.push_back(int64_t(shared_rng() % uint64_t(ranks)));
-    std::printf("%7s %8s %6s %8s %10s %9s %9s %9s %7s %9s %9s\n", "streams", "requests", "failed", "tokens", "tok/s",
-                "ttft p50", "ttft p95", "tpot ms", "batch", "RSS MiB", "after");
+    std::printf("%7s %8s %6s %8s %10s %9s %9s %9s %7s %6s %8s %9s %9s\n", "streams", "requests", "failed", "tokens",
+                "tok/s", "ttft p50", "ttft p95", "tpot ms", "batch", "busy", "steps/s", "RSS MiB", "after");
     uint64_t seed = 1;
     for (const int S : streams) {
       const double rss0 = rss_mib();
       const double steps0 = metric(port, "k3_engine_steps_total"),
-                   seqs0 = metric(port, "k3_engine_step_sequences_total");
+                   seqs0 = metric(port, "k3_engine_step_sequences_total"),
+                   busy0 = metric(port, "k3_engine_forward_seconds_total");
       std::mutex mu;
       std::vector<RequestResult> results;
       const Clock::time_point t0 = Clock::now();
@@ -251,11 +252,12 @@ int main(int argc, char** argv) {
         if (r.tokens > 1) tpot_sum += (r.total - r.ttft) / double(r.tokens - 1), ++tpot_n;
       }
       const double steps = metric(port, "k3_engine_steps_total") - steps0,
-                   seqs = metric(port, "k3_engine_step_sequences_total") - seqs0;
-      std::printf("%7d %8zu %6lld %8lld %10.1f %8.3fs %8.3fs %9.2f %7.2f %9.1f %9.1f\n", S, results.size(),
-                  (long long)failed, (long long)tokens, double(tokens) / wall, percentile(ttft, 0.5),
+                   seqs = metric(port, "k3_engine_step_sequences_total") - seqs0,
+                   busy = metric(port, "k3_engine_forward_seconds_total") - busy0;
+      std::printf("%7d %8zu %6lld %8lld %10.1f %8.3fs %8.3fs %9.2f %7.2f %5.0f%% %8.1f %9.1f %9.1f\n", S,
+                  results.size(), (long long)failed, (long long)tokens, double(tokens) / wall, percentile(ttft, 0.5),
                   percentile(ttft, 0.95), tpot_n ? 1e3 * tpot_sum / double(tpot_n) : 0.0,
-                  steps > 0 ? seqs / steps : 0.0, rss0, rss_mib());
+                  steps > 0 ? seqs / steps : 0.0, 100.0 * busy / wall, steps / wall, rss0, rss_mib());
       for (const std::string& w : reasons) std::printf("        failed: %s\n", w.c_str());
     }
     server.stop();

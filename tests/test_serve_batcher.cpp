@@ -246,6 +246,124 @@ TEST(ServeBatcher, StopFailsWhatWaits) {
   EXPECT_THROW(held->append({1}), k3::Error);
 }
 
+// Generation whose decode steps run ahead on the engine thread (Slot::run_ahead) picks the ids that stepping one
+// token at a time on the engine's own session picks: greedy and sampled at temperature 1 with a seed each, six
+// sequences at once beside two that step one token at a time, some stopped early by keep_going. The steps batched
+// them, and every slot, stopped or not, was released.
+TEST(ServeBatcher, RunningAheadPicksWhatSteppingPicks) {
+  const auto engine = tiny_engine();
+  const k3::K3Config& cfg = engine->config();
+  const int V = int(cfg.vocab_size);
+  const int kSteps = 12, kSeqs = 8;
+  auto params = [](int s) {
+    k3::SamplingParams p;
+    p.greedy = s % 2 == 0;
+    p.temperature = 1.0f;
+    p.seed = uint64_t(100 + s);
+    return p;
+  };
+  auto stop_at = [](int s) { return s % 3 == 1 ? 5 : kSteps + 1; };  // some stop after their 5th token
+  auto run = [&](const k3::PickFn& append, const k3::RunAhead& ahead, int s) {
+    k3::Sampler sampler(params(s));
+    int made = 0;
+    return k3::generate_until(
+               append, cfg, prompt_of(3 + 4 * s, s, V), kSteps, sampler, [&](int32_t) { return ++made < stop_at(s); },
+               {}, {}, ahead)
+        .tokens;
+  };
+  std::vector<std::vector<int32_t>> alone, together(kSeqs);
+  for (int s = 0; s < kSeqs; ++s) alone.push_back(run(engine->pick_session(), {}, s));
+  sv::BatcherOptions o;
+  o.max_batch = kSeqs;
+  o.prefill_chunk = 8;
+  sv::Batcher b(*engine, o);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kSeqs; ++s)
+    threads.emplace_back([&, s] {
+      auto slot = b.acquire(3 + 4 * s + kSteps + 1, Clock::time_point::max());
+      // Sequences 6 and 7 step one token at a time among the others.
+      together[size_t(s)] = run(slot->pick_fn(), s < 6 ? slot->run_ahead() : k3::RunAhead{}, s);
+    });
+  for (auto& t : threads) t.join();
+  for (int s = 0; s < kSeqs; ++s) {
+    EXPECT_EQ(together[size_t(s)], alone[size_t(s)]) << "sequence " << s;
+    EXPECT_EQ(int(alone[size_t(s)].size()), std::min(kSteps, stop_at(s))) << "sequence " << s;
+  }
+  const sv::Batcher::Stats st = b.stats();
+  EXPECT_GT(st.step_sequences, st.steps) << "the steps batched several sequences";
+  EXPECT_GT(st.decode_steps, 0);
+  EXPECT_EQ(st.slots, 0);
+}
+
+// A slot whose reader is slow runs ahead by kAheadDepth results and no more, while another slot's steps go on;
+// once read, it runs its whole budget and no step past it.
+TEST(ServeBatcher, RunningAheadWaitsForItsReader) {
+  const k3::K3Config cfg = tiny_engine()->config();
+  k3test::ScriptedEngine engine(cfg, {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
+  sv::BatcherOptions o;
+  o.max_batch = 2;
+  sv::Batcher b(engine, o);
+  auto slow = b.acquire(16, Clock::time_point::max()), busy = b.acquire(16, Clock::time_point::max());
+  const k3::TokenPick greedy{true, true, 1.0f, 0.0, false};
+  EXPECT_EQ(slow->step({1, 2}, greedy).id, 5);
+  const k3::RunAhead ahead = slow->run_ahead();
+  int picks = 0;
+  ahead.start(5, 8, -1, [&] { return ++picks, greedy; });
+  EXPECT_EQ(busy->step({1}, greedy).id, 5);
+  for (int i = 0; i < 6; ++i) busy->step({1}, greedy);
+  EXPECT_EQ(picks, 2) << "two results wait for the slow reader; no third step ran";
+  EXPECT_EQ(b.stats().step_tokens_total, 2 + 1 + 6 + 2);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(ahead.next().id, 6 + i) << "step " << i;
+  EXPECT_THROW(ahead.next(), k3::Error) << "past the 8 steps it was given";
+  EXPECT_EQ(picks, 8);
+  ahead.stop();
+  EXPECT_THROW(slow->step({1}, greedy), k3::Error) << "a slot that ran ahead takes no steps";
+  EXPECT_EQ(b.stats().step_tokens_total, 2 + 1 + 6 + 8);
+}
+
+// A run ahead ends at its stop id; an engine error in one of its steps reaches its reader; a slot released while
+// it runs ahead (its reader gone without stopping it) leaves the batcher serving the others.
+TEST(ServeBatcher, RunningAheadEndsStopsAndFails) {
+  const k3::K3Config cfg = tiny_engine()->config();
+  FailingEngine engine(cfg, 7);  // the script is empty: every pick is eos; a forward holding 7 fails
+  sv::BatcherOptions o;
+  o.max_batch = 3;
+  sv::Batcher b(engine, o);
+  const k3::TokenPick greedy{true, true, 1.0f, 0.0, false};
+  const auto eos = int32_t(cfg.eos_token_id);
+  {
+    auto slot = b.acquire(16, Clock::time_point::max());
+    slot->step({1}, greedy);
+    const k3::RunAhead ahead = slot->run_ahead();
+    ahead.start(3, 10, eos, [&] { return greedy; });
+    EXPECT_EQ(ahead.next().id, eos);
+    EXPECT_THROW(ahead.next(), k3::Error) << "no step after the stop id";
+    ahead.stop();
+  }
+  {
+    auto slot = b.acquire(16, Clock::time_point::max());
+    slot->step({1}, greedy);
+    const k3::RunAhead ahead = slot->run_ahead();
+    ahead.start(7, 10, -1, [&] { return greedy; });
+    try {
+      ahead.next();
+      ADD_FAILURE() << "the engine error was not reported";
+    } catch (const k3::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ran out of memory"), std::string::npos) << e.what();
+    }
+    ahead.stop();
+  }
+  for (int round = 0; round < 20; ++round) {  // released at once, with steps in flight
+    auto slot = b.acquire(16, Clock::time_point::max());
+    slot->step({1}, greedy);
+    slot->run_ahead().start(3, 10, -1, [&] { return greedy; });
+  }
+  auto after = b.acquire(4, Clock::time_point::max());
+  EXPECT_EQ(after->step({1, 2}, greedy).id, eos);
+  after.reset();
+  EXPECT_EQ(b.stats().slots, 0);
+}
+
 // Greedy generation from prompts that share cached whole chunks equals generation without the cache, logits to
 // the bit: prompts ending a token before, at and after one chunk (16 tokens) and three chunks, and one that
 // leaves the cached prefix mid-chunk. The cache was filled by a longer prompt with the same beginning; the hits

@@ -53,7 +53,7 @@ GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const
 
 GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
-                              const StepObserver& observe, const LogitsMask& mask) {
+                              const StepObserver& observe, const LogitsMask& mask, const RunAhead& ahead) {
   K3_CHECK(!prompt.empty(), "generate: the prompt is empty");
   K3_CHECK(max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ", max_new_tokens);
   const int64_t V = cfg.vocab_size, eos = cfg.eos_token_id;
@@ -64,14 +64,22 @@ GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const s
   // sampler.sample would (one per token), so the ids are the sampler's whichever side picks.
   const bool engine_picks = !observe && !mask && sampler.temperature_only();
   const SamplingParams& sp = sampler.params();
-  auto step = [&](const std::vector<int32_t>& tokens) {
-    TokenPick p = TokenPick::logits();
-    if (engine_picks) {
-      p.pick = true, p.want_logits = false, p.greedy = sp.greedy, p.temperature = sp.temperature;
-      if (!sp.greedy) p.uniform = sampler.next_uniform();
-    }
-    return append(tokens, p);
+  auto engine_pick = [&sampler, &sp] {
+    TokenPick p;
+    p.pick = true, p.want_logits = false, p.greedy = sp.greedy, p.temperature = sp.temperature;
+    if (!sp.greedy) p.uniform = sampler.next_uniform();
+    return p;
   };
+  auto step = [&](const std::vector<int32_t>& tokens) {
+    return append(tokens, engine_picks ? engine_pick() : TokenPick::logits());
+  };
+  // A run ahead draws from `sampler` on the appender's side until stopped: it stops before anything here ends.
+  struct StopAhead {
+    const RunAhead* on = nullptr;
+    ~StopAhead() {
+      if (on) on->stop();
+    }
+  } running;
   auto t0 = clock::now();
   PickResult out = step(prompt);
   r.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
@@ -98,7 +106,13 @@ GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const s
       r.stopped_by_caller = true;
       break;
     }
-    if (i + 1 < max_new_tokens) out = step({next});
+    if (i + 1 >= max_new_tokens) continue;
+    if (engine_picks && ahead) {
+      if (!running.on) ahead.start(next, max_new_tokens - 1 - i, int32_t(eos), engine_pick), running.on = &ahead;
+      out = ahead.next();
+    } else {
+      out = step({next});
+    }
   }
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   return r;

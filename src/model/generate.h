@@ -40,6 +40,21 @@ struct PickResult {
 // append(tokens, pick): appends tokens to the one sequence being generated and returns what `pick` asks of its
 // last token.
 using PickFn = std::function<PickResult(const std::vector<int32_t>& tokens, const TokenPick& pick)>;
+// Decode steps an appender may run ahead of its caller (serve/batcher.h's slots): once started, each step appends
+// the id the previous one picked and picks again, without waiting for the caller, so that the caller's work on a
+// token (detokenising, writing to a client) overlaps the forward of the next. Only for picks the engine makes
+// (TokenPick::pick): the caller has nothing to add between steps.
+struct RunAhead {
+  // Appends `first`, then each id picked, picking with next_pick() each time (called in step order, under the
+  // appender's lock, never after stop() returns): at most `steps` steps, none after one that picked `stop_id`.
+  std::function<void(int32_t first, int64_t steps, int32_t stop_id, std::function<TokenPick()> next_pick)> start;
+  std::function<PickResult()> next;  // the next step's result, in order; blocks until it is there
+  // No further steps. The sequence then holds every step run, possibly past those whose results were taken: the
+  // appender is not to be stepped further.
+  std::function<void()> stop;
+  explicit operator bool() const { return bool(start); }
+};
+
 // An AppendFn as a PickFn (picks on the host, model/sampler.h), and the other way round.
 PickFn pick_fn(AppendFn append);
 AppendFn append_fn(PickFn pick);
@@ -65,10 +80,12 @@ using LogitsMask = std::function<void(float* logits, int64_t V)>;
 // with each step's logits (unmasked) and id before keep_going; mask (optional) restricts what the
 // sampler may pick (constrained decoding).
 // Without observe and mask, a greedy or temperature-only sampler lets the engine pick (TokenPick): on the GPU
-// no logits then come to the host.
+// no logits then come to the host, and with `ahead` (of the same sequence as `append`) the decode steps after the
+// first run ahead of keep_going; the ids are the same either way.
 GenerateResult generate_until(const PickFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
-                              const StepObserver& observe = {}, const LogitsMask& mask = {});
+                              const StepObserver& observe = {}, const LogitsMask& mask = {},
+                              const RunAhead& ahead = {});
 GenerateResult generate_until(const AppendFn& append, const K3Config& cfg, const std::vector<int32_t>& prompt,
                               int64_t max_new_tokens, Sampler& sampler, const std::function<bool(int32_t)>& keep_going,
                               const StepObserver& observe = {}, const LogitsMask& mask = {});

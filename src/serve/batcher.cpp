@@ -1,6 +1,7 @@
 #include "serve/batcher.h"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 
 #include "core/error.h"
@@ -30,6 +31,15 @@ struct Batcher::SlotState {
   std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
   Job* job = nullptr;                   // the append in flight
   std::string broken;                   // why appends are refused (an engine error on this sequence)
+  // Running ahead (Slot::run_ahead): each step appends ahead_token and picks with ahead_pick().
+  bool ahead = false;                     // running ahead now
+  bool ran_ahead = false;                 // has run ahead (steps are refused from then on)
+  int32_t ahead_token = 0;                // what its next step appends
+  int64_t ahead_steps = 0;                // steps it may still run
+  int32_t ahead_stop_id = -1;             // no step after one that picked this id
+  std::function<TokenPick()> ahead_pick;  // the pick of its next step (called locked)
+  std::deque<PickResult> ahead_results;   // made, not taken yet
+  std::condition_variable ahead_cv;       // a result came, or the slot broke
 };
 
 Batcher::Batcher(Engine& engine, BatcherOptions o) : engine_(engine), o_(o) {
@@ -103,8 +113,11 @@ void Batcher::release(SlotState* s) {
     if (it == slots_.end()) return;
     reserved_ -= s->reserved;
     started_ -= s->started;
+    ahead_on_ -= s->ahead;
+    s->ahead = false, s->ahead_pick = nullptr;
     PrefixCache::unpin(s->node);
-    if (s->seq) to_free_.push_back(std::move(s->seq));
+    if (s->seq) to_free_.push_back(std::move(s->seq));  // (reset by the engine thread once its step is over)
+    dead_.push_back(std::move(*it));
     slots_.erase(it);
   }
   work_cv_.notify_all();  // a step may be gathering for this slot; its sequence is to be freed
@@ -124,6 +137,7 @@ PickResult Batcher::Slot::step(const std::vector<int32_t>& tokens, const TokenPi
   std::unique_lock<std::mutex> lock(b.mu_);
   if (!s_->broken.empty()) fail(s_->broken);
   if (b.stop_) fail("serve: the server is stopping");
+  K3_CHECK(!s_->ran_ahead, "serve: a step on a slot that ran ahead");
   s_->job = &job;
   if (!s_->started) s_->started = true, ++b.started_;
   if (b.waiting_.empty()) b.first_wait_ = Clock::now();
@@ -135,10 +149,72 @@ PickResult Batcher::Slot::step(const std::vector<int32_t>& tokens, const TokenPi
   return std::move(job.result);
 }
 
+RunAhead Batcher::Slot::run_ahead() {
+  RunAhead r;
+  r.start = [b = b_, s = s_](int32_t first, int64_t steps, int32_t stop_id, std::function<TokenPick()> pick) {
+    b->ahead_start(s, first, steps, stop_id, std::move(pick));
+  };
+  r.next = [b = b_, s = s_] { return b->ahead_next(s); };
+  r.stop = [b = b_, s = s_] { b->ahead_stop(s); };
+  return r;
+}
+
+void Batcher::ahead_start(SlotState* s, int32_t first, int64_t steps, int32_t stop_id,
+                          std::function<TokenPick()> pick) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!s->broken.empty()) fail(s->broken);
+    if (stop_) fail("serve: the server is stopping");
+    K3_CHECK(!s->ran_ahead && s->started, "serve: a run ahead must follow the slot's first step, once");
+    s->ahead = s->ran_ahead = true;
+    ++ahead_on_;
+    s->ahead_token = first, s->ahead_steps = steps, s->ahead_stop_id = stop_id;
+    s->ahead_pick = std::move(pick);
+  }
+  work_cv_.notify_all();
+}
+
+PickResult Batcher::ahead_next(SlotState* s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  K3_CHECK(s->ahead, "serve: next() on a slot not running ahead");
+  s->ahead_cv.wait(lock,
+                   [&] { return !s->ahead_results.empty() || !s->broken.empty() || stop_ || s->ahead_steps == 0; });
+  if (s->ahead_results.empty()) {
+    if (!s->broken.empty()) fail(s->broken);
+    if (stop_) fail("serve: the server is stopping");
+    fail("serve: next() past the steps a run ahead was given");
+  }
+  const bool was_full = s->ahead_results.size() >= kAheadDepth;
+  PickResult r = std::move(s->ahead_results.front());
+  s->ahead_results.pop_front();
+  lock.unlock();
+  if (was_full) work_cv_.notify_all();  // ready again
+  return r;
+}
+
+void Batcher::ahead_stop(SlotState* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!s->ahead) return;
+  s->ahead = false, --ahead_on_;
+  s->ahead_steps = 0, s->ahead_pick = nullptr;
+  s->ahead_results.clear();
+}
+
+bool Batcher::ahead_ready(const SlotState* s) const {
+  return s->ahead && s->ahead_steps > 0 && s->ahead_results.size() < kAheadDepth && s->broken.empty();
+}
+
+bool Batcher::any_ahead_ready() const {
+  if (ahead_on_ == 0) return false;
+  for (const auto& s : slots_)
+    if (ahead_ready(s.get())) return true;
+  return false;
+}
+
 void Batcher::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    work_cv_.wait(lock, [&] { return stop_ || !waiting_.empty() || !to_free_.empty(); });
+    work_cv_.wait(lock, [&] { return stop_ || !waiting_.empty() || !to_free_.empty() || any_ahead_ready(); });
     if (!to_free_.empty()) {  // sequences of released slots, reset for new slots here where the engine runs
       auto dead = std::move(to_free_);
       to_free_.clear();
@@ -160,11 +236,15 @@ void Batcher::loop() {
       for (SlotState* s : waiting_) s->job->error = "serve: the server is stopping", s->job->finished = true;
       waiting_.clear();
       done_cv_.notify_all();
+      for (const auto& s : slots_) s->ahead_cv.notify_all();
       return;
     }
-    // Gather: wait (a short while) for the slots that are still sampling their next token.
-    work_cv_.wait_until(lock, first_wait_ + o_.gather,
-                        [&] { return stop_ || int64_t(waiting_.size()) >= started_ || !to_free_.empty(); });
+    // Gather: wait (a short while) for the slots that are still sampling their next token, unless slots running
+    // ahead are ready (they wait for nobody).
+    if (!any_ahead_ready())
+      work_cv_.wait_until(lock, first_wait_ + o_.gather, [&] {
+        return stop_ || int64_t(waiting_.size()) + ahead_on_ >= started_ || !to_free_.empty();
+      });
     if (stop_ || !to_free_.empty()) continue;
     try {
       step(lock);
@@ -179,10 +259,15 @@ void Batcher::loop() {
 }
 
 void Batcher::step(std::unique_lock<std::mutex>& lock) {
-  // The step: every waiting decode, then prompt chunks in arrival order.
+  dead_.clear();  // (no step refers to them any more)
+  // The step: the slots running ahead that are ready, every waiting decode, then prompt chunks in arrival order.
+  // The first `ahead` entries are the slots running ahead (their rows and picks are theirs, not a job's).
   std::vector<SlotState*> step;
   std::vector<size_t> take;
   int64_t tokens = 0;
+  for (const auto& s : slots_)
+    if (ahead_ready(s.get())) step.push_back(s.get()), take.push_back(1), ++tokens;
+  const size_t ahead = step.size();
   auto left_of = [](const SlotState* s) { return s->job->tokens->size() - s->job->consumed; };
   for (SlotState* s : waiting_)
     if (left_of(s) == 1) step.push_back(s), take.push_back(1), ++tokens;
@@ -208,8 +293,19 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     first_prompt = false;
     step.push_back(s), take.push_back(n), tokens += int64_t(n);
   }
+  if (step.empty()) return;
+  // (A slot running ahead may be released while this step runs, its sequence then queued in to_free_, which only
+  // this thread resets, after the step.)
+  std::vector<EngineSequence*> ahead_seqs;
+  for (size_t i = 0; i < ahead; ++i) ahead_seqs.push_back(step[i]->seq.get());
   std::vector<std::vector<int32_t>> rows;
+  std::vector<TokenPick> picks_of(step.size(), TokenPick::none());
   for (size_t i = 0; i < step.size(); ++i) {
+    if (i < ahead) {
+      rows.push_back({step[i]->ahead_token});
+      picks_of[i] = step[i]->ahead_pick();
+      continue;
+    }
     const Job& j = *step[i]->job;
     rows.emplace_back(j.tokens->begin() + std::ptrdiff_t(j.consumed),
                       j.tokens->begin() + std::ptrdiff_t(j.consumed + take[i]));
@@ -218,8 +314,7 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   // that slot alone. The forward runs over the others; a failure there fails them all (their state is
   // undefined). A snapshot that fails is dropped, and that prompt is cached no further.
   // The picks: a step that ends its append returns what the append asked; a prompt's middle chunk nothing.
-  std::vector<TokenPick> picks_of(step.size(), TokenPick::none());
-  for (size_t i = 0; i < step.size(); ++i) {
+  for (size_t i = ahead; i < step.size(); ++i) {
     const Job& j = *step[i]->job;
     if (j.consumed + take[i] == j.tokens->size()) picks_of[i] = j.pick;
   }
@@ -254,6 +349,13 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   for (size_t i = 0; i < step.size(); ++i) {
     SlotState* s = step[i];
     try {
+      if (i < ahead) {
+        row_of[i] = int64_t(seqs.size());
+        seqs.push_back(ahead_seqs[i]);
+        ok_rows.push_back(std::move(rows[i]));
+        picks.push_back(picks_of[i]);
+        continue;
+      }
       if (!s->seq) {
         if (!spare.empty()) {
           s->seq = std::move(spare.back());
@@ -280,13 +382,15 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
   std::vector<bool> uncached(step.size(), false);
   std::string error;
+  const auto t0 = Clock::now();
   try {
     if (!seqs.empty()) results = engine_.forward_pick(seqs, ok_rows, picks);
   } catch (const std::exception& e) {
     error = std::string("the engine failed: ") + e.what();
   }
-  for (size_t i = 0; i < step.size() && cache_ && error.empty(); ++i) {  // whole chunks that continue the
-    const SlotState* s = step[i];                                        // cached prefix join the cache
+  const double forward_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (size_t i = ahead; i < step.size() && cache_ && error.empty(); ++i) {  // whole chunks that continue the
+    const SlotState* s = step[i];                                            // cached prefix join the cache
     if (row_of[i] < 0 || s->prompt_done || int64_t(take[i]) != o_.prefill_chunk || s->cached != s->length) continue;
     try {
       snaps[i] = engine_.snapshot(*s->seq, s->length);
@@ -299,7 +403,24 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   ++steps_;
   step_sequences_ += int64_t(seqs.size());
   step_tokens_total_ += tokens;
-  for (size_t i = 0; i < step.size(); ++i) {
+  decode_steps_ += tokens == int64_t(step.size());
+  forward_seconds_ += forward_seconds;
+  // Slots running ahead: the result joins the slot's queue (a slot released or stopped meanwhile drops it), and
+  // the picked id is the next step's token.
+  for (size_t i = 0; i < ahead; ++i) {
+    SlotState* s = step[i];
+    s->length += 1;
+    if (!s->ahead) continue;
+    if (!error.empty()) {
+      s->broken = error;
+    } else {
+      PickResult& r = results[size_t(row_of[i])];
+      s->ahead_token = r.id;
+      s->ahead_steps = r.id == s->ahead_stop_id ? 0 : s->ahead_steps - 1;
+      s->ahead_results.push_back(std::move(r));
+    }
+  }
+  for (size_t i = ahead; i < step.size(); ++i) {
     SlotState* s = step[i];
     Job& j = *s->job;
     if (snaps[i]) {
@@ -324,7 +445,10 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
   }
   if (!waiting_.empty()) first_wait_ = Clock::now();
+  lock.unlock();  // (the slots of this step live on until the next: only this thread deletes them)
   done_cv_.notify_all();
+  for (size_t i = 0; i < ahead; ++i) step[i]->ahead_cv.notify_one();
+  lock.lock();
 }
 
 Batcher::Stats Batcher::stats() const {
@@ -336,6 +460,8 @@ Batcher::Stats Batcher::stats() const {
   st.steps = steps_;
   st.step_sequences = step_sequences_;
   st.step_tokens_total = step_tokens_total_;
+  st.decode_steps = decode_steps_;
+  st.forward_seconds = forward_seconds_;
   if (cache_) st.prefix = cache_->stats();
   return st;
 }

@@ -16,6 +16,11 @@
 // A step starts once every slot that has begun generating is waiting, or `gather` after the first of them began
 // to wait (a request busy elsewhere, e.g. writing to a slow client, holds the others back no longer than that).
 //
+// A slot may run ahead (Slot::run_ahead, model/generate.h's RunAhead): the engine thread then appends the id it
+// picked last and picks again at every step, while fewer than kAheadDepth of its results wait to be taken, and
+// the request's thread takes them in order. Its sampling and writing then overlap the next forward instead of
+// holding it back; a step waits for no slot that runs ahead, and starts at once when one is ready.
+//
 // Admission: at most max_batch slots at once, and the state of their sequences at full length (prompt plus the
 // tokens they may generate, Engine::sequence_bytes) within cache_budget bytes. acquire() waits, first come first
 // served, until both hold or its deadline passes.
@@ -85,6 +90,9 @@ class Batcher {
     PickFn pick_fn() {
       return [this](const std::vector<int32_t>& t, const TokenPick& p) { return step(t, p); };
     }
+    // Decode steps of this slot run on the engine thread without waiting for step() (after RunAhead::stop the
+    // slot takes no further steps: its sequence may hold tokens past those taken).
+    RunAhead run_ahead();
     // Prompt tokens the prefix cache supplied (0 until the first append has run, or without a hit).
     int64_t cached_tokens() const;
 
@@ -109,6 +117,8 @@ class Batcher {
     int64_t steps = 0;              // forwards run
     int64_t step_sequences = 0;     // sequences over all steps (/ steps: the mean batch)
     int64_t step_tokens_total = 0;  // tokens over all steps
+    int64_t decode_steps = 0;       // steps in which every sequence added one token
+    double forward_seconds = 0.0;   // wall time in the engine's forwards (/ the time elapsed: how busy it was)
     PrefixCache::Stats prefix;      // all zero without a prefix cache
   };
   Stats stats() const;
@@ -118,12 +128,23 @@ class Batcher {
   void loop();
   void step(std::unique_lock<std::mutex>& lock);  // one forward over the waiting slots (called locked)
   void release(SlotState* s);
+  void ahead_start(SlotState* s, int32_t first, int64_t steps, int32_t stop_id, std::function<TokenPick()> pick);
+  PickResult ahead_next(SlotState* s);
+  void ahead_stop(SlotState* s);
+  bool ahead_ready(const SlotState* s) const;  // (locked)
+  bool any_ahead_ready() const;                // (locked)
+
+  // Results a slot running ahead may hold untaken: one being taken while the next step computes the next.
+  static constexpr size_t kAheadDepth = 2;
 
   Engine& engine_;
   const BatcherOptions o_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_, admit_cv_;
   std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
+  // Released slots' state, deleted by the engine thread once no step of its refers to them (a slot running ahead
+  // may be released while its step computes).
+  std::vector<std::unique_ptr<SlotState>> dead_;
   std::deque<SlotState*> waiting_;                        // slots with an append in flight, in arrival order
   std::vector<std::unique_ptr<EngineSequence>> to_free_;  // released slots' sequences (reset on the engine thread)
   // Fresh sequences for new slots: one pool made at the first step, of max_batch places or as many as the cache
@@ -134,8 +155,10 @@ class Batcher {
   Clock::time_point first_wait_;
   std::deque<uint64_t> admission_;  // acquire() calls waiting, in arrival order (the front is admitted next)
   uint64_t next_ticket_ = 0;
-  int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0;
+  int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0, decode_steps_ = 0;
+  double forward_seconds_ = 0.0;
   int64_t started_ = 0;  // held slots that have made their first append
+  int64_t ahead_on_ = 0;  // held slots running ahead
   size_t reserved_ = 0;
   std::unique_ptr<PrefixCache> cache_;  // null: no prefix cache
   bool stop_ = false;

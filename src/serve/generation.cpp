@@ -115,9 +115,9 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
   return p;
 }
 
-ChatResult run_chat(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const ChatRequest& req,
-                    const PreparedPrompt& prompt, const std::function<bool(const ChatDelta&)>& emit,
-                    const TokenTrie* trie) {
+ChatResult run_chat(const K3Config& cfg, const PickFn& append, const RunAhead& ahead, const Tokenizer& tok,
+                    const ChatRequest& req, const PreparedPrompt& prompt,
+                    const std::function<bool(const ChatDelta&)>& emit, const TokenTrie* trie) {
   const auto t0 = Clock::now();
   ChatResult r;
   r.usage.prompt_tokens = int64_t(prompt.ids.size());
@@ -157,7 +157,8 @@ ChatResult run_chat(const K3Config& cfg, const PickFn& append, const Tokenizer& 
   };
   LogitsMask mask;
   if (grammar) mask = [&](float* logits, int64_t V) { grammar->mask(logits, V); };
-  const GenerateResult g = generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), mask);
+  const GenerateResult g =
+      generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), mask, ahead);
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
 
@@ -182,8 +183,9 @@ ChatResult run_chat(const K3Config& cfg, const PickFn& append, const Tokenizer& 
   return r;
 }
 
-TextResult run_completion(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const CompletionRequest& req,
-                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit) {
+TextResult run_completion(const K3Config& cfg, const PickFn& append, const RunAhead& ahead, const Tokenizer& tok,
+                          const CompletionRequest& req, const PreparedPrompt& prompt,
+                          const std::function<bool(const TextDelta&)>& emit) {
   const auto t0 = Clock::now();
   TextResult r;
   r.usage.prompt_tokens = int64_t(prompt.ids.size());
@@ -206,7 +208,8 @@ TextResult run_completion(const K3Config& cfg, const PickFn& append, const Token
     if (Clock::now() > req.gen.deadline) r.timed_out = true;
     return !cancelled && !stop_hit && !r.timed_out;
   };
-  const GenerateResult g = generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer());
+  const GenerateResult g =
+      generate_until(append, cfg, prompt.ids, prompt.budget, sampler, step, lps.observer(), {}, ahead);
   if (!made.empty()) r.timing.decode_seconds = seconds_since(first);
   r.usage.completion_tokens = int64_t(g.tokens.size());
   if (!cancelled) {

@@ -77,11 +77,14 @@ PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, con
 // (possibly without text) the rest: over a stream they are every generated token's, in order.
 // A constrained request (ChatRequest::constrained) samples only what keeps the turn in its grammar
 // (serve/turn_constraint.h) over `trie`, the tokenizer's (built here when null).
-// `append` runs the model on one fresh sequence (Engine::pick_session, or a batcher's slot: serve/batcher.h).
-ChatResult run_chat(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const ChatRequest& req,
-                    const PreparedPrompt& prompt, const std::function<bool(const ChatDelta&)>& emit = {},
-                    const TokenTrie* trie = nullptr);
-TextResult run_completion(const K3Config& cfg, const PickFn& append, const Tokenizer& tok, const CompletionRequest& req,
-                          const PreparedPrompt& prompt, const std::function<bool(const TextDelta&)>& emit = {});
+// `append` runs the model on one fresh sequence (Engine::pick_session, or a batcher's slot: serve/batcher.h), and
+// `ahead` (optional, over the same sequence) lets its decode steps run ahead of the request's work on each token
+// when the engine picks (generate_until).
+ChatResult run_chat(const K3Config& cfg, const PickFn& append, const RunAhead& ahead, const Tokenizer& tok,
+                    const ChatRequest& req, const PreparedPrompt& prompt,
+                    const std::function<bool(const ChatDelta&)>& emit = {}, const TokenTrie* trie = nullptr);
+TextResult run_completion(const K3Config& cfg, const PickFn& append, const RunAhead& ahead, const Tokenizer& tok,
+                          const CompletionRequest& req, const PreparedPrompt& prompt,
+                          const std::function<bool(const TextDelta&)>& emit = {});
 
 }  // namespace k3::serve

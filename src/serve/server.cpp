@@ -117,6 +117,7 @@ struct Server::Impl {
   // A request's run on a slot: its append, and what the prefix cache supplied.
   struct SlotRun {
     PickFn append;
+    RunAhead ahead;
     const Batcher::Slot* slot;
     int64_t cached_tokens() const { return slot->cached_tokens(); }
   };
@@ -146,7 +147,7 @@ struct Server::Impl {
       Impl* s;
       ~Done() { s->running.fetch_sub(1); }
     } done{this};
-    return f(SlotRun{slot->pick_fn(), slot.get()});
+    return f(SlotRun{slot->pick_fn(), slot->run_ahead(), slot.get()});
   }
 
   // OpenAI's choices[].logprobs of a chat response or chunk.
@@ -264,7 +265,7 @@ struct Server::Impl {
     }
     if (!r->gen.stream) {
       return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
-        ChatResult out = run_chat(cfg, run.append, tok, *r, *prompt, {}, trie);
+        ChatResult out = run_chat(cfg, run.append, run.ahead, tok, *r, *prompt, {}, trie);
         out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "chat.completion");
@@ -286,7 +287,7 @@ struct Server::Impl {
              };
              bool open = sse(sink, chunk(ojson{{"role", "assistant"}, {"content", ""}}, nullptr));
              ChatResult out = run_chat(
-                 cfg, run.append, tok, *r, *prompt,
+                 cfg, run.append, run.ahead, tok, *r, *prompt,
                  [&](const ChatDelta& d) {
                    ojson delta = ojson::object();
                    if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
@@ -327,7 +328,7 @@ struct Server::Impl {
     const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
       return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
-        TextResult out = run_completion(cfg, run.append, tok, *r, *prompt);
+        TextResult out = run_completion(cfg, run.append, run.ahead, tok, *r, *prompt);
         out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
         ojson body = envelope(id, "text_completion");
@@ -342,7 +343,7 @@ struct Server::Impl {
            [this, &cfg, r, prompt, id, arrived, choice](httplib::DataSink& sink, const SlotRun& run) {
              bool open = true;
              int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
-             TextResult out = run_completion(cfg, run.append, tok, *r, *prompt, [&](const TextDelta& d) {
+             TextResult out = run_completion(cfg, run.append, run.ahead, tok, *r, *prompt, [&](const TextDelta& d) {
                ojson c = envelope(id, "text_completion");
                const ojson lp = d.logprobs.empty() ? ojson(nullptr) : completion_logprobs(tok, d.logprobs, offset);
                c["choices"] = choice(d.text, nullptr, lp);
@@ -421,6 +422,10 @@ struct Server::Impl {
     metric("k3_engine_step_sequences_total", "counter", "Sequences over all forwards (per step: the batch).",
            double(b.step_sequences));
     metric("k3_engine_step_tokens_total", "counter", "Tokens over all forwards.", double(b.step_tokens_total));
+    metric("k3_engine_decode_steps_total", "counter", "Forwards in which every sequence added one token.",
+           double(b.decode_steps));
+    metric("k3_engine_forward_seconds_total", "counter", "Wall time in forwards (per second: how busy the engine is).",
+           b.forward_seconds);
     metric("k3_cache_reserved_bytes", "gauge", "Sequence state the running requests may grow to.",
            double(b.reserved_bytes));
     metric("k3_prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.",

@@ -7,7 +7,7 @@
 // shown. The load test of the server: `--streams 64 --seconds 60` on the CPU fixture model.
 //
 //   build/bench_serve_load --model DIR [--tokenizer DIR] [--device cpu|cuda] [--streams 1,4,16] [--seconds 15]
-//                          [--prompt-tokens 64] [--max-tokens 64] [--max-batch N] [--prefill-chunk 512]
+//                          [--prompt-tokens 64] [--max-tokens 64] [--max-batch N] [--prefill-chunk 512] [--prefill-every 4]
 //                          [--shared-prefix 0] [--prefix-cache 1g]
 //
 // Prompts are random ids of the tokenizer's ranks (one fixed prompt per client, so a client's requests are
@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   std::string model, tokenizer, streams_list = "1,4,16";
   cli::DeviceOptions device;
   double seconds = 15;
-  int64_t prompt_tokens = 64, max_tokens = 64, max_batch = 0, prefill_chunk = 512, shared_prefix = 0;
+  int64_t prompt_tokens = 64, max_tokens = 64, max_batch = 0, prefill_chunk = 512, prefill_every = 4, shared_prefix = 0;
   uint64_t prefix_cache = uint64_t(1) << 30;
   app.add_option("--model", model, "model directory")->required();
   app.add_option("--tokenizer", tokenizer, "tokenizer directory (default: --model's, else o200k's first ranks)");
@@ -140,6 +140,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", max_batch, "the server's --max-batch (0: the largest stream count)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--prefill-chunk", prefill_chunk, "the server's --prefill-chunk")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--prefill-every", prefill_every, "the server's --prefill-every")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--shared-prefix", shared_prefix, "tokens every prompt begins with")
@@ -183,6 +186,7 @@ int main(int argc, char** argv) {
     so.max_batch = max_batch > 0 ? max_batch : *std::max_element(streams.begin(), streams.end());
     so.max_queue = 1024;
     so.prefill_chunk = prefill_chunk;
+    so.prefill_every = prefill_every;
     so.prefix_cache_bytes = size_t(prefix_cache);
     so.default_max_tokens = max_tokens;
     const std::string description = engine->description();

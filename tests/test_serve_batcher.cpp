@@ -364,6 +364,63 @@ TEST(ServeBatcher, RunningAheadEndsStopsAndFails) {
   EXPECT_EQ(b.stats().slots, 0);
 }
 
+// While a sequence decodes, a prompt's chunks join one step in prefill_every (3 here), the steps between being
+// decodes alone; each chunk still goes in whole and the prompt's pick is the script's.
+TEST(ServeBatcher, PromptsJoinDecodingStepsEveryFewSteps) {
+  const k3::K3Config cfg = tiny_engine()->config();
+  struct Logging : k3test::ScriptedEngine {
+    using ScriptedEngine::ScriptedEngine;
+    std::mutex mu;
+    std::vector<std::vector<size_t>> steps;  // each forward's token counts
+    std::vector<float> forward(const std::vector<k3::EngineSequence*>& seqs,
+                               const std::vector<std::vector<int32_t>>& tokens, bool all_positions,
+                               const k3::ForwardHooks* hooks = nullptr) override {
+      std::vector<size_t> n;
+      for (const auto& t : tokens) n.push_back(t.size());
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        steps.push_back(n);
+      }
+      return ScriptedEngine::forward(seqs, tokens, all_positions, hooks);
+    }
+  } engine(cfg, {5, 6, 7, 8, 9, 10, 11, 12}, std::chrono::milliseconds(1));
+  sv::BatcherOptions o;
+  o.max_batch = 2;
+  o.prefill_chunk = 4;
+  o.prefill_every = 3;
+  sv::Batcher b(engine, o);
+  const k3::TokenPick greedy{true, true, 1.0f, 0.0, false};
+  auto decoder = b.acquire(64, Clock::time_point::max());
+  decoder->step({1, 2}, greedy);
+  const k3::RunAhead ahead = decoder->run_ahead();
+  ahead.start(5, 40, -1, [&] { return greedy; });
+  std::thread reader([&] {
+    for (int i = 0; i < 40; ++i) ahead.next();
+    ahead.stop();
+  });
+  auto prompt = b.acquire(64, Clock::time_point::max());
+  std::vector<int32_t> twenty(20, 3);
+  EXPECT_EQ(prompt->step(twenty, greedy).id, 9) << "the fifth forward of its sequence: the script's fifth id";
+  reader.join();
+  int chunks = 0, mixed = 0;
+  int64_t last = -100;
+  for (size_t i = 0; i < engine.steps.size(); ++i) {
+    const std::vector<size_t>& n = engine.steps[i];
+    const bool has_prompt = std::count(n.begin(), n.end(), size_t(4)) > 0;
+    const bool has_decode = std::count(n.begin(), n.end(), size_t(1)) > 0;
+    if (!has_prompt || i == 0) continue;
+    ++chunks;
+    if (has_decode) {
+      ++mixed;
+      EXPECT_GE(int64_t(i) - last, 3) << "step " << i << ": a prompt chunk came " << int64_t(i) - last
+                                      << " steps after the previous one";
+    }
+    last = int64_t(i);
+  }
+  EXPECT_EQ(chunks, 5);
+  EXPECT_GT(mixed, 0) << "the chunks went in beside the decoding sequence";
+}
+
 // Greedy generation from prompts that share cached whole chunks equals generation without the cache, logits to
 // the bit: prompts ending a token before, at and after one chunk (16 tokens) and three chunks, and one that
 // leaves the cached prefix mid-chunk. The cache was filled by a longer prompt with the same beginning; the hits

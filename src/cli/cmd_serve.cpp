@@ -29,7 +29,7 @@ void register_serve(CLI::App& app) {
     std::string model, tokenizer, model_id, api_key;
     std::string host = "127.0.0.1";
     int port = 8000;
-    int64_t max_queue = 64, default_max_tokens = 512, max_batch = 16, prefill_chunk = 512;
+    int64_t max_queue = 64, default_max_tokens = 512, max_batch = 16, prefill_chunk = 512, prefill_every = 4;
     uint64_t cache_budget = 0, prefix_cache = uint64_t(1) << 30;
     bool k3_sampling = false;
     double request_timeout = 600.0;
@@ -73,6 +73,11 @@ void register_serve(CLI::App& app) {
                   "decode steps; also the prefix cache's block")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  sub->add_option("--prefill-every", o->prefill_every,
+                  "while requests decode, prompt chunks join every this many forwards (a forward of decodes "
+                  "alone replays the GPU's decode graph, one with prompts runs eagerly); 1: every forward")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->add_option("--prefix-cache", o->prefix_cache,
                   "bytes of prompt-chunk snapshots (KDA state, MLA rows) kept so that prompts beginning like an "
                   "earlier one resume after the shared whole chunks; suffixes k, m, g; 0: off")
@@ -110,6 +115,7 @@ void register_serve(CLI::App& app) {
     so.max_batch = o->max_batch;
     so.cache_budget = size_t(o->cache_budget);
     so.prefill_chunk = o->prefill_chunk;
+    so.prefill_every = o->prefill_every;
     so.prefix_cache_bytes = size_t(o->prefix_cache);
     so.k3_sampling = o->k3_sampling;
     so.model_id =

@@ -1,6 +1,7 @@
 #include "serve/batcher.h"
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <string>
 
@@ -31,29 +32,45 @@ struct Batcher::SlotState {
   std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
   Job* job = nullptr;                   // the append in flight
   std::string broken;                   // why appends are refused (an engine error on this sequence)
-  // Running ahead (Slot::run_ahead): each step appends ahead_token and picks with ahead_pick().
+  // Running ahead (Slot::run_ahead): each step appends ahead_token and picks with ahead_pick(). The engine's side
+  // is under the batcher's lock; the results under the slot's own (`out`), which its reader takes alone, so that
+  // the readers of a step's results never queue on the lock the engine needs for the next step.
   bool ahead = false;                     // running ahead now
   bool ran_ahead = false;                 // has run ahead (steps are refused from then on)
   int32_t ahead_token = 0;                // what its next step appends
   int64_t ahead_steps = 0;                // steps it may still run
   int32_t ahead_stop_id = -1;             // no step after one that picked this id
   std::function<TokenPick()> ahead_pick;  // the pick of its next step (called locked)
-  std::deque<PickResult> ahead_results;   // made, not taken yet
-  std::condition_variable ahead_cv;       // a result came, or the slot broke
+  struct Out {
+    std::mutex mu;
+    std::condition_variable cv;      // a result came, or the run ended
+    std::deque<PickResult> results;  // made, not taken yet
+    std::string error;               // why the run ended, when it failed
+    bool ended = false;              // no result will join `results` any more
+    std::atomic<size_t> untaken{0};  // results.size(), for the engine's lock-free look
+  } out;
 };
 
 Batcher::Batcher(Engine& engine, BatcherOptions o) : engine_(engine), o_(o) {
   K3_CHECK(o_.max_batch >= 1, "serve: max_batch must be >= 1, got ", o_.max_batch);
   K3_CHECK(o_.prefill_chunk >= 1, "serve: prefill_chunk must be >= 1, got ", o_.prefill_chunk);
   K3_CHECK(o_.step_tokens >= 1, "serve: step_tokens must be >= 1, got ", o_.step_tokens);
+  K3_CHECK(o_.prefill_every >= 1, "serve: prefill_every must be >= 1, got ", o_.prefill_every);
   K3_CHECK(o_.gather.count() >= 0, "serve: gather must be >= 0");
   if (o_.prefix_cache_bytes > 0) cache_ = std::make_unique<PrefixCache>(o_.prefill_chunk, o_.prefix_cache_bytes);
+  notifier_ = std::thread([this] { notify_loop(); });
   thread_ = std::thread([this] { loop(); });
 }
 
 Batcher::~Batcher() {
   stop();
   thread_.join();
+  {
+    std::lock_guard<std::mutex> n(notify_mu_);
+    notify_stop_ = true;
+  }
+  notify_cv_.notify_all();
+  notifier_.join();
 }
 
 void Batcher::stop() {
@@ -114,7 +131,7 @@ void Batcher::release(SlotState* s) {
     reserved_ -= s->reserved;
     started_ -= s->started;
     ahead_on_ -= s->ahead;
-    s->ahead = false, s->ahead_pick = nullptr;
+    s->ahead = false, s->ahead_pick = nullptr, s->ahead_steps = 0;
     PrefixCache::unpin(s->node);
     if (s->seq) to_free_.push_back(std::move(s->seq));  // (reset by the engine thread once its step is over)
     dead_.push_back(std::move(*it));
@@ -170,25 +187,28 @@ void Batcher::ahead_start(SlotState* s, int32_t first, int64_t steps, int32_t st
     ++ahead_on_;
     s->ahead_token = first, s->ahead_steps = steps, s->ahead_stop_id = stop_id;
     s->ahead_pick = std::move(pick);
+    std::lock_guard<std::mutex> out(s->out.mu);
+    s->out.ended = steps <= 0;
   }
   work_cv_.notify_all();
 }
 
 PickResult Batcher::ahead_next(SlotState* s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  K3_CHECK(s->ahead, "serve: next() on a slot not running ahead");
-  s->ahead_cv.wait(lock,
-                   [&] { return !s->ahead_results.empty() || !s->broken.empty() || stop_ || s->ahead_steps == 0; });
-  if (s->ahead_results.empty()) {
-    if (!s->broken.empty()) fail(s->broken);
-    if (stop_) fail("serve: the server is stopping");
-    fail("serve: next() past the steps a run ahead was given");
+  SlotState::Out& o = s->out;
+  std::unique_lock<std::mutex> lock(o.mu);
+  o.cv.wait(lock, [&] { return !o.results.empty() || o.ended; });
+  if (o.results.empty()) {
+    if (!o.error.empty()) fail(o.error);
+    fail("serve: next() past the steps a run ahead was given, or after its stop()");
   }
-  const bool was_full = s->ahead_results.size() >= kAheadDepth;
-  PickResult r = std::move(s->ahead_results.front());
-  s->ahead_results.pop_front();
+  PickResult r = std::move(o.results.front());
+  o.results.pop_front();
+  const bool was_full = o.untaken.fetch_sub(1) == kAheadDepth;
   lock.unlock();
-  if (was_full) work_cv_.notify_all();  // ready again
+  if (was_full) {  // ready again: (the empty section orders this against the engine's look before it waits)
+    { std::lock_guard<std::mutex> engine(mu_); }
+    work_cv_.notify_all();
+  }
   return r;
 }
 
@@ -197,11 +217,39 @@ void Batcher::ahead_stop(SlotState* s) {
   if (!s->ahead) return;
   s->ahead = false, --ahead_on_;
   s->ahead_steps = 0, s->ahead_pick = nullptr;
-  s->ahead_results.clear();
+  std::lock_guard<std::mutex> out(s->out.mu);
+  s->out.ended = true;
+  s->out.results.clear();
+  s->out.untaken = 0;
 }
 
+// Locked: the batcher's lock (the engine's side), not the slot's.
 bool Batcher::ahead_ready(const SlotState* s) const {
-  return s->ahead && s->ahead_steps > 0 && s->ahead_results.size() < kAheadDepth && s->broken.empty();
+  return s->ahead && s->ahead_steps > 0 && s->out.untaken.load() < kAheadDepth && s->broken.empty();
+}
+
+// The end of a run ahead (locked): an error, or the last result given.
+void Batcher::ahead_end(SlotState* s, const std::string& error) {
+  s->ahead_steps = 0;
+  std::lock_guard<std::mutex> out(s->out.mu);
+  s->out.ended = true;
+  if (s->out.error.empty()) s->out.error = error;
+}
+
+void Batcher::notify_loop() {
+  std::unique_lock<std::mutex> lock(notify_mu_);
+  for (;;) {
+    notify_cv_.wait(lock, [&] { return notify_stop_ || !to_notify_.empty(); });
+    if (to_notify_.empty()) return;
+    std::vector<SlotState*> batch;
+    batch.swap(to_notify_);
+    notifying_ = true;
+    lock.unlock();
+    for (SlotState* s : batch) s->out.cv.notify_one();
+    lock.lock();
+    notifying_ = false;
+    notify_cv_.notify_all();  // (the engine thread may wait for it to be idle)
+  }
 }
 
 bool Batcher::any_ahead_ready() const {
@@ -236,7 +284,10 @@ void Batcher::loop() {
       for (SlotState* s : waiting_) s->job->error = "serve: the server is stopping", s->job->finished = true;
       waiting_.clear();
       done_cv_.notify_all();
-      for (const auto& s : slots_) s->ahead_cv.notify_all();
+      for (const auto& s : slots_) {
+        ahead_end(s.get(), "serve: the server is stopping");
+        s->out.cv.notify_all();
+      }
       return;
     }
     // Gather: wait (a short while) for the slots that are still sampling their next token, unless slots running
@@ -259,7 +310,11 @@ void Batcher::loop() {
 }
 
 void Batcher::step(std::unique_lock<std::mutex>& lock) {
-  dead_.clear();  // (no step refers to them any more)
+  if (!dead_.empty()) {  // no step refers to them any more; the notifier may, until it is idle
+    std::unique_lock<std::mutex> n(notify_mu_);
+    notify_cv_.wait(n, [&] { return to_notify_.empty() && !notifying_; });
+    dead_.clear();
+  }
   // The step: the slots running ahead that are ready, every waiting decode, then prompt chunks in arrival order.
   // The first `ahead` entries are the slots running ahead (their rows and picks are theirs, not a job's).
   std::vector<SlotState*> step;
@@ -271,8 +326,12 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   auto left_of = [](const SlotState* s) { return s->job->tokens->size() - s->job->consumed; };
   for (SlotState* s : waiting_)
     if (left_of(s) == 1) step.push_back(s), take.push_back(1), ++tokens;
+  const size_t decodes = step.size();
+  // Prompts: when nothing decodes, or at every prefill_every-th step.
+  const bool prompts = step.empty() || ++since_prompts_ >= o_.prefill_every;
   bool first_prompt = true;
   for (SlotState* s : waiting_) {
+    if (!prompts) break;
     if (left_of(s) == 1) continue;
     if (cache_ && !s->looked_up && !s->prompt_done) {  // a new prompt: resume from its longest cached prefix
       s->looked_up = true;
@@ -294,6 +353,7 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     step.push_back(s), take.push_back(n), tokens += int64_t(n);
   }
   if (step.empty()) return;
+  if (step.size() > decodes) since_prompts_ = 0;
   // (A slot running ahead may be released while this step runs, its sequence then queued in to_free_, which only
   // this thread resets, after the step.)
   std::vector<EngineSequence*> ahead_seqs;
@@ -413,11 +473,17 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     if (!s->ahead) continue;
     if (!error.empty()) {
       s->broken = error;
-    } else {
-      PickResult& r = results[size_t(row_of[i])];
-      s->ahead_token = r.id;
-      s->ahead_steps = r.id == s->ahead_stop_id ? 0 : s->ahead_steps - 1;
-      s->ahead_results.push_back(std::move(r));
+      ahead_end(s, error);
+      continue;
+    }
+    PickResult& r = results[size_t(row_of[i])];
+    s->ahead_token = r.id;
+    s->ahead_steps = r.id == s->ahead_stop_id ? 0 : s->ahead_steps - 1;
+    {
+      std::lock_guard<std::mutex> out(s->out.mu);
+      s->out.results.push_back(std::move(r));
+      ++s->out.untaken;
+      s->out.ended = s->ahead_steps == 0;
     }
   }
   for (size_t i = ahead; i < step.size(); ++i) {
@@ -445,10 +511,14 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     waiting_.erase(std::find(waiting_.begin(), waiting_.end(), s));
   }
   if (!waiting_.empty()) first_wait_ = Clock::now();
-  lock.unlock();  // (the slots of this step live on until the next: only this thread deletes them)
+  if (ahead > 0) {  // the readers are woken off this thread, which goes on to the next step
+    {
+      std::lock_guard<std::mutex> n(notify_mu_);
+      to_notify_.insert(to_notify_.end(), step.begin(), step.begin() + std::ptrdiff_t(ahead));
+    }
+    notify_cv_.notify_one();
+  }
   done_cv_.notify_all();
-  for (size_t i = 0; i < ahead; ++i) step[i]->ahead_cv.notify_one();
-  lock.lock();
 }
 
 Batcher::Stats Batcher::stats() const {

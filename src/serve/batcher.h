@@ -6,7 +6,9 @@
 // one's logits. The engine thread runs one forward per step over every slot that is waiting: a decode adds its
 // token, a prompt its next chunk (decodes first, then prompts in arrival order while the step stays within
 // step_tokens, the oldest prompt always getting its chunk), so a long prompt holds the others' decoding back by
-// one chunk at a time, never by its whole prefill. A prompt's chunks end at multiples of prefill_chunk in its
+// one chunk at a time, never by its whole prefill. While sequences decode, prompt chunks join one step in
+// prefill_every: a step of decodes alone replays the GPU's decode graph, one with prompts runs eagerly and costs
+// about twice as much, so prompts wait a few steps and go in together. A prompt's chunks end at multiples of prefill_chunk in its
 // sequence, whatever else runs: where its forwards begin and end depends on the prompt alone (the rounding of
 // a chunked prefill depends on its chunks on the GPU), and a prefix cache can resume at any chunk's end with
 // the very state a prefill from the start has there. Requests join at any step and leave when they drop their
@@ -54,6 +56,7 @@ struct BatcherOptions {
   size_t cache_budget = 0;      // bytes of sequence state admitted at once; 0: no limit
   int64_t prefill_chunk = 512;  // prompt tokens of one sequence in one step
   int64_t step_tokens = 2048;   // tokens a step takes when prompts wait (decodes always all go)
+  int64_t prefill_every = 4;    // while sequences decode, prompt chunks join every this many steps
   std::chrono::microseconds gather{2000};
   // Bytes of prompt-chunk snapshots kept for later prompts (serve/prefix_cache.h; blocks of prefill_chunk
   // tokens); 0: no prefix cache.
@@ -133,6 +136,8 @@ class Batcher {
   void ahead_stop(SlotState* s);
   bool ahead_ready(const SlotState* s) const;  // (locked)
   bool any_ahead_ready() const;                // (locked)
+  void ahead_end(SlotState* s, const std::string& error);  // (locked)
+  void notify_loop();  // the notifier thread: wakes the readers of the slots in to_notify_
 
   // Results a slot running ahead may hold untaken: one being taken while the next step computes the next.
   static constexpr size_t kAheadDepth = 2;
@@ -158,11 +163,19 @@ class Batcher {
   int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0, decode_steps_ = 0;
   double forward_seconds_ = 0.0;
   int64_t started_ = 0;  // held slots that have made their first append
+  int64_t since_prompts_ = 0;  // steps since the last that took prompt chunks
   int64_t ahead_on_ = 0;  // held slots running ahead
   size_t reserved_ = 0;
   std::unique_ptr<PrefixCache> cache_;  // null: no prefix cache
   bool stop_ = false;
   std::thread thread_;
+  // The readers of a step's results are woken by a thread of their own (one wake-up each), while the engine thread
+  // runs the next step.
+  std::mutex notify_mu_;
+  std::condition_variable notify_cv_;
+  std::vector<SlotState*> to_notify_;
+  bool notifying_ = false, notify_stop_ = false;
+  std::thread notifier_;
 };
 
 }  // namespace k3::serve

@@ -480,7 +480,7 @@ Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
   impl_->batcher =
       std::make_unique<Batcher>(*impl_->engine,
                                 BatcherOptions{impl_->o.max_batch, impl_->o.cache_budget, impl_->o.prefill_chunk,
-                                               std::max(impl_->o.prefill_chunk, int64_t(2048)),
+                                               std::max(impl_->o.prefill_chunk, int64_t(2048)), impl_->o.prefill_every,
                                                std::chrono::microseconds(2000), impl_->o.prefix_cache_bytes});
   impl_->routes();
 }

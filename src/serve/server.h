@@ -35,6 +35,7 @@ struct ServeOptions {
   int64_t max_batch = 16;            // requests generating at once (their sequences share each forward)
   size_t cache_budget = 0;           // bytes of sequence state (at full length) admitted at once; 0: no limit
   int64_t prefill_chunk = 512;       // prompt tokens of one request per forward (and the prefix cache's block)
+  int64_t prefill_every = 4;         // while requests decode, prompt chunks join every this many forwards
   size_t prefix_cache_bytes = size_t(1) << 30;  // prompt-chunk snapshots kept for later prompts; 0: none
   bool k3_sampling = false;                     // K3's fixed sampling for every request (serve/openai_api.h, ApiLimits)
   int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)

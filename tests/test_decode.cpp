@@ -25,6 +25,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -284,6 +285,37 @@ TEST(BatchedForward, DifferentLengthsEqualEachAlone) {
     EXPECT_LE(err, 1e-6) << "decode batch, sequence " << i << ": rel L2 " << err;
   }
   std::printf("batched vs alone: worst rel L2 %.3e\n", worst);
+}
+
+// Input rows (ForwardHooks::input_rows, how an image's projected tokens go in) take the place of their tokens:
+// rows that are the token table's own rows of other ids give, to the bit, the forward of those ids. The second
+// sequence of a batch of two takes rows at its positions 2..4 and 6; the first takes none. A span past its
+// sequence's tokens is an error naming it.
+TEST(BatchedForward, InputRowsTakeThePlaceOfTheirTokens) {
+  Model& m = tiny();
+  const int64_t D = m.config().hidden_size;
+  const std::vector<int32_t> a = {5, 6, 7, 8}, pads = {1, 2, 789, 789, 789, 3, 789, 4},
+                             want = {1, 2, 40, 41, 42, 3, 43, 4};
+  std::vector<float> table(size_t(4 * D));
+  for (int i = 0; i < 4; ++i) m.weights().embed_tokens.rows_to_f32(table.data() + i * D, 40 + i, 1);
+  ForwardHooks h;
+  h.input_rows = {{}, {InputRows{2, 3, table.data()}, InputRows{6, 1, table.data() + 3 * D}}};
+  SequenceCache c0 = m.new_cache(), c1 = m.new_cache(), d0 = m.new_cache(), d1 = m.new_cache();
+  const std::vector<float> got = m.forward({&c0, &c1}, {a, pads}, true, &h);
+  const std::vector<float> ref = m.forward({&d0, &d1}, {a, want}, true);
+  ASSERT_EQ(got.size(), ref.size());
+  EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)));
+  // Decoding on from there gives the same logits too (the rows went into the caches).
+  EXPECT_EQ(m.forward({&c1}, {{9}}, false), m.forward({&d1}, {{9}}, false));
+  h.input_rows = {{InputRows{2, 3, table.data()}}};
+  SequenceCache e = m.new_cache();
+  try {
+    m.forward({&e}, {a}, false, &h);
+    ADD_FAILURE() << "rows [2, 5) of a 4-token sequence were taken";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("input rows [2, 5) of sequence 0, which adds 4 tokens"), std::string::npos)
+        << err.what();
+  }
 }
 
 TEST(BatchedForward, BadTokenIdThrows) {

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -419,6 +420,42 @@ TEST(ServeBatcher, PromptsJoinDecodingStepsEveryFewSteps) {
   }
   EXPECT_EQ(chunks, 5);
   EXPECT_GT(mixed, 0) << "the chunks went in beside the decoding sequence";
+}
+
+// Prompt rows (an image's projected tokens) reach the forward through the batcher's chunks: a prompt whose rows
+// span chunk boundaries gives the logits of the engine's own session with the same rows, to the bit; two prompts
+// with the same ids and different rows give their own sessions' logits with the prefix cache on (it serves and
+// keeps only the chunks before the first row), and the chunk before the rows was served from it.
+TEST(ServeBatcher, PromptRowsGoInAcrossChunksAndPastTheCache) {
+  const auto engine = tiny_engine();
+  const int V = int(engine->config().vocab_size);
+  const int64_t D = engine->config().hidden_size;
+  std::vector<int32_t> prompt = prompt_of(30, 7, V);
+  for (int i = 12; i < 23; ++i) prompt[size_t(i)] = 789;  // the rows' places: 12..22
+  std::vector<std::vector<float>> rows(2, std::vector<float>(size_t(11 * D)));
+  for (int k = 0; k < 2; ++k)
+    for (size_t i = 0; i < rows[size_t(k)].size(); ++i)
+      rows[size_t(k)][i] = 0.05f * std::sin(0.37f * float(i) + 1.3f * float(k));
+  auto rows_of = [&](int k) { return std::vector<k3::InputRows>{k3::InputRows{12, 11, rows[size_t(k)].data()}}; };
+  sv::BatcherOptions o;
+  o.prefill_chunk = 5;  // chunks 10-15 and 20-25 cut the rows
+  o.prefix_cache_bytes = size_t(1) << 30;
+  sv::Batcher b(*engine, o);
+  std::vector<float> first;
+  for (int k = 0; k < 2; ++k) {
+    SCOPED_TRACE("rows " + std::to_string(k));
+    const k3::PickFn alone = engine->pick_session(rows_of(k));
+    const std::vector<float> want = alone(prompt, k3::TokenPick::logits()).logits;
+    auto slot = b.acquire(40, Clock::time_point::max());
+    slot->set_prompt_rows(rows_of(k));
+    const std::vector<float> got = slot->append(prompt);
+    ASSERT_EQ(got.size(), size_t(V));
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), size_t(V) * sizeof(float)));
+    EXPECT_EQ(slot->cached_tokens(), k == 0 ? 0 : 10) << "chunks before the rows only";
+    if (k == 0) first = got;
+  }
+  const std::vector<float> other = engine->pick_session(rows_of(1))(prompt, k3::TokenPick::logits()).logits;
+  EXPECT_NE(0, std::memcmp(first.data(), other.data(), size_t(V) * sizeof(float))) << "the rows made a difference";
 }
 
 // Greedy generation from prompts that share cached whole chunks equals generation without the cache, logits to

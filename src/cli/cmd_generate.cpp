@@ -1,5 +1,6 @@
 // k3 generate: prefill a prompt (token ids, text, or a chat request), then decode new tokens one at
 // a time from the cache.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -9,6 +10,8 @@
 #include "cli/engine.h"
 #include "core/error.h"
 #include "model/generate.h"
+#include "model/vision.h"
+#include "multimodal/media_prompt.h"
 #include "tokenizer/python_json.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
@@ -21,6 +24,7 @@ void register_generate(CLI::App& app) {
     std::string model = "tests/fixtures/k3-tiny-a";
     std::string ids = "203,802,2,239,451,327,163,54";
     std::string prompt, request, tokenizer;
+    std::vector<std::string> images;
     int64_t max_new = 24;
     bool greedy = false, print_ids = false, allow_special = false;
     float temperature = 1.0f, top_p = 1.0f;
@@ -38,7 +42,9 @@ void register_generate(CLI::App& app) {
       "config's eos_token_id. Sampling is greedy unless --temperature, --top-k or --top-p is given.\n"
       "Text prompts stream the generated text to stdout; a chat request ends with the parsed assistant\n"
       "message (think, response, tool calls) as JSON. With --print-ids the last line of stdout is the\n"
-      "generated ids separated by spaces.");
+      "generated ids separated by spaces. Images (a model with a vision_config): --image FILE with --prompt\n"
+      "makes a one-message chat of the images and the text; a --request's image_url parts may name files or\n"
+      "data URLs. Each image is encoded by the vision tower and projector on the CPU.");
   sub->add_option("--model", o->model, "model directory (config.json + model.safetensors or shards)")
       ->capture_default_str();
   auto* ids_opt = sub->add_option("--ids", o->ids, "prompt: comma-separated token ids")->capture_default_str();
@@ -47,6 +53,9 @@ void register_generate(CLI::App& app) {
       sub->add_option("--request", o->request, "chat request JSON file (rendered as XTML, then tokenised)");
   sub->add_option("--tokenizer", o->tokenizer,
                   "tokenizer directory (tiktoken.model [+ tokenizer_config.json]); default: --model");
+  auto* image_opt = sub->add_option(
+      "--image", o->images,
+      "PNG or JPEG file (repeatable): with --prompt, the prompt becomes a user message of these images and the text");
   auto* allow =
       sub->add_flag("--allow-special", o->allow_special,
                     "with --prompt: special-token text such as <|open|> becomes its id (default: plain text)");
@@ -63,6 +72,8 @@ void register_generate(CLI::App& app) {
   ids_opt->excludes(prompt_opt)->excludes(request_opt);
   prompt_opt->excludes(request_opt);
   allow->needs(prompt_opt);
+  image_opt->needs(prompt_opt);
+  allow->excludes(image_opt);
   sub->callback([o, temp, topk, topp, prompt_opt, request_opt] {
     if (o->max_new < 0) fail("--max-new-tokens must be >= 0, got ", o->max_new);
     SamplingParams sp;
@@ -76,16 +87,32 @@ void register_generate(CLI::App& app) {
     const bool text_mode = prompt_opt->count() || request_opt->count();
     std::optional<nlohmann::ordered_json> request;
     if (request_opt->count()) request = load_chat_request(o->request);
+    if (!o->images.empty()) {  // --prompt with images: one user message, the images first
+      nlohmann::ordered_json parts = nlohmann::ordered_json::array();
+      for (const std::string& f : o->images) parts.push_back({{"type", "image_url"}, {"image_url", {{"url", f}}}});
+      parts.push_back({{"type", "text"}, {"text", o->prompt}});
+      request = nlohmann::ordered_json{{"messages", {{{"role", "user"}, {"content", parts}}}}};
+    }
+    const bool chat_mode = request.has_value();
     std::vector<ChatSegment> segments;
-    if (request) segments = render_chat(*request);  // bad requests fail before the model loads
+    std::vector<ChatImagePart> image_parts;
+    if (request) segments = render_chat(*request, &image_parts);  // bad requests fail before the model loads
+    const std::vector<Image8> images = load_chat_images(image_parts, MediaSources{true});
 
     std::unique_ptr<Engine> engine = load_engine(o->model, o->device);
     Engine& m = *engine;
     std::optional<Tokenizer> tok;
     std::vector<int32_t> prompt;
+    MediaPrompt media;  // the images' rows (none without images)
     if (text_mode) {
       tok = load_tokenizer(o->model, o->tokenizer, m.config());
-      prompt = request ? encode_segments(*tok, segments) : tok->encode(o->prompt, o->allow_special);
+      std::unique_ptr<VisionModel> vision;
+      if (!images.empty() && m.config().has_vision_config) vision = VisionModel::load(o->model);
+      if (request) media = encode_media_prompt(*tok, vision.get(), m.config().hidden_size, segments, images);
+      prompt = request ? media.ids : tok->encode(o->prompt, o->allow_special);
+      if (!images.empty())
+        std::fprintf(stderr, "%zu image(s): %lld prompt tokens from the vision tower\n", images.size(),
+                     (long long)std::count(prompt.begin(), prompt.end(), tok->special_id("<|media_pad|>")));
       if (prompt.empty()) fail("--prompt: the text encodes to no tokens");
     } else {
       prompt = parse_ids(o->ids, "--ids");
@@ -105,7 +132,7 @@ void register_generate(CLI::App& app) {
       std::fflush(stdout);
       printed = text.size();
     };
-    GenerateResult r = generate(m, prompt, o->max_new, sampler, on_token);
+    GenerateResult r = generate(m.pick_session(media.rows), m.config(), prompt, o->max_new, sampler, on_token);
     if (printed) std::printf("\n");
 
     const std::string ids = join_ids(r.tokens);
@@ -118,7 +145,7 @@ void register_generate(CLI::App& app) {
                 double(prompt.size()) / std::max(r.prefill_seconds, 1e-9));
     std::printf("generated: %zu tokens, decode %.3f s (%.1f tok/s), stopped on %s\n", r.tokens.size(), r.decode_seconds,
                 n > 1 ? (n - 1) / std::max(r.decode_seconds, 1e-9) : 0.0, r.stopped_on_eos ? "eos" : "max-new-tokens");
-    if (request) {
+    if (chat_mode) {
       // The generation prompt left the model in the think channel (or response, when not thinking).
       const bool thinking = !request->contains("thinking") || (*request)["thinking"] != false;
       const XtmlAssistantMessage msg =

@@ -122,7 +122,10 @@ void register_serve(CLI::App& app) {
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";
     const std::string description = engine->description();
-    serve::Server server(std::move(engine), std::move(tok), so);
+    // The vision tower and projector run on the CPU for requests with images (when the model has them).
+    std::unique_ptr<const VisionModel> vision;
+    if (engine->config().has_vision_config) vision = VisionModel::load(o->model);
+    serve::Server server(std::move(engine), std::move(tok), so, std::move(vision));
     const int port = server.bind();
     std::fprintf(stderr, "k3 serve: %s (%s) at http://%s:%d/v1 (Ctrl-C stops)\n", so.model_id.c_str(),
                  description.c_str(), so.host.c_str(), port);

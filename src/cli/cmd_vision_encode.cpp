@@ -12,6 +12,7 @@
 #include "media/image_decode.h"
 #include "media/vision_preprocess.h"
 #include "model/vision.h"
+#include "multimodal/media_prompt.h"
 
 namespace k3::cli {
 
@@ -46,11 +47,7 @@ void register_vision_encode(CLI::App& app) {
     std::vector<float> pixels;
     std::vector<VisionGrid> grids;
     if (!o->images.empty()) {
-      MediaProcConfig cfg;
-      cfg.patch_size = c.patch_size;
-      K3_CHECK(c.merge_h == c.merge_w, c.source, ": the processor merges square neighbourhoods, the tower ", c.merge_h,
-               " x ", c.merge_w);
-      cfg.merge_kernel_size = c.merge_h;
+      const MediaProcConfig cfg = media_proc_config(c);
       for (const std::string& f : o->images) {
         const VisionInput v = preprocess_image(read_image_file(f), cfg);
         std::fprintf(stderr, "[%.2fs] %s: %lld x %lld pixels, %lld x %lld patches\n", elapsed_seconds(), f.c_str(),

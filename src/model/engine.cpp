@@ -176,8 +176,8 @@ class CudaEngine : public Engine {
   }
   std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
                                        const std::vector<std::vector<int32_t>>& tokens,
-                                       const std::vector<TokenPick>& picks) override {
-    return m_->forward_pick(caches_of<CudaSequenceCache>(this, seqs), tokens, picks);
+                                       const std::vector<TokenPick>& picks, const ForwardHooks* hooks) override {
+    return m_->forward_pick(caches_of<CudaSequenceCache>(this, seqs), tokens, picks, hooks);
   }
   void reset(EngineSequence& seq) override { m_->reset_cache(*caches_of<CudaSequenceCache>(this, {&seq})[0]); }
   void set_profile(bool on) override { m_->set_profile(on); }
@@ -215,18 +215,21 @@ AppendFn Engine::session() {
   return [this, seq](const std::vector<int32_t>& t) { return forward({seq.get()}, {t}, false); };
 }
 
-PickFn Engine::pick_session() {
+PickFn Engine::pick_session(std::vector<InputRows> first_rows) {
   std::shared_ptr<EngineSequence> seq = std::move(new_sequences(1)[0]);
-  return [this, seq](const std::vector<int32_t>& t, const TokenPick& p) {
-    return std::move(forward_pick({seq.get()}, {t}, {p})[0]);
+  auto first = std::make_shared<ForwardHooks>();
+  if (!first_rows.empty()) first->input_rows = {std::move(first_rows)};
+  return [this, seq, first](const std::vector<int32_t>& t, const TokenPick& p) {
+    const bool with_rows = !first->input_rows.empty() && seq->length() == 0;
+    return std::move(forward_pick({seq.get()}, {t}, {p}, with_rows ? first.get() : nullptr)[0]);
   };
 }
 
 std::vector<PickResult> Engine::forward_pick(const std::vector<EngineSequence*>& seqs,
                                              const std::vector<std::vector<int32_t>>& tokens,
-                                             const std::vector<TokenPick>& picks) {
+                                             const std::vector<TokenPick>& picks, const ForwardHooks* hooks) {
   K3_CHECK(picks.size() == seqs.size(), "forward_pick: ", picks.size(), " picks for ", seqs.size(), " sequences");
-  const std::vector<float> logits = forward(seqs, tokens, false);
+  const std::vector<float> logits = forward(seqs, tokens, false, hooks);
   const size_t V = size_t(config().vocab_size);
   std::vector<PickResult> out(seqs.size());
   for (size_t b = 0; b < seqs.size(); ++b)

@@ -83,9 +83,11 @@ class Engine {
   // forward(seqs, tokens, false), but per sequence only what picks[b] asks: its next id (TokenPick: greedy or
   // temperature sampling, exactly pick_on_host's rule) and/or its last logits. The GPU chooses ids on the device
   // and copies only the logits asked for; the CPU picks on the host.
+  // hooks: ForwardHooks' input rows (an image's projected tokens); the GPU's decode graphs take none.
   virtual std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
                                                const std::vector<std::vector<int32_t>>& tokens,
-                                               const std::vector<TokenPick>& picks);
+                                               const std::vector<TokenPick>& picks,
+                                               const ForwardHooks* hooks = nullptr);
   // Makes `seq` fresh again (length 0, zero state), as new_sequences made it, keeping its place in its pool:
   // a server reuses the pool it made once rather than allocating per request.
   virtual void reset(EngineSequence& seq) = 0;
@@ -107,7 +109,8 @@ class Engine {
   // A new single-sequence session for generate(): each call appends tokens and returns the last logits
   // (session) or what the pick asks (pick_session).
   AppendFn session();
-  PickFn pick_session();
+  // first_rows: input rows of the first call's tokens (an image prompt's projected tokens, ForwardHooks).
+  PickFn pick_session(std::vector<InputRows> first_rows = {});
 };
 
 // generate() (model/generate.h) on a fresh sequence of `e`.

@@ -17,8 +17,19 @@
 
 namespace k3 {
 
-// Debug hooks whose names match the golden fixture keys (attn_out.L, ffn_out.L, topk_idx.L).
+// Rows of one sequence's input in a forward that come from given vectors, not the token table: rows [at, at + n)
+// of the sequence's tokens in that forward take data [n, hidden] (fp32). An image's projected tokens go in this
+// way, in place of the <|media_pad|> copies that hold their places among the ids.
+struct InputRows {
+  int64_t at = 0, n = 0;
+  const float* data = nullptr;
+};
+
+// What a caller adds to a forward beyond its ids: input rows, and debug hooks whose names match the golden
+// fixture keys (attn_out.L, ffn_out.L, topk_idx.L).
 struct ForwardHooks {
+  // Per sequence of the forward, in order (missing or empty: every row from the token table).
+  std::vector<std::vector<InputRows>> input_rows;
   std::function<void(const char* name, int64_t layer, const float* data, int64_t rows, int64_t cols)> tensor;
   std::function<void(int64_t layer, const int32_t* idx, int64_t rows, int64_t k)> topk;
   // Called after `tensor` for each block output (attn_out, ffn_out [rows, hidden], on the host): the
@@ -27,6 +38,11 @@ struct ForwardHooks {
   // the same inputs as the reference's (model/cuda's BF16 path against its CPU twin).
   std::function<bool(const char* name, int64_t layer, float* data, int64_t rows, int64_t cols)> replace;
 };
+
+// The input rows of `hooks` as (row of the forward's batch, its data [hidden]): sequence b's rows begin at row
+// row0[b] and it adds n[b] tokens. A k3::Error names a span outside its sequence's tokens.
+std::vector<std::pair<int64_t, const float*>> input_rows_of(const ForwardHooks& hooks, const std::vector<int64_t>& row0,
+                                                            const std::vector<int64_t>& n, int64_t hidden);
 
 // Numerical path switches of the CPU model (model/model.h). `reference` (env K3_REFERENCE=1) forces
 // the specification paths: the KDA recurrence instead of the chunked form, and expanded MLA instead

@@ -74,6 +74,11 @@ class CpuBackend {
     int64_t r = 0;
     for (const auto& seq : tokens_)
       for (int32_t id : seq) w_.embed_tokens.rows_to_f32(e + r++ * D_, id, 1);
+    if (hooks_) {
+      std::vector<int64_t> row0, n;
+      for (const Segment& s : segs_) row0.push_back(s.row0), n.push_back(s.n);
+      for (const auto& [row, x] : input_rows_of(*hooks_, row0, n, D_)) std::copy_n(x, D_, e + row * D_);
+    }
     check_block_finite(c_, st_, "embedding", -1, e, N_, D_);
     return e;
   }
@@ -163,6 +168,20 @@ class CpuBackend {
 };
 
 }  // namespace
+
+std::vector<std::pair<int64_t, const float*>> input_rows_of(const ForwardHooks& hooks, const std::vector<int64_t>& row0,
+                                                            const std::vector<int64_t>& n, int64_t hidden) {
+  K3_CHECK(hooks.input_rows.size() <= row0.size(), "forward: input rows for ", hooks.input_rows.size(),
+           " sequences, and the forward has ", row0.size());
+  std::vector<std::pair<int64_t, const float*>> out;
+  for (size_t b = 0; b < hooks.input_rows.size(); ++b)
+    for (const InputRows& r : hooks.input_rows[b]) {
+      K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= n[b] && (r.data || r.n == 0), "forward: input rows [", r.at, ", ",
+               r.at + r.n, ") of sequence ", b, ", which adds ", n[b], " tokens");
+      for (int64_t i = 0; i < r.n; ++i) out.emplace_back(row0[b] + r.at + i, r.data + i * hidden);
+    }
+  return out;
+}
 
 std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches,
                                   const std::vector<std::vector<int32_t>>& tokens, bool all_positions,

@@ -20,18 +20,20 @@ struct Batcher::Job {
 };
 
 struct Batcher::SlotState {
-  std::unique_ptr<EngineSequence> seq;  // made by the engine thread at the slot's first step
-  int64_t length = 0;                   // tokens the sequence holds
-  size_t reserved = 0;                  // bytes of the admission budget held
-  bool prompt_done = false;             // the first append (the prompt) has been run
-  bool looked_up = false;               // its prompt was looked up in the prefix cache
-  bool started = false;                 // it has made its first append (counted in started_)
-  PrefixCache::Node* node = nullptr;    // the cached block its prompt's prefix ends with (pinned), if any
-  int64_t cached = 0;                   // tokens that prefix covers
-  int64_t restored = 0;                 // prompt tokens the cache supplied
+  std::unique_ptr<EngineSequence> seq;      // made by the engine thread at the slot's first step
+  int64_t length = 0;                       // tokens the sequence holds
+  size_t reserved = 0;                      // bytes of the admission budget held
+  bool prompt_done = false;                 // the first append (the prompt) has been run
+  bool looked_up = false;                   // its prompt was looked up in the prefix cache
+  bool started = false;                     // it has made its first append (counted in started_)
+  PrefixCache::Node* node = nullptr;        // the cached block its prompt's prefix ends with (pinned), if any
+  int64_t cached = 0;                       // tokens that prefix covers
+  int64_t restored = 0;                     // prompt tokens the cache supplied
   std::vector<PrefixCache::Node*> restore;  // the chain to restore before its first step
-  Job* job = nullptr;                   // the append in flight
-  std::string broken;                   // why appends are refused (an engine error on this sequence)
+  std::vector<InputRows> prompt_rows;       // input rows of its prompt (set_prompt_rows)
+  int64_t cacheable = INT64_MAX;            // prompt tokens the prefix cache may serve and keep (before any row)
+  Job* job = nullptr;                       // the append in flight
+  std::string broken;                       // why appends are refused (an engine error on this sequence)
   // Running ahead (Slot::run_ahead): each step appends ahead_token and picks with ahead_pick(). The engine's side
   // is under the batcher's lock; the results under the slot's own (`out`), which its reader takes alone, so that
   // the readers of a step's results never queue on the lock the engine needs for the next step.
@@ -117,6 +119,14 @@ std::unique_ptr<Batcher::Slot> Batcher::acquire(int64_t max_tokens, Clock::time_
 }
 
 Batcher::Slot::~Slot() { b_->release(s_); }
+
+void Batcher::Slot::set_prompt_rows(std::vector<InputRows> rows) {
+  std::lock_guard<std::mutex> lock(b_->mu_);
+  K3_CHECK(!s_->started, "serve: prompt rows after the slot's first step");
+  s_->cacheable = INT64_MAX;
+  for (const InputRows& r : rows) s_->cacheable = std::min(s_->cacheable, r.at);
+  s_->prompt_rows = std::move(rows);
+}
 
 int64_t Batcher::Slot::cached_tokens() const {
   std::lock_guard<std::mutex> lock(b_->mu_);
@@ -336,6 +346,7 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
     if (cache_ && !s->looked_up && !s->prompt_done) {  // a new prompt: resume from its longest cached prefix
       s->looked_up = true;
       s->restore = cache_->match(*s->job->tokens);
+      while (!s->restore.empty() && int64_t(s->restore.size()) * o_.prefill_chunk > s->cacheable) s->restore.pop_back();
       if (!s->restore.empty()) {
         s->node = s->restore.back();
         PrefixCache::pin(s->node);
@@ -442,16 +453,34 @@ void Batcher::step(std::unique_lock<std::mutex>& lock) {
   std::vector<std::unique_ptr<SequenceSnapshot>> snaps(step.size());
   std::vector<bool> uncached(step.size(), false);
   std::string error;
+  // Prompt rows within this step's chunks, from the chunk's start.
+  ForwardHooks rows_in;
+  for (size_t i = ahead; i < step.size(); ++i) {
+    const SlotState* s = step[i];
+    if (row_of[i] < 0 || s->prompt_done || s->prompt_rows.empty()) continue;
+    const int64_t c0 = int64_t(s->job->consumed), c1 = c0 + int64_t(take[i]);
+    std::vector<InputRows> in;
+    for (const InputRows& r : s->prompt_rows) {
+      const int64_t a = std::max(r.at, c0), b = std::min(r.at + r.n, c1);
+      if (a < b) in.push_back(InputRows{a - c0, b - a, r.data + (a - r.at) * engine_.config().hidden_size});
+    }
+    if (in.empty()) continue;
+    rows_in.input_rows.resize(seqs.size());
+    rows_in.input_rows[size_t(row_of[i])] = std::move(in);
+  }
   const auto t0 = Clock::now();
   try {
-    if (!seqs.empty()) results = engine_.forward_pick(seqs, ok_rows, picks);
+    if (!seqs.empty())
+      results = engine_.forward_pick(seqs, ok_rows, picks, rows_in.input_rows.empty() ? nullptr : &rows_in);
   } catch (const std::exception& e) {
     error = std::string("the engine failed: ") + e.what();
   }
   const double forward_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   for (size_t i = ahead; i < step.size() && cache_ && error.empty(); ++i) {  // whole chunks that continue the
     const SlotState* s = step[i];                                            // cached prefix join the cache
-    if (row_of[i] < 0 || s->prompt_done || int64_t(take[i]) != o_.prefill_chunk || s->cached != s->length) continue;
+    if (row_of[i] < 0 || s->prompt_done || int64_t(take[i]) != o_.prefill_chunk || s->cached != s->length ||
+        s->length + int64_t(take[i]) > s->cacheable)
+      continue;
     try {
       snaps[i] = engine_.snapshot(*s->seq, s->length);
     } catch (const std::exception&) {

@@ -98,6 +98,10 @@ class Batcher {
     RunAhead run_ahead();
     // Prompt tokens the prefix cache supplied (0 until the first append has run, or without a hit).
     int64_t cached_tokens() const;
+    // Input rows of the first append's tokens (an image prompt's projected tokens: multimodal/media_prompt.h),
+    // before it. The data must outlive that append. The prefix cache then serves and keeps only the prompt's
+    // chunks before the first row (the ids of an image's rows do not say which image it was).
+    void set_prompt_rows(std::vector<InputRows> rows);
 
    private:
     friend class Batcher;
@@ -134,8 +138,8 @@ class Batcher {
   void ahead_start(SlotState* s, int32_t first, int64_t steps, int32_t stop_id, std::function<TokenPick()> pick);
   PickResult ahead_next(SlotState* s);
   void ahead_stop(SlotState* s);
-  bool ahead_ready(const SlotState* s) const;  // (locked)
-  bool any_ahead_ready() const;                // (locked)
+  bool ahead_ready(const SlotState* s) const;              // (locked)
+  bool any_ahead_ready() const;                            // (locked)
   void ahead_end(SlotState* s, const std::string& error);  // (locked)
   void notify_loop();  // the notifier thread: wakes the readers of the slots in to_notify_
 
@@ -146,7 +150,7 @@ class Batcher {
   const BatcherOptions o_;
   mutable std::mutex mu_;
   std::condition_variable work_cv_, done_cv_, admit_cv_;
-  std::vector<std::unique_ptr<SlotState>> slots_;         // held slots
+  std::vector<std::unique_ptr<SlotState>> slots_;  // held slots
   // Released slots' state, deleted by the engine thread once no step of its refers to them (a slot running ahead
   // may be released while its step computes).
   std::vector<std::unique_ptr<SlotState>> dead_;
@@ -162,9 +166,9 @@ class Batcher {
   uint64_t next_ticket_ = 0;
   int64_t admitting_ = 0, steps_ = 0, step_sequences_ = 0, step_tokens_total_ = 0, decode_steps_ = 0;
   double forward_seconds_ = 0.0;
-  int64_t started_ = 0;  // held slots that have made their first append
+  int64_t started_ = 0;        // held slots that have made their first append
   int64_t since_prompts_ = 0;  // steps since the last that took prompt chunks
-  int64_t ahead_on_ = 0;  // held slots running ahead
+  int64_t ahead_on_ = 0;       // held slots running ahead
   size_t reserved_ = 0;
   std::unique_ptr<PrefixCache> cache_;  // null: no prefix cache
   bool stop_ = false;

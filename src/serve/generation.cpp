@@ -94,10 +94,20 @@ struct LogprobLog {
 
 }  // namespace
 
-PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req) {
+PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req,
+                            const VisionModel* vision) {
   PreparedPrompt p;
   try {
-    p.ids = encode_segments(tok, render_chat(req.body));
+    std::vector<ChatImagePart> parts;
+    const std::vector<ChatSegment> segments = render_chat(req.body, &parts);
+    if (parts.empty()) {
+      p.ids = encode_segments(tok, segments);
+    } else {
+      auto media = std::make_shared<MediaPrompt>(
+          encode_media_prompt(tok, vision, cfg.hidden_size, segments, load_chat_images(parts, MediaSources{})));
+      p.ids = media->ids;
+      p.media = std::move(media);
+    }
   } catch (const Error& e) {
     throw bad_request("messages", e.what());
   }

@@ -4,11 +4,13 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "model/engine.h"
+#include "multimodal/media_prompt.h"
 #include "serve/logprobs.h"
 #include "serve/openai_api.h"
 #include "serve/turn_constraint.h"
@@ -62,11 +64,16 @@ struct TextResult {
 // A request's prompt ids and how many tokens it may generate, checked before anything is sent: a bad
 // message (render_chat's errors), ids outside the vocabulary, a prompt that leaves no room in the
 // model's context, or max_tokens past it throw ApiError (400).
+// A chat request's images (data URLs) are decoded, preprocessed and encoded by `vision` here (a 400 when
+// there is none or an image cannot be read): ids then hold each image's <|media_pad|> once per projected token
+// (multimodal/media_prompt.h), and `media` the rows that go in there.
 struct PreparedPrompt {
   std::vector<int32_t> ids;
   int64_t budget = 0;
+  std::shared_ptr<const MediaPrompt> media;  // null without images
 };
-PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req);
+PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req,
+                            const VisionModel* vision = nullptr);
 PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, const CompletionRequest& req);
 
 // emit(...) receives text once it is final: never a cut UTF-8 character, never text that a stop string

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/vision.h"
 #include "serve/batcher.h"
 #include "serve/generation.h"
 #include "serve/openai_api.h"
@@ -28,7 +29,8 @@ struct Server::Impl {
   std::unique_ptr<Engine> engine;
   Tokenizer tok;
   ServeOptions o;
-  std::unique_ptr<Batcher> batcher;  // after the engine (it stops first), before http (whose handlers use it)
+  std::unique_ptr<const VisionModel> vision;  // null: requests with images get a 400
+  std::unique_ptr<Batcher> batcher;           // after the engine (it stops first), before http (whose handlers use it)
   httplib::Server http;
   int port = -1;
 
@@ -44,8 +46,8 @@ struct Server::Impl {
   double ttft_sum = 0.0, tpot_sum = 0.0;
   int64_t ttft_count = 0, tpot_count = 0;
 
-  Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts)
-      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)) {}
+  Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts, std::unique_ptr<const VisionModel> v)
+      : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)), vision(std::move(v)) {}
 
   // The vocabulary's byte trie for constrained decoding, built by the first request that needs it
   // (about a second at 200K ranks; a server that never constrains never pays it), once.
@@ -122,11 +124,11 @@ struct Server::Impl {
     int64_t cached_tokens() const { return slot->cached_tokens(); }
   };
 
-  // Runs f(SlotRun) on a slot of the batcher for a sequence of up to `tokens` tokens, once one is free (a 503
+  // Runs f(SlotRun) on a slot of the batcher for the prompt's sequence at full length, once one is free (a 503
   // when the request's deadline passes first); releases the queue place when leave (a streaming response
   // releases it in its resource releaser instead, which runs even when the provider never does).
   template <class F>
-  auto with_slot(const GenerationRequest& g, int64_t tokens, F&& f, bool leave = true) {
+  auto with_slot(const GenerationRequest& g, const PreparedPrompt& prompt, F&& f, bool leave = true) {
     struct Leave {
       Impl* s;
       bool on;
@@ -134,7 +136,7 @@ struct Server::Impl {
         if (on) s->queued.fetch_sub(1);
       }
     } leave_queue{this, leave};
-    std::unique_ptr<Batcher::Slot> slot = batcher->acquire(tokens, g.deadline);
+    std::unique_ptr<Batcher::Slot> slot = batcher->acquire(full_length(prompt), g.deadline);
     if (slot && Clock::now() > g.deadline) slot.reset();  // admitted only after its deadline: nothing runs
     if (!slot) {
       record_failure(true);
@@ -147,6 +149,7 @@ struct Server::Impl {
       Impl* s;
       ~Done() { s->running.fetch_sub(1); }
     } done{this};
+    if (prompt.media) slot->set_prompt_rows(prompt.media->rows);
     return f(SlotRun{slot->pick_fn(), slot->run_ahead(), slot.get()});
   }
 
@@ -213,10 +216,10 @@ struct Server::Impl {
   static int64_t full_length(const PreparedPrompt& p) { return int64_t(p.ids.size()) + p.budget; }
 
   // A JSON response made on a slot of the batcher; an engine error becomes a 500.
-  void respond(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
+  void respond(httplib::Response& res, const GenerationRequest& g, const PreparedPrompt& prompt,
                const std::function<ojson(const SlotRun&)>& make) {
     try {
-      res.set_content(dump(with_slot(g, tokens, make)), "application/json");
+      res.set_content(dump(with_slot(g, prompt, make)), "application/json");
     } catch (const ApiError& e) {
       send_error(res, e);
     } catch (const Error& e) {
@@ -228,14 +231,14 @@ struct Server::Impl {
   // A server-sent-event response whose events `produce` writes on a slot of the batcher (false: the
   // client went away); an engine error becomes an error event. The queue place is released when the
   // response ends, also when the provider never runs.
-  void stream(httplib::Response& res, const GenerationRequest& g, int64_t tokens,
+  void stream(httplib::Response& res, const GenerationRequest& g, std::shared_ptr<const PreparedPrompt> prompt,
               std::function<bool(httplib::DataSink&, const SlotRun&)> produce) {
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, produce, g, tokens](size_t, httplib::DataSink& sink) {
+        [this, produce, g, prompt](size_t, httplib::DataSink& sink) {
           try {
             return with_slot(
-                g, tokens, [&](const SlotRun& run) { return produce(sink, run); }, false);
+                g, *prompt, [&](const SlotRun& run) { return produce(sink, run); }, false);
           } catch (const ApiError& e) {
             sse(sink, e.body());
             sse_done(sink);
@@ -253,7 +256,10 @@ struct Server::Impl {
     const auto arrived = Clock::now();
     auto r = std::make_shared<ChatRequest>();
     auto prompt = std::make_shared<PreparedPrompt>();
-    if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare_chat, arrived)) return;
+    auto prepare = [this](const K3Config& c, const Tokenizer& t, const ChatRequest& q) {
+      return prepare_chat(c, t, q, vision.get());
+    };
+    if (!accept(req, res, *r, *prompt, parse_chat_request_body, prepare, arrived)) return;
     const std::string id = new_id("chatcmpl");
     const K3Config& cfg = engine->config();
     const TokenTrie* trie = nullptr;  // built (once) before taking a slot: the others need not wait on it
@@ -264,7 +270,7 @@ struct Server::Impl {
       throw;
     }
     if (!r->gen.stream) {
-      return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
+      return respond(res, r->gen, *prompt, [&](const SlotRun& run) {
         ChatResult out = run_chat(cfg, run.append, run.ahead, tok, *r, *prompt, {}, trie);
         out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
@@ -276,7 +282,7 @@ struct Server::Impl {
         return body;
       });
     }
-    stream(res, r->gen, full_length(*prompt),
+    stream(res, r->gen, prompt,
            [this, &cfg, r, prompt, id, arrived, trie](httplib::DataSink& sink, const SlotRun& run) {
              auto chunk = [&](const ojson& delta, const ojson& finish, const std::vector<TokenLogprob>& lps = {}) {
                ojson c = envelope(id, "chat.completion.chunk");
@@ -327,7 +333,7 @@ struct Server::Impl {
     };
     const K3Config& cfg = engine->config();
     if (!r->gen.stream) {
-      return respond(res, r->gen, full_length(*prompt), [&](const SlotRun& run) {
+      return respond(res, r->gen, *prompt, [&](const SlotRun& run) {
         TextResult out = run_completion(cfg, run.append, run.ahead, tok, *r, *prompt);
         out.usage.cached_tokens = run.cached_tokens();
         record(out.usage, out.timing, arrived, out.timed_out);
@@ -339,7 +345,7 @@ struct Server::Impl {
         return body;
       });
     }
-    stream(res, r->gen, full_length(*prompt),
+    stream(res, r->gen, prompt,
            [this, &cfg, r, prompt, id, arrived, choice](httplib::DataSink& sink, const SlotRun& run) {
              bool open = true;
              int64_t offset = 0;  // bytes of completion text the earlier chunks' tokens covered
@@ -468,8 +474,8 @@ void widen_listen_backlog(int port) {
 
 }  // namespace
 
-Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o)
-    : impl_(std::make_unique<Impl>(std::move(engine), std::move(tok), std::move(o))) {
+Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o, std::unique_ptr<const VisionModel> vision)
+    : impl_(std::make_unique<Impl>(std::move(engine), std::move(tok), std::move(o), std::move(vision))) {
   K3_CHECK(impl_->engine, "serve: no engine");
   K3_CHECK(impl_->o.max_queue >= 0, "serve: max_queue must be >= 0, got ", impl_->o.max_queue);
   K3_CHECK(impl_->o.default_max_tokens >= 1, "serve: default_max_tokens must be >= 1, got ",

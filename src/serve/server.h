@@ -22,23 +22,24 @@
 #include <string>
 
 #include "model/engine.h"
+#include "model/vision.h"
 #include "tokenizer/tokenizer.h"
 
 namespace k3::serve {
 
 struct ServeOptions {
   std::string host = "127.0.0.1";
-  int port = 8000;                   // 0: any free port (bind() returns it)
-  std::string api_key;               // non-empty: requests need "Authorization: Bearer <key>"
-  std::string model_id = "k3";       // what /v1/models lists and requests may name
-  int64_t max_queue = 64;            // requests waiting for the engine before 429s
-  int64_t max_batch = 16;            // requests generating at once (their sequences share each forward)
-  size_t cache_budget = 0;           // bytes of sequence state (at full length) admitted at once; 0: no limit
-  int64_t prefill_chunk = 512;       // prompt tokens of one request per forward (and the prefix cache's block)
-  int64_t prefill_every = 4;         // while requests decode, prompt chunks join every this many forwards
+  int port = 8000;              // 0: any free port (bind() returns it)
+  std::string api_key;          // non-empty: requests need "Authorization: Bearer <key>"
+  std::string model_id = "k3";  // what /v1/models lists and requests may name
+  int64_t max_queue = 64;       // requests waiting for the engine before 429s
+  int64_t max_batch = 16;       // requests generating at once (their sequences share each forward)
+  size_t cache_budget = 0;      // bytes of sequence state (at full length) admitted at once; 0: no limit
+  int64_t prefill_chunk = 512;  // prompt tokens of one request per forward (and the prefix cache's block)
+  int64_t prefill_every = 4;    // while requests decode, prompt chunks join every this many forwards
   size_t prefix_cache_bytes = size_t(1) << 30;  // prompt-chunk snapshots kept for later prompts; 0: none
   bool k3_sampling = false;                     // K3's fixed sampling for every request (serve/openai_api.h, ApiLimits)
-  int64_t default_max_tokens = 512;  // when a request names no max_tokens (cut to the context left)
+  int64_t default_max_tokens = 512;             // when a request names no max_tokens (cut to the context left)
   // From a request's arrival: a request still waiting for the engine then gets 503, one generating
   // stops at its next token (finish_reason "length"). 0: no limit.
   double request_timeout_seconds = 600.0;
@@ -50,7 +51,9 @@ struct ServeOptions {
 
 class Server {
  public:
-  Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o);
+  // vision (optional): the model's vision tower and projector; chat requests with images need it.
+  Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o,
+         std::unique_ptr<const VisionModel> vision = nullptr);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

@@ -57,6 +57,7 @@ bool truthy(const ojson& obj, const char* key) {
 class SegmentWriter {
  public:
   std::vector<ChatSegment> out;
+  std::vector<ChatImagePart>* images = nullptr;  // where image parts go, in order (optional)
 
   void text(const std::string& t) {
     if (!t.empty()) out.push_back({t, false});  // the reference drops empty segments
@@ -106,8 +107,9 @@ class SegmentWriter {
       if (!part.is_object() || !part.contains("type")) fail("chat request: ", pf, " must be an object with a 'type'");
       const std::string type = python_str(part["type"], pf + ".type");
       if (type == "image" || type == "image_url") {
-        // Text-only engine: the image becomes the placeholder the vision processor would replace.
+        // The placeholder the vision processor replaces (multimodal/media_prompt.h).
         control(kXtmlImagePlaceholder);
+        if (images) images->push_back({part, pf});
       } else {
         if (!part.contains("text")) fail("chat request: ", pf, " (type '", type, "') has no 'text'");
         text(python_str(part["text"], pf + ".text"));
@@ -293,7 +295,7 @@ ojson response_format_schema(const ojson& rf) {
   return js;
 }
 
-std::vector<ChatSegment> render_chat(const ojson& req) {
+std::vector<ChatSegment> render_chat(const ojson& req, std::vector<ChatImagePart>* images) {
   if (!req.is_object()) fail("chat request: expected a JSON object with 'messages'");
   if (!req.contains("messages") || !req["messages"].is_array())
     fail("chat request: 'messages' must be a list of messages");
@@ -301,6 +303,7 @@ std::vector<ChatSegment> render_chat(const ojson& req) {
   const bool add_generation_prompt = bool_field(req, "add_generation_prompt", true);
 
   SegmentWriter w;
+  w.images = images;
   if (req.contains("tools") && !req["tools"].is_null()) {
     if (!req["tools"].is_array()) fail("chat request: 'tools' must be a list");
     if (!req["tools"].empty()) w.tool_declare(req["tools"], /*dynamic=*/false);

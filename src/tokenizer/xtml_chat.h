@@ -38,8 +38,16 @@ inline constexpr const char* kXtmlSep = "<|sep|>";
 inline constexpr const char* kXtmlEndOfMsg = "<|end_of_msg|>";
 inline constexpr const char* kXtmlImagePlaceholder = "<|kimi_image_placeholder|>";
 
-// Segments of a request; throws k3::Error naming the offending field (e.g. messages[2].role).
-std::vector<ChatSegment> render_chat(const nlohmann::ordered_json& request);
+// An image part of a message's content as render_chat met it (each renders as one kXtmlImagePlaceholder).
+struct ChatImagePart {
+  nlohmann::ordered_json part;
+  std::string field;  // e.g. messages[1].content[0]
+};
+
+// Segments of a request; throws k3::Error naming the offending field (e.g. messages[2].role). `images` (optional)
+// receives the image parts in the order their placeholders appear.
+std::vector<ChatSegment> render_chat(const nlohmann::ordered_json& request,
+                                     std::vector<ChatImagePart>* images = nullptr);
 
 // The schema of a json_schema response format as the reference extracts it: response_format
 // .json_schema.schema, else .json_schema.json_schema, else the json_schema object itself; null when

@@ -199,9 +199,9 @@ struct DecodeGraph {
   std::unique_ptr<moe::cuda::Dispatch> dispatch;
   cuda::DeviceBuffer<int32_t> in;     // ids | places | lengths, bucket each
   cuda::DeviceBuffer<uint8_t> table;  // each row's MLA rows, [MLA layers][bucket] pointers
-  cuda::DeviceBuffer<uint8_t> pick;  // sample::cuda::PickRow [bucket]
-  cuda::DeviceBuffer<int32_t> out;   // ids | bad, bucket each
-  float* logits = nullptr;           // [bucket, V] in the arena
+  cuda::DeviceBuffer<uint8_t> pick;   // sample::cuda::PickRow [bucket]
+  cuda::DeviceBuffer<int32_t> out;    // ids | bad, bucket each
+  float* logits = nullptr;            // [bucket, V] in the arena
   std::unique_ptr<cuda::Graph> graph;
 };
 
@@ -484,7 +484,7 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>& cac
 
 std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCache*>& caches,
                                                 const std::vector<std::vector<int32_t>>& tokens,
-                                                const std::vector<TokenPick>& picks) {
+                                                const std::vector<TokenPick>& picks, const ForwardHooks* hooks) {
   K3_CHECK(picks.size() == caches.size(), "forward_pick (cuda): ", picks.size(), " picks for ", caches.size(),
            " sequences");
   const int64_t B = int64_t(caches.size()), V = impl_->cfg.vocab_size;
@@ -501,9 +501,9 @@ std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCa
     rows[b] = sample::cuda::PickRow{p.greedy ? 1 : 2, p.temperature, p.uniform};
   }
   std::vector<PickResult> res;
-  if (impl_->pick_by_graph(*this, caches, tokens, picks, rows, res)) return res;
+  if (!hooks && impl_->pick_by_graph(*this, caches, tokens, picks, rows, res)) return res;
   const bool fresh = all_fresh(caches);
-  const float* dev = impl_->forward_dev(caches, tokens, false, nullptr);
+  const float* dev = impl_->forward_dev(caches, tokens, false, hooks);
   gpu::DeviceArena& arena = impl_->arena;
   auto* rows_dev = static_cast<sample::cuda::PickRow*>(arena.take_bytes(rows.size() * sizeof(rows[0])));
   cuda::copy_to_device(rows_dev, rows.data(), rows.size() * sizeof(rows[0]));
@@ -665,6 +665,12 @@ class CudaBackend {
       elementwise::cuda::embedding_gather_f32(e, reinterpret_cast<const float*>(w_.embed.data()), ids_, N_,
                                               c_.vocab_size, D_);
     else gemm::cuda::embedding_gather(e, reinterpret_cast<const bf16*>(w_.embed.data()), ids_, N_, c_.vocab_size, D_);
+    if (r_.hooks && !r_.hooks->input_rows.empty()) {  // (prompt steps with images: a copy per row is plenty)
+      std::vector<int64_t> row0, n;
+      for (const SegmentDev& s : segs_) row0.push_back(s.row0), n.push_back(s.n);
+      for (const auto& [row, x] : input_rows_of(*r_.hooks, row0, n, D_))
+        cuda::copy_to_device(e + row * D_, x, size_t(D_) * sizeof(float));
+    }
     return e;
   }
 

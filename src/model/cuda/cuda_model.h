@@ -107,7 +107,7 @@ class CudaModel {
   // every row is checked for non-finite logits all the same.
   std::vector<PickResult> forward_pick(const std::vector<CudaSequenceCache*>& caches,
                                        const std::vector<std::vector<int32_t>>& tokens,
-                                       const std::vector<TokenPick>& picks);
+                                       const std::vector<TokenPick>& picks, const ForwardHooks* hooks = nullptr);
   // Decode graphs (on by default): forward_pick runs a decode step over sequences of one pool (one new token each,
   // at least 4 cached, BF16, not the reference forms, profiling off) as a CUDA graph captured once per pool and
   // batch bucket, rather than as ~40 launches per layer. The same kernels on the same inputs: a graph step gives

@@ -50,8 +50,8 @@ std::vector<float> CudaModel::forward(const std::vector<CudaSequenceCache*>&, co
   fail("CudaModel: no CUDA backend");
 }
 std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCache*>&,
-                                                const std::vector<std::vector<int32_t>>&,
-                                                const std::vector<TokenPick>&) {
+                                                const std::vector<std::vector<int32_t>>&, const std::vector<TokenPick>&,
+                                                const ForwardHooks*) {
   fail("CudaModel: no CUDA backend");
 }
 void CudaModel::reset_cache(CudaSequenceCache&) const { fail("CudaModel: no CUDA backend"); }

@@ -14,8 +14,10 @@
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/init_random.h"
+#include "model/param_count.h"
 #include "model/params.h"
 #include "model/tensor_table.h"
+#include "model/vision_config.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
 
@@ -138,8 +140,30 @@ TEST(TensorTable, ReleasedModelCounts) {
   EXPECT_EQ(kda_layer0, 443740416);
   EXPECT_EQ(expert, 33030144);
   EXPECT_EQ(a_log, 69 * 128);
-  const int64_t vision = 2 + 27 * 6 + 1 + 3;  // patch embed + pos emb, 27 blocks of 6, final norm, projector
+  // The vision table: patch embed + pos emb, 27 blocks of 6, final norm, the projector's three; its parameters are
+  // those param_count.h counts from the config by its own formula (401.2M + 46.1M).
+  const std::vector<k3::VisionTensorEntry> vt = k3::vision_tensor_table(k3::load_vision_config(kKimiK3));
+  const int64_t vision = int64_t(vt.size());
+  EXPECT_EQ(vision, 2 + 27 * 6 + 1 + 3);
   EXPECT_EQ(int64_t(t.entries().size()) + experts + vision, 497220);
+  int64_t vision_params = 0;
+  for (const k3::VisionTensorEntry& e : vt) vision_params += e.numel();
+  EXPECT_EQ(vision_params, k3::total_params(k3::count_vision_parameters(kKimiK3)));
+}
+
+// The vision table against the tiny tower Moonshot's code wrote (tests/fixtures/vision-tiny): the same names and
+// shapes, no more and no fewer.
+TEST(TensorTable, VisionTableIsTheReferenceCheckpoints) {
+  const k3::VisionConfig c = k3::load_vision_config(fixture("vision-tiny"));
+  const k3::SafeTensors st = k3::SafeTensors::open(fixture("vision-tiny/model.safetensors"));
+  std::set<std::string> listed;
+  for (const k3::VisionTensorEntry& e : k3::vision_tensor_table(c)) {
+    EXPECT_TRUE(listed.insert(e.name).second) << e.name;
+    ASSERT_TRUE(st.has(e.name)) << e.name;
+    EXPECT_EQ(st.get(e.name).shape, e.shape) << e.name;
+  }
+  const std::vector<std::string> names = st.names();
+  EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), listed);
 }
 
 // Per-Head Muon (K3-ARCHITECTURE.md §10): KDA q/k/v in kda_num_heads blocks of kda_head_dim rows; MLA

@@ -5,7 +5,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -18,11 +20,16 @@
 #include "io/safetensors.h"
 #include "media/image_decode.h"
 #include "media/vision_preprocess.h"
+#include "model/engine.h"
+#include "model/init_random.h"
+#include "model/param_count.h"
+#include "model/tensor_table.h"
 #include "model/vision.h"
 #include "model/vision_config.h"
 #include "util/cli.h"
 #include "util/cli_error.h"
 #include "util/compare.h"
+#include "util/random.h"
 #include "util/temp_dir.h"
 
 using namespace k3;
@@ -315,4 +322,136 @@ TEST(Vision, RejectsBadWeightsAndPixelsByName) {
               HasSubstr("w = 5"));
   EXPECT_THAT(run({{"grid_thws", DType::I64, {1, 3}, grid_ok.data()}}), HasSubstr("pixel_patches"));
   EXPECT_FALSE(fs::exists(dir.file("o.safetensors")));
+}
+
+// ---- k3 init with a vision_config ---------------------------------------------------------------------------
+
+namespace {
+
+const std::string kTinyVision = std::string(K3_SOURCE_DIR) + "/configs/k3-tiny-vision.json";
+
+// configs/k3-tiny-vision.json with vision_config.text_hidden_size removed (text_h < 0) or set to text_h.
+std::string tiny_vision_with_text_hidden(const k3test::TempDir& dir, int64_t text_h) {
+  nlohmann::json j = nlohmann::json::parse(read_file(kTinyVision, "config"));
+  if (text_h < 0) j["vision_config"].erase("text_hidden_size");
+  else j["vision_config"]["text_hidden_size"] = text_h;
+  const std::string path = dir.file("in-config.json");
+  std::ofstream(path) << j.dump(2);
+  return path;
+}
+
+// Encodes one image of 4 x 6 patches of random pixels in [-1, 1] (as normalised pixels are) and checks what the
+// projector gives: [6 tokens, text hidden], finite, not all zero.
+void expect_encodes(const VisionModel& m, int64_t text_hidden) {
+  const VisionGrid g{1, 4, 6};
+  const std::vector<double> r = k3test::randn(g.patches() * m.config().patch_values(), 11);
+  std::vector<float> pixels(r.size());
+  for (size_t i = 0; i < r.size(); ++i) pixels[i] = float(std::tanh(r[i]));
+  const std::vector<VisionItem> out = m.encode(pixels.data(), g.patches(), {g});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].tokens, 6);
+  ASSERT_EQ(out[0].projected.size(), size_t(6 * text_hidden));
+  double sq = 0.0;
+  for (float v : out[0].projected) {
+    ASSERT_TRUE(std::isfinite(v));
+    sq += double(v) * v;
+  }
+  // The projector ends in an RMSNorm with unit gains: each token's RMS is 1, or a little under where the small
+  // random weights leave its input's mean square not far above the eps (0.99 measured).
+  const double rms = std::sqrt(sq / double(out[0].projected.size()));
+  EXPECT_GT(rms, 0.9);
+  EXPECT_LE(rms, 1.0 + 1e-6);
+}
+
+}  // namespace
+
+// `k3 init` of a config with a vision_config writes the tower and projector beside the text model; the one
+// directory loads as a VisionModel and as an Engine.
+TEST(VisionInit, InitWritesATowerThatLoadsBesideTheTextModel) {
+  k3test::TempDir dir("vision-init");
+  const std::string out = dir.file("model");
+  const k3test::Outcome r = k3test::run_k3({"init", "--config", kTinyVision, "--out", out, "--seed", "5"});
+  ASSERT_EQ(r.status, 0) << r.output;
+
+  const std::unique_ptr<VisionModel> vm = VisionModel::load(out);
+  const VisionConfig& vc = vm->config();
+  EXPECT_EQ(vc.hidden_size, 32);
+  EXPECT_EQ(vc.num_layers, 2);
+  EXPECT_EQ(vc.text_hidden_size, 128);
+  expect_encodes(*vm, 128);
+
+  const std::unique_ptr<Engine> e = Engine::load(out, EngineOptions{});
+  EXPECT_TRUE(e->config().has_vision_config);
+  ASSERT_EQ(e->config().hidden_size, vc.text_hidden_size);
+  const std::vector<float> logits = e->forward_fresh({{3840, 17, 29, 101}});
+  ASSERT_EQ(logits.size(), size_t(4 * e->config().vocab_size));
+  for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+
+  // Exactly the tensors of the vision table, stored as BF16 like the text model's: matrices and the position
+  // table N(0, initializer_range), norm gains 1; together the parameters `k3 inspect` counts for the tower.
+  const SafeTensors st = SafeTensors::open(out);
+  const std::vector<VisionTensorEntry> table = vision_tensor_table(vc);
+  EXPECT_EQ(table.size(), 2u + 6u * 2u + 1u + 3u);
+  int64_t vision_params = 0, vision_names = 0;
+  for (const std::string& n : st.names())
+    if (n.rfind("vision_tower.", 0) == 0 || n.rfind("mm_projector.", 0) == 0) ++vision_names;
+  EXPECT_EQ(vision_names, int64_t(table.size()));
+  for (const VisionTensorEntry& t : table) {
+    ASSERT_TRUE(st.has(t.name)) << t.name;
+    EXPECT_EQ(st.get(t.name).dtype, DType::BF16) << t.name;
+    EXPECT_EQ(st.get(t.name).shape, t.shape) << t.name;
+    const std::vector<float> v = st.read_f32(t.name);
+    vision_params += int64_t(v.size());
+    if (t.init == TensorInit::One) {
+      for (float x : v) ASSERT_EQ(x, 1.0f) << t.name;
+    } else {
+      double sq = 0.0;
+      for (float x : v) sq += double(x) * x;
+      EXPECT_NEAR(std::sqrt(sq / double(v.size())), 0.02, 0.02 * 0.25) << t.name;  // initializer_range
+    }
+  }
+  EXPECT_EQ(vision_params, total_params(count_vision_parameters(kTinyVision)));
+
+  // The text model is the one k3-tiny gets from the same seed: the vision tensors are drawn after it.
+  const std::string text_only = dir.file("text");
+  ASSERT_EQ(k3test::run_k3({"init", "--config", std::string(K3_SOURCE_DIR) + "/configs/k3-tiny.json", "--out",
+                            text_only, "--seed", "5"})
+                .status,
+            0);
+  const SafeTensors tt = SafeTensors::open(text_only);
+  EXPECT_EQ(tt.names().size() + table.size(), st.names().size());
+  for (const std::string& n : tt.names()) {
+    ASSERT_TRUE(st.has(n)) << n;
+    const TensorView &a = tt.get(n), &b = st.get(n);
+    ASSERT_EQ(a.nbytes, b.nbytes) << n;
+    EXPECT_EQ(std::memcmp(a.data, b.data, a.nbytes), 0) << n;
+  }
+}
+
+// The projector writes the text model's width: a missing vision_config.text_hidden_size is filled in from the
+// text hidden size (and written into config.json); one that differs is refused, naming the field, before
+// anything is written.
+TEST(VisionInit, ProjectorWidthIsTheTextHiddenSize) {
+  k3test::TempDir dir("vision-init-width");
+  const std::string filled = dir.file("filled");
+  write_random_model(tiny_vision_with_text_hidden(dir, -1), filled, RandomInitOptions{});
+  const nlohmann::json written = nlohmann::json::parse(read_file(filled + "/config.json", "config"));
+  EXPECT_EQ(written["vision_config"]["text_hidden_size"], 128);
+  EXPECT_EQ(written["vision_config"]["vt_hidden_size"], 32);
+  expect_encodes(*VisionModel::load(filled), 128);
+
+  const std::string refused = dir.file("refused");
+  try {
+    write_random_model(tiny_vision_with_text_hidden(dir, 96), refused, RandomInitOptions{});
+    ADD_FAILURE() << "k3 init accepted a vision_config.text_hidden_size that is not the text hidden size";
+  } catch (const Error& e) {
+    std::printf("  %s\n", e.what());
+    EXPECT_THAT(e.what(), HasSubstr("vision_config.text_hidden_size"));
+    EXPECT_THAT(e.what(), HasSubstr("96"));
+    EXPECT_THAT(e.what(), HasSubstr("128"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(refused));
+  // The same through the CLI: a clean error line.
+  EXPECT_THAT(k3test::error_line(k3test::run_k3({"init", "--config", dir.file("in-config.json"), "--out", refused})),
+              HasSubstr("vision_config.text_hidden_size"));
 }

@@ -17,7 +17,8 @@ void register_init(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "init",
       "Write a randomly initialised K3 model directory (config.json + model.safetensors, release tensor\n"
-      "names, BF16 weights) for the shapes of --config. For tests, benchmarks and training from scratch.");
+      "names, BF16 weights) for the shapes of --config, with the vision tower and projector when it has a\n"
+      "vision_config. For tests, benchmarks and training from scratch.");
   sub->add_option("--config", o->config, "config.json to take the shapes from (e.g. configs/k3-small.json)")
       ->required();
   sub->add_option("--out", o->out, "output directory (created; files written atomically)")->required();

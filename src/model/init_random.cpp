@@ -17,6 +17,7 @@
 #include "model/param_count.h"
 #include "model/tensor_init.h"
 #include "model/tensor_table.h"
+#include "model/vision_config.h"
 
 namespace k3 {
 
@@ -65,14 +66,16 @@ class Buffers {
   std::vector<TensorToWrite> out_;
 };
 
-// Draws entry e (init.begin(e) done) and adds it in the dtype init stores it as.
-void draw(TensorInitializer& init, const TensorEntry& e, const std::string& name, Buffers& b) {
-  const int64_t n = e.numel();
-  switch (init.stored_dtype(e)) {
+// Draws the tensor `name` of `shape` (init.begin done for it) and adds it stored as `dtype`.
+void draw(TensorInitializer& init, DType dtype, const std::vector<int64_t>& shape, const std::string& name,
+          Buffers& b) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  switch (dtype) {
     case DType::F32: {
       std::vector<float>& v = b.make<float>(n);
       init.fill(v.data(), n);
-      b.add(name, DType::F32, e.shape, v.data());
+      b.add(name, DType::F32, shape, v.data());
       return;
     }
     case DType::BF16: {
@@ -83,11 +86,11 @@ void draw(TensorInitializer& init, const TensorEntry& e, const std::string& name
         init.fill(chunk.data(), len);
         for (int64_t j = 0; j < len; ++j) v[size_t(i + j)] = f32_to_bf16(chunk[size_t(j)]);
       }
-      b.add(name, DType::BF16, e.shape, v.data());
+      b.add(name, DType::BF16, shape, v.data());
       return;
     }
     case DType::U8: {  // a routed expert as MXFP4, quantised row by row
-      const int64_t rows = e.shape[0], cols = e.shape[1];
+      const int64_t rows = shape[0], cols = shape[1];
       std::vector<uint8_t>& packed = b.make<uint8_t>(rows * cols / 2);
       std::vector<uint8_t>& scales = b.make<uint8_t>(rows * cols / 32);
       std::vector<float> row(static_cast<size_t>(cols));
@@ -119,6 +122,21 @@ void write_random_model(const std::string& config_path, const std::string& out_d
       (c.routed_expert_hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0))
     fail(config_path, ": MXFP4 experts need routed_expert_hidden_size and moe_intermediate_size divisible by 32");
   const TensorTable table(c);
+  // The vision tower and projector, when the config has a vision_config: written after the text model, from the
+  // same random stream (so the text tensors are those of the same config without it). The projector writes the
+  // text model's width: a vision_config.text_hidden_size that disagrees is refused (parse_vision_config names it),
+  // and a missing one is filled in below.
+  std::vector<VisionTensorEntry> vision;
+  if (c.has_vision_config) {
+    VisionConfig v;
+    const bool found = parse_vision_config(read_file(config_path, "config"), config_path, &v, c.hidden_size);
+    K3_ASSERT(found && v.text_hidden_size == c.hidden_size);
+    if (v.attn_bias || v.linear_bias || v.patch_embed_bias)
+      fail(config_path,
+           ": vision_config asks for biases (attn_bias, linear_bias or patch_embed_proj_bias); MoonViT-V2 has none "
+           "and k3 init does not write them");
+    vision = vision_tensor_table(v);
+  }
   {
     // The whole model is built in memory before it is written: refuse up front what cannot fit
     // (configs/kimi-k3.json is 2.78T parameters) instead of allocating until the OOM killer comes.
@@ -129,6 +147,10 @@ void write_random_model(const std::string& config_path, const std::string& out_d
       bytes +=
           double(e.params) * (opt.mxfp4_experts && e.info().store == TensorStore::ExpertMatrix ? 17.0 / 32.0 : 2.0);
     }
+    for (const VisionTensorEntry& e : vision) {
+      params += e.numel();
+      bytes += double(e.numel()) * double(dtype_size(e.dtype));
+    }
     const uint64_t need = saturated_bytes(bytes);
     const std::string what = "k3 init: the model of " + config_path + " (" + format_count(params) + " parameters)";
     require_memory(need, what);
@@ -138,7 +160,11 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   Buffers buffers;
   for (const TensorEntry& e : table.entries()) {
     init.begin(e);
-    draw(init, e, table.name(e), buffers);
+    draw(init, init.stored_dtype(e), e.shape, table.name(e), buffers);
+  }
+  for (const VisionTensorEntry& e : vision) {
+    init.begin(e.init, e.numel());
+    draw(init, e.dtype, e.shape, e.name, buffers);
   }
 
   std::error_code ec;
@@ -147,6 +173,9 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   // config.json: the input, plus the quantisation block for MXFP4 experts.
   nlohmann::json j = parse_json(read_file(config_path, "config"), config_path);
   nlohmann::json& tj = j.contains("text_config") ? j["text_config"] : j;
+  // The projector's width, stated where VisionModel::load reads it first.
+  if (!vision.empty() && !j["vision_config"].contains("text_hidden_size"))
+    j["vision_config"]["text_hidden_size"] = c.hidden_size;
   if (opt.mxfp4_experts) {
     tj["quantization_config"] = {{"quant_method", "compressed-tensors"},
                                  {"format", "mxfp4-pack-quantized"},

@@ -5,6 +5,11 @@
 // F32 for A_log, dt_bias, conv taps, o_norm and the router bias, routed experts optionally MXFP4
 // (quantised round-to-nearest per group of 32). Training from scratch draws the same values in
 // memory (model/params.h: ParamStore::random_init).
+//
+// A config with a vision_config also gets the vision tower and projector (tensor_table.h:
+// vision_tensor_table), in BF16, drawn after the text model from the same stream: matrices and the
+// position table N(0, initializer_range), norm gains 1. The directory then loads with both
+// Engine::load and VisionModel::load.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -15,7 +20,9 @@
 namespace k3 {
 
 // config_path: a config.json (nested or flat); out_dir is created if needed. The written
-// config.json is the input file, with a quantization_config added when mxfp4_experts is set.
+// config.json is the input file, with a quantization_config added when mxfp4_experts is set, and
+// vision_config.text_hidden_size set to the text hidden_size where a vision_config lacks it (one that
+// disagrees with the text hidden_size is a k3::Error naming it).
 void write_random_model(const std::string& config_path, const std::string& out_dir, const RandomInitOptions& opt);
 
 // Round-to-nearest MXFP4 quantisation of one row (cols % 32 == 0): the inverse of mxfp4_decode_row

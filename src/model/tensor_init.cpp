@@ -14,10 +14,12 @@ TensorInitializer::TensorInitializer(const K3Config& c, const RandomInitOptions&
       mxfp4_(opt.mxfp4_experts),
       rng_(opt.seed) {}
 
-void TensorInitializer::begin(const TensorEntry& e) {
-  K3_ASSERT(left_ == 0);
-  mode_ = e.info().init;
-  left_ = e.numel();
+void TensorInitializer::begin(const TensorEntry& e) { begin(e.info().init, e.numel()); }
+
+void TensorInitializer::begin(TensorInit init, int64_t n) {
+  K3_ASSERT(left_ == 0 && n >= 0);
+  mode_ = init;
+  left_ = n;
   // A fresh distribution per tensor: std::normal_distribution keeps the second value of each pair it
   // makes, and the first k3 init dropped it at every tensor boundary.
   normal_ = std::normal_distribution<float>(0.0f, std_);

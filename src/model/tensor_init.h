@@ -39,6 +39,9 @@ class TensorInitializer {
 
   // Starts tensor e. The previous tensor must have been drawn to its end.
   void begin(const TensorEntry& e);
+  // Starts a tensor of n values drawn by rule `init`: for tensors outside the text table (the vision tower's,
+  // vision_tensor_table), drawn after it from the same stream.
+  void begin(TensorInit init, int64_t n);
   // The next n values of the current tensor, row-major, as drawn: float32, before rounding to the
   // stored dtype (so that an MXFP4 expert is quantised from the same values a BF16 one rounds).
   void fill(float* out, int64_t n);

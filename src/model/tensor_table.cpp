@@ -371,4 +371,90 @@ std::string TensorTable::name(const TensorEntry& e, TensorNaming n) const {
   return tensor_name(n, e.kind, e.layer, e.expert);
 }
 
+// ---- The vision tower and projector ----
+
+namespace {
+
+constexpr const char* kVisionTower = "vision_tower.";
+constexpr const char* kVisionBlocks = "vision_tower.encoder.blocks.";
+constexpr const char* kProjector = "mm_projector.";
+
+}  // namespace
+
+std::string vision_tensor_name(VisionTensorKind k, int64_t block) {
+  using K = VisionTensorKind;
+  const auto in_block = [&](const char* leaf) {
+    K3_ASSERT(block >= 0);
+    return kVisionBlocks + std::to_string(block) + "." + leaf;
+  };
+  switch (k) {
+    case K::PatchEmbed: return std::string(kVisionTower) + "patch_embed.proj.weight";
+    case K::PosEmb: return std::string(kVisionTower) + "patch_embed.pos_emb.weight";
+    case K::Norm0: return in_block("norm0.weight");
+    case K::Norm1: return in_block("norm1.weight");
+    case K::Wqkv: return in_block("wqkv.weight");
+    case K::Wo: return in_block("wo.weight");
+    case K::Fc0: return in_block("mlp.fc0.weight");
+    case K::Fc1: return in_block("mlp.fc1.weight");
+    case K::FinalNorm: return std::string(kVisionTower) + "encoder.final_layernorm.weight";
+    case K::Proj0: return std::string(kProjector) + "proj.0.weight";
+    case K::Proj2: return std::string(kProjector) + "proj.2.weight";
+    case K::PostNorm: return std::string(kProjector) + "post_norm.weight";
+    case K::kCount: break;
+  }
+  K3_ASSERT(false);
+  return {};
+}
+
+std::vector<int64_t> vision_tensor_shape(const VisionConfig& c, VisionTensorKind k) {
+  using K = VisionTensorKind;
+  const int64_t w = c.hidden_size, q = c.qkv_hidden_size, I = c.intermediate_size, p = c.patch_size;
+  const int64_t M = c.merged_width(), text = c.text_hidden_size;
+  switch (k) {
+    case K::PatchEmbed: return {w, 3, p, p};
+    case K::PosEmb: return {c.pos_emb_height, c.pos_emb_width, w};
+    case K::Norm0:
+    case K::Norm1:
+    case K::FinalNorm: return {w};
+    case K::Wqkv: return {3 * q, w};
+    case K::Wo: return {w, q};
+    case K::Fc0: return {I, w};
+    case K::Fc1: return {w, I};
+    case K::Proj0: return {M, M};
+    case K::Proj2: return {text, M};
+    case K::PostNorm: return {text};
+    case K::kCount: break;
+  }
+  K3_ASSERT(false);
+  return {};
+}
+
+int64_t VisionTensorEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<VisionTensorEntry> vision_tensor_table(const VisionConfig& c) {
+  using K = VisionTensorKind;
+  std::vector<VisionTensorEntry> out;
+  auto add = [&](K k, int64_t block = -1) {
+    VisionTensorEntry e;
+    e.kind = k;
+    e.block = block;
+    e.name = vision_tensor_name(k, block);
+    e.shape = vision_tensor_shape(c, k);
+    e.init =
+        k == K::Norm0 || k == K::Norm1 || k == K::FinalNorm || k == K::PostNorm ? TensorInit::One : TensorInit::Normal;
+    out.push_back(std::move(e));
+  };
+  add(K::PatchEmbed);
+  add(K::PosEmb);
+  for (int64_t b = 0; b < c.num_layers; ++b)
+    for (K k : {K::Norm0, K::Norm1, K::Wqkv, K::Wo, K::Fc0, K::Fc1}) add(k, b);
+  add(K::FinalNorm);
+  for (K k : {K::Proj0, K::Proj2, K::PostNorm}) add(k);
+  return out;
+}
+
 }  // namespace k3

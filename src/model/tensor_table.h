@@ -1,5 +1,6 @@
 // The K3 text model's tensor table: every tensor a config has, each name spelled once (in the
 // manner of llama.cpp's src/llama-arch.cpp: an enum of tensor kinds, one name map, per-kind facts).
+// The vision tower's and projector's tensors have a smaller table of their own at the end.
 //
 // TensorKind is one tensor of the architecture (KDA's f_a_proj, a layer's input norm, an expert's
 // w1). tensor_info(kind) holds what is fixed per kind: where its name sits and how it ends, how a
@@ -26,6 +27,7 @@
 
 #include "core/dtype.h"
 #include "model/config.h"
+#include "model/vision_config.h"
 
 namespace k3 {
 
@@ -249,5 +251,53 @@ class TensorTable {
   K3Config cfg_;
   std::vector<TensorEntry> entries_;
 };
+
+// ---- The vision tower and projector ----
+//
+// Beside the text model, a multimodal checkpoint holds MoonViT-V2's `vision_tower.*` and PatchMergerMLPV2's
+// `mm_projector.*` (K3-ARCHITECTURE.md §8), no biases. VisionModel::load (model/vision.h) reads them and k3 init
+// writes them (init_random.h); both take names and shapes from here. Notation: w = vt_hidden_size, p =
+// patch_size, qkv = qkv_hidden_size, I = vt_intermediate_size, M = merged_width() (w * merge_h * merge_w),
+// text = text_hidden_size, H0/W0 = init_pos_emb_height/width.
+
+// One vision tensor, in the order k3 init writes a block's tensors (see vision_tensor_table).
+enum class VisionTensorKind : uint8_t {
+  PatchEmbed,  // vision_tower.patch_embed.proj.weight             [w, 3, p, p]  (the 14 x 14 conv)
+  PosEmb,      // vision_tower.patch_embed.pos_emb.weight          [H0, W0, w]   (learned; resized per grid)
+  Norm0,       // vision_tower.encoder.blocks.<b>.norm0.weight     [w]
+  Norm1,       // vision_tower.encoder.blocks.<b>.norm1.weight     [w]
+  Wqkv,        // vision_tower.encoder.blocks.<b>.wqkv.weight      [3 qkv, w]
+  Wo,          // vision_tower.encoder.blocks.<b>.wo.weight        [w, qkv]
+  Fc0,         // vision_tower.encoder.blocks.<b>.mlp.fc0.weight   [I, w]
+  Fc1,         // vision_tower.encoder.blocks.<b>.mlp.fc1.weight   [w, I]
+  FinalNorm,   // vision_tower.encoder.final_layernorm.weight      [w]
+  Proj0,       // mm_projector.proj.0.weight                       [M, M]
+  Proj2,       // mm_projector.proj.2.weight                       [text, M]
+  PostNorm,    // mm_projector.post_norm.weight                    [text]
+  kCount
+};
+
+// The full name of a vision tensor; block: for the per-block kinds (Norm0 .. Fc1).
+std::string vision_tensor_name(VisionTensorKind k, int64_t block = -1);
+// Its shape under c, as VisionModel expects it and k3 init writes it.
+std::vector<int64_t> vision_tensor_shape(const VisionConfig& c, VisionTensorKind k);
+
+struct VisionTensorEntry {
+  VisionTensorKind kind = VisionTensorKind::PatchEmbed;
+  int64_t block = -1;
+  std::string name;
+  std::vector<int64_t> shape;
+  // How k3 init draws it (tensor_init.h): Normal, N(0, initializer_range), for the matrices and the position
+  // table; One for the norm gains.
+  TensorInit init = TensorInit::Normal;
+  // How k3 init stores it: BF16, as it stores the text model's matrices and norms.
+  DType dtype = DType::BF16;
+  int64_t numel() const;
+};
+
+// Every tensor of the tower and projector of c, in k3 init's order (after the text model's: see TensorTable):
+// the patch embedding and position table, each block's norm0 norm1 wqkv wo fc0 fc1, the final norm, then the
+// projector's proj.0, proj.2 and post_norm.
+std::vector<VisionTensorEntry> vision_tensor_table(const VisionConfig& c);
 
 }  // namespace k3

@@ -6,6 +6,7 @@
 #include "kernels/ffn/gelu.h"
 #include "kernels/norm/norm.h"
 #include "kernels/vision/vision.h"
+#include "model/tensor_table.h"
 #include "model/weights.h"
 
 namespace k3 {
@@ -23,27 +24,31 @@ VisionModel::VisionModel(const VisionConfig& c, SafeTensors st) : c_(c), st_(std
     fail(c_.source,
          ": vision_config asks for biases (attn_bias, linear_bias or patch_embed_proj_bias); "
          "MoonViT-V2 has none and this model does not take them");
-  const int64_t D = c_.hidden_size, Q = c_.qkv_hidden_size, I = c_.intermediate_size, p = c_.patch_size;
+  // Names and shapes from the vision tensor table (tensor_table.h), which k3 init writes from too.
+  using K = VisionTensorKind;
   const std::string& src = c_.source;
-  const std::string T = "vision_tower.", P = "mm_projector.";
-  patch_embed_ = matrix_weight(st_, T + "patch_embed.proj.weight", {D, 3, p, p}, src);
-  pos_table_ = st_.read_f32(T + "patch_embed.pos_emb.weight", {c_.pos_emb_height, c_.pos_emb_width, D});
+  const auto matrix = [&](K k, int64_t b = -1) {
+    return matrix_weight(st_, vision_tensor_name(k, b), vision_tensor_shape(c_, k), src);
+  };
+  const auto vec = [&](K k, int64_t b = -1) {
+    return st_.read_f32(vision_tensor_name(k, b), vision_tensor_shape(c_, k));
+  };
+  patch_embed_ = matrix(K::PatchEmbed);
+  pos_table_ = vec(K::PosEmb);
   for (int64_t b = 0; b < c_.num_layers; ++b) {
-    const std::string B = T + "encoder.blocks." + std::to_string(b) + ".";
     Block k;
-    k.norm0 = st_.read_f32(B + "norm0.weight", {D});
-    k.norm1 = st_.read_f32(B + "norm1.weight", {D});
-    k.wqkv = matrix_weight(st_, B + "wqkv.weight", {3 * Q, D}, src);
-    k.wo = matrix_weight(st_, B + "wo.weight", {D, Q}, src);
-    k.fc0 = matrix_weight(st_, B + "mlp.fc0.weight", {I, D}, src);
-    k.fc1 = matrix_weight(st_, B + "mlp.fc1.weight", {D, I}, src);
+    k.norm0 = vec(K::Norm0, b);
+    k.norm1 = vec(K::Norm1, b);
+    k.wqkv = matrix(K::Wqkv, b);
+    k.wo = matrix(K::Wo, b);
+    k.fc0 = matrix(K::Fc0, b);
+    k.fc1 = matrix(K::Fc1, b);
     blocks_.push_back(std::move(k));
   }
-  final_norm_ = st_.read_f32(T + "encoder.final_layernorm.weight", {D});
-  const int64_t M = c_.merged_width(), H = c_.text_hidden_size;
-  proj0_ = matrix_weight(st_, P + "proj.0.weight", {M, M}, src);
-  proj2_ = matrix_weight(st_, P + "proj.2.weight", {H, M}, src);
-  post_norm_ = st_.read_f32(P + "post_norm.weight", {H});
+  final_norm_ = vec(K::FinalNorm);
+  proj0_ = matrix(K::Proj0);
+  proj2_ = matrix(K::Proj2);
+  post_norm_ = vec(K::PostNorm);
 }
 
 void VisionModel::check_grids(const std::vector<VisionGrid>& grids, int64_t patches) const {

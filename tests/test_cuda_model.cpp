@@ -587,6 +587,32 @@ TEST(CudaModel, HiddenSizeNotAMultipleOfEight) {
   EXPECT_TRUE(tracks_twin(e_gpu, e_twin));
 }
 
+// Input rows (ForwardHooks, an image's projected tokens) on the GPU: rows that are the fp32 table's own rows of
+// other ids give the forward of those ids, to the bit, in a batch of two (F32 path, the CPU model's table rows);
+// and through forward_pick, the same ids as the plain forward picks.
+TEST(CudaModel, InputRowsTakeThePlaceOfTheirTokens) {
+  K3_REQUIRE_GPU();
+  CudaModel& m = gpu_tiny(GpuPrecision::F32);
+  std::unique_ptr<Model> cpu = Model::load(fixture("k3-tiny-a"));
+  const int64_t D = m.config().hidden_size;
+  const std::vector<int32_t> a = {5, 6, 7, 8}, pads = {1, 2, 789, 789, 789, 3, 789, 4},
+                             want = {1, 2, 40, 41, 42, 3, 43, 4};
+  std::vector<float> table(size_t(4 * D));
+  for (int i = 0; i < 4; ++i) cpu->weights().embed_tokens.rows_to_f32(table.data() + i * D, 40 + i, 1);
+  ForwardHooks h;
+  h.input_rows = {{}, {InputRows{2, 3, table.data()}, InputRows{6, 1, table.data() + 3 * D}}};
+  const std::vector<float> got = forward_fresh(m, {a, pads}, true, &h), ref = forward_fresh(m, {a, want}, true);
+  ASSERT_EQ(got.size(), ref.size());
+  EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)));
+  std::unique_ptr<CudaSequenceCache> c1 = m.new_cache(), c2 = m.new_cache();
+  const TokenPick greedy{true, true, 1.0f, 0.0, true};
+  h.input_rows = {{InputRows{2, 3, table.data()}, InputRows{6, 1, table.data() + 3 * D}}};
+  const std::vector<PickResult> p1 = m.forward_pick({c1.get()}, {pads}, {greedy}, &h);
+  const std::vector<PickResult> p2 = m.forward_pick({c2.get()}, {want}, {greedy});
+  EXPECT_EQ(p1[0].id, p2[0].id);
+  EXPECT_EQ(p1[0].logits, p2[0].logits) << "the rows reached forward_pick's forward";
+}
+
 TEST(CudaModel, BatchEqualsSequencesAlone) {
   K3_REQUIRE_GPU();
   for (GpuPrecision p : {GpuPrecision::F32, GpuPrecision::BF16}) {

@@ -7,11 +7,19 @@
 //   - load_chat_images takes data URLs, and files only where allowed; remote URLs never;
 //   - encode_media_prompt repeats each image's <|media_pad|> once per projected token, and its rows are exactly
 //     what the processor and the vision tower give for that image (preprocess_image + VisionModel::encode called
-//     here directly), at those positions.
+//     here directly), at those positions;
+//   - end to end on `k3 init`'s k3-tiny-vision (text and tower in one directory): `k3 generate --image` feeds the
+//     image's tokens; a chat request with the image as a data URL gets the same reply, log-probabilities included,
+//     from a server whose prompt chunks cut the image's rows and from one that reads the prompt in one forward;
+//     usage counts the image's tokens; another image changes the log-probabilities; a server whose model has no
+//     tower, a bad data URL and a file path get 400s naming messages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -24,11 +32,18 @@
 #include "multimodal/media_prompt.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
-#include "util/serve_test.h"
+#include "util/cli.h"
+#include "util/compare.h"
 #include "util/temp_dir.h"
+#if defined(K3_HAVE_SERVE)
+#include "util/serve_test.h"
+#endif
 
 using namespace k3;
 using json = nlohmann::ordered_json;
+#if defined(K3_HAVE_SERVE)
+namespace sv = k3::serve;
+#endif
 using k3test::fixture;
 
 namespace {
@@ -137,7 +152,14 @@ TEST(MediaPrompt, ImagesComeFromDataUrlsAndAllowedFilesOnly) {
 
 TEST(MediaPrompt, PadsRepeatOncePerProjectedTokenAndRowsAreTheTowers) {
   k3test::TempDir dir("media-prompt");
-  const Tokenizer tok = Tokenizer::load_dir(k3test::write_tiny_tokenizer(dir));
+  std::filesystem::create_directories(dir.path() / "tok");
+  {
+    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
+    std::ofstream out(dir.file("tok/tiktoken.model"));
+    std::string line;
+    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
+  }
+  const Tokenizer tok = Tokenizer::load_dir(dir.file("tok"));
   const std::unique_ptr<VisionModel> vision = VisionModel::load(fixture("vision-tiny"));
   const int64_t H = vision->config().text_hidden_size;
   const std::string png = fixture("image-decode/png_RGB_64x48.png"), jpg = fixture("image-decode/jpeg_L_333x77.jpg");
@@ -179,3 +201,97 @@ TEST(MediaPrompt, PadsRepeatOncePerProjectedTokenAndRowsAreTheTowers) {
   EXPECT_EQ(none.ids, encode_segments(tok, text_only));
   EXPECT_TRUE(none.rows.empty());
 }
+
+#if defined(K3_HAVE_SERVE)
+namespace {
+
+// k3-tiny-vision made by `k3 init` (text model and tower in one directory) and a tokenizer of its 3,840 ranks.
+struct VisionModelDir {
+  k3test::TempDir dir{"media-prompt-e2e"};
+  std::string model = dir.file("m"), tok = dir.file("tok");
+  VisionModelDir() {
+    const k3test::Outcome init = k3test::run_k3(
+        {"init", "--config", std::string(K3_SOURCE_DIR) + "/configs/k3-tiny-vision.json", "--out", model});
+    EXPECT_EQ(init.status, 0) << init.output;
+    std::filesystem::create_directories(tok);
+    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
+    std::ofstream out(tok + "/tiktoken.model");
+    std::string line;
+    for (int i = 0; i < 3840 && std::getline(in, line); ++i) out << line << "\n";
+  }
+};
+
+json post_chat(const k3test::ServeOnLoopback& s, const json& body, int* status) {
+  auto r = s.client().Post("/v1/chat/completions", body.dump(), "application/json");
+  *status = r ? r->status : -1;
+  return r ? json::parse(r->body, nullptr, false) : json();
+}
+
+}  // namespace
+
+TEST(MediaPrompt, ImagesReachTheModelThroughTheCliAndTheServer) {
+  VisionModelDir d;
+  const std::string png = fixture("image-decode/png_RGB_64x48.png");
+  const std::unique_ptr<VisionModel> vision = VisionModel::load(d.model);
+  const int64_t n = plan_resize(64, 48, media_proc_config(vision->config())).tokens;
+  const k3test::Outcome cli = k3test::run_k3({"generate", "--model", d.model, "--tokenizer", d.tok, "--prompt",
+                                              "What is this?", "--image", png, "--max-new-tokens", "6"});
+  ASSERT_EQ(cli.status, 0) << cli.output;
+  EXPECT_NE(cli.output.find("1 image(s): " + std::to_string(n) + " prompt tokens from the vision tower"),
+            std::string::npos)
+      << cli.output;
+  EXPECT_NE(cli.output.find("message: "), std::string::npos) << cli.output;
+
+  // Two servers: the prompt in chunks of 5 (one cuts the image's rows) and in one forward. On the CPU a
+  // sequence's rows do not depend on how its prompt was cut, so both give the same reply, to the log-probability.
+  sv::ServeOptions chunked, whole;
+  chunked.prefill_chunk = 5;  // (any 6 positions hold a chunk boundary: the image's rows are cut)
+  k3test::ServeOnLoopback a(Engine::load(d.model, EngineOptions{}), d.tok, chunked, VisionModel::load(d.model));
+  k3test::ServeOnLoopback b(Engine::load(d.model, EngineOptions{}), d.tok, whole, VisionModel::load(d.model));
+  const std::string url = "data:image/png;base64," + base64(file_bytes(png));
+  auto body = [&](const std::vector<std::string>& urls) {
+    json q = chat_with(urls, "What is this?");
+    q["temperature"] = 0;
+    q["max_tokens"] = 6;
+    q["logprobs"] = true;
+    q["top_logprobs"] = 3;
+    return q;
+  };
+  int status = 0;
+  const json ra = post_chat(a, body({url}), &status);
+  ASSERT_EQ(status, 200) << ra.dump();
+  const json rb = post_chat(b, body({url}), &status);
+  ASSERT_EQ(status, 200) << rb.dump();
+  EXPECT_EQ(ra["choices"][0]["message"], rb["choices"][0]["message"]);
+  EXPECT_EQ(ra["choices"][0]["logprobs"], rb["choices"][0]["logprobs"]);
+  EXPECT_EQ(ra["usage"], rb["usage"]);
+  // The prompt counts the image's tokens: <|media_begin|>, "image 64x48", <|media_content|>, n pads, <|media_end|>.
+  const json text_only = post_chat(a, body({}), &status);
+  ASSERT_EQ(status, 200) << text_only.dump();
+  const Tokenizer tok = Tokenizer::load_dir(d.tok);
+  const int64_t media = 3 + int64_t(tok.encode("image 64x48", false).size()) + n;
+  EXPECT_EQ(ra["usage"]["prompt_tokens"].get<int64_t>() - text_only["usage"]["prompt_tokens"].get<int64_t>(), media);
+  // Another image, same text: other log-probabilities.
+  const std::string other = "data:image/png;base64," + base64(file_bytes(fixture("image-decode/png_L_64x48.png")));
+  const json ro = post_chat(a, body({other}), &status);
+  ASSERT_EQ(status, 200) << ro.dump();
+  EXPECT_NE(ro["choices"][0]["logprobs"], ra["choices"][0]["logprobs"]);
+  // Refusals: a file path, a bad data URL (400s naming messages).
+  for (const std::string& bad : {png, std::string("data:image/png;base64,AAAA")}) {
+    const json e = post_chat(a, body({bad}), &status);
+    EXPECT_EQ(status, 400) << bad << ": " << e.dump();
+    EXPECT_EQ(e["error"]["param"], "messages") << e.dump();
+  }
+}
+
+TEST(MediaPrompt, AModelWithoutATowerRefusesImages) {
+  k3test::TempDir dir("media-prompt-novision");
+  sv::ServeOptions o;
+  k3test::ServeOnLoopback server(k3test::write_tiny_tokenizer(dir), o);
+  const std::string url = "data:image/png;base64," + base64(file_bytes(fixture("image-decode/png_RGB_5x3.png")));
+  int status = 0;
+  const json e = post_chat(server, chat_with({url}, "hi"), &status);
+  EXPECT_EQ(status, 400) << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("no vision tower"), std::string::npos) << e.dump();
+}
+#endif  // K3_HAVE_SERVE

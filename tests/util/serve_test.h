@@ -36,10 +36,12 @@ struct ServeOnLoopback {
   int port = 0;
   ServeOnLoopback(const std::string& tok_dir, k3::serve::ServeOptions o)
       : ServeOnLoopback(k3::Engine::load(fixture("k3-tiny-a"), k3::EngineOptions{}), tok_dir, std::move(o)) {}
-  ServeOnLoopback(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, k3::serve::ServeOptions o) {
+  ServeOnLoopback(std::unique_ptr<k3::Engine> engine, const std::string& tok_dir, k3::serve::ServeOptions o,
+                  std::unique_ptr<const k3::VisionModel> vision = nullptr) {
     o.host = "127.0.0.1";
     o.port = 0;
-    server = std::make_unique<k3::serve::Server>(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o);
+    server =
+        std::make_unique<k3::serve::Server>(std::move(engine), k3::Tokenizer::load_dir(tok_dir), o, std::move(vision));
     port = server->bind();
     thread = std::thread([this] { server->listen(); });
     for (int i = 0; i < 200 && !client().Get("/health"); ++i)

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "media/image_decode.h"
 #include "media/resample_pillow.h"
 #include "media/vision_preprocess.h"
 #include "util/compare.h"
@@ -67,6 +68,30 @@ TEST(VisionPreprocess, PixelValuesEqualMoonshotsProcessor) {
                 c["mode"].get<std::string>().c_str(), (long long)im.width, (long long)im.height,
                 c["config"].get<std::string>().c_str(), (long long)v.grid_h, (long long)v.grid_w, differ, want.size());
     EXPECT_EQ(differ, 0u) << "case " << n;
+  }
+}
+
+// Files in the modes Pillow converts by its own rules (tests/fixtures/vision-preprocess-files,
+// make_file_preprocess_goldens.py): palettes of 8 and 4 bits and one with a tRNS alpha table, 1-bit grey (both
+// resized by NEAREST), grey with a tRNS key (alpha from it after the bicubic resize), RGB with a key (ignored), and
+// an RGBA file for comparison, decoded here (media/image_decode.h) and preprocessed: the processor's values, bit for
+// bit, without a resize (the release's config) and with one (the small config).
+TEST(VisionPreprocess, FilesInPillowsConvertedModesGiveTheProcessorsValues) {
+  const nlohmann::json cases = nlohmann::json::parse(read_file(fixture("vision-preprocess-files/cases.json"), "cases"));
+  const SafeTensors g = SafeTensors::open(fixture("vision-preprocess-files/golden.safetensors"));
+  ASSERT_EQ(cases["cases"].size(), 14u);
+  for (const nlohmann::json& c : cases["cases"]) {
+    const std::string name = c["file"], config = c["config"], key = name + "." + config;
+    const Image8 im = read_image_file(fixture("image-decode/" + name));
+    const VisionInput v = preprocess_image(im, config_of(cases["configs"][config]));
+    EXPECT_EQ(g.read_i64("grid_thws." + key), (std::vector<int64_t>{1, v.grid_h, v.grid_w})) << key;
+    const std::vector<float> want = g.read_f32("pixel_values." + key);
+    ASSERT_EQ(v.patches.size(), want.size()) << key;
+    size_t differ = 0;
+    for (size_t k = 0; k < want.size(); ++k) differ += v.patches[k] != want[k];
+    std::printf("%s (Pillow mode %s, %s): %zu of %zu values differ\n", name.c_str(),
+                c["pillow_mode"].get<std::string>().c_str(), config.c_str(), differ, want.size());
+    EXPECT_EQ(differ, 0u) << key;
   }
 }
 

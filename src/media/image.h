@@ -11,6 +11,11 @@ struct Image8 {
   int64_t width = 0, height = 0;
   int channels = 0;
   std::vector<uint8_t> pixels;  // [height, width, channels]
+  // How Pillow would treat the file's image, which the decoder gives converted: a palette (mode P, its colours,
+  // RGBA with a tRNS table) or 1-bit (mode 1, as L 0/255) image is resized by NEAREST; a grey image with a tRNS
+  // colour key gets its alpha from the key only after the resize (pixels equal to it transparent).
+  bool nearest = false;
+  int transparent_key = -1;  // (L only; -1: none)
 
   Image8() = default;
   Image8(int64_t w, int64_t h, int c) : width(w), height(h), channels(c), pixels(size_t(w * h * c), 0) {}

@@ -62,6 +62,7 @@ struct PngHeader {
   png_uint_32 width = 0, height = 0;
   int depth = 0, color = 0, interlace = 0;
   bool trns = false;
+  int trns_grey = -1;  // a grey image's tRNS key, as stored
 };
 
 // Phase 1: the header. Returns false (message set) on a libpng error.
@@ -71,12 +72,25 @@ bool png_read_header(PngState* s, PngHeader* h) {
   png_read_info(s->png, s->info);
   png_get_IHDR(s->png, s->info, &h->width, &h->height, &h->depth, &h->color, &h->interlace, nullptr, nullptr);
   h->trns = png_get_valid(s->png, s->info, PNG_INFO_tRNS) != 0;
+  if (h->trns && h->color == PNG_COLOR_TYPE_GRAY) {
+    png_bytep alpha = nullptr;
+    int n = 0;
+    png_color_16p key = nullptr;
+    png_get_tRNS(s->png, s->info, &alpha, &n, &key);
+    if (key) h->trns_grey = key->gray;
+  }
   return true;
 }
 
-// Phase 2: every row into `rows` (interlaced images assembled by libpng), then the end of the stream.
-bool png_read_rows(PngState* s, png_bytep* rows) {
+// Phase 2: every row into `rows` (interlaced images assembled by libpng), then the end of the stream. A palette
+// becomes its colours (and the tRNS table an alpha channel), grey of 1 bit 0/255.
+bool png_read_rows(PngState* s, const PngHeader& h, png_bytep* rows) {
   if (setjmp(png_jmpbuf(s->png))) return false;
+  if (h.color == PNG_COLOR_TYPE_PALETTE) {
+    png_set_palette_to_rgb(s->png);
+    if (h.trns) png_set_tRNS_to_alpha(s->png);
+  }
+  if (h.color == PNG_COLOR_TYPE_GRAY && h.depth < 8) png_set_expand_gray_1_2_4_to_8(s->png);
   png_set_interlace_handling(s->png);
   png_read_update_info(s->png, s->info);
   png_read_image(s->png, rows);
@@ -100,16 +114,15 @@ Image8 decode_png(const uint8_t* data, size_t size, const std::string& what) {
   png_set_user_limits(s.png, 1u << 20, 1u << 20);
   PngHeader h;
   if (!png_read_header(&s, &h)) fail(what, ": not a readable PNG: ", s.message);
-  if (h.color == PNG_COLOR_TYPE_PALETTE)
-    fail(what, ": a palette PNG (Pillow mode P, resized by NEAREST) is not supported yet; save it as RGB or RGBA");
-  if (h.trns)
-    fail(what,
-         ": a PNG with a tRNS colour key (Pillow adds its alpha after the resize) is not supported yet; save it "
-         "with an alpha channel");
-  if (h.depth != 8)
-    fail(what, ": a ", h.depth, "-bit PNG is not supported yet (8-bit grey, grey + alpha, RGB and RGBA are)");
+  // Pillow's modes: P (any depth) and 1 (1-bit grey) are resized by NEAREST; L of 8 bits. Grey of 2 and 4 bits
+  // (Pillow's L;2 and L;4) and 16-bit images are not followed yet.
+  const bool palette = h.color == PNG_COLOR_TYPE_PALETTE, one_bit = h.color == PNG_COLOR_TYPE_GRAY && h.depth == 1;
+  if (!palette && !one_bit && h.depth != 8)
+    fail(what, ": a ", h.depth, "-bit PNG is not supported yet (8-bit grey, grey + alpha, RGB and RGBA, 1-bit grey ",
+         "and palettes are)");
   int channels = 0;
   switch (h.color) {
+    case PNG_COLOR_TYPE_PALETTE: channels = h.trns ? 4 : 3; break;
     case PNG_COLOR_TYPE_GRAY: channels = 1; break;
     case PNG_COLOR_TYPE_GRAY_ALPHA: channels = 2; break;
     case PNG_COLOR_TYPE_RGB: channels = 3; break;
@@ -120,7 +133,9 @@ Image8 decode_png(const uint8_t* data, size_t size, const std::string& what) {
   Image8 img(int64_t(h.width), int64_t(h.height), channels);
   std::vector<png_bytep> rows(size_t(h.height));
   for (png_uint_32 y = 0; y < h.height; ++y) rows[y] = img.row(int64_t(y));
-  if (!png_read_rows(&s, rows.data())) fail(what, ": a corrupt or truncated PNG: ", s.message);
+  img.nearest = palette || one_bit;
+  img.transparent_key = h.trns_grey;  // (an RGB key is kept out: the processor passes RGB images as they are)
+  if (!png_read_rows(&s, h, rows.data())) fail(what, ": a corrupt or truncated PNG: ", s.message);
   return img;
 }
 

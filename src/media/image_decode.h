@@ -1,11 +1,13 @@
 // Image files to 8-bit pixels, as Pillow 9.4 decodes them: Moonshot's processor opens every image with
 // Image.open, and what it does next (resize, alpha composite) depends on the mode Pillow gives.
 //   PNG  (libpng): 8-bit grey, grey + alpha, RGB and RGBA, interlaced or not, as stored (Pillow applies no gamma
-//        and neither does this).
+//        and neither does this). Palettes (Pillow's mode P, any depth) as their colours, RGBA when a tRNS table
+//        gives alphas, and 1-bit grey (mode 1) as L of 0 and 255, both marked `nearest` (Pillow resizes them by
+//        NEAREST); a grey tRNS key is kept in `transparent_key` (its alpha comes after the resize); an RGB key is
+//        dropped (the processor passes RGB images as they are).
 //   JPEG (libjpeg-turbo, Pillow's settings: the islow DCT, fancy upsampling): greyscale to L, YCbCr and RGB to RGB.
 // Refused with a k3::Error naming `what`: other formats; files whose Pillow mode the preprocessing does not yet
-// follow (palette PNGs, which Pillow resizes by NEAREST; a tRNS colour key, which it turns into alpha only after
-// the resize; 16-bit and 1/2/4-bit PNGs; CMYK and YCCK JPEGs, which go through Pillow's own conversion); and
+// follow (16-bit and 2/4-bit grey PNGs; CMYK and YCCK JPEGs, which go through Pillow's own conversion); and
 // corrupt or truncated files (Pillow raises on a truncated file too, unless LOAD_TRUNCATED_IMAGES is set).
 #pragma once
 #include <cstddef>

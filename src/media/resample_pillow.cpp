@@ -1,5 +1,6 @@
 #include "media/resample_pillow.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -108,12 +109,44 @@ void unpremultiply(Image8& im) {
 
 }  // namespace
 
-Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height) {
+namespace {
+
+void check_resize(const Image8& in, int64_t width, int64_t height) {
   K3_CHECK(in.channels >= 1 && in.channels <= 4, "resize: images have 1 to 4 channels, got ", in.channels);
   K3_CHECK(in.width >= 1 && in.height >= 1 && int64_t(in.pixels.size()) == in.width * in.height * in.channels,
            "resize: a ", in.width, " x ", in.height, " x ", in.channels, " image holds ", in.pixels.size(), " bytes");
   K3_CHECK(width >= 1 && height >= 1 && width <= (1 << 24) && height <= (1 << 24), "resize: target size ", width,
            " x ", height, " is out of range");
+}
+
+// Input positions of the output's columns (or rows): Pillow's pretabulation in ImagingScaleAffine.
+std::vector<int64_t> nearest_taps(int64_t in, int64_t out) {
+  const double a = double(in) / double(out);
+  std::vector<int64_t> taps(static_cast<size_t>(out));
+  double pos = a * 0.5;
+  for (int64_t x = 0; x < out; ++x) {
+    taps[size_t(x)] = std::min<int64_t>(pos < 0.0 ? 0 : int64_t(pos), in - 1);
+    pos += a;
+  }
+  return taps;
+}
+
+}  // namespace
+
+Image8 resize_nearest_pillow(const Image8& in, int64_t width, int64_t height) {
+  check_resize(in, width, height);
+  if (width == in.width && height == in.height) return in;
+  Image8 out(width, height, in.channels);
+  out.nearest = in.nearest, out.transparent_key = in.transparent_key;
+  const std::vector<int64_t> xs = nearest_taps(in.width, width), ys = nearest_taps(in.height, height);
+  const int C = in.channels;
+  for (int64_t y = 0; y < height; ++y)
+    for (int64_t x = 0; x < width; ++x) std::copy_n(in.row(ys[size_t(y)]) + xs[size_t(x)] * C, C, out.row(y) + x * C);
+  return out;
+}
+
+Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height) {
+  check_resize(in, width, height);
   if (width == in.width && height == in.height) return in;
   Image8 im = in;
   if (im.has_alpha()) premultiply(im);

@@ -19,4 +19,9 @@ namespace k3 {
 
 Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height);
 
+// Pillow's resize with Resampling.NEAREST, which it uses for mode P and 1 images whatever was asked
+// (libImaging's ImagingScaleAffine): output column x takes input column int(x0 + s / 2 + x s) with s = in / out,
+// the position accumulated in double from x0 = 0 by adding s per column as Pillow does; rows alike.
+Image8 resize_nearest_pillow(const Image8& in, int64_t width, int64_t height);
+
 }  // namespace k3

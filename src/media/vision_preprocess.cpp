@@ -62,9 +62,21 @@ Image8 to_rgb(const Image8& im, const MediaProcConfig& cfg) {
 
 }  // namespace
 
+// A grey image's tRNS key as Pillow's convert("RGBA") applies it, on the resized pixels: alpha 0 where a pixel
+// equals the key, 255 elsewhere.
+Image8 keyed_alpha(const Image8& grey, int key) {
+  Image8 out(grey.width, grey.height, 2);
+  for (size_t i = 0; i < grey.pixels.size(); ++i)
+    out.pixels[2 * i] = grey.pixels[i], out.pixels[2 * i + 1] = grey.pixels[i] == key ? 0 : 255;
+  return out;
+}
+
 VisionInput preprocess_image(const Image8& image, const MediaProcConfig& cfg) {
   const ResizePlan plan = plan_resize(image.width, image.height, cfg);
-  const Image8 rgb = to_rgb(resize_bicubic_pillow(image, plan.width, plan.height), cfg);
+  Image8 resized = image.nearest ? resize_nearest_pillow(image, plan.width, plan.height)
+                                 : resize_bicubic_pillow(image, plan.width, plan.height);
+  if (image.transparent_key >= 0 && resized.channels == 1) resized = keyed_alpha(resized, image.transparent_key);
+  const Image8 rgb = to_rgb(resized, cfg);
   const int64_t p = cfg.patch_size, H = plan.height + plan.pad_height, W = plan.width + plan.pad_width;
   VisionInput v;
   v.width = image.width;

@@ -6,7 +6,9 @@
 Needs Debian's python3-pil (Pillow 9.4: PNG through its own decoder over zlib, JPEG through libjpeg-turbo with its
 defaults, the islow DCT and fancy upsampling) and numpy. The images are synthetic (gradients, noise, edges), saved
 by Pillow itself in the modes Moonshot's processor meets: PNG in L, LA, RGB and RGBA; JPEG in L and RGB at three
-chroma subsamplings, baseline and progressive, at sizes that are not multiples of the 8 x 8 or 16 x 16 blocks.
+chroma subsamplings, baseline and progressive, at sizes that are not multiples of the 8 x 8 or 16 x 16 blocks;
+PNG palettes (8- and 4-bit, with a tRNS alpha table), 1-bit, and grey and RGB colour keys, whose pixels are
+Pillow's conversion of them (RGB, RGBA, L) with the mode Pillow opened them in.
 Writes the files, cases.json (each file's format, Pillow's mode and size, or what the decoder must refuse and
 why) and golden.safetensors: pixels.NAME (U8 [h, w, c]) for each accepted file.
 """
@@ -58,6 +60,23 @@ def main():
         cases.append({"file": name, "format": im.format, "mode": im.mode, "width": im.width, "height": im.height})
         tensors["pixels." + name] = px.astype(np.uint8)
 
+    def accept_as(name, data, to_mode):
+        # Modes the decoder gives as Pillow converts them before the processor sees pixels: P to RGB (RGBA with a
+        # tRNS table) and 1 to L, both resized by NEAREST (nearest: true); L with a tRNS key stays L, the key
+        # (Pillow's info["transparency"]) applied after the resize; RGB's key is ignored by the processor.
+        open(os.path.join(a.out, name), "wb").write(data)
+        im = Image.open(io.BytesIO(data))
+        im.load()
+        case = {"file": name, "format": im.format, "mode": to_mode, "pillow_mode": im.mode, "width": im.width,
+                "height": im.height, "nearest": im.mode in ("P", "1")}
+        if im.mode == "L" and "transparency" in im.info:
+            case["transparency"] = im.info["transparency"]
+        px = np.array(im.convert(to_mode) if im.mode != to_mode else im)
+        if px.ndim == 2:
+            px = px[..., None]
+        cases.append(case)
+        tensors["pixels." + name] = px.astype(np.uint8)
+
     def refuse(name, data, why):
         open(os.path.join(a.out, name), "wb").write(data)
         cases.append({"file": name, "refuse": why})
@@ -86,12 +105,20 @@ def main():
     accept("jpeg_L_333x77_progressive.jpg", save(grey, "JPEG", quality=70, progressive=True))
     accept("jpeg_RGB_333x77_restart.jpg", save(rgb, "JPEG", quality=80, restart_marker_blocks=3))
 
-    # Refused: what the processor would resize or convert by Pillow's own rules, not decoded pixels as they are.
-    refuse("png_P.png", save(rgb.convert("P"), "PNG"), "palette")
-    refuse("png_L_trns.png", save(grey, "PNG", transparency=7), "transparency")
+    # Modes Pillow converts: palettes (8-bit, 4-bit, with a tRNS alpha table), 1-bit, grey and RGB colour keys.
+    accept_as("png_P.png", save(rgb.convert("P"), "PNG"), "RGB")
+    quant = rgb.quantize(16)
+    accept_as("png_P4.png", save(quant, "PNG", bits=4), "RGB")
+    alphas = bytes((i * 37) % 256 for i in range(200))
+    accept_as("png_P_trns.png", save(rgb.quantize(200), "PNG", transparency=alphas), "RGBA")
+    accept_as("png_1bit.png", save(grey.convert("1"), "PNG"), "L")
+    keyed = np.array(grey)
+    keyed[(np.arange(77)[:, None] // 10 + np.arange(333)[None, :] // 25) % 3 == 0] = 7  # flat runs of the key
+    accept_as("png_L_trns.png", save(Image.fromarray(keyed, "L"), "PNG", transparency=7), "L")
+    accept_as("png_RGB_trns.png", save(rgb, "PNG", transparency=(10, 20, 30)), "RGB")
+    # Refused: what the processor would convert by Pillow's own rules, not done here yet.
     refuse("png_I16.png", save(Image.fromarray((picture(20, 10, 1, 5).astype(np.uint16) * 257), "I;16"), "PNG"),
            "16-bit")
-    refuse("png_1bit.png", save(grey.convert("1"), "PNG"), "bit depth")
     refuse("jpeg_CMYK.jpg", save(rgb.convert("CMYK"), "JPEG", quality=90), "CMYK")
     png = save(rgb, "PNG")
     refuse("png_truncated.png", png[: len(png) // 2], "truncated")

@@ -79,7 +79,7 @@ TEST(VisionPreprocess, PixelValuesEqualMoonshotsProcessor) {
 TEST(VisionPreprocess, FilesInPillowsConvertedModesGiveTheProcessorsValues) {
   const nlohmann::json cases = nlohmann::json::parse(read_file(fixture("vision-preprocess-files/cases.json"), "cases"));
   const SafeTensors g = SafeTensors::open(fixture("vision-preprocess-files/golden.safetensors"));
-  ASSERT_EQ(cases["cases"].size(), 14u);
+  ASSERT_EQ(cases["cases"].size(), 16u);
   for (const nlohmann::json& c : cases["cases"]) {
     const std::string name = c["file"], config = c["config"], key = name + "." + config;
     const Image8 im = read_image_file(fixture("image-decode/" + name));

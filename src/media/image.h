@@ -1,5 +1,5 @@
 // An 8-bit image as a decoder gives it: rows top to bottom, each pixel's channels interleaved. channels: 1 (L,
-// greyscale), 2 (LA: greyscale and alpha), 3 (RGB) or 4 (RGBA).
+// greyscale), 2 (LA: greyscale and alpha), 3 (RGB) or 4 (RGBA, or CMYK when `cmyk`).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -16,10 +16,11 @@ struct Image8 {
   // colour key gets its alpha from the key only after the resize (pixels equal to it transparent).
   bool nearest = false;
   int transparent_key = -1;  // (L only; -1: none)
+  bool cmyk = false;         // 4 channels of C, M, Y, K (Pillow's mode CMYK), converted to RGB after the resize
 
   Image8() = default;
   Image8(int64_t w, int64_t h, int c) : width(w), height(h), channels(c), pixels(size_t(w * h * c), 0) {}
-  bool has_alpha() const { return channels == 2 || channels == 4; }
+  bool has_alpha() const { return channels == 2 || (channels == 4 && !cmyk); }
   uint8_t* row(int64_t y) { return pixels.data() + y * width * channels; }
   const uint8_t* row(int64_t y) const { return pixels.data() + y * width * channels; }
 };

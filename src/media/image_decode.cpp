@@ -234,8 +234,8 @@ Image8 decode_jpeg(const uint8_t* data, size_t size, const std::string& what) {
   J_COLOR_SPACE out = JCS_UNKNOWN;
   if (h.space == JCS_GRAYSCALE && h.components == 1) channels = 1, out = JCS_GRAYSCALE;
   else if ((h.space == JCS_YCbCr || h.space == JCS_RGB) && h.components == 3) channels = 3, out = JCS_RGB;
-  else if (h.space == JCS_CMYK || h.space == JCS_YCCK)
-    fail(what, ": a CMYK JPEG (Pillow converts it by its own rules) is not supported yet");
+  else if (h.space == JCS_CMYK && h.components == 4) channels = 4, out = JCS_CMYK;
+  else if (h.space == JCS_YCCK) fail(what, ": a YCCK JPEG (Pillow converts it by its own rules) is not supported yet");
   else fail(what, ": a JPEG of ", h.components, " components in colour space ", int(h.space), " is not supported");
   const JDIMENSION w = s.cinfo.image_width, hh = s.cinfo.image_height;
   check_size(w, hh, what);
@@ -244,6 +244,10 @@ Image8 decode_jpeg(const uint8_t* data, size_t size, const std::string& what) {
   if (!jpeg_decode_rows(&s, out, img.pixels.data(), size_t(w) * size_t(channels), &ow, &oh))
     fail(what, ": a corrupt or truncated JPEG: ", s.message);
   K3_CHECK(ow == w && oh == hh, what, ": the JPEG decoder gave ", ow, " x ", oh, " pixels for ", w, " x ", hh);
+  if (out == JCS_CMYK) {  // Pillow reads CMYK as "CMYK;I", Adobe's inverted samples, whatever the markers say
+    img.cmyk = true;
+    for (uint8_t& v : img.pixels) v = uint8_t(255 - v);
+  }
   return img;
 }
 

@@ -5,9 +5,10 @@
 //        gives alphas, and 1-bit grey (mode 1) as L of 0 and 255, both marked `nearest` (Pillow resizes them by
 //        NEAREST); a grey tRNS key is kept in `transparent_key` (its alpha comes after the resize); an RGB key is
 //        dropped (the processor passes RGB images as they are).
-//   JPEG (libjpeg-turbo, Pillow's settings: the islow DCT, fancy upsampling): greyscale to L, YCbCr and RGB to RGB.
+//   JPEG (libjpeg-turbo, Pillow's settings: the islow DCT, fancy upsampling): greyscale to L, YCbCr and RGB to RGB,
+//        CMYK to CMYK (`cmyk`; the samples inverted, as Pillow reads them as Adobe's "CMYK;I").
 // Refused with a k3::Error naming `what`: other formats; files whose Pillow mode the preprocessing does not yet
-// follow (16-bit and 2/4-bit grey PNGs; CMYK and YCCK JPEGs, which go through Pillow's own conversion); and
+// follow (16-bit and 2/4-bit grey PNGs; YCCK JPEGs); and
 // corrupt or truncated files (Pillow raises on a truncated file too, unless LOAD_TRUNCATED_IMAGES is set).
 #pragma once
 #include <cstddef>

@@ -149,10 +149,12 @@ Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height) {
   check_resize(in, width, height);
   if (width == in.width && height == in.height) return in;
   Image8 im = in;
-  if (im.has_alpha()) premultiply(im);
+  const bool alpha = in.has_alpha();  // (CMYK's fourth channel is K: no premultiplying)
+  if (alpha) premultiply(im);
   if (width != im.width) im = pass(im, coefficients(int(im.width), int(width)), /*horizontal=*/true, width);
   if (height != im.height) im = pass(im, coefficients(int(im.height), int(height)), /*horizontal=*/false, height);
-  if (im.has_alpha()) unpremultiply(im);
+  if (alpha) unpremultiply(im);
+  im.nearest = in.nearest, im.transparent_key = in.transparent_key, im.cmyk = in.cmyk;
   return im;
 }
 

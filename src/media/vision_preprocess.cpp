@@ -37,6 +37,18 @@ namespace {
 // may turn these steps back into float operations, so k3_media is built without FMA contraction (CMakeLists.txt).
 Image8 to_rgb(const Image8& im, const MediaProcConfig& cfg) {
   if (im.channels == 3) return im;
+  if (im.cmyk) {  // Pillow's cmyk2rgb: (255 - k) - c (255 - k) / 255, in its integer rounding
+    Image8 out(im.width, im.height, 3);
+    for (size_t p = 0, q = 0; p < im.pixels.size(); p += 4, q += 3) {
+      const unsigned nk = 255u - im.pixels[p + 3];
+      for (int c = 0; c < 3; ++c) {
+        const unsigned tmp = unsigned(im.pixels[p + size_t(c)]) * nk + 128;
+        const int v = int(nk) - int(((tmp >> 8) + tmp) >> 8);
+        out.pixels[q + size_t(c)] = uint8_t(std::clamp(v, 0, 255));
+      }
+    }
+    return out;
+  }
   Image8 out(im.width, im.height, 3);
   const int C = im.channels;
   for (int64_t y = 0; y < im.height; ++y)

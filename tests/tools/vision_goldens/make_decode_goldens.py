@@ -8,7 +8,8 @@ defaults, the islow DCT and fancy upsampling) and numpy. The images are syntheti
 by Pillow itself in the modes Moonshot's processor meets: PNG in L, LA, RGB and RGBA; JPEG in L and RGB at three
 chroma subsamplings, baseline and progressive, at sizes that are not multiples of the 8 x 8 or 16 x 16 blocks;
 PNG palettes (8- and 4-bit, with a tRNS alpha table), 1-bit, and grey and RGB colour keys, whose pixels are
-Pillow's conversion of them (RGB, RGBA, L) with the mode Pillow opened them in.
+Pillow's conversion of them (RGB, RGBA, L) with the mode Pillow opened them in; a CMYK JPEG (Pillow's CMYK values,
+read as Adobe's inverted samples).
 Writes the files, cases.json (each file's format, Pillow's mode and size, or what the decoder must refuse and
 why) and golden.safetensors: pixels.NAME (U8 [h, w, c]) for each accepted file.
 """
@@ -119,7 +120,7 @@ def main():
     # Refused: what the processor would convert by Pillow's own rules, not done here yet.
     refuse("png_I16.png", save(Image.fromarray((picture(20, 10, 1, 5).astype(np.uint16) * 257), "I;16"), "PNG"),
            "16-bit")
-    refuse("jpeg_CMYK.jpg", save(rgb.convert("CMYK"), "JPEG", quality=90), "CMYK")
+    accept("jpeg_CMYK.jpg", save(rgb.convert("CMYK"), "JPEG", quality=90))
     png = save(rgb, "PNG")
     refuse("png_truncated.png", png[: len(png) // 2], "truncated")
     jpg = save(rgb, "JPEG", quality=90)

@@ -9,7 +9,8 @@ for tests/fixtures/vision-preprocess-files.
 The processor (as make_preprocess_goldens.py loads it; the reference stays out of the repository) gets each file
 as Image.open gives it: palettes (8- and 4-bit, one with a tRNS alpha table; Pillow resizes mode P by NEAREST and
 converts it to RGB or RGBA only after), 1-bit grey (mode 1, also NEAREST), grey with a tRNS colour key (alpha
-from the key after the bicubic resize) and RGB with one (the processor passes RGB as it is), under the release's
+from the key after the bicubic resize), RGB with one (the processor passes RGB as it is) and a CMYK JPEG (resized as CMYK,
+converted by Pillow's cmyk2rgb after), under the release's
 media_proc_cfg (no resize, padding only) and the small one (in_patch_limit 24, 8 patches a side: a resize).
 Writes cases.json and golden.safetensors: pixel_values.NAME.CONFIG (F32 [L, 3, 14, 14]), grid_thws.NAME.CONFIG.
 """
@@ -24,7 +25,7 @@ import st
 from make_preprocess_goldens import RELEASE, SMALL, load_processor
 
 FILES = ["png_P.png", "png_P4.png", "png_P_trns.png", "png_1bit.png", "png_L_trns.png", "png_RGB_trns.png",
-         "png_RGBA_64x48.png"]
+         "png_RGBA_64x48.png", "jpeg_CMYK.jpg"]
 
 
 def main():

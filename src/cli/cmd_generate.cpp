@@ -1,6 +1,5 @@
 // k3 generate: prefill a prompt (token ids, text, or a chat request), then decode new tokens one at
 // a time from the cache.
-#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -110,9 +109,11 @@ void register_generate(CLI::App& app) {
       if (!images.empty() && m.config().has_vision_config) vision = VisionModel::load(o->model);
       if (request) media = encode_media_prompt(*tok, vision.get(), m.config().hidden_size, segments, images);
       prompt = request ? media.ids : tok->encode(o->prompt, o->allow_special);
+      int64_t image_tokens = 0;
+      for (const InputRows& r : media.rows) image_tokens += r.n;
       if (!images.empty())
         std::fprintf(stderr, "%zu image(s): %lld prompt tokens from the vision tower\n", images.size(),
-                     (long long)std::count(prompt.begin(), prompt.end(), tok->special_id("<|media_pad|>")));
+                     (long long)image_tokens);
       if (prompt.empty()) fail("--prompt: the text encodes to no tokens");
     } else {
       prompt = parse_ids(o->ids, "--ids");

@@ -43,6 +43,14 @@ struct ForwardHooks {
 // row0[b] and it adds n[b] tokens. A k3::Error names a span outside its sequence's tokens.
 std::vector<std::pair<int64_t, const float*>> input_rows_of(const ForwardHooks& hooks, const std::vector<int64_t>& row0,
                                                             const std::vector<int64_t>& n, int64_t hidden);
+// The same over a backend's segments (anything with row0 and n: Segment, the GPU's SegmentDev).
+template <class Seg>
+std::vector<std::pair<int64_t, const float*>> input_rows_of(const ForwardHooks& hooks, const std::vector<Seg>& segs,
+                                                            int64_t hidden) {
+  std::vector<int64_t> row0, n;
+  for (const Seg& s : segs) row0.push_back(s.row0), n.push_back(s.n);
+  return input_rows_of(hooks, row0, n, hidden);
+}
 
 // Numerical path switches of the CPU model (model/model.h). `reference` (env K3_REFERENCE=1) forces
 // the specification paths: the KDA recurrence instead of the chunked form, and expanded MLA instead

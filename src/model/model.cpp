@@ -74,11 +74,8 @@ class CpuBackend {
     int64_t r = 0;
     for (const auto& seq : tokens_)
       for (int32_t id : seq) w_.embed_tokens.rows_to_f32(e + r++ * D_, id, 1);
-    if (hooks_) {
-      std::vector<int64_t> row0, n;
-      for (const Segment& s : segs_) row0.push_back(s.row0), n.push_back(s.n);
-      for (const auto& [row, x] : input_rows_of(*hooks_, row0, n, D_)) std::copy_n(x, D_, e + row * D_);
-    }
+    if (hooks_)
+      for (const auto& [row, x] : input_rows_of(*hooks_, segs_, D_)) std::copy_n(x, D_, e + row * D_);
     check_block_finite(c_, st_, "embedding", -1, e, N_, D_);
     return e;
   }

@@ -140,8 +140,7 @@ void Batcher::release(SlotState* s) {
     if (it == slots_.end()) return;
     reserved_ -= s->reserved;
     started_ -= s->started;
-    ahead_on_ -= s->ahead;
-    s->ahead = false, s->ahead_pick = nullptr, s->ahead_steps = 0;
+    ahead_off(s);
     PrefixCache::unpin(s->node);
     if (s->seq) to_free_.push_back(std::move(s->seq));  // (reset by the engine thread once its step is over)
     dead_.push_back(std::move(*it));
@@ -222,11 +221,15 @@ PickResult Batcher::ahead_next(SlotState* s) {
   return r;
 }
 
+void Batcher::ahead_off(SlotState* s) {
+  ahead_on_ -= s->ahead;
+  s->ahead = false, s->ahead_steps = 0, s->ahead_pick = nullptr;
+}
+
 void Batcher::ahead_stop(SlotState* s) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!s->ahead) return;
-  s->ahead = false, --ahead_on_;
-  s->ahead_steps = 0, s->ahead_pick = nullptr;
+  ahead_off(s);
   std::lock_guard<std::mutex> out(s->out.mu);
   s->out.ended = true;
   s->out.results.clear();

@@ -7,8 +7,9 @@
 // token, a prompt its next chunk (decodes first, then prompts in arrival order while the step stays within
 // step_tokens, the oldest prompt always getting its chunk), so a long prompt holds the others' decoding back by
 // one chunk at a time, never by its whole prefill. While sequences decode, prompt chunks join one step in
-// prefill_every: a step of decodes alone replays the GPU's decode graph, one with prompts runs eagerly and costs
-// about twice as much, so prompts wait a few steps and go in together. A prompt's chunks end at multiples of prefill_chunk in its
+// prefill_every: a step of decodes alone replays the GPU's decode graph, one with prompts runs eagerly, so prompts
+// wait a few steps and go in together (which shortens their time to first token; docs/BENCHMARKS.md). A prompt's
+// chunks end at multiples of prefill_chunk in its
 // sequence, whatever else runs: where its forwards begin and end depends on the prompt alone (the rounding of
 // a chunked prefill depends on its chunks on the GPU), and a prefix cache can resume at any chunk's end with
 // the very state a prefill from the start has there. Requests join at any step and leave when they drop their
@@ -141,6 +142,7 @@ class Batcher {
   bool ahead_ready(const SlotState* s) const;              // (locked)
   bool any_ahead_ready() const;                            // (locked)
   void ahead_end(SlotState* s, const std::string& error);  // (locked)
+  void ahead_off(SlotState* s);  // (locked) no further steps ahead, and no further next_pick calls
   void notify_loop();  // the notifier thread: wakes the readers of the slots in to_notify_
 
   // Results a slot running ahead may hold untaken: one being taken while the next step computes the next.

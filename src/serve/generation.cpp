@@ -100,14 +100,10 @@ PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const Cha
   try {
     std::vector<ChatImagePart> parts;
     const std::vector<ChatSegment> segments = render_chat(req.body, &parts);
-    if (parts.empty()) {
-      p.ids = encode_segments(tok, segments);
-    } else {
-      auto media = std::make_shared<MediaPrompt>(
-          encode_media_prompt(tok, vision, cfg.hidden_size, segments, load_chat_images(parts, MediaSources{})));
-      p.ids = media->ids;
-      p.media = std::move(media);
-    }
+    auto media = std::make_shared<MediaPrompt>(
+        encode_media_prompt(tok, vision, cfg.hidden_size, segments, load_chat_images(parts, MediaSources{})));
+    p.ids = media->ids;
+    if (!media->rows.empty()) p.media = std::move(media);
   } catch (const Error& e) {
     throw bad_request("messages", e.what());
   }

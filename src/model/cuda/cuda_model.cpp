@@ -665,12 +665,9 @@ class CudaBackend {
       elementwise::cuda::embedding_gather_f32(e, reinterpret_cast<const float*>(w_.embed.data()), ids_, N_,
                                               c_.vocab_size, D_);
     else gemm::cuda::embedding_gather(e, reinterpret_cast<const bf16*>(w_.embed.data()), ids_, N_, c_.vocab_size, D_);
-    if (r_.hooks && !r_.hooks->input_rows.empty()) {  // (prompt steps with images: a copy per row is plenty)
-      std::vector<int64_t> row0, n;
-      for (const SegmentDev& s : segs_) row0.push_back(s.row0), n.push_back(s.n);
-      for (const auto& [row, x] : input_rows_of(*r_.hooks, row0, n, D_))
+    if (r_.hooks)  // (prompt steps with images: a copy per row is plenty)
+      for (const auto& [row, x] : input_rows_of(*r_.hooks, segs_, D_))
         cuda::copy_to_device(e + row * D_, x, size_t(D_) * sizeof(float));
-    }
     return e;
   }
 

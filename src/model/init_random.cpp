@@ -131,10 +131,7 @@ void write_random_model(const std::string& config_path, const std::string& out_d
     VisionConfig v;
     const bool found = parse_vision_config(read_file(config_path, "config"), config_path, &v, c.hidden_size);
     K3_ASSERT(found && v.text_hidden_size == c.hidden_size);
-    if (v.attn_bias || v.linear_bias || v.patch_embed_bias)
-      fail(config_path,
-           ": vision_config asks for biases (attn_bias, linear_bias or patch_embed_proj_bias); MoonViT-V2 has none "
-           "and k3 init does not write them");
+    check_vision_biases(v, config_path);
     vision = vision_tensor_table(v);
   }
   {

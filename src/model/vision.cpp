@@ -20,10 +20,7 @@ std::unique_ptr<VisionModel> VisionModel::load(const std::string& dir) {
 }
 
 VisionModel::VisionModel(const VisionConfig& c, SafeTensors st) : c_(c), st_(std::move(st)) {
-  if (c_.attn_bias || c_.linear_bias || c_.patch_embed_bias)
-    fail(c_.source,
-         ": vision_config asks for biases (attn_bias, linear_bias or patch_embed_proj_bias); "
-         "MoonViT-V2 has none and this model does not take them");
+  check_vision_biases(c_, c_.source);
   // Names and shapes from the vision tensor table (tensor_table.h), which k3 init writes from too.
   using K = VisionTensorKind;
   const std::string& src = c_.source;

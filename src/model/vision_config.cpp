@@ -112,4 +112,11 @@ VisionConfig load_vision_config(const std::string& path) {
   return c;
 }
 
+void check_vision_biases(const VisionConfig& c, const std::string& where) {
+  if (c.attn_bias || c.linear_bias || c.patch_embed_bias)
+    fail(where,
+         ": vision_config asks for biases (attn_bias, linear_bias or patch_embed_proj_bias); MoonViT-V2 has none, "
+         "and k3cpp neither loads nor writes them");
+}
+
 }  // namespace k3

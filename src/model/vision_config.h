@@ -40,5 +40,8 @@ bool parse_vision_config(const std::string& text, const std::string& src, Vision
 // The same from a file: a config.json, or a model directory holding one. A k3::Error when it has no
 // vision_config.
 VisionConfig load_vision_config(const std::string& path);
+// A k3::Error naming `where` when the config asks for biases (attn_bias, linear_bias, patch_embed_proj_bias):
+// MoonViT-V2 has none, and neither the model nor k3 init has a place for them.
+void check_vision_biases(const VisionConfig& c, const std::string& where);
 
 }  // namespace k3

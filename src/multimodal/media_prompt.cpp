@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/base64.h"
 #include "core/error.h"
 #include "media/image_decode.h"
 #include "media/vision_preprocess.h"
@@ -14,33 +15,15 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-int base64_value(char c) {
-  if (c >= 'A' && c <= 'Z') return c - 'A';
-  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-  if (c >= '0' && c <= '9') return c - '0' + 52;
-  if (c == '+' || c == '-') return 62;  // (the URL-safe alphabet's - and _ too)
-  if (c == '/' || c == '_') return 63;
-  return -1;
-}
-
-std::vector<uint8_t> base64_decode(std::string_view s, const std::string& what) {
+// A data URL's base64 payload: padding only at its end, no group of a lone character.
+std::vector<uint8_t> data_url_base64(std::string_view s, const std::string& what) {
   while (!s.empty() && s.back() == '=') s.remove_suffix(1);
-  std::vector<uint8_t> out;
-  out.reserve(s.size() * 3 / 4);
-  uint32_t acc = 0;
-  int bits = 0;
-  for (size_t i = 0; i < s.size(); ++i) {
-    const int v = base64_value(s[i]);
-    if (v < 0) fail(what, ": the data URL's base64 has '", std::string(1, s[i]), "' at byte ", i, " of its payload");
-    acc = (acc << 6) | uint32_t(v);
-    bits += 6;
-    if (bits >= 8) {
-      bits -= 8;
-      out.push_back(uint8_t(acc >> bits));
-    }
-  }
-  if (bits >= 6) fail(what, ": the data URL's base64 payload is cut (", s.size(), " characters)");
-  return out;
+  std::string bytes;
+  size_t bad = s.find('=');
+  if (bad != std::string_view::npos || !base64_decode(s, bytes, &bad))
+    fail(what, ": the data URL's base64 has '", std::string(1, s[bad]), "' at byte ", bad, " of its payload");
+  if (s.size() % 4 == 1) fail(what, ": the data URL's base64 payload is cut (", s.size(), " characters)");
+  return std::vector<uint8_t>(bytes.begin(), bytes.end());
 }
 
 int hex_value(char c) {
@@ -79,7 +62,7 @@ std::vector<uint8_t> data_url_bytes(const std::string& url, const std::string& w
   const size_t comma = url.find(',');
   if (comma == std::string::npos) fail(what, ": the data URL has no ',' before its payload");
   const std::string_view meta(url.data() + 5, comma - 5), payload(url.data() + comma + 1, url.size() - comma - 1);
-  if (meta.size() >= 7 && meta.substr(meta.size() - 7) == ";base64") return base64_decode(payload, what);
+  if (meta.size() >= 7 && meta.substr(meta.size() - 7) == ";base64") return data_url_base64(payload, what);
   std::vector<uint8_t> out;  // percent-encoded
   for (size_t i = 0; i < payload.size(); ++i) {
     if (payload[i] != '%') {

@@ -7,39 +7,13 @@
 #include <queue>
 #include <sstream>
 
+#include "core/base64.h"
 #include "core/error.h"
 #include "io/file.h"
 
 namespace k3 {
 
 namespace {
-
-int b64val(char c) {
-  if (c >= 'A' && c <= 'Z') return c - 'A';
-  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-  if (c >= '0' && c <= '9') return c - '0' + 52;
-  if (c == '+' || c == '-') return 62;
-  if (c == '/' || c == '_') return 63;
-  return -1;
-}
-
-bool b64decode(const std::string& in, std::string& out) {
-  out.clear();
-  uint32_t acc = 0;
-  int bits = 0;
-  for (char c : in) {
-    if (c == '=') break;
-    const int v = b64val(c);
-    if (v < 0) return false;
-    acc = (acc << 6) | uint32_t(v);
-    bits += 6;
-    if (bits >= 8) {
-      bits -= 8;
-      out.push_back(char((acc >> bits) & 0xff));
-    }
-  }
-  return true;
-}
 
 constexpr uint32_t kNoRank = UINT32_MAX;  // a pair that is not a token
 
@@ -120,7 +94,7 @@ BpeTokenizer BpeTokenizer::load(const std::string& path, const std::unordered_ma
     if (line.empty()) continue;
     std::istringstream ls(line);
     long long rank = -1;
-    if (!(ls >> tok >> rank) || rank < 0 || rank > INT32_MAX || !b64decode(tok, bytes) || bytes.empty())
+    if (!(ls >> tok >> rank) || rank < 0 || rank > INT32_MAX || !base64_decode(tok, bytes) || bytes.empty())
       fail(path, ":", lineno, ": expected '<base64 token> <rank>', got '", line.substr(0, 80), "'");
     if (rank >= entries)
       fail(path, ":", lineno, ": rank ", rank, " is out of range: a file of ", entries, " ranks holds ranks 0..",

@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "kernels/attnres/attnres_cuda.h"
 #include "kernels/common/elementwise_cuda.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 
 namespace k3::attnres::cuda {
@@ -121,10 +122,11 @@ constexpr int prefetch_slices() {
   return VEC == 1 ? 1 : sizeof(Tsrc) == 2 ? 3 : 2;
 }
 
-// h = acc / z, stored as Tout, and (with a.normed) the RMSNorm of h: the end of both kernels.
+// h = acc / z, stored as Tout, and (with a.normed) the RMSNorm of h: the end of both kernels. `wpre`, when given,
+// holds the thread's norm weight already loaded (the pack kernel loads it before it waits on the previous kernel).
 template <class Tsrc, class Tout, int VEC, int NVMAX>
 __device__ __forceinline__ void finish_row(float (&acc)[NVMAX][VEC], float z, const Args<Tsrc>& a, int64_t row,
-                                           float (*sh1)[1]) {
+                                           float (*sh1)[1], const float (*wpre)[VEC] = nullptr) {
   const int D = a.D, nv = a.nv;
   // h = acc / z, as it will be stored (rounded to Tout): the norm below reads exactly that.
   float ss[1] = {0.0f};
@@ -151,7 +153,12 @@ __device__ __forceinline__ void finish_row(float (&acc)[NVMAX][VEC], float z, co
       float o[VEC];
       if (a.norm_weight) {
         float w[VEC];
-        rowwise::load_vec<float, VEC>(w, a.norm_weight + d0);
+        if (wpre) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) w[k] = wpre[j][k];
+        } else {
+          rowwise::load_vec<float, VEC>(w, a.norm_weight + d0);
+        }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) o[k] = w[k] * (acc[j][k] * r);
       } else {
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(co
   __shared__ float sh1[32][1];
   const int64_t row = blockIdx.x;
   const int D = a.D, nv = a.nv, S = a.S;
+  pdl::wait_then_release();
 
   float acc[NVMAX][VEC];
 #pragma unroll
@@ -204,40 +212,58 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_row_kernel(co
 // does. block_sum reduces each value alone, in the same order whatever their count, and the geometry is the row
 // kernel's, so the arithmetic and its order are attnres_row_kernel's; a decode step's row waits on one reduction
 // instead of S.
+// The last source (with its pending update) is held apart from the others, in `last`, and its sums sit in the
+// first two places of the reduction: so no register array is ever indexed by S (which the compiler would place
+// in local memory) and every index below is a compile-time constant. The query and the norm weight are loaded
+// before the kernel waits on the previous one (pdl_cuda.cuh).
 template <class Tsrc, class Tout, int VEC, int SMAX>
 __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_pack_kernel(const __grid_constant__ Args<Tsrc> a) {
   __shared__ float sh[32][2 * SMAX];
   __shared__ float sh1[32][1];
   const int64_t row = blockIdx.x;
   const int D = a.D, S = a.S, d0 = int(threadIdx.x) * VEC;
-  Slice<Tsrc, VEC, 1> sl[SMAX];
+  const bool mine = d0 < D;
+  float q[VEC], wn[1][VEC];
+  if (mine) {
+    rowwise::load_vec<float, VEC>(q, a.query + d0);
+    if (a.normed && a.norm_weight) rowwise::load_vec<float, VEC>(wn[0], a.norm_weight + d0);
+  }
+  pdl::wait_then_release();
+
+  Slice<Tsrc, VEC, 1> sl[SMAX - 1], last;
 #pragma unroll
-  for (int i = 0; i < SMAX; ++i) {
-    if (i < S) load_slice(sl[i], a.src[i] + row * a.ld_src, 1, D);
-    if constexpr (std::is_same_v<Tsrc, float>) {
-      if (i == S - 1 && a.last_store && d0 < D) {  // the pending residual update (uniform but for d0)
-        if (a.last_addend) {
-          float ad[VEC];
-          rowwise::load_vec<float, VEC>(ad, a.last_addend + row * a.ld_src + d0);
+  for (int i = 0; i < SMAX - 1; ++i)
+    if (i < S - 1) load_slice(sl[i], a.src[i] + row * a.ld_src, 1, D);
+  load_slice(last, a.src[S - 1] + row * a.ld_src, 1, D);
+  if constexpr (std::is_same_v<Tsrc, float>) {
+    if (a.last_store && mine) {  // the pending residual update (uniform but for d0)
+      if (a.last_addend) {
+        float ad[VEC];
+        rowwise::load_vec<float, VEC>(ad, a.last_addend + row * a.ld_src + d0);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) sl[i].raw[0][k] += ad[k];
-        }
-        rowwise::store_vec<float, VEC>(a.last_store + row * a.ld_src + d0, sl[i].raw[0]);
+        for (int k = 0; k < VEC; ++k) last.raw[0][k] += ad[k];
       }
+      rowwise::store_vec<float, VEC>(a.last_store + row * a.ld_src + d0, last.raw[0]);
     }
   }
-  float q[VEC];
-  if (d0 < D) rowwise::load_vec<float, VEC>(q, a.query + d0);
-  float part[2 * SMAX];  // per source: Σv², Σv·q
+  float part[2 * SMAX];  // Σv², Σv·q: the last source's first, then sources 0 .. S-2
 #pragma unroll
-  for (int i = 0; i < SMAX; ++i) {
-    part[2 * i] = part[2 * i + 1] = 0.0f;
-    if (i < S && d0 < D)
+  for (int i = 0; i < 2 * SMAX; ++i) part[i] = 0.0f;
+  if (mine)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float v = rowwise::to_f32(last.raw[0][k]);
+      part[0] = fmaf(v, v, part[0]);
+      part[1] = fmaf(v, q[k], part[1]);
+    }
+#pragma unroll
+  for (int i = 0; i < SMAX - 1; ++i) {
+    if (i < S - 1 && mine)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float v = rowwise::to_f32(sl[i].raw[0][k]);
-        part[2 * i] = fmaf(v, v, part[2 * i]);
-        part[2 * i + 1] = fmaf(v, q[k], part[2 * i + 1]);
+        part[2 * i + 2] = fmaf(v, v, part[2 * i + 2]);
+        part[2 * i + 3] = fmaf(v, q[k], part[2 * i + 3]);
       }
   }
   rowwise::block_sum<2 * SMAX>(part, sh);
@@ -245,18 +271,20 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads) attnres_pack_kernel(c
 #pragma unroll
   for (int k = 0; k < VEC; ++k) acc[0][k] = 0.0f;
   float m = -INFINITY, z = 0.0f;
-#pragma unroll
-  for (int i = 0; i < SMAX; ++i) {
-    if (i >= S) break;
-    const float sc = part[2 * i + 1] / sqrtf(part[2 * i] / float(D) + a.eps);
+  const auto merge = [&](const Slice<Tsrc, VEC, 1>& v, float ss, float dot) {
+    const float sc = dot / sqrtf(ss / float(D) + a.eps);
     const float m_new = fmaxf(m, sc);
     const float c_old = expf(m - m_new), c_new = expf(sc - m_new);
     z = fmaf(z, c_old, c_new);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[0][k] = fmaf(acc[0][k], c_old, c_new * rowwise::to_f32(sl[i].raw[0][k]));
+    for (int k = 0; k < VEC; ++k) acc[0][k] = fmaf(acc[0][k], c_old, c_new * rowwise::to_f32(v.raw[0][k]));
     m = m_new;
-  }
-  finish_row<Tsrc, Tout, VEC, 1>(acc, z, a, row, sh1);
+  };
+#pragma unroll
+  for (int i = 0; i < SMAX - 1; ++i)
+    if (i < S - 1) merge(sl[i], part[2 * i + 2], part[2 * i + 3]);
+  merge(last, part[0], part[1]);
+  finish_row<Tsrc, Tout, VEC, 1>(acc, z, a, row, sh1, wn);
 }
 
 // One block per row of `nvec` packs, each thread holding at most EPT elements of it.
@@ -271,10 +299,10 @@ void run_kernel(Args<Tsrc> a, int64_t N, int64_t nvec) {
     a.src[a.S - 1] = reinterpret_cast<const Tsrc*>(last);
     a.last_addend = nullptr, a.last_store = nullptr;
   }
-  if (g.nv == 1 && a.S <= 4) attnres_pack_kernel<Tsrc, Tout, VEC, 4><<<unsigned(N), g.threads>>>(a);
-  else if (g.nv == 1 && a.S <= 8) attnres_pack_kernel<Tsrc, Tout, VEC, 8><<<unsigned(N), g.threads>>>(a);
-  else if (g.nv == 1) attnres_pack_kernel<Tsrc, Tout, VEC, kMaxSources><<<unsigned(N), g.threads>>>(a);
-  else attnres_row_kernel<Tsrc, Tout, VEC, EPT, NB><<<unsigned(N), g.threads>>>(a);
+  if (g.nv == 1 && a.S <= 4) pdl::launch(attnres_pack_kernel<Tsrc, Tout, VEC, 4>, unsigned(N), g.threads, 0, a);
+  else if (g.nv == 1 && a.S <= 8) pdl::launch(attnres_pack_kernel<Tsrc, Tout, VEC, 8>, unsigned(N), g.threads, 0, a);
+  else if (g.nv == 1) pdl::launch(attnres_pack_kernel<Tsrc, Tout, VEC, kMaxSources>, unsigned(N), g.threads, 0, a);
+  else pdl::launch(attnres_row_kernel<Tsrc, Tout, VEC, EPT, NB>, unsigned(N), g.threads, 0, a);
   K3_CUDA_LAUNCH_CHECK();
 }
 

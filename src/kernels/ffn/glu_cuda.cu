@@ -24,6 +24,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/ffn/glu_cuda.h"
 
@@ -97,6 +98,7 @@ template <class Tin, class Tout, int VEC, bool SITU, int F1, int F2>
 __global__ void __launch_bounds__(256)
     glu_kernel(Tout* out, int64_t ld_out, const Tin* gate, const Tin* up, int64_t ld_in, int64_t rows,
                int64_t vecs_per_row, Beta be1, Beta be2) {
+  pdl::wait_then_release();
   const int64_t c_stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const Tin* gr = gate + r * ld_in;
@@ -155,7 +157,7 @@ void launch_vec(Tout* out, int64_t ld_out, const Tin* g, const Tin* u, int64_t l
   Beta be1{}, be2{};
   const int f1 = beta_form(act.beta_gate, &be1), f2 = beta_form(act.beta_up, &be2);
 #define K3_GLU_LAUNCH(SITU, F1, F2) \
-  glu_kernel<Tin, Tout, VEC, SITU, F1, F2><<<grid, threads>>>(out, ld_out, g, u, ld_in, rows, vpr, be1, be2)
+  pdl::launch(glu_kernel<Tin, Tout, VEC, SITU, F1, F2>, grid, threads, 0, out, ld_out, g, u, ld_in, rows, vpr, be1, be2)
   if (!act.situ) K3_GLU_LAUNCH(false, kBetaFast, kBetaFast);
   else if (f1 == kBetaPow2 && f2 == kBetaPow2) K3_GLU_LAUNCH(true, kBetaPow2, kBetaPow2);
   else if (f1 == kBetaPow2) K3_GLU_LAUNCH(true, kBetaPow2, kBetaFast);

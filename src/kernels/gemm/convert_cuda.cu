@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/gemm/convert_cuda.h"
 
@@ -16,6 +17,7 @@ using rowwise::bf16;
 // dst[i] = convert(src[i]); the first n/VEC*VEC elements as packs of VEC, the rest one by one.
 template <class Tin, class Tout, int VEC>
 __global__ void convert_kernel(Tout* __restrict__ dst, const Tin* __restrict__ src, int64_t n) {
+  pdl::wait_then_release();
   const int64_t packs = n / VEC;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -33,9 +35,9 @@ void launch_convert(Tout* dst, const Tin* src, int64_t n) {
   if (n == 0) return;
   K3_CHECK(dst && src, "convert (cuda): null pointer");
   if (rowwise::aligned16(dst) && rowwise::aligned16(src)) {
-    convert_kernel<Tin, Tout, 8><<<rowwise::grid_for(n / 8 + 1), 256>>>(dst, src, n);
+    pdl::launch(convert_kernel<Tin, Tout, 8>, rowwise::grid_for(n / 8 + 1), 256, 0, dst, src, n);
   } else {
-    convert_kernel<Tin, Tout, 1><<<rowwise::grid_for(n), 256>>>(dst, src, n);
+    pdl::launch(convert_kernel<Tin, Tout, 1>, rowwise::grid_for(n), 256, 0, dst, src, n);
   }
   K3_CUDA_LAUNCH_CHECK();
 }
@@ -44,6 +46,7 @@ void launch_convert(Tout* dst, const Tin* src, int64_t n) {
 template <int VEC>
 __global__ void embedding_kernel(float* __restrict__ out, const bf16* __restrict__ table,
                                  const int32_t* __restrict__ ids, int64_t T, int64_t V, int64_t D) {
+  pdl::wait_then_release();
   const int64_t packs = D / VEC, total = T * packs;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / packs, c = (i - t * packs) * VEC;
@@ -69,9 +72,9 @@ void embedding_gather(float* out, const uint16_t* table, const int32_t* ids, int
   if (T == 0 || D == 0) return;
   K3_CHECK(out && table && ids, "embedding_gather (cuda): null pointer");
   if (D % 8 == 0 && rowwise::aligned16(table) && rowwise::aligned16(out)) {
-    embedding_kernel<8><<<rowwise::grid_for(T * (D / 8)), 256>>>(out, table, ids, T, V, D);
+    pdl::launch(embedding_kernel<8>, rowwise::grid_for(T * (D / 8)), 256, 0, out, table, ids, T, V, D);
   } else {
-    embedding_kernel<1><<<rowwise::grid_for(T * D), 256>>>(out, table, ids, T, V, D);
+    pdl::launch(embedding_kernel<1>, rowwise::grid_for(T * D), 256, 0, out, table, ids, T, V, D);
   }
   K3_CUDA_LAUNCH_CHECK();
 }

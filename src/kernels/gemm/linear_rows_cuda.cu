@@ -5,6 +5,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/gemm/linear_rows_cuda.h"
 
@@ -34,31 +35,51 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float (&f)[8]) {
   }
 }
 
+// The first kPrefetchRuns of a lane's 16-byte runs of its weight row are loaded before the kernel waits on the
+// previous one (pdl_cuda.cuh): all of a k3-1b row (K = 512 or 1024), the first 1024 columns of longer ones.
+constexpr int kPrefetchRuns = 4;
+
+// acc[m] += x[m, k .. k+7] · w8 for the step's rows (fmaf in k order).
+__device__ __forceinline__ void rows_fma(float (&acc)[kLinearRowsMaxM], const uint4 w8, const RowsArgs& a, int64_t k) {
+  float wf[8];
+  bf16x8_to_f32(w8, wf);
+#pragma unroll
+  for (int m = 0; m < kLinearRowsMaxM; ++m) {
+    if (m >= a.M) break;
+    float xf[8];
+    bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(a.x + m * a.ld_x + k)), xf);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
+  }
+}
+
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) linear_rows_kernel(const __grid_constant__ RowsArgs a) {
   const int64_t row = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   int o = 0;
   while (o < a.n_outs && row >= a.row_end[o]) ++o;
-  if (o == a.n_outs) return;
+  if (o == a.n_outs) return;  // (this warp touches nothing)
   const int64_t n = row - (o ? a.row_end[o - 1] : 0);
   const uint16_t* w = a.w[o] + n * a.K;
+  uint4 wpre[kPrefetchRuns];
+#pragma unroll
+  for (int p = 0; p < kPrefetchRuns; ++p) {
+    const int64_t k = 8 * lane + 256 * p;
+    if (k < a.K) wpre[p] = __ldg(reinterpret_cast<const uint4*>(w + k));
+  }
+  pdl::wait_then_release();
 
   float acc[kLinearRowsMaxM];
 #pragma unroll
   for (int m = 0; m < kLinearRowsMaxM; ++m) acc[m] = 0.0f;
-#pragma unroll 4
-  for (int64_t k = 8 * lane; k < a.K; k += 256) {
-    float wf[8];
-    bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(w + k)), wf);
 #pragma unroll
-    for (int m = 0; m < kLinearRowsMaxM; ++m) {
-      if (m >= a.M) break;
-      float xf[8];
-      bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(a.x + m * a.ld_x + k)), xf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
-    }
+  for (int p = 0; p < kPrefetchRuns; ++p) {
+    const int64_t k = 8 * lane + 256 * p;
+    if (k < a.K) rows_fma(acc, wpre[p], a, k);
   }
+#pragma unroll 4
+  for (int64_t k = 8 * lane + 256 * kPrefetchRuns; k < a.K; k += 256)
+    rows_fma(acc, __ldg(reinterpret_cast<const uint4*>(w + k)), a, k);
 #pragma unroll
   for (int m = 0; m < kLinearRowsMaxM; ++m) {
     if (m >= a.M) break;
@@ -111,7 +132,7 @@ void linear_rows(const uint16_t* x, int64_t ld_x, int64_t M, int64_t K, const Li
     a.f32[i] = outs[i].y_type == DType::F32;
     a.row_end[i] = rows += outs[i].N;
   }
-  linear_rows_kernel<<<unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock>>>(a);
+  pdl::launch(linear_rows_kernel, unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0, a);
   K3_CUDA_LAUNCH_CHECK();
 }
 

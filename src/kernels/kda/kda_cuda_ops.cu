@@ -11,6 +11,7 @@
 #include "core/cuda.h"
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/kda/kda_cuda.h"
 
@@ -128,6 +129,7 @@ struct ConvQkvArgs {
 
 template <class T>
 __global__ void conv_qkv_decode_kernel(const __grid_constant__ ConvQkvArgs<T> a) {
+  pdl::wait_then_release();
   const int64_t warp = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (warp >= 3 * a.B * a.H) return;
@@ -202,6 +204,7 @@ constexpr int rec_threads() {
 // lane-strided by one warp, the same butterfly) before it is stored.
 template <class TI, class TO, int D, bool FUSE>
 __global__ void __launch_bounds__(rec_threads<D>(), 1) recurrent_kernel(KdaParams p, KdaGateNorm f) {
+  pdl::wait_then_release();
   static_assert(D == 32 || D == 64 || D == 128, "head dim");
   constexpr int R = D / 4;  // state rows per thread
   __shared__ float sk[D], sq[D], sa[D], red_u[4][D], red_o[4][D], so[FUSE ? D : 1];
@@ -309,7 +312,7 @@ static void conv_qkv_launch(T* const (&out)[3], const T* const (&in)[3], const f
   ConvQkvArgs<T> a{};
   for (int i = 0; i < 3; ++i) a.out[i] = out[i], a.in[i] = in[i], a.w[i] = w[i], a.tail[i] = tail[i];
   a.tail_slot = tail_slot, a.B = B, a.H = H, a.D = D, a.K = K, a.eps = eps;
-  conv_qkv_decode_kernel<T><<<blocks_for(3 * B * H, 8), 256>>>(a);
+  pdl::launch(conv_qkv_decode_kernel<T>, blocks_for(3 * B * H, 8), 256, 0, a);
   K3_CUDA_LAUNCH_CHECK();
 }
 void conv_qkv_decode(float* const (&out)[3], const float* const (&in)[3], const float* const (&weight)[3], int K,
@@ -385,16 +388,16 @@ static void recurrent_launch(const KdaParams& p, const KdaGateNorm& f) {
   const bool f32 = p.in_dtype == DType::F32;
   switch (p.D) {
     case 32:
-      if (f32) recurrent_kernel<float, float, 32, FUSE><<<grid, rec_threads<32>()>>>(p, f);
-      else recurrent_kernel<bf16, bf16, 32, FUSE><<<grid, rec_threads<32>()>>>(p, f);
+      if (f32) pdl::launch(recurrent_kernel<float, float, 32, FUSE>, grid, rec_threads<32>(), 0, p, f);
+      else pdl::launch(recurrent_kernel<bf16, bf16, 32, FUSE>, grid, rec_threads<32>(), 0, p, f);
       break;
     case 64:
-      if (f32) recurrent_kernel<float, float, 64, FUSE><<<grid, rec_threads<64>()>>>(p, f);
-      else recurrent_kernel<bf16, bf16, 64, FUSE><<<grid, rec_threads<64>()>>>(p, f);
+      if (f32) pdl::launch(recurrent_kernel<float, float, 64, FUSE>, grid, rec_threads<64>(), 0, p, f);
+      else pdl::launch(recurrent_kernel<bf16, bf16, 64, FUSE>, grid, rec_threads<64>(), 0, p, f);
       break;
     default:
-      if (f32) recurrent_kernel<float, float, 128, FUSE><<<grid, rec_threads<128>()>>>(p, f);
-      else recurrent_kernel<bf16, bf16, 128, FUSE><<<grid, rec_threads<128>()>>>(p, f);
+      if (f32) pdl::launch(recurrent_kernel<float, float, 128, FUSE>, grid, rec_threads<128>(), 0, p, f);
+      else pdl::launch(recurrent_kernel<bf16, bf16, 128, FUSE>, grid, rec_threads<128>(), 0, p, f);
       break;
   }
   K3_CUDA_LAUNCH_CHECK();

@@ -21,6 +21,7 @@
 
 #include "core/cuda_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/mla/mla_cuda.h"
 
 namespace k3::mla::cuda {
@@ -296,6 +297,7 @@ struct DecodeSmem {
 
 template <int R_T, int DR_T, bool kExact>
 __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeArgs a) {
+  pdl::wait_then_release();
   using S = DecodeSmem<R_T, DR_T>;
   constexpr int KD_T = R_T + DR_T, KK = KD_T / 16, CC = KD_T / 8, JD = R_T / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -496,6 +498,7 @@ __global__ void __launch_bounds__(kDcThreads, 1) mla_decode_kernel(const DecodeA
 // o_lat[row] = Σ_s 2^(m_s - M) O_s / Σ_s 2^(m_s - M) l_s, M = max_s m_s. One block per row.
 __global__ void mla_decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                                    float* __restrict__ o_lat, int64_t all_rows, int R, int splits) {
+  pdl::wait_then_release();
   const int64_t row = blockIdx.x;
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s) M = fmaxf(M, ws_ml[(s * all_rows + row) * 2]);
@@ -526,7 +529,7 @@ void launch_decode(const DecodeArgs& a, int m_tiles, int B) {
     configured = true;
   }
   const dim3 grid(a.splits, m_tiles, B);
-  mla_decode_kernel<R_T, DR_T, kExact><<<grid, kDcThreads, smem>>>(a);
+  pdl::launch(mla_decode_kernel<R_T, DR_T, kExact>, grid, kDcThreads, smem, a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -713,7 +716,7 @@ void decode(const DecodeParams& p) {
   else if (d.R <= 128) launch_decode<128, 64, false>(a, m_tiles, B);
   else launch_decode<512, 64, false>(a, m_tiles, B);
   if (sp.splits > 1) {
-    mla_decode_combine<<<unsigned(all_rows), 128>>>(a.ws_o, a.ws_ml, p.o_lat, all_rows, a.R, sp.splits);
+    pdl::launch(mla_decode_combine, unsigned(all_rows), 128, 0, a.ws_o, a.ws_ml, p.o_lat, all_rows, a.R, sp.splits);
     K3_CUDA_LAUNCH_CHECK();
   }
 }
@@ -721,6 +724,7 @@ void decode(const DecodeParams& p) {
 namespace {
 __global__ void append_rows_kernel(__nv_bfloat16* const* seq_rows, int64_t ldc, const int32_t* seq_p0, const float* src,
                                    int64_t width, int64_t B) {
+  pdl::wait_then_release();
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= B * width) return;
   const int64_t b = i / width, c = i % width;
@@ -734,8 +738,8 @@ void append_rows(uint16_t* const* seq_rows, int64_t ldc, const int32_t* seq_p0, 
            " ldc=", ldc);
   if (B == 0 || width == 0) return;
   const int64_t n = B * width;
-  append_rows_kernel<<<unsigned((n + 255) / 256), 256>>>(reinterpret_cast<__nv_bfloat16* const*>(seq_rows), ldc, seq_p0,
-                                                         src, width, B);
+  pdl::launch(append_rows_kernel, unsigned((n + 255) / 256), 256, 0, reinterpret_cast<__nv_bfloat16* const*>(seq_rows),
+              ldc, seq_p0, src, width, B);
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -38,6 +38,7 @@
 
 #include "core/cuda_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/moe/moe_cuda.h"
 #include "kernels/moe/moe_gemm_sm90.cuh"
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(kRouterThreads)
     router_kernel(int32_t* __restrict__ idx, float* __restrict__ weight, float* __restrict__ scores_out,
                   float* __restrict__ sel_sum_out, const float* __restrict__ logits, const float* __restrict__ bias,
                   int E, int K, int G, int topk_groups, bool renormalize, float scaling) {
+  pdl::wait_then_release();
   extern __shared__ unsigned char router_smem[];
   float* s = reinterpret_cast<float*>(router_smem);                  // [E] unbiased scores
   float* sel = s + E;                                                // [E] biased selection scores; -INF = masked
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(kScanThreads)
     plan_small_kernel(int32_t* __restrict__ counts_out, int32_t* __restrict__ offsets, int32_t* __restrict__ tiles,
                       int32_t* __restrict__ num_tiles, int32_t* __restrict__ slot_of, int32_t* __restrict__ slot_token,
                       const int32_t* __restrict__ idx, int S, int K, int E, int TM) {
+  pdl::wait_then_release();
   extern __shared__ int32_t plan_smem[];  // [E] counts, [E] row offsets (then cursors), [E] tile offsets
   int32_t* counts = plan_smem;
   int32_t* roff = plan_smem + E;
@@ -357,6 +360,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[MI][NI][4], uint32_t a_s,
 // (44 MB for K3's gate/up) went through L2.
 template <int TM, int BNT, bool Glu, bool Mx>
 __global__ void __launch_bounds__(kThreads, (TM == 64 && BNT == 128) ? 2 : 1) grouped_gemm_kernel(const GemmArgs a) {
+  pdl::wait_then_release();
   constexpr int MI = TM / 32;                // m16 tiles per warp (warp tile (TM/2) × WN)
   constexpr int WN = BNT / 4;                // weight rows (combined output columns) per warp
   constexpr int NI = WN / 8;                 // n8 tiles per warp
@@ -617,7 +621,7 @@ void launch_gemm_tm(GemmArgs a, const Dispatch& d, const GemmConfig& cfg) {
     K3_CHECK(d.max_tiles() <= 65535, "moe::cuda: ", d.max_tiles(), " row tiles exceed the grid limit 65535");
     grid = dim3(unsigned(a.col_tiles), unsigned(d.max_tiles()));
   }
-  grouped_gemm_kernel<TM, BNT, Glu, Mx><<<grid, kThreads, smem>>>(a);
+  pdl::launch(grouped_gemm_kernel<TM, BNT, Glu, Mx>, grid, kThreads, smem, a);
   K3_CUDA_LAUNCH_CHECK();
 }
 
@@ -676,6 +680,7 @@ void check_config(const GemmConfig& cfg, const char* what) {
 // u [T, L] = Σ_k w[t,k] y[slot_of[t,k]]: one CTA per token, 8 bf16 per thread step.
 __global__ void combine_kernel(float* __restrict__ u, const bf16* __restrict__ y, const float* __restrict__ weight,
                                const int32_t* __restrict__ slot_of, int K, int L) {
+  pdl::wait_then_release();
   const int64_t t = blockIdx.x;
   for (int c = threadIdx.x * 8; c < L; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -745,9 +750,8 @@ void launch_router(const char* what, int32_t* idx, float* weight, float* scores_
   if (T <= 0) return;
   const size_t smem = size_t(p.num_experts) * 9;
   K3_CUDA_CHECK(cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  router_kernel<<<unsigned(T), kRouterThreads, smem>>>(idx, weight, scores_out, sel_sum_out, logits, bias,
-                                                       int(p.num_experts), int(p.top_k), int(p.num_groups),
-                                                       int(p.topk_groups), p.renormalize, p.scaling);
+  pdl::launch(router_kernel, unsigned(T), kRouterThreads, smem, idx, weight, scores_out, sel_sum_out, logits, bias,
+              int(p.num_experts), int(p.top_k), int(p.num_groups), int(p.topk_groups), p.renormalize, p.scaling);
   K3_CUDA_LAUNCH_CHECK();
 }
 }  // namespace
@@ -804,9 +808,8 @@ void Dispatch::build(const int32_t* idx, int64_t T, int tile_m) {
   if (S <= kPlanSmallSlots && E_ <= kPlanSmallExperts) {
     const size_t smem = size_t(3 * E_) * 4;
     K3_CUDA_CHECK(cudaFuncSetAttribute(plan_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    plan_small_kernel<<<1, kScanThreads, smem>>>(counts_.data(), offsets_.data(), tiles_.data(), num_tiles_.data(),
-                                                 slot_of_.data(), slot_token_.data(), idx, int(S), int(K_), int(E_),
-                                                 tile_m_);
+    pdl::launch(plan_small_kernel, 1, kScanThreads, smem, counts_.data(), offsets_.data(), tiles_.data(),
+                num_tiles_.data(), slot_of_.data(), slot_token_.data(), idx, int(S), int(K_), int(E_), tile_m_);
     K3_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -932,7 +935,7 @@ void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& 
 void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L) {
   K3_CHECK(L > 0 && L % 8 == 0, "moe::cuda::combine: L must be a positive multiple of 8, got ", L);
   if (d.tokens() == 0) return;
-  combine_kernel<<<unsigned(d.tokens()), 128>>>(u, y, weight, d.slot_of(), int(d.top_k()), int(L));
+  pdl::launch(combine_kernel, unsigned(d.tokens()), 128, 0, u, y, weight, d.slot_of(), int(d.top_k()), int(L));
   K3_CUDA_LAUNCH_CHECK();
 }
 

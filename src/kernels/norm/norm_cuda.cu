@@ -4,6 +4,7 @@
 
 #include "core/cuda_check.cuh"
 #include "core/error.h"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/common/rowwise_cuda.cuh"
 #include "kernels/norm/norm_cuda.h"
 
@@ -22,6 +23,15 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads)
   const int64_t row = blockIdx.x;
   const Tin* xr = x + row * ld_x;
   Tout* yr = y + row * ld_y;
+  // The weight first: it is no kernel's output, so its load overlaps the previous kernel (pdl_cuda.cuh) and is no
+  // longer a round trip after the block's reduction.
+  float wv[NVMAX][VEC];
+#pragma unroll
+  for (int j = 0; j < NVMAX; ++j) {
+    const int d0 = (j * int(blockDim.x) + int(threadIdx.x)) * VEC;
+    if (w && j < nv && d0 < D) rowwise::load_vec<float, VEC>(wv[j], w + d0);
+  }
+  pdl::wait_then_release();
   float v[NVMAX][VEC];
   float ss[1] = {0.0f};
 #pragma unroll
@@ -41,10 +51,8 @@ __global__ void __launch_bounds__(rowwise::kRowMaxThreads)
     if (j < nv && d0 < D) {
       float o[VEC];
       if (w) {
-        float wv[VEC];
-        rowwise::load_vec<float, VEC>(wv, w + d0);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] = wv[k] * (v[j][k] * r);
+        for (int k = 0; k < VEC; ++k) o[k] = wv[j][k] * (v[j][k] * r);
       } else {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) o[k] = v[j][k] * r;
@@ -64,10 +72,12 @@ void launch(const RmsNormParams& p) {
   const auto* x = static_cast<const Tin*>(p.x);
   if (vec) {
     const auto g = rowwise::row_geometry(p.D / VEC, rowwise::kRowElemsPerThread / VEC);
-    rmsnorm_row_kernel<Tin, Tout, VEC><<<unsigned(p.N), g.threads>>>(y, ld_y, x, ld_x, p.weight, p.eps, int(p.D), g.nv);
+    pdl::launch(rmsnorm_row_kernel<Tin, Tout, VEC>, unsigned(p.N), g.threads, 0, y, ld_y, x, ld_x, p.weight, p.eps,
+                int(p.D), g.nv);
   } else {
     const auto g = rowwise::row_geometry(p.D, rowwise::kRowElemsPerThread);
-    rmsnorm_row_kernel<Tin, Tout, 1><<<unsigned(p.N), g.threads>>>(y, ld_y, x, ld_x, p.weight, p.eps, int(p.D), g.nv);
+    pdl::launch(rmsnorm_row_kernel<Tin, Tout, 1>, unsigned(p.N), g.threads, 0, y, ld_y, x, ld_x, p.weight, p.eps,
+                int(p.D), g.nv);
   }
   K3_CUDA_LAUNCH_CHECK();
 }

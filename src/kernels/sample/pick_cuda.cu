@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "core/cuda_check.cuh"
+#include "kernels/common/pdl_cuda.cuh"
 #include "kernels/sample/pick_cuda.h"
 
 namespace k3::sample::cuda {
@@ -44,6 +45,7 @@ __device__ __forceinline__ double warp_inclusive_sum(double x, int lane) {
 
 __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict__ logits, int64_t V,
                                                         const PickRow* __restrict__ rows, int32_t* ids, int32_t* bad) {
+  pdl::wait_then_release();
   using Reduce = cub::BlockReduce<Best, kThreads>;
   using ReduceInt = cub::BlockReduce<int, kThreads>;
   __shared__ union {
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict_
 void pick_tokens(const float* logits, int64_t B, int64_t V, const PickRow* rows, int32_t* ids, int32_t* bad) {
   K3_CHECK(B >= 0 && B <= 2147483647 && V >= 1 && V <= 2147483647, "pick_tokens (cuda): bad shape B=", B, " V=", V);
   if (B == 0) return;
-  pick_kernel<<<unsigned(B), kThreads>>>(logits, V, rows, ids, bad);
+  pdl::launch(pick_kernel, unsigned(B), kThreads, 0, logits, V, rows, ids, bad);
   K3_CUDA_LAUNCH_CHECK();
 }
 

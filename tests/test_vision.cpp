@@ -162,7 +162,7 @@ TEST(Vision, CliEncodesImageFiles) {
     EXPECT_EQ(o.read_f32("merged." + std::to_string(i)), want[i].merged) << i;
     EXPECT_EQ(o.read_f32("projected." + std::to_string(i)), want[i].projected) << i;
   }
-  // Neither input, both, and a file the decoder refuses (16-bit): errors that say so.
+  // Neither input, both, and a file the decoder refuses (truncated): errors that say so.
   EXPECT_THAT(k3test::error_line(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--out", out})),
               HasSubstr("--image"));
   EXPECT_NE(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--image", files[0], "--pixels",
@@ -170,8 +170,8 @@ TEST(Vision, CliEncodesImageFiles) {
                 .status,
             0);
   EXPECT_THAT(k3test::error_line(k3test::run_k3({"vision-encode", "--model", fixture("vision-tiny"), "--image",
-                                                 fixture("image-decode/png_I16.png"), "--out", out})),
-              HasSubstr("png_I16.png"));
+                                                 fixture("image-decode/png_truncated.png"), "--out", out})),
+              HasSubstr("png_truncated.png"));
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------------

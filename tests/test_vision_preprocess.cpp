@@ -73,13 +73,15 @@ TEST(VisionPreprocess, PixelValuesEqualMoonshotsProcessor) {
 
 // Files in the modes Pillow converts by its own rules (tests/fixtures/vision-preprocess-files,
 // make_file_preprocess_goldens.py): palettes of 8 and 4 bits and one with a tRNS alpha table, 1-bit grey (both
-// resized by NEAREST), grey with a tRNS key (alpha from it after the bicubic resize), RGB with a key (ignored), and
-// an RGBA file for comparison, decoded here (media/image_decode.h) and preprocessed: the processor's values, bit for
-// bit, without a resize (the release's config) and with one (the small config).
+// resized by NEAREST), grey with a tRNS key (alpha from it after the bicubic resize), RGB with a key (ignored), a
+// CMYK JPEG and an RGBA file for comparison; and 16-bit PNGs (grey as mode I: a 32-bit resize, then clipped; with a
+// key; grey + alpha as RGBA; RGB, with a key; RGBA), 2- and 4-bit grey (with keys, unscaled) and YCCK JPEGs.
+// Decoded here (media/image_decode.h) and preprocessed: the processor's values, bit for bit, without a resize (the
+// release's config; tiny and odd sizes) and with one (the small config).
 TEST(VisionPreprocess, FilesInPillowsConvertedModesGiveTheProcessorsValues) {
   const nlohmann::json cases = nlohmann::json::parse(read_file(fixture("vision-preprocess-files/cases.json"), "cases"));
   const SafeTensors g = SafeTensors::open(fixture("vision-preprocess-files/golden.safetensors"));
-  ASSERT_EQ(cases["cases"].size(), 16u);
+  ASSERT_EQ(cases["cases"].size(), 39u);
   for (const nlohmann::json& c : cases["cases"]) {
     const std::string name = c["file"], config = c["config"], key = name + "." + config;
     const Image8 im = read_image_file(fixture("image-decode/" + name));

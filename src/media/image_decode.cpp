@@ -6,6 +6,7 @@
 #include <jpeglib.h>
 #include <png.h>
 
+#include <algorithm>
 #include <csetjmp>
 #include <cstdio>
 #include <cstring>
@@ -83,7 +84,9 @@ bool png_read_header(PngState* s, PngHeader* h) {
 }
 
 // Phase 2: every row into `rows` (interlaced images assembled by libpng), then the end of the stream. A palette
-// becomes its colours (and the tRNS table an alpha channel), grey of 1 bit 0/255.
+// becomes its colours (and the tRNS table an alpha channel), grey of 1, 2 and 4 bits 8-bit grey by repeating the
+// bits (the same values as Pillow's unpackers); 16-bit samples keep their high byte (Pillow's RGB;16B,
+// RGBA;16B and LA;16B unpackers drop the low one) except grey's, which stay 16-bit, big-endian.
 bool png_read_rows(PngState* s, const PngHeader& h, png_bytep* rows) {
   if (setjmp(png_jmpbuf(s->png))) return false;
   if (h.color == PNG_COLOR_TYPE_PALETTE) {
@@ -91,6 +94,8 @@ bool png_read_rows(PngState* s, const PngHeader& h, png_bytep* rows) {
     if (h.trns) png_set_tRNS_to_alpha(s->png);
   }
   if (h.color == PNG_COLOR_TYPE_GRAY && h.depth < 8) png_set_expand_gray_1_2_4_to_8(s->png);
+  if (h.depth == 16 && h.color != PNG_COLOR_TYPE_GRAY) png_set_strip_16(s->png);  // (strip: the high byte)
+  if (h.depth == 16 && h.color == PNG_COLOR_TYPE_GRAY_ALPHA) png_set_gray_to_rgb(s->png);
   png_set_interlace_handling(s->png);
   png_read_update_info(s->png, s->info);
   png_read_image(s->png, rows);
@@ -114,28 +119,38 @@ Image8 decode_png(const uint8_t* data, size_t size, const std::string& what) {
   png_set_user_limits(s.png, 1u << 20, 1u << 20);
   PngHeader h;
   if (!png_read_header(&s, &h)) fail(what, ": not a readable PNG: ", s.message);
-  // Pillow's modes: P (any depth) and 1 (1-bit grey) are resized by NEAREST; L of 8 bits. Grey of 2 and 4 bits
-  // (Pillow's L;2 and L;4) and 16-bit images are not followed yet.
+  // Pillow's modes (PngImagePlugin's table): P (any depth) and 1 (1-bit grey), resized by NEAREST; L (grey of 2,
+  // 4 and 8 bits); I (16-bit grey); LA; RGBA (also 16-bit grey + alpha); RGB.
   const bool palette = h.color == PNG_COLOR_TYPE_PALETTE, one_bit = h.color == PNG_COLOR_TYPE_GRAY && h.depth == 1;
-  if (!palette && !one_bit && h.depth != 8)
-    fail(what, ": a ", h.depth, "-bit PNG is not supported yet (8-bit grey, grey + alpha, RGB and RGBA, 1-bit grey ",
-         "and palettes are)");
+  const bool grey16 = h.color == PNG_COLOR_TYPE_GRAY && h.depth == 16;
   int channels = 0;
   switch (h.color) {
     case PNG_COLOR_TYPE_PALETTE: channels = h.trns ? 4 : 3; break;
     case PNG_COLOR_TYPE_GRAY: channels = 1; break;
-    case PNG_COLOR_TYPE_GRAY_ALPHA: channels = 2; break;
+    case PNG_COLOR_TYPE_GRAY_ALPHA: channels = h.depth == 16 ? 4 : 2; break;
     case PNG_COLOR_TYPE_RGB: channels = 3; break;
     case PNG_COLOR_TYPE_RGB_ALPHA: channels = 4; break;
     default: fail(what, ": PNG colour type ", h.color, " is not supported");
   }
   check_size(h.width, h.height, what);
   Image8 img(int64_t(h.width), int64_t(h.height), channels);
+  std::vector<uint8_t> samples16(grey16 ? size_t(h.width) * size_t(h.height) * 2 : 0);
   std::vector<png_bytep> rows(size_t(h.height));
-  for (png_uint_32 y = 0; y < h.height; ++y) rows[y] = img.row(int64_t(y));
+  for (png_uint_32 y = 0; y < h.height; ++y)
+    rows[y] = grey16 ? samples16.data() + size_t(y) * h.width * 2 : img.row(int64_t(y));
   img.nearest = palette || one_bit;
-  img.transparent_key = h.trns_grey;  // (an RGB key is kept out: the processor passes RGB images as they are)
+  // Pillow turns a grey key into alpha after the resize (Convert.c's rgbT2rgba), comparing its low byte with the
+  // 8-bit pixel, unscaled. (An RGB key is kept out: the processor passes RGB images as they are.)
+  img.transparent_key = h.trns_grey >= 0 ? (h.trns_grey & 0xFF) : -1;
   if (!png_read_rows(&s, h, rows.data())) fail(what, ": a corrupt or truncated PNG: ", s.message);
+  if (grey16) {  // mode I; its 8-bit view is Pillow's convert("L"), which clips
+    img.grey16.resize(img.pixels.size());
+    for (size_t i = 0; i < img.grey16.size(); ++i) {
+      const uint16_t v = uint16_t(samples16[2 * i] << 8 | samples16[2 * i + 1]);
+      img.grey16[i] = v;
+      img.pixels[i] = uint8_t(std::min<uint16_t>(v, 255));
+    }
+  }
   return img;
 }
 
@@ -234,8 +249,8 @@ Image8 decode_jpeg(const uint8_t* data, size_t size, const std::string& what) {
   J_COLOR_SPACE out = JCS_UNKNOWN;
   if (h.space == JCS_GRAYSCALE && h.components == 1) channels = 1, out = JCS_GRAYSCALE;
   else if ((h.space == JCS_YCbCr || h.space == JCS_RGB) && h.components == 3) channels = 3, out = JCS_RGB;
-  else if (h.space == JCS_CMYK && h.components == 4) channels = 4, out = JCS_CMYK;
-  else if (h.space == JCS_YCCK) fail(what, ": a YCCK JPEG (Pillow converts it by its own rules) is not supported yet");
+  // Pillow opens every 4-component JPEG as CMYK and asks libjpeg for CMYK, which converts YCCK itself.
+  else if ((h.space == JCS_CMYK || h.space == JCS_YCCK) && h.components == 4) channels = 4, out = JCS_CMYK;
   else fail(what, ": a JPEG of ", h.components, " components in colour space ", int(h.space), " is not supported");
   const JDIMENSION w = s.cinfo.image_width, hh = s.cinfo.image_height;
   check_size(w, hh, what);

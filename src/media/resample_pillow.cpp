@@ -20,11 +20,13 @@ double bicubic(double x) {  // Keys' cubic, a = -0.5
   return 0.0;
 }
 
-// One axis: for each output index, the first input index, the number of taps and their fixed-point weights.
+// One axis: for each output index, the first input index, the number of taps and their weights, normalised in
+// double (what Pillow's 32-bit passes use) and in fixed point (its 8-bit ones).
 struct Axis {
   int ksize = 0;
   std::vector<int> first, count;
-  std::vector<int32_t> weights;  // [out, ksize]
+  std::vector<double> normalised;  // [out, ksize]
+  std::vector<int32_t> weights;    // [out, ksize]
 };
 
 Axis coefficients(int in_size, int out_size) {
@@ -35,6 +37,7 @@ Axis coefficients(int in_size, int out_size) {
   a.ksize = int(std::ceil(support)) * 2 + 1;
   a.first.resize(size_t(out_size));
   a.count.resize(size_t(out_size));
+  a.normalised.assign(size_t(out_size) * size_t(a.ksize), 0.0);
   a.weights.assign(size_t(out_size) * size_t(a.ksize), 0);
   std::vector<double> k(size_t(a.ksize));
   for (int xx = 0; xx < out_size; ++xx) {
@@ -47,6 +50,7 @@ Axis coefficients(int in_size, int out_size) {
     for (int x = 0; x < xmax; ++x) ww += (k[size_t(x)] = bicubic((x + xmin - center + 0.5) * ss));
     for (int x = 0; x < xmax; ++x) {
       const double w = ww != 0.0 ? k[size_t(x)] / ww : k[size_t(x)];
+      a.normalised[size_t(xx) * size_t(a.ksize) + size_t(x)] = w;
       a.weights[size_t(xx) * size_t(a.ksize) + size_t(x)] =
           int32_t(w < 0 ? -0.5 + w * (1 << kPrecisionBits) : 0.5 + w * (1 << kPrecisionBits));
     }
@@ -78,6 +82,30 @@ Image8 pass(const Image8& in, const Axis& a, bool horizontal, int64_t out_size) 
         }
         out.pixels[size_t((y * out.width + x) * C + c)] = clip8(ss);
       }
+    }
+  return out;
+}
+
+// Pillow's ROUND_UP (Resample.c): half away from zero, by truncating v +- 0.5.
+int32_t round_up(double v) { return int32_t(v >= 0.0 ? v + 0.5 : v - 0.5); }
+
+// One pass of Pillow's 32-bit resampler over a mode I image [h, w]: each output the sum, in double from the first
+// tap, of value times normalised weight, rounded; nothing is clipped (a bicubic lobe may leave 0..65535).
+std::vector<int32_t> pass_i32(const std::vector<int32_t>& in, int64_t w, int64_t h, const Axis& a, bool horizontal,
+                              int64_t out_size) {
+  const int64_t ow = horizontal ? out_size : w, oh = horizontal ? h : out_size;
+  std::vector<int32_t> out(size_t(ow * oh));
+  for (int64_t y = 0; y < oh; ++y)
+    for (int64_t x = 0; x < ow; ++x) {
+      const int64_t o = horizontal ? x : y;
+      const int first = a.first[size_t(o)], n = a.count[size_t(o)];
+      const double* k = a.normalised.data() + o * a.ksize;
+      double ss = 0.0;
+      for (int t = 0; t < n; ++t) {
+        const int64_t sx = horizontal ? first + t : x, sy = horizontal ? y : first + t;
+        ss += double(in[size_t(sy * w + sx)]) * k[t];
+      }
+      out[size_t(y * ow + x)] = round_up(ss);
     }
   return out;
 }
@@ -145,9 +173,28 @@ Image8 resize_nearest_pillow(const Image8& in, int64_t width, int64_t height) {
   return out;
 }
 
+namespace {
+
+// Mode I: the 32-bit passes on the 16-bit samples, then Pillow's I -> L clip (Convert.c's i2l, as i2rgb).
+Image8 resize_grey16(const Image8& in, int64_t width, int64_t height) {
+  K3_CHECK(in.channels == 1 && in.grey16.size() == in.pixels.size(), "resize: a 16-bit grey image of ", in.channels,
+           " channels holds ", in.grey16.size(), " samples for ", in.pixels.size(), " pixels");
+  std::vector<int32_t> v(in.grey16.begin(), in.grey16.end());
+  int64_t w = in.width, h = in.height;
+  if (width != w) v = pass_i32(v, w, h, coefficients(int(w), int(width)), /*horizontal=*/true, width), w = width;
+  if (height != h) v = pass_i32(v, w, h, coefficients(int(h), int(height)), /*horizontal=*/false, height), h = height;
+  Image8 out(width, height, 1);
+  for (size_t i = 0; i < v.size(); ++i) out.pixels[i] = uint8_t(std::clamp<int32_t>(v[i], 0, 255));
+  out.transparent_key = in.transparent_key;
+  return out;
+}
+
+}  // namespace
+
 Image8 resize_bicubic_pillow(const Image8& in, int64_t width, int64_t height) {
   check_resize(in, width, height);
   if (width == in.width && height == in.height) return in;
+  if (!in.grey16.empty()) return resize_grey16(in, width, height);
   Image8 im = in;
   const bool alpha = in.has_alpha();  // (CMYK's fourth channel is K: no premultiplying)
   if (alpha) premultiply(im);

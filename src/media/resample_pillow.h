@@ -10,6 +10,10 @@
 //   - LA and RGBA are premultiplied by alpha before and divided by it after (Pillow's "La"/"RGBa" detour), with
 //     Pillow's integer rounding: (c a + 128 + ((c a + 128) >> 8)) >> 8 on the way in, c 255 / a (truncated,
 //     clipped) on the way out.
+//   - A 16-bit grey image (`grey16`, Pillow's mode I, 32-bit integers) takes Pillow's 32-bit passes: the same taps
+//     with the normalised weights kept in double, each output the sum of value times weight in double rounded half
+//     away from zero, nothing clipped between the passes. The result comes back as 8-bit L, clipped to 0..255 as
+//     Pillow's convert("L") and convert("RGB") clip mode I, which is all the processor takes from it.
 #pragma once
 #include <cstdint>
 

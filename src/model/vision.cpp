@@ -48,16 +48,17 @@ VisionModel::VisionModel(const VisionConfig& c, SafeTensors st) : c_(c), st_(std
   post_norm_ = vec(K::PostNorm);
 }
 
-void VisionModel::check_grids(const std::vector<VisionGrid>& grids, int64_t patches) const {
+void check_vision_grids(const VisionConfig& c, const std::vector<VisionGrid>& grids, int64_t patches) {
   K3_CHECK(!grids.empty(), "vision: no items (grid_thws is empty)");
   int64_t total = 0;
   for (size_t i = 0; i < grids.size(); ++i) {
     const VisionGrid& g = grids[i];
-    K3_CHECK(g.t >= 1 && g.t <= c_.pos_emb_time, "vision: item ", i, " has t = ", g.t, " frames; the tower takes 1..",
-             c_.pos_emb_time, " (init_pos_emb_time)");
-    for (auto [side, n, m] : {std::tuple{"h", g.h, c_.merge_h}, std::tuple{"w", g.w, c_.merge_w}})
-      K3_CHECK(n >= m && n <= kMaxGridSide && n % m == 0, "vision: item ", i, " has ", side, " = ", n,
-               " patches; it must be a multiple of the merge kernel's ", m, " in [", m, ", ", kMaxGridSide, "]");
+    K3_CHECK(g.t >= 1 && g.t <= c.pos_emb_time, "vision: item ", i, " has t = ", g.t, " frames; the tower takes 1..",
+             c.pos_emb_time, " (init_pos_emb_time)");
+    for (auto [side, n, m] : {std::tuple{"h", g.h, c.merge_h}, std::tuple{"w", g.w, c.merge_w}})
+      K3_CHECK(n >= m && n <= VisionModel::kMaxGridSide && n % m == 0, "vision: item ", i, " has ", side, " = ", n,
+               " patches; it must be a multiple of the merge kernel's ", m, " in [", m, ", ", VisionModel::kMaxGridSide,
+               "]");
     total += g.patches();
   }
   K3_CHECK(total == patches, "vision: grid_thws describe ", total, " patches, but there are ", patches);

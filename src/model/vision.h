@@ -43,6 +43,11 @@ struct VisionItem {
 // (after block B), "final" (after the final norm); rows = patches, cols = width.
 using VisionTrace = std::function<void(const std::string& name, const float* x, int64_t rows, int64_t cols)>;
 
+// A k3::Error naming the item unless every grid is one a tower of config c takes (1 <= t <= init_pos_emb_time; h, w
+// positive multiples of the merge kernel, at most VisionModel::kMaxGridSide) and together they hold `patches`
+// patches. VisionModel::check_grids and the training forward (model/training/vision_train.h) both ask here.
+void check_vision_grids(const VisionConfig& c, const std::vector<VisionGrid>& grids, int64_t patches);
+
 class VisionModel {
  public:
   // The RMSNorm eps of the tower's norms (see above).
@@ -55,9 +60,10 @@ class VisionModel {
   VisionModel(const VisionConfig& c, SafeTensors st);
 
   const VisionConfig& config() const { return c_; }
-  // A k3::Error naming the item unless every grid is one the model takes (1 <= t <= init_pos_emb_time; h, w
-  // positive multiples of the merge kernel, at most kMaxGridSide) and together they hold `patches` patches.
-  void check_grids(const std::vector<VisionGrid>& grids, int64_t patches) const;
+  // check_vision_grids of this model's config.
+  void check_grids(const std::vector<VisionGrid>& grids, int64_t patches) const {
+    check_vision_grids(c_, grids, patches);
+  }
   // pixel_patches [patches, 3, p, p]: normalised, each item's patches in (t, h, w) order, items in order.
   std::vector<VisionItem> encode(const float* pixel_patches, int64_t patches, const std::vector<VisionGrid>& grids,
                                  const VisionTrace& trace = {}) const;

@@ -3,39 +3,24 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "kernels/vision/bilinear_taps.h"
 #include "kernels/vision/vision.h"
+#include "kernels/vision/vision_f64.h"
 
 namespace k3 {
 
-namespace {
-
-// One axis of align_corners = false bilinear resizing: source index pair and weight of the second.
-struct Tap {
-  int64_t i0, i1;
-  double frac;
-};
-std::vector<Tap> taps(int64_t n_out, int64_t n_in) {
-  std::vector<Tap> t(static_cast<size_t>(n_out));
-  const double scale = double(n_in) / double(n_out);
-  for (int64_t i = 0; i < n_out; ++i) {
-    const double src = std::max((double(i) + 0.5) * scale - 0.5, 0.0);
-    const int64_t i0 = std::min(int64_t(src), n_in - 1);
-    t[size_t(i)] = {i0, std::min(i0 + 1, n_in - 1), src - double(i0)};
-  }
-  return t;
-}
-
-}  // namespace
+using vision_detail::bilinear_taps;
+using vision_detail::BilinearTap;
 
 void position_table_resize(float* out, const float* table, int64_t H0, int64_t W0, int64_t h, int64_t w, int64_t D) {
   if (h == H0 && w == W0) {
     std::copy(table, table + H0 * W0 * D, out);
     return;
   }
-  const std::vector<Tap> tr = taps(h, H0), tc = taps(w, W0);
+  const std::vector<BilinearTap> tr = bilinear_taps(h, H0), tc = bilinear_taps(w, W0);
   parallel_for(h * w, h * w * D * 8, [&](int64_t p) {
-    const Tap& r = tr[size_t(p / w)];
-    const Tap& c = tc[size_t(p % w)];
+    const BilinearTap& r = tr[size_t(p / w)];
+    const BilinearTap& c = tc[size_t(p % w)];
     const float* a = table + (r.i0 * W0 + c.i0) * D;
     const float* b = table + (r.i0 * W0 + c.i1) * D;
     const float* e = table + (r.i1 * W0 + c.i0) * D;
@@ -50,13 +35,9 @@ void position_table_resize(float* out, const float* table, int64_t H0, int64_t W
 }
 
 void frame_time_embedding(float* out, int64_t t, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t f = 0; f < t; ++f)
-    for (int64_t i = 0; i < half; ++i) {
-      const double a = double(f) * std::pow(10000.0, -double(i) / double(half));
-      out[f * D + i] = float(std::sin(a));
-      out[f * D + half + i] = float(std::cos(a));
-    }
+  std::vector<double> e(static_cast<size_t>(t * D));
+  frame_time_embedding_f64(e.data(), t, D);
+  for (int64_t i = 0; i < t * D; ++i) out[i] = float(e[size_t(i)]);
 }
 
 void rope2d_forward(float* x, int64_t ld, int64_t n, int64_t heads, int64_t hd, const int32_t* rows,

@@ -69,11 +69,14 @@ class TrainBackend {
   static constexpr Act kOut = -1;
 
   // head() computes dlogits for head_backward when `backward`; `logits_out` (optional) gets [T, V].
-  TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, const TrainHooks* hooks,
-               bool backward, double grad_scale, std::vector<double>* logits_out)
+  TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+               const std::vector<TrainInputRows>& rows, const TrainHooks* hooks, bool backward, double grad_scale,
+               std::vector<double>* logits_out)
       : P_(P),
         c_(c),
         ids_(ids),
+        rows_(rows),
+        from_rows_(ids.size(), false),
         hooks_(hooks),
         tn_{param_naming(P)},
         lm_head_(lm_head_name(P, c, tn_)),
@@ -83,7 +86,9 @@ class TrainBackend {
         out_(size_t(T_ * D_)),
         backward_(backward),
         grad_scale_(grad_scale),
-        logits_out_(logits_out) {}
+        logits_out_(logits_out) {
+    for (const TrainInputRows& r : rows_) std::fill_n(from_rows_.begin() + r.at, r.n, true);
+  }
 
   bool profiling() const { return false; }
   void synchronize() {}
@@ -97,6 +102,7 @@ class TrainBackend {
         fail("training: token id ", ids_[size_t(t)], " outside [0, ", V, ")");
       std::copy_n(E + int64_t(ids_[size_t(t)]) * D_, D_, &node_[0][size_t(t * D_)]);
     }
+    for (const TrainInputRows& r : rows_) std::copy_n(r.data, r.n * D_, &node_[0][size_t(r.at * D_)]);
     return 0;
   }
 
@@ -173,7 +179,8 @@ class TrainBackend {
     std::vector<double> logits(size_t(T_ * V));
     linear_forward(logits.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_, D_, V);
     std::vector<int32_t> target(static_cast<size_t>(T_), -1);
-    for (int64_t t = 0; t + 1 < T_; ++t) target[size_t(t)] = ids_[size_t(t + 1)];
+    for (int64_t t = 0; t + 1 < T_; ++t)
+      if (!from_rows_[size_t(t + 1)]) target[size_t(t)] = ids_[size_t(t + 1)];
     dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
     const double loss =
         cross_entropy(logits.data(), target.data(), T_, V, backward_ ? dlogits_.data() : nullptr, grad_scale_);
@@ -237,8 +244,12 @@ class TrainBackend {
   void embed_backward(Act embedding) {
     double* dE = P_.g(tn_(TensorKind::TokenEmbd), c_.vocab_size * D_);
     const std::vector<double>& d = dnode_[size_t(embedding)];
-    for (int64_t t = 0; t < T_; ++t)
+    for (int64_t t = 0; t < T_; ++t) {
+      if (from_rows_[size_t(t)]) continue;
       for (int64_t j = 0; j < D_; ++j) dE[int64_t(ids_[size_t(t)]) * D_ + j] += d[size_t(t * D_ + j)];
+    }
+    for (const TrainInputRows& r : rows_)
+      if (r.grad) std::copy_n(&d[size_t(r.at * D_)], r.n * D_, r.grad);
   }
 
  private:
@@ -251,6 +262,8 @@ class TrainBackend {
   ParamStore& P_;
   const K3Config& c_;
   const std::vector<int32_t>& ids_;
+  const std::vector<TrainInputRows>& rows_;
+  std::vector<bool> from_rows_;  // [T]: the position's input is an input row
   const TrainHooks* hooks_;
   const TensorNames tn_;
   const std::string lm_head_;
@@ -269,12 +282,34 @@ class TrainBackend {
 
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward,
                      double grad_scale, std::vector<double>* logits_out, const TrainHooks* hooks) {
+  return sequence_loss(P, c, ids, {}, backward, grad_scale, logits_out, hooks);
+}
+
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                     const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
+                     std::vector<double>* logits_out, const TrainHooks* hooks) {
   if (ids.empty()) fail("training: empty sequence");
-  TrainBackend be(P, c, ids, hooks, backward, grad_scale, logits_out);
+  const int64_t T = int64_t(ids.size());
+  std::vector<bool> taken(ids.size(), false);
+  for (const TrainInputRows& r : rows) {
+    K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= T && (r.data || r.n == 0), "training: input rows [", r.at, ", ",
+             r.at + r.n, ") of a sequence of ", T, " tokens");
+    for (int64_t i = r.at; i < r.at + r.n; ++i) {
+      K3_CHECK(!taken[size_t(i)], "training: input rows overlap at position ", i);
+      taken[size_t(i)] = true;
+    }
+  }
+  TrainBackend be(P, c, ids, rows, hooks, backward, grad_scale, logits_out);
   DecoderTape<TrainBackend::Act> tape;
   const double loss = decoder_forward(be, c, nullptr, &tape);
   if (backward) decoder_backward(be, c, tape);
   return loss;
+}
+
+int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows) {
+  int64_t n = std::max<int64_t>(T - 1, 0);
+  for (const TrainInputRows& r : rows) n -= std::max<int64_t>(std::min(r.at + r.n, T) - std::max<int64_t>(r.at, 1), 0);
+  return n;
 }
 
 }  // namespace k3::train

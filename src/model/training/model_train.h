@@ -35,6 +35,26 @@ struct TrainHooks {
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids, bool backward,
                      double grad_scale, std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
 
+// Rows of a sequence's input that come from given vectors, not the token table: positions [at, at + n) take
+// data [n, hidden] (an image's projected tokens, as inference's InputRows in model/layers.h; the ids there hold
+// the placeholder). Those positions are inputs only: no position is trained to predict them (the targets of
+// positions at - 1 .. at + n - 2 are skipped), and the token table gets no gradient from them.
+struct TrainInputRows {
+  int64_t at = 0, n = 0;
+  const double* data = nullptr;  // [n, hidden]
+  double* grad = nullptr;        // [n, hidden], optional: OVERWRITTEN by the backward, grad_scale * ∂loss/∂data
+};
+
+// sequence_loss with input rows (spans inside the sequence, not overlapping; a k3::Error names one that is not).
+// Returns the summed cross-entropy over the positions whose target is a token (target_count of them).
+double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                     const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
+                     std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
+
+// How many positions of a sequence of T tokens with these input rows predict a token: T - 1, less those whose
+// next position is an input row.
+int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows);
+
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);
 

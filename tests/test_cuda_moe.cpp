@@ -757,6 +757,36 @@ TEST(CudaMoeExperts, RoutedLayerMatchesCpuTwin) {
   std::printf("[routed layer] T=%lld E=%lld K=%lld rel L2 %.3e (tol %.0e)\n", (long long)T, (long long)E, (long long)K,
               err, kRelL2);
   EXPECT_LE(err, kRelL2);
+
+  // The weighted sum and the latent norm in one launch: every row the RMSNorm (double here) of combine's own u,
+  // with and without a weight, within one bf16 rounding.
+  std::vector<float> nw(static_cast<size_t>(L));
+  std::uniform_real_distribution<float> wd(0.5f, 1.5f);
+  for (auto& x : nw) x = wd(r);
+  const std::vector<float> uh = download(u, static_cast<size_t>(T * L));
+  DeviceBuffer<float> dn(nw.data(), nw.size());
+  DeviceBuffer<bf16> normed(static_cast<size_t>(T * L));
+  for (const bool weighted : {true, false}) {
+    mc::combine_rmsnorm(normed.data(), y.data(), dw.data(), d, L, weighted ? dn.data() : nullptr, 1e-5f);
+    k3::cuda::synchronize();
+    const std::vector<bf16> got = download(normed, static_cast<size_t>(T * L));
+    double worst = 0.0;
+    for (int64_t t = 0; t < T; ++t) {
+      double ss = 0.0;
+      for (int64_t c = 0; c < L; ++c) ss += double(uh[size_t(t * L + c)]) * uh[size_t(t * L + c)];
+      const double rr = 1.0 / std::sqrt(ss / double(L) + 1e-5);
+      for (int64_t c = 0; c < L; ++c) {
+        const double want = (weighted ? nw[size_t(c)] : 1.0) * uh[size_t(t * L + c)] * rr;
+        const double g = k3::bf16_to_f32(got[size_t(t * L + c)]);
+        worst = std::max(worst, std::abs(g - want) / std::max(std::abs(want), 1e-3));
+      }
+    }
+    EXPECT_LE(worst, 1.0 / 256) << "combine_rmsnorm, weighted " << weighted;
+  }
+  EXPECT_NE(k3test::error_of([&] {
+              mc::combine_rmsnorm(normed.data(), y.data(), dw.data(), d, 12, nullptr, 1e-5f);
+            }).find("multiple of 8"),
+            std::string::npos);
 }
 
 TEST(CudaMoe, RejectsShapesItCannotRun) {

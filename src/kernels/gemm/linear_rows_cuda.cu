@@ -24,6 +24,7 @@ struct RowsArgs {
   int64_t ld_y[kLinearRowsMaxOutputs];
   int64_t row_end[kLinearRowsMaxOutputs];  // running sum of N: output i owns warp rows [row_end[i-1], row_end[i])
   bool f32[kLinearRowsMaxOutputs];
+  bool accumulate[kLinearRowsMaxOutputs];
 };
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float (&f)[8]) {
@@ -85,7 +86,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) linear_rows_kernel(const 
     if (m >= a.M) break;
     const float s = rowwise::warp_sum(acc[m]);
     if (lane == m) {
-      if (a.f32[o]) static_cast<float*>(a.y[o])[m * a.ld_y[o] + n] = s;
+      if (a.accumulate[o]) static_cast<float*>(a.y[o])[m * a.ld_y[o] + n] += s;
+      else if (a.f32[o]) static_cast<float*>(a.y[o])[m * a.ld_y[o] + n] = s;
       else static_cast<uint16_t*>(a.y[o])[m * a.ld_y[o] + n] = rowwise::f32_to_bf16_rne(s);
     }
   }
@@ -113,6 +115,7 @@ std::string linear_rows_can_run(const uint16_t* x, int64_t ld_x, int64_t M, int6
     if (o.N < 1) return at + "N = " + std::to_string(o.N);
     if (!o.y) return at + "null y";
     if (o.y_type != DType::BF16 && o.y_type != DType::F32) return at + "y must be BF16 or F32";
+    if (o.accumulate && o.y_type != DType::F32) return at + "an accumulating output must be F32";
     if (o.ld_y && o.ld_y < o.N) return at + "row stride of y smaller than N";
     rows += o.N;
   }
@@ -130,6 +133,7 @@ void linear_rows(const uint16_t* x, int64_t ld_x, int64_t M, int64_t K, const Li
   for (int i = 0; i < n_outs; ++i) {
     a.w[i] = outs[i].w, a.y[i] = outs[i].y, a.ld_y[i] = outs[i].ld_y ? outs[i].ld_y : outs[i].N;
     a.f32[i] = outs[i].y_type == DType::F32;
+    a.accumulate[i] = outs[i].accumulate;
     a.row_end[i] = rows += outs[i].N;
   }
   pdl::launch(linear_rows_kernel, unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0, a);

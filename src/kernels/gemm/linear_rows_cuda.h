@@ -1,6 +1,6 @@
 // Several bf16 linears of the same few rows in one launch: the projections a decode step takes from one x̂
 // (a KDA layer's q, k, v, g, f_a and beta; a MoE layer's router, latent down and shared gate and up).
-//   y_i[M, N_i] = x[M, K] · W_i[N_i, K]ᵀ     x, W_i bf16; y_i bf16 or fp32; fp32 accumulation
+//   y_i[M, N_i] (+)= x[M, K] · W_i[N_i, K]ᵀ     x, W_i bf16; y_i bf16 or fp32; fp32 accumulation
 // cuBLAS runs each as its own GEMM, and at one to eight rows a decode step is a chain of such tiny launches whose
 // count, not their bytes, sets its time. Here one warp computes one weight row for all M rows: lane l reads the
 // row's bf16 in 16-byte runs at k = 8 l, 8 l + 256, ..., multiplies them with the same runs of every x row (fmaf in
@@ -23,7 +23,8 @@ struct LinearRowsOutput {
   int64_t N = 0;
   void* y = nullptr;  // [M, ld_y] of y_type
   DType y_type = DType::BF16;
-  int64_t ld_y = 0;  // elements (0: N)
+  int64_t ld_y = 0;         // elements (0: N)
+  bool accumulate = false;  // y += x · Wᵀ (F32 y only): the fp32 sum added to y, rounded once
 };
 
 // Empty string when linear_rows can take the call, else why not (M, K, output count, alignment, strides).

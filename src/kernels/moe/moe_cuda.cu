@@ -700,6 +700,44 @@ __global__ void combine_kernel(float* __restrict__ u, const bf16* __restrict__ y
   }
 }
 
+// normed [T, L] bf16 = RMSNorm(u) with u [T, L] = Σ_k w[t,k] y[slot_of[t,k]], the latent norm after the
+// combine in one launch (a decode step's MoE is a chain of small launches): one CTA per token, a thread per 8
+// columns. u's sums are combine_kernel's, term for term; the norm is norm_cuda's formula, w (u r) with
+// r = 1 / sqrt(Σu² / L + eps) in fp32, its sum of squares reduced over this CTA's threads.
+__global__ void __launch_bounds__(1024)
+    combine_rmsnorm_kernel(bf16* __restrict__ normed, const bf16* __restrict__ y, const float* __restrict__ weight,
+                           const int32_t* __restrict__ slot_of, int K, int L, const float* __restrict__ nw, float eps) {
+  __shared__ float sh[32][1];
+  const int64_t t = blockIdx.x;
+  const int c = int(threadIdx.x) * 8;
+  const bool mine = c < L;
+  float w8[8];
+  if (mine && nw) rowwise::load_vec<float, 8>(w8, nw + c);  // (a weight: before the wait)
+  pdl::wait_then_release();
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (mine)
+    for (int k = 0; k < K; ++k) {
+      const float wk = weight[t * K + k];
+      const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
+      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[2 * q] += wk * __uint_as_float(w4[q] << 16);
+        acc[2 * q + 1] += wk * __uint_as_float(w4[q] & 0xffff0000u);
+      }
+    }
+  float ss[1] = {0.0f};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss[0] = fmaf(acc[i], acc[i], ss[0]);
+  rowwise::block_sum<1>(ss, sh);
+  const float r = 1.0f / sqrtf(ss[0] / float(L) + eps);
+  if (!mine) return;
+  float o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = nw ? w8[i] * (acc[i] * r) : acc[i] * r;
+  rowwise::store_vec<bf16, 8>(normed + t * L + c, o);
+}
+
 __device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -937,6 +975,16 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
   if (d.tokens() == 0) return;
   pdl::launch(combine_kernel, unsigned(d.tokens()), 128, 0, u, y, weight, d.slot_of(), int(d.top_k()), int(L));
   K3_CUDA_LAUNCH_CHECK();
+}
+
+void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
+                     const float* norm_weight, float eps) {
+  K3_CHECK(L > 0 && L % 8 == 0 && L <= 8 * 1024,
+           "moe::cuda::combine_rmsnorm: L must be a positive multiple of 8 up to 8192, got ", L);
+  if (d.tokens() == 0) return;
+  const unsigned threads = unsigned(std::max<int64_t>(32, (L / 8 + 31) / 32 * 32));
+  pdl::launch(combine_rmsnorm_kernel, unsigned(d.tokens()), threads, 0, normed, y, weight, d.slot_of(), int(d.top_k()),
+              int(L), norm_weight, eps);
 }
 
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,

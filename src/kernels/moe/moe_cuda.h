@@ -168,6 +168,10 @@ void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinea
 void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2, const GemmConfig& cfg = {});
 // u [T, L] fp32 = Σ_k weight[t,k] · y[slot_of(t,k)], k ascending. L % 8 == 0.
 void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L);
+// normed [T, L] bf16 = RMSNorm(u) (weight norm_weight [L] or none, eps) of combine's u, in one launch: the same sums,
+// then norm_cuda's formula in fp32. L % 8 == 0, L <= 8192.
+void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
+                     const float* norm_weight, float eps);
 
 // The routed experts after routing: gate/up + SiTU, down, combine. h [S, I] and y [S, L] are caller
 // workspace (bf16). Returns u [T, L] fp32 (before the latent RMSNorm).
@@ -218,6 +222,9 @@ inline void expert_down(bf16*, const bf16*, const Dispatch&, const ExpertLinear&
 }
 inline void combine(float*, const bf16*, const float*, const Dispatch&, int64_t) {
   fail("moe::cuda::combine: this build has no CUDA backend");
+}
+inline void combine_rmsnorm(bf16*, const bf16*, const float*, const Dispatch&, int64_t, const float*, float) {
+  fail("moe::cuda::combine_rmsnorm: this build has no CUDA backend");
 }
 inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, const Dispatch&, const ExpertLinear&,
                             const ExpertLinear&, const ExpertLinear&, const GluParams&, const GemmConfig&) {

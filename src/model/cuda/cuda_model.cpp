@@ -85,6 +85,16 @@ void* DeviceArena::take_bytes(size_t bytes) {
   return p;
 }
 
+// The steps whose linears run as linear_rows rather than cuBLAS (cuda_model_impl.h, linears_of_rows): pooled decode
+// steps of at most gemm::cuda::kLinearRowsMaxM sequences and nothing else. The head (the vocabulary's rows) stays
+// with cuBLAS, which streams it at the memory's bandwidth.
+namespace {
+constexpr int64_t kLinearRowsMaxWeightRows = 65536;
+bool takes_linear_rows(const Run& r, int64_t M) {
+  return r.pooled && r.pooled->B == M && M <= gemm::cuda::kLinearRowsMaxM;
+}
+}  // namespace
+
 template <class T>
 void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_x, int64_t M, const DevMatrix& W,
             bool accumulate) {
@@ -102,6 +112,14 @@ void linear(Run& r, void* y, DType y_type, int64_t ld_y, const T* x, int64_t ld_
     elementwise::cuda::add_inplace(static_cast<float*>(y), t, M * W.rows);
     r.arena.rewind(scratch);
   } else {
+    if (takes_linear_rows(r, M) && W.rows <= kLinearRowsMaxWeightRows) {
+      gemm::cuda::LinearRowsOutput l;
+      l.w = W.as<uint16_t>(), l.N = W.rows, l.y = y, l.y_type = y_type, l.ld_y = ld_y, l.accumulate = accumulate;
+      if (gemm::cuda::linear_rows_can_run(x, ld_x, M, W.cols, &l, 1).empty()) {
+        gemm::cuda::linear_rows(x, ld_x, M, W.cols, &l, 1);
+        return;
+      }
+    }
     gemm::cuda::LinearParams p;
     p.y = y, p.y_type = y_type, p.ld_y = ld_y, p.x = x, p.ld_x = ld_x, p.w = W.as<bf16>(), p.in_type = DType::BF16;
     p.M = M, p.N = W.rows, p.K = W.cols, p.accumulate = accumulate;
@@ -121,8 +139,7 @@ void linears_of_rows(Run& r, const T* x, int64_t M, std::initializer_list<Linear
   for (const LinearOut& o : live)
     K3_CHECK(o.W->cols == K, "linears_of_rows: weights of ", o.W->cols, " and ", K, " columns");
   if constexpr (std::is_same_v<T, bf16>) {
-    if (r.pooled && r.pooled->B == M && M <= gemm::cuda::kLinearRowsMaxM &&
-        int(live.size()) <= gemm::cuda::kLinearRowsMaxOutputs) {
+    if (takes_linear_rows(r, M) && int(live.size()) <= gemm::cuda::kLinearRowsMaxOutputs) {
       std::vector<gemm::cuda::LinearRowsOutput> ro;
       for (const LinearOut& o : live) {
         gemm::cuda::LinearRowsOutput l;

@@ -205,7 +205,7 @@ void linear_f32_out(Run& r, float* y, const T* x, int64_t M, const DevMatrix& W)
 
 // Several linears of the same rows of x: y_i [M, W_i.rows] (dense, of y_type_i). A pooled decode step of at most
 // gemm::cuda::kLinearRowsMaxM sequences and nothing else (the BF16 path's) runs them as one linear_rows launch,
-// anything else as one GEMM each. Only such steps: linear_rows sums in another order than cuBLAS, so a sequence
+// anything else as one GEMM each; linear() takes linear_rows for such a step's single linears too (but the head). Only such steps: linear_rows sums in another order than cuBLAS, so a sequence
 // prefilled, or appended to, alone or in a batch still takes the same GEMMs either way, and a decode step of
 // up to that many sequences gives each the bits it gets alone. A null W or y skips that output.
 struct LinearOut {

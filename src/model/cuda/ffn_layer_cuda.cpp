@@ -123,22 +123,27 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     r.hooks->topk(layer, h.data(), N, K);
   }
 
-  float* u = r.arena.take<float>(N * lat);  // fp32 aggregate of the routed experts
   if constexpr (std::is_same_v<T, float>) {
+    float* u = r.arena.take<float>(N * lat);  // fp32 aggregate of the routed experts
     experts_exact(r, u, z, idx, wt, N, w);
+    if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
+    linear_f32_out<T>(r, out, u, N, w.latent_up);
   } else {
+    // The routed experts, then their weighted sum and the latent norm in one launch, which writes the bf16 rows
+    // latent_up reads (the bits of an fp32 norm, then a conversion).
     r.dispatch->build(idx, N);
     bf16* h = r.arena.take<bf16>(N * K * w.w1.rows);
     bf16* y = r.arena.take<bf16>(N * K * lat);
-    moe::cuda::experts_forward(u, h, y, z, wt, *r.dispatch, w.w1.linear(), w.w3.linear(), w.w2.linear(), glu_params(c));
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
-    linear_f32_out<T>(r, out, u, N, w.latent_up);
-  } else {  // the norm writes the bf16 rows latent_up reads (the bits of an fp32 norm, then a conversion)
+    moe::cuda::expert_gate_up(h, z, *r.dispatch, w.w1.linear(), w.w3.linear(), glu_params(c));
+    moe::cuda::expert_down(y, h, *r.dispatch, w.w2.linear());
     bf16* u16 = r.arena.take<bf16>(N * lat);
-    if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u16, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
-    else gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
+    if (c.latent_moe_use_norm) {
+      moe::cuda::combine_rmsnorm(u16, y, wt, *r.dispatch, lat, w.latent_norm.data(), float(c.rms_norm_eps));
+    } else {
+      float* u = r.arena.take<float>(N * lat);
+      moe::cuda::combine(u, y, wt, *r.dispatch, lat);
+      gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
+    }
     linear_f32_out<T>(r, out, u16, N, w.latent_up);
   }
   // The shared experts' down-projection adds into out in the GEMM's epilogue (fp32 acc + out, rounded once, as

@@ -31,6 +31,7 @@
 #include "util/compare.h"
 #include "util/random.h"
 #include "util/temp_dir.h"
+#include "util/vision_inputs.h"
 
 using namespace k3;
 using k3test::fixture;
@@ -115,6 +116,37 @@ TEST(Vision, ItemsDoNotSeeEachOther) {
     const std::vector<VisionItem> one = m->encode(px.patches.data() + off * pv, px.grids[i].patches(), {px.grids[i]});
     EXPECT_LE(rel_l2(one[0].projected, all[i].projected), 1e-6) << "item " << i;
     off += px.grids[i].patches();
+  }
+}
+
+// The CPU twin of the GPU's bf16 path (VisionModel::set_bf16_activations), on the fixture's weights rounded to
+// BF16 (as the GPU holds them): it rounds (every state departs from the float64 reference by far more than the fp32
+// path's 1.2e-7), and it stays within the GPU tests' kernel bar of that reference, so the bar measures kernels.
+TEST(Vision, Bf16TwinRoundsAndStaysNearTheReference) {
+  k3test::TempDir dir("vision-twin");
+  k3test::write_bf16_copy(fixture("vision-tiny"), dir.path().string());
+  const std::unique_ptr<VisionModel> twin = VisionModel::load(dir.path().string());
+  twin->set_bf16_activations(true);
+  EXPECT_EQ(twin->description(), "cpu (bf16 twin)");
+  const Pixels px = fixture_pixels();
+  std::map<std::string, std::vector<float>> seen;
+  const std::vector<VisionItem> out = twin->encode(px.patches.data(), px.L, px.grids,
+                                                   [&](const std::string& name, const float* x, int64_t rows,
+                                                       int64_t cols) { seen[name].assign(x, x + rows * cols); });
+  for (const char* name : {"embed", "block.0", "block.1", "final"}) {
+    const double e = rel_l2(seen[name], golden().read_f32(name, {px.L, 32}));
+    std::printf("twin %-8s rel L2 %.2e\n", name, e);
+    EXPECT_GT(e, 1e-4) << name;
+    EXPECT_LE(e, 1e-2) << name;
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string n = std::to_string(i);
+    const double em = rel_l2(out[i].merged, golden().read_f32("merged." + n));
+    const double ep = rel_l2(out[i].projected, golden().read_f32("projected." + n));
+    std::printf("twin item %zu: merged rel L2 %.2e, projected %.2e\n", i, em, ep);
+    EXPECT_GT(ep, 1e-4) << n;
+    EXPECT_LE(em, 1e-2) << n;
+    EXPECT_LE(ep, 1e-2) << n;
   }
 }
 

@@ -4,7 +4,9 @@
 #   2. runs every CUDA test (each kernel against its CPU twin; skipped tests would mean no GPU),
 #   3. runs the benchmark binaries bench_cuda_* (our kernels, with cuBLAS baselines in-process),
 #   4. runs the peer baselines in the same session: flash-linear-attention's chunk_kda (source from
-#      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA.
+#      FLA_SRC, default third_party_ref/fla_src, never part of the repository) and PyTorch SDPA; and
+#      Moonshot's vision tower in bf16 (tests/tools/vision_goldens/bench_reference_vision.py) when
+#      VISION_REF (default third_party_ref/kimi_k3/modeling_kimi_k3.py) is there.
 # Everything is printed and also written to $OUT (or out/gpu) as gpu_run.log.
 # Usage: bash scripts/gpu/run_all.sh [--no-peers] [--no-bench] [--only REGEX]   (REGEX filters test/bench names)
 # bench_cuda_model writes random k3-small and k3-1b checkpoints under models/ first (k3 init) and
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
     --no-peers) PEERS=0 ;;
     --no-bench) BENCH=0; PEERS=0 ;;
     --only) ONLY="$2"; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -70,6 +72,12 @@ done
 if [ $PEERS = 1 ]; then
   echo "== peers (flash-linear-attention chunk_kda, PyTorch SDPA)"
   PYTHONUNBUFFERED=1 python3 scripts/gpu/bench_peers.py || FAILED=1
+  # Moonshot's vision tower in bf16 beside bench_cuda_vision, when its modeling code was carried here.
+  VISION_REF=${VISION_REF:-third_party_ref/kimi_k3/modeling_kimi_k3.py}
+  if [ -f "$VISION_REF" ] && echo bench_cuda_vision | grep -qE "$ONLY"; then
+    echo "== peer: Moonshot's vision tower (PyTorch, bf16)"
+    PYTHONUNBUFFERED=1 python3 tests/tools/vision_goldens/bench_reference_vision.py --reference "$VISION_REF" || FAILED=1
+  fi
 fi
 echo "== done in $(( $(date +%s) - START )) s, failures: $FAILED"
 exit $FAILED

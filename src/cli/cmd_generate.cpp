@@ -105,8 +105,12 @@ void register_generate(CLI::App& app) {
     MediaPrompt media;  // the images' rows (none without images)
     if (text_mode) {
       tok = load_tokenizer(o->model, o->tokenizer, m.config());
-      std::unique_ptr<VisionModel> vision;
-      if (!images.empty() && m.config().has_vision_config) vision = VisionModel::load(o->model);
+      std::unique_ptr<VisionEncoder> vision;  // on the engine's device: the GPU (bf16) with --device cuda
+      if (!images.empty() && m.config().has_vision_config) {
+        vision = load_vision_encoder(o->model, m.options().device);
+        std::fprintf(stderr, "[%.2fs] vision tower and projector: %s\n", elapsed_seconds(),
+                     vision->description().c_str());
+      }
       if (request) media = encode_media_prompt(*tok, vision.get(), m.config().hidden_size, segments, images);
       prompt = request ? media.ids : tok->encode(o->prompt, o->allow_special);
       int64_t image_tokens = 0;

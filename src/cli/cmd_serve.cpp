@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "cli/args.h"
 #include "cli/commands.h"
 #include "cli/engine.h"
 #include "core/error.h"
@@ -122,9 +123,14 @@ void register_serve(CLI::App& app) {
         o->model_id.empty() ? std::filesystem::path(o->model).lexically_normal().filename().string() : o->model_id;
     if (so.model_id.empty()) so.model_id = "k3";
     const std::string description = engine->description();
-    // The vision tower and projector run on the CPU for requests with images (when the model has them).
-    std::unique_ptr<const VisionModel> vision;
-    if (engine->config().has_vision_config) vision = VisionModel::load(o->model);
+    // The vision tower and projector run for requests with images (when the model has them), on the engine's
+    // device: the GPU (bf16) with --device cuda, else the CPU.
+    std::unique_ptr<const VisionEncoder> vision;
+    if (engine->config().has_vision_config) {
+      vision = load_vision_encoder(o->model, engine->options().device);
+      std::fprintf(stderr, "[%.2fs] vision tower and projector: %s\n", elapsed_seconds(),
+                   vision->description().c_str());
+    }
     serve::Server server(std::move(engine), std::move(tok), so, std::move(vision));
     const int port = server.bind();
     std::fprintf(stderr, "k3 serve: %s (%s) at http://%s:%d/v1 (Ctrl-C stops)\n", so.model_id.c_str(),

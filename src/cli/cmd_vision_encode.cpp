@@ -11,6 +11,7 @@
 #include "io/safetensors.h"
 #include "media/image_decode.h"
 #include "media/vision_preprocess.h"
+#include "model/engine.h"
 #include "model/vision.h"
 #include "multimodal/media_prompt.h"
 
@@ -18,7 +19,7 @@ namespace k3::cli {
 
 void register_vision_encode(CLI::App& app) {
   struct Opts {
-    std::string model, pixels, out;
+    std::string model, pixels, out, device = "cpu";
     std::vector<std::string> images;
   };
   auto o = std::make_shared<Opts>();
@@ -26,8 +27,10 @@ void register_vision_encode(CLI::App& app) {
       "vision-encode",
       "Run the vision tower (MoonViT-V2) and projector over preprocessed images and write their outputs.\n"
       "Reads MODEL/config.json (its vision_config; a directory may hold only the tower and projector) and the\n"
-      "vision_tower.* and mm_projector.* tensors of its safetensors, on the CPU. PIXELS holds 'pixel_patches'\n"
-      "(F32 [L, 3, p, p]: normalised, patchified, each item's patches in (t, h, w) order) and 'grid_thws'\n"
+      "vision_tower.* and mm_projector.* tensors of its safetensors. Runs on the CPU (fp32 activations,\n"
+      "fp64-accumulated linear layers) or, with --device cuda, on the GPU in bf16 (bf16 weights and GEMM inputs,\n"
+      "fp32 residual stream, norms and softmax). PIXELS holds 'pixel_patches' (F32 [L, 3, p, p]: normalised,\n"
+      "patchified, each item's patches in (t, h, w) order) and 'grid_thws'\n"
       "(I64 [n, 3]: each item's frames, patch rows, patch columns). OUT (written atomically) holds, for each item\n"
       "i, 'merged.i' (F32 [tokens, 4, width]: the tower's output after the 2 x 2 merge) and 'projected.i'\n"
       "(F32 [tokens, text hidden size]: what replaces the item's media placeholder in the text).\n"
@@ -39,9 +42,20 @@ void register_vision_encode(CLI::App& app) {
   pixels_opt->excludes(image_opt);
   image_opt->excludes(pixels_opt);
   sub->add_option("--out", o->out, "output .safetensors path (written atomically)")->required();
+  sub->add_option("--device", o->device,
+                  "where the tower runs: cpu, or cuda (one Hopper GPU, bf16; needs a CUDA build)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   sub->callback([o] {
     check_output_path(o->out);
-    const std::unique_ptr<VisionModel> m = VisionModel::load(o->model);
+    const Device device = parse_device(o->device, "--device");
+    std::unique_ptr<VisionEncoder> m;
+    try {
+      m = load_vision_encoder(o->model, device);
+    } catch (const Error& e) {
+      if (device == Device::CUDA) fail("--device cuda: ", e.what());
+      throw;
+    }
     const VisionConfig& c = m->config();
     if (o->pixels.empty() && o->images.empty()) fail("vision-encode: give --pixels FILE or --image FILE");
     std::vector<float> pixels;
@@ -72,8 +86,9 @@ void register_vision_encode(CLI::App& app) {
     const int64_t L = int64_t(pixels.size()) / (3 * c.patch_size * c.patch_size);
     m->check_grids(grids, L);
     check_output_path(o->out);  // again, now that the model's and the pixels' files are known inputs
-    std::fprintf(stderr, "[%.2fs] vision-encode on the CPU: %zu item(s), %lld patches, tower %lld x %lld blocks\n",
-                 elapsed_seconds(), grids.size(), (long long)L, (long long)c.hidden_size, (long long)c.num_layers);
+    std::fprintf(stderr, "[%.2fs] vision-encode on %s: %zu item(s), %lld patches, tower %lld x %lld blocks\n",
+                 elapsed_seconds(), m->description().c_str(), grids.size(), (long long)L, (long long)c.hidden_size,
+                 (long long)c.num_layers);
     const std::vector<VisionItem> items = m->encode(pixels.data(), L, grids);
     std::vector<TensorToWrite> t;
     const int64_t K = c.merge_h * c.merge_w;

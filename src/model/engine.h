@@ -17,6 +17,7 @@
 #include "model/generate.h"
 #include "model/layers.h"
 #include "model/model.h"
+#include "model/vision.h"
 
 namespace k3 {
 
@@ -35,6 +36,11 @@ Device parse_device(const std::string& s, const char* what);
 Precision parse_precision(const std::string& s, const char* what);
 const char* device_name(Device d);
 const char* precision_name(Precision p);
+
+// The vision tower and projector of the model directory `dir` for an engine on `device`: on the GPU in bf16
+// (model/cuda/vision_cuda.h: CudaVisionModel, whatever the text model's precision) for Device::CUDA, on the CPU
+// (model/vision.h: VisionModel) otherwise.
+std::unique_ptr<VisionEncoder> load_vision_encoder(const std::string& dir, Device device);
 
 // One sequence's state in an engine (KDA conv tails and recurrent state, MLA latent rows), on the
 // engine's device. Made by Engine::new_sequences; usable only with the engine that made it.

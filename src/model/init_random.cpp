@@ -200,4 +200,43 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
 }
 
+void write_random_vision_model(const std::string& config_path, const std::string& out_dir,
+                               const RandomInitOptions& opt) {
+  namespace fs = std::filesystem;
+  const VisionConfig v = load_vision_config(config_path);
+  check_vision_biases(v, config_path);
+  const nlohmann::json j = parse_json(read_file(config_path, "config"), config_path);
+  K3Config c;  // only its initializer_range is read (TensorInitializer)
+  for (const nlohmann::json* t : {&j, j.contains("text_config") ? &j["text_config"] : &j})
+    if (t->is_object() && t->contains("initializer_range") && (*t)["initializer_range"].is_number())
+      c.initializer_range = (*t)["initializer_range"].get<float>();
+  require_number("initializer_range", c.initializer_range, 0, 1e3);
+  if (fs::is_directory(out_dir))
+    for (const char* f : {"model.safetensors", "config.json"}) check_output_path((fs::path(out_dir) / f).string());
+  const std::vector<VisionTensorEntry> table = vision_tensor_table(v);
+  {
+    double bytes = 0;
+    int64_t params = 0;
+    for (const VisionTensorEntry& e : table) {
+      params += e.numel();
+      bytes += double(e.numel()) * double(dtype_size(e.dtype));
+    }
+    const std::string what = "the vision tower of " + config_path + " (" + format_count(params) + " parameters)";
+    require_memory(saturated_bytes(bytes), what);
+    require_disk_space(out_dir, saturated_bytes(bytes), what);
+  }
+  TensorInitializer init(c, opt);
+  Buffers buffers;
+  for (const VisionTensorEntry& e : table) {
+    init.begin(e.init, e.numel());
+    draw(init, e.dtype, e.shape, e.name, buffers);
+  }
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) fail(out_dir, ": cannot create directory: ", ec.message());
+  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), buffers.tensors(),
+                    {{"format", "pt"}, {"k3cpp", "random vision tower, seed " + std::to_string(opt.seed)}});
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
+}
+
 }  // namespace k3

@@ -25,6 +25,15 @@ namespace k3 {
 // disagrees with the text hidden_size is a k3::Error naming it).
 void write_random_model(const std::string& config_path, const std::string& out_dir, const RandomInitOptions& opt);
 
+// A directory holding only a vision tower and projector (as tests/fixtures/vision-tiny): config_path is a
+// config.json whose vision_config gives the text width (vision_config.text_hidden_size or a top-level one); out_dir
+// gets that config.json and a model.safetensors with every tensor of vision_tensor_table, drawn as k3 init draws a
+// model's tower (matrices and the position table N(0, initializer_range), norm gains 1; BF16) from one stream
+// seeded with opt.seed. initializer_range is the config's (top level or text_config), else 0.02. What the vision
+// tests and benchmarks start from; VisionModel::load and CudaVisionModel::load read it.
+void write_random_vision_model(const std::string& config_path, const std::string& out_dir,
+                               const RandomInitOptions& opt);
+
 // Round-to-nearest MXFP4 quantisation of one row (cols % 32 == 0): the inverse of mxfp4_decode_row
 // on representable values. Each group's scale is the power of two that maps its max |x| into [4, 8);
 // exact ties round toward the smaller magnitude (not to even as the OCP spec does).

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/ffn/gelu.h"
 #include "kernels/norm/norm.h"
@@ -56,12 +57,16 @@ void check_vision_grids(const VisionConfig& c, const std::vector<VisionGrid>& gr
     K3_CHECK(g.t >= 1 && g.t <= c.pos_emb_time, "vision: item ", i, " has t = ", g.t, " frames; the tower takes 1..",
              c.pos_emb_time, " (init_pos_emb_time)");
     for (auto [side, n, m] : {std::tuple{"h", g.h, c.merge_h}, std::tuple{"w", g.w, c.merge_w}})
-      K3_CHECK(n >= m && n <= VisionModel::kMaxGridSide && n % m == 0, "vision: item ", i, " has ", side, " = ", n,
-               " patches; it must be a multiple of the merge kernel's ", m, " in [", m, ", ", VisionModel::kMaxGridSide,
+      K3_CHECK(n >= m && n <= VisionEncoder::kMaxGridSide && n % m == 0, "vision: item ", i, " has ", side, " = ", n,
+               " patches; it must be a multiple of the merge kernel's ", m, " in [", m, ", ", VisionEncoder::kMaxGridSide,
                "]");
     total += g.patches();
   }
   K3_CHECK(total == patches, "vision: grid_thws describe ", total, " patches, but there are ", patches);
+}
+
+void VisionEncoder::check_grids(const std::vector<VisionGrid>& grids, int64_t patches) const {
+  check_vision_grids(config(), grids, patches);
 }
 
 std::vector<VisionItem> VisionModel::encode(const float* pixel_patches, int64_t L, const std::vector<VisionGrid>& grids,
@@ -69,6 +74,15 @@ std::vector<VisionItem> VisionModel::encode(const float* pixel_patches, int64_t 
   check_grids(grids, L);
   const int64_t D = c_.hidden_size, Q = c_.qkv_hidden_size, I = c_.intermediate_size, hd = c_.head_dim();
   const int64_t heads = c_.num_heads;
+  const auto bf16 = [this](std::vector<float>& v) {  // the bf16 twin's roundings (set_bf16_activations)
+    if (bf16_) round_to_bf16(v.data(), int64_t(v.size()));
+  };
+  std::vector<float> pixels16;  // the twin's bf16 pixels
+  if (bf16_) {
+    pixels16.assign(pixel_patches, pixel_patches + L * c_.patch_values());
+    bf16(pixels16);
+    pixel_patches = pixels16.data();
+  }
 
   // Patch embedding, position embedding (and each frame's time embedding), and every patch's row and column.
   std::vector<float> x(size_t(L * D));
@@ -99,19 +113,24 @@ std::vector<VisionItem> VisionModel::encode(const float* pixel_patches, int64_t 
   for (size_t b = 0; b < blocks_.size(); ++b) {
     const Block& k = blocks_[b];
     rmsnorm_forward(y.data(), x.data(), k.norm0.data(), kTowerNormEps, L, D);
+    bf16(y);
     linear_forward(qkv.data(), y.data(), L, k.wqkv);
     rope2d_forward(qkv.data(), 3 * Q, L, heads, hd, rows.data(), cols.data());      // q
     rope2d_forward(qkv.data() + Q, 3 * Q, L, heads, hd, rows.data(), cols.data());  // k
+    bf16(qkv);
     int64_t off = 0;
     for (const VisionGrid& g : grids) {
       const float* base = qkv.data() + off * 3 * Q;
       attention_bidirectional(o.data() + off * Q, base, base + Q, base + 2 * Q, 3 * Q, g.patches(), heads, hd);
       off += g.patches();
     }
+    bf16(o);
     linear_forward(x.data(), D, o.data(), Q, L, k.wo, /*accumulate=*/true);
     rmsnorm_forward(y.data(), x.data(), k.norm1.data(), kTowerNormEps, L, D);
+    bf16(y);
     linear_forward(h.data(), y.data(), L, k.fc0);
     gelu_tanh_forward(h.data(), L * I);
+    bf16(h);
     linear_forward(x.data(), D, h.data(), I, L, k.fc1, /*accumulate=*/true);
     if (trace) trace("block." + std::to_string(b), x.data(), L, D);
   }
@@ -139,8 +158,14 @@ std::vector<VisionItem> VisionModel::encode(const float* pixel_patches, int64_t 
         }
       }
     std::vector<float> mid(size_t(it.tokens * M));
-    linear_forward(mid.data(), it.merged.data(), it.tokens, proj0_);
+    std::vector<float> merged16;  // the twin's bf16 copy of the projector's input
+    if (bf16_) {
+      merged16 = it.merged;
+      bf16(merged16);
+    }
+    linear_forward(mid.data(), bf16_ ? merged16.data() : it.merged.data(), it.tokens, proj0_);
     gelu_erf_forward(mid.data(), it.tokens * M);
+    bf16(mid);
     it.projected.assign(size_t(it.tokens * H), 0.0f);
     linear_forward(it.projected.data(), mid.data(), it.tokens, proj2_);
     rmsnorm_forward(it.projected.data(), it.projected.data(), post_norm_.data(), float(c_.projector_eps), it.tokens, H);

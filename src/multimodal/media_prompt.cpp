@@ -119,7 +119,7 @@ std::vector<ChatSegment> with_media_prompts(const std::vector<ChatSegment>& segm
   return out;
 }
 
-MediaPrompt encode_media_prompt(const Tokenizer& tok, const VisionModel* vision, int64_t text_hidden,
+MediaPrompt encode_media_prompt(const Tokenizer& tok, const VisionEncoder* vision, int64_t text_hidden,
                                 const std::vector<ChatSegment>& segments, const std::vector<Image8>& images) {
   MediaPrompt p;
   const std::vector<int32_t> ids = encode_segments(tok, with_media_prompts(segments, images));

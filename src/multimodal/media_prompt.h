@@ -24,7 +24,7 @@
 namespace k3 {
 
 class Tokenizer;
-class VisionModel;
+class VisionEncoder;
 
 struct MediaSources {
   bool allow_files = false;  // paths and file:// URLs (the CLI); a server takes data URLs only
@@ -55,9 +55,9 @@ std::vector<ChatSegment> with_media_prompts(const std::vector<ChatSegment>& segm
                                             const std::vector<Image8>& images);
 
 // The ids of segments (with_media_prompts') and each image run through the processor's preprocessing and the
-// vision tower and projector (on the CPU). `vision` may be null only when there are no images (a k3::Error says the
+// vision tower and projector (on vision's device: the CPU, or the GPU in bf16). `vision` may be null only when there are no images (a k3::Error says the
 // model has no vision tower otherwise).
-MediaPrompt encode_media_prompt(const Tokenizer& tok, const VisionModel* vision, int64_t text_hidden,
+MediaPrompt encode_media_prompt(const Tokenizer& tok, const VisionEncoder* vision, int64_t text_hidden,
                                 const std::vector<ChatSegment>& segments, const std::vector<Image8>& images);
 
 }  // namespace k3

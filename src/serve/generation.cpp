@@ -95,7 +95,7 @@ struct LogprobLog {
 }  // namespace
 
 PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req,
-                            const VisionModel* vision) {
+                            const VisionEncoder* vision) {
   PreparedPrompt p;
   try {
     std::vector<ChatImagePart> parts;

@@ -73,7 +73,7 @@ struct PreparedPrompt {
   std::shared_ptr<const MediaPrompt> media;  // null without images
 };
 PreparedPrompt prepare_chat(const K3Config& cfg, const Tokenizer& tok, const ChatRequest& req,
-                            const VisionModel* vision = nullptr);
+                            const VisionEncoder* vision = nullptr);
 PreparedPrompt prepare_completion(const K3Config& cfg, const Tokenizer& tok, const CompletionRequest& req);
 
 // emit(...) receives text once it is final: never a cut UTF-8 character, never text that a stop string

@@ -29,7 +29,7 @@ struct Server::Impl {
   std::unique_ptr<Engine> engine;
   Tokenizer tok;
   ServeOptions o;
-  std::unique_ptr<const VisionModel> vision;  // null: requests with images get a 400
+  std::unique_ptr<const VisionEncoder> vision;  // null: requests with images get a 400
   std::unique_ptr<Batcher> batcher;           // after the engine (it stops first), before http (whose handlers use it)
   httplib::Server http;
   int port = -1;
@@ -46,7 +46,7 @@ struct Server::Impl {
   double ttft_sum = 0.0, tpot_sum = 0.0;
   int64_t ttft_count = 0, tpot_count = 0;
 
-  Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts, std::unique_ptr<const VisionModel> v)
+  Impl(std::unique_ptr<Engine> e, Tokenizer t, ServeOptions opts, std::unique_ptr<const VisionEncoder> v)
       : engine(std::move(e)), tok(std::move(t)), o(std::move(opts)), vision(std::move(v)) {}
 
   // The vocabulary's byte trie for constrained decoding, built by the first request that needs it
@@ -474,7 +474,8 @@ void widen_listen_backlog(int port) {
 
 }  // namespace
 
-Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o, std::unique_ptr<const VisionModel> vision)
+Server::Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o,
+               std::unique_ptr<const VisionEncoder> vision)
     : impl_(std::make_unique<Impl>(std::move(engine), std::move(tok), std::move(o), std::move(vision))) {
   K3_CHECK(impl_->engine, "serve: no engine");
   K3_CHECK(impl_->o.max_queue >= 0, "serve: max_queue must be >= 0, got ", impl_->o.max_queue);

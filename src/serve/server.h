@@ -53,7 +53,7 @@ class Server {
  public:
   // vision (optional): the model's vision tower and projector; chat requests with images need it.
   Server(std::unique_ptr<Engine> engine, Tokenizer tok, ServeOptions o,
-         std::unique_ptr<const VisionModel> vision = nullptr);
+         std::unique_ptr<const VisionEncoder> vision = nullptr);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

@@ -170,7 +170,7 @@ def main():
     has_flash = install_stand_ins()
     # The reference compiles its position-table resize (torch.compile): where inductor cannot run here, that
     # function runs eagerly instead of failing (the same arithmetic).
-    import torch._dynamo
+    importlib.import_module("torch._dynamo")  # (a plain `import torch._dynamo` here would make torch local)
     torch._dynamo.config.suppress_errors = True
     M = load_reference(a.reference)
     M.VL_VISION_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention

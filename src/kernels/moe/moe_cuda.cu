@@ -677,23 +677,32 @@ void check_config(const GemmConfig& cfg, const char* what) {
            cfg.max_ctas);
 }
 
+// acc = Σ_k w[t,k] y[slot_of[t,k], c .. c+7], k ascending: the weighted sum of token t's chosen experts' outputs.
+__device__ __forceinline__ void combine_eight(float (&acc)[8], const bf16* __restrict__ y,
+                                              const float* __restrict__ weight, const int32_t* __restrict__ slot_of,
+                                              int64_t t, int K, int L, int c) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    const float wk = weight[t * K + k];
+    const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
+    const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      acc[2 * q] += wk * __uint_as_float(w4[q] << 16);
+      acc[2 * q + 1] += wk * __uint_as_float(w4[q] & 0xffff0000u);
+    }
+  }
+}
+
 // u [T, L] = Σ_k w[t,k] y[slot_of[t,k]]: one CTA per token, 8 bf16 per thread step.
 __global__ void combine_kernel(float* __restrict__ u, const bf16* __restrict__ y, const float* __restrict__ weight,
                                const int32_t* __restrict__ slot_of, int K, int L) {
   pdl::wait_then_release();
   const int64_t t = blockIdx.x;
   for (int c = threadIdx.x * 8; c < L; c += blockDim.x * 8) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < K; ++k) {
-      const float wk = weight[t * K + k];
-      const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
-      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        acc[2 * q] += wk * __uint_as_float(w4[q] << 16);
-        acc[2 * q + 1] += wk * __uint_as_float(w4[q] & 0xffff0000u);
-      }
-    }
+    float acc[8];
+    combine_eight(acc, y, weight, slot_of, t, K, L, c);
     float4* dst = reinterpret_cast<float4*>(u + t * L + c);
     dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -715,17 +724,7 @@ __global__ void __launch_bounds__(1024)
   if (mine && nw) rowwise::load_vec<float, 8>(w8, nw + c);  // (a weight: before the wait)
   pdl::wait_then_release();
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (mine)
-    for (int k = 0; k < K; ++k) {
-      const float wk = weight[t * K + k];
-      const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
-      const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        acc[2 * q] += wk * __uint_as_float(w4[q] << 16);
-        acc[2 * q + 1] += wk * __uint_as_float(w4[q] & 0xffff0000u);
-      }
-    }
+  if (mine) combine_eight(acc, y, weight, slot_of, t, K, L, c);
   float ss[1] = {0.0f};
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss[0] = fmaf(acc[i], acc[i], ss[0]);

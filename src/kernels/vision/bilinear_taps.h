@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/parallel.h"
+
 namespace k3::vision_detail {
 
 // Output index i reads source rows i0 and i1 with weights 1 - frac and frac.
@@ -23,6 +25,31 @@ inline std::vector<BilinearTap> bilinear_taps(int64_t n_out, int64_t n_in) {
     t[size_t(i)] = {i0, std::min(i0 + 1, n_in - 1), src - double(i0)};
   }
   return t;
+}
+
+// out [h, w, D] = table [H0, W0, D] resized (a copy when the sizes agree), the sums in double and each output
+// rounded once to T: the fp32 resize and its float64 twin are this one function.
+template <class T>
+void resize_table(T* out, const T* table, int64_t H0, int64_t W0, int64_t h, int64_t w, int64_t D) {
+  if (h == H0 && w == W0) {
+    std::copy(table, table + H0 * W0 * D, out);
+    return;
+  }
+  const std::vector<BilinearTap> tr = bilinear_taps(h, H0), tc = bilinear_taps(w, W0);
+  parallel_for(h * w, h * w * D * 8, [&](int64_t p) {
+    const BilinearTap& r = tr[size_t(p / w)];
+    const BilinearTap& c = tc[size_t(p % w)];
+    const T* a = table + (r.i0 * W0 + c.i0) * D;
+    const T* b = table + (r.i0 * W0 + c.i1) * D;
+    const T* e = table + (r.i1 * W0 + c.i0) * D;
+    const T* f = table + (r.i1 * W0 + c.i1) * D;
+    T* y = out + p * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const double top = double(a[d]) * (1.0 - c.frac) + double(b[d]) * c.frac;
+      const double bot = double(e[d]) * (1.0 - c.frac) + double(f[d]) * c.frac;
+      y[d] = T(top * (1.0 - r.frac) + bot * r.frac);
+    }
+  });
 }
 
 }  // namespace k3::vision_detail

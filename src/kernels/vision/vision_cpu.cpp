@@ -13,25 +13,7 @@ using vision_detail::bilinear_taps;
 using vision_detail::BilinearTap;
 
 void position_table_resize(float* out, const float* table, int64_t H0, int64_t W0, int64_t h, int64_t w, int64_t D) {
-  if (h == H0 && w == W0) {
-    std::copy(table, table + H0 * W0 * D, out);
-    return;
-  }
-  const std::vector<BilinearTap> tr = bilinear_taps(h, H0), tc = bilinear_taps(w, W0);
-  parallel_for(h * w, h * w * D * 8, [&](int64_t p) {
-    const BilinearTap& r = tr[size_t(p / w)];
-    const BilinearTap& c = tc[size_t(p % w)];
-    const float* a = table + (r.i0 * W0 + c.i0) * D;
-    const float* b = table + (r.i0 * W0 + c.i1) * D;
-    const float* e = table + (r.i1 * W0 + c.i0) * D;
-    const float* f = table + (r.i1 * W0 + c.i1) * D;
-    float* y = out + p * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const double top = double(a[d]) * (1.0 - c.frac) + double(b[d]) * c.frac;
-      const double bot = double(e[d]) * (1.0 - c.frac) + double(f[d]) * c.frac;
-      y[d] = float(top * (1.0 - r.frac) + bot * r.frac);
-    }
-  });
+  vision_detail::resize_table(out, table, H0, W0, h, w, D);
 }
 
 void frame_time_embedding(float* out, int64_t t, int64_t D) {

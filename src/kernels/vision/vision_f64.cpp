@@ -15,25 +15,7 @@ using vision_detail::BilinearTap;
 
 void position_table_resize_f64(double* out, const double* table, int64_t H0, int64_t W0, int64_t h, int64_t w,
                                int64_t D) {
-  if (h == H0 && w == W0) {
-    std::copy(table, table + H0 * W0 * D, out);
-    return;
-  }
-  const std::vector<BilinearTap> tr = bilinear_taps(h, H0), tc = bilinear_taps(w, W0);
-  parallel_for(h * w, h * w * D * 8, [&](int64_t p) {
-    const BilinearTap& r = tr[size_t(p / w)];
-    const BilinearTap& c = tc[size_t(p % w)];
-    const double* a = table + (r.i0 * W0 + c.i0) * D;
-    const double* b = table + (r.i0 * W0 + c.i1) * D;
-    const double* e = table + (r.i1 * W0 + c.i0) * D;
-    const double* f = table + (r.i1 * W0 + c.i1) * D;
-    double* y = out + p * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const double top = a[d] * (1.0 - c.frac) + b[d] * c.frac;
-      const double bot = e[d] * (1.0 - c.frac) + f[d] * c.frac;
-      y[d] = top * (1.0 - r.frac) + bot * r.frac;
-    }
-  });
+  vision_detail::resize_table(out, table, H0, W0, h, w, D);
 }
 
 void position_table_resize_backward_f64(double* dtable, const double* dout, int64_t H0, int64_t W0, int64_t h,

@@ -32,6 +32,7 @@
 #include "kernels/ffn/glu.h"
 #include "kernels/gemm/linear.h"
 #include "kernels/gemm/mxfp4.h"
+#include "kernels/moe/expert_rows_cuda.h"
 #include "kernels/moe/moe_cuda.h"
 #include "kernels/moe/router.h"
 #include "util/cuda_test.h"
@@ -787,6 +788,26 @@ TEST(CudaMoeExperts, RoutedLayerMatchesCpuTwin) {
               mc::combine_rmsnorm(normed.data(), y.data(), dw.data(), d, 12, nullptr, 1e-5f);
             }).find("multiple of 8"),
             std::string::npos);
+
+  // A decode step's experts as rows, in slot order and without a plan (expert_rows_cuda.h), on the same routing:
+  // the first 1, 3 and 8 tokens' normed rows against the RMSNorm (double) of the CPU twin's aggregate.
+  for (const int64_t Tn : {int64_t(1), int64_t(3), int64_t(8)}) {
+    ASSERT_EQ(mc::expert_rows_can_run(dx.w1, dx.w3, dx.w2, Tn, K), "");
+    DeviceBuffer<bf16> hr(static_cast<size_t>(Tn * K * I)), yr(static_cast<size_t>(Tn * K * L));
+    mc::expert_rows_forward(hr.data(), yr.data(), dz.data(), di.data(), Tn, K, dx.w1, dx.w3, dx.w2, gp);
+    mc::combine_rmsnorm(normed.data(), yr.data(), dw.data(), Tn, K, L, nullptr, nullptr, 1e-5f);
+    k3::cuda::synchronize();
+    const std::vector<float> got = widen(download(normed, static_cast<size_t>(Tn * L)));
+    std::vector<float> want(static_cast<size_t>(Tn * L));
+    for (int64_t t = 0; t < Tn; ++t) {
+      double ss = 0.0;
+      for (int64_t c = 0; c < L; ++c) ss += double(ref[size_t(t * L + c)]) * ref[size_t(t * L + c)];
+      const double rr = 1.0 / std::sqrt(ss / double(L) + 1e-5);
+      for (int64_t c = 0; c < L; ++c) want[size_t(t * L + c)] = float(ref[size_t(t * L + c)] * rr);
+    }
+    EXPECT_LE(rel_l2(got, want, "expert rows, " + std::to_string(Tn) + " tokens"), kRelL2);
+  }
+  EXPECT_NE(mc::expert_rows_can_run(dx.w1, dx.w3, dx.w2, 17, K).find("at most"), std::string::npos);
 }
 
 TEST(CudaMoe, RejectsShapesItCannotRun) {

@@ -97,6 +97,16 @@ __device__ __forceinline__ void load_vec(float (&out)[VEC], const T* p) {
   for (int k = 0; k < VEC; ++k) out[k] = to_f32(tmp[k]);
 }
 
+// Eight bf16 (a 16-byte run, the lower address in v.x's low half) widened to fp32.
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float (&f)[8]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
 // Two floats as two bf16 packed in a word (lo in the low half: the lower address), the same bits as
 // f32_to_bf16_rne on each: the hardware's round-to-nearest-even conversion (one instruction for the
 // pair; finite values, infinities and subnormals round exactly as the integer rule does), with NaNs,

@@ -27,14 +27,7 @@ struct RowsArgs {
   bool accumulate[kLinearRowsMaxOutputs];
 };
 
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 v, float (&f)[8]) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(u[i] << 16);
-    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-  }
-}
+using rowwise::bf16x8_to_f32;
 
 // The first kPrefetchRuns of a lane's 16-byte runs of its weight row are loaded before the kernel waits on the
 // previous one (pdl_cuda.cuh): all of a k3-1b row (K = 512 or 1024), the first 1024 columns of longer ones.

@@ -678,6 +678,7 @@ void check_config(const GemmConfig& cfg, const char* what) {
 }
 
 // acc = Σ_k w[t,k] y[slot_of[t,k], c .. c+7], k ascending: the weighted sum of token t's chosen experts' outputs.
+// A null slot_of: y in slot order (the slot of (t, k) is t K + k).
 __device__ __forceinline__ void combine_eight(float (&acc)[8], const bf16* __restrict__ y,
                                               const float* __restrict__ weight, const int32_t* __restrict__ slot_of,
                                               int64_t t, int K, int L, int c) {
@@ -685,7 +686,8 @@ __device__ __forceinline__ void combine_eight(float (&acc)[8], const bf16* __res
   for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
   for (int k = 0; k < K; ++k) {
     const float wk = weight[t * K + k];
-    const uint4 v = *reinterpret_cast<const uint4*>(y + int64_t(slot_of[t * K + k]) * L + c);
+    const int64_t slot = slot_of ? int64_t(slot_of[t * K + k]) : t * K + k;
+    const uint4 v = *reinterpret_cast<const uint4*>(y + slot * L + c);
     const uint32_t w4[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -976,14 +978,20 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
   K3_CUDA_LAUNCH_CHECK();
 }
 
-void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
-                     const float* norm_weight, float eps) {
+void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, int64_t T, int64_t K, int64_t L,
+                     const int32_t* slot_of, const float* norm_weight, float eps) {
   K3_CHECK(L > 0 && L % 8 == 0 && L <= 8 * 1024,
            "moe::cuda::combine_rmsnorm: L must be a positive multiple of 8 up to 8192, got ", L);
-  if (d.tokens() == 0) return;
+  K3_CHECK(T >= 0 && T <= INT_MAX && K >= 1 && K <= 64, "moe::cuda::combine_rmsnorm: T = ", T, ", K = ", K);
+  if (T == 0) return;
   const unsigned threads = unsigned(std::max<int64_t>(32, (L / 8 + 31) / 32 * 32));
-  pdl::launch(combine_rmsnorm_kernel, unsigned(d.tokens()), threads, 0, normed, y, weight, d.slot_of(), int(d.top_k()),
-              int(L), norm_weight, eps);
+  pdl::launch(combine_rmsnorm_kernel, unsigned(T), threads, 0, normed, y, weight, slot_of, int(K), int(L), norm_weight,
+              eps);
+}
+
+void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
+                     const float* norm_weight, float eps) {
+  combine_rmsnorm(normed, y, weight, d.tokens(), d.top_k(), L, d.slot_of(), norm_weight, eps);
 }
 
 void experts_forward(float* u, bf16* h, bf16* y, const bf16* z, const float* weight, const Dispatch& d,

@@ -172,6 +172,10 @@ void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, in
 // then norm_cuda's formula in fp32. L % 8 == 0, L <= 8192.
 void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
                      const float* norm_weight, float eps);
+// The same over T tokens' K outputs each, y's rows named by slot_of [T, K], or in slot order (t K + k) when it
+// is null (expert_rows_cuda.h writes them so).
+void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, int64_t T, int64_t K, int64_t L,
+                     const int32_t* slot_of, const float* norm_weight, float eps);
 
 // The routed experts after routing: gate/up + SiTU, down, combine. h [S, I] and y [S, L] are caller
 // workspace (bf16). Returns u [T, L] fp32 (before the latent RMSNorm).
@@ -224,6 +228,10 @@ inline void combine(float*, const bf16*, const float*, const Dispatch&, int64_t)
   fail("moe::cuda::combine: this build has no CUDA backend");
 }
 inline void combine_rmsnorm(bf16*, const bf16*, const float*, const Dispatch&, int64_t, const float*, float) {
+  fail("moe::cuda::combine_rmsnorm: this build has no CUDA backend");
+}
+inline void combine_rmsnorm(bf16*, const bf16*, const float*, int64_t, int64_t, int64_t, const int32_t*, const float*,
+                            float) {
   fail("moe::cuda::combine_rmsnorm: this build has no CUDA backend");
 }
 inline void experts_forward(float*, bf16*, bf16*, const bf16*, const float*, const Dispatch&, const ExpertLinear&,

@@ -85,14 +85,9 @@ void* DeviceArena::take_bytes(size_t bytes) {
   return p;
 }
 
-// The steps whose linears run as linear_rows rather than cuBLAS (cuda_model_impl.h, linears_of_rows): pooled decode
-// steps of at most gemm::cuda::kLinearRowsMaxM sequences and nothing else. The head (the vocabulary's rows) stays
-// with cuBLAS, which streams it at the memory's bandwidth.
+// The head (the vocabulary's rows) stays with cuBLAS in every step: it streams them at the memory's bandwidth.
 namespace {
 constexpr int64_t kLinearRowsMaxWeightRows = 65536;
-bool takes_linear_rows(const Run& r, int64_t M) {
-  return r.pooled && r.pooled->B == M && M <= gemm::cuda::kLinearRowsMaxM;
-}
 }  // namespace
 
 template <class T>

@@ -11,6 +11,7 @@
 #include "core/cuda.h"
 #include "io/safetensors.h"
 #include "kernels/gemm/linear_cuda.h"
+#include "kernels/gemm/linear_rows_cuda.h"
 #include "kernels/moe/moe_cuda.h"
 #include "model/cuda/cuda_model.h"
 #include "model/weights.h"
@@ -201,6 +202,15 @@ void linear(Run& r, T* y, const T* x, int64_t M, const DevMatrix& W) {
 template <class T>
 void linear_f32_out(Run& r, float* y, const T* x, int64_t M, const DevMatrix& W) {
   linear<T>(r, y, DType::F32, W.rows, x, W.cols, M, W);
+}
+
+// Whether a step of M rows is a pooled decode step of at most gemm::cuda::kLinearRowsMaxM sequences and nothing
+// else: such a step runs its linears as gemm::cuda::linear_rows and its routed experts as
+// moe::cuda::expert_rows_forward, both of which give a row the same bits whatever the step's row count. Any other
+// step (a prefill, an append) takes cuBLAS and the grouped GEMMs, so a sequence gets the same bits alone or in a
+// batch either way.
+inline bool takes_linear_rows(const Run& r, int64_t M) {
+  return r.pooled && r.pooled->B == M && M <= gemm::cuda::kLinearRowsMaxM;
 }
 
 // Several linears of the same rows of x: y_i [M, W_i.rows] (dense, of y_type_i). A pooled decode step of at most

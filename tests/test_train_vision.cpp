@@ -40,6 +40,7 @@
 #include "util/finite_diff.h"
 #include "util/random.h"
 #include "util/temp_dir.h"
+#include "util/vision_inputs.h"
 
 using namespace k3;
 using namespace k3::train;
@@ -58,22 +59,8 @@ const VisionConfig& fixture_config() {
 
 ParamStore fixture_params() { return ParamStore::from_model_dir(fixture("vision-tiny")); }
 
-struct Pixels {
-  std::vector<float> patches;  // [L, 3 p p]
-  int64_t L = 0;
-  std::vector<VisionGrid> grids;
-  std::vector<double> f64() const { return {patches.begin(), patches.end()}; }
-};
-
-Pixels fixture_pixels() {
-  const SafeTensors in = SafeTensors::open(fixture("vision-tiny/pixels.safetensors"));
-  Pixels p;
-  p.patches = in.read_f32("pixel_patches");
-  p.L = in.get("pixel_patches").shape[0];
-  const std::vector<int64_t> g = in.read_i64("grid_thws");
-  for (size_t i = 0; i + 2 < g.size(); i += 3) p.grids.push_back({g[i], g[i + 1], g[i + 2]});
-  return p;
-}
+using Pixels = k3test::VisionPixels;
+constexpr auto fixture_pixels = k3test::vision_fixture_pixels;
 
 // ---- finite differences ----
 
@@ -115,7 +102,7 @@ TEST(TrainVision, ForwardMatchesMoonshotsReferenceAndEncode) {
   const VisionConfig& c = fixture_config();
   const Pixels px = fixture_pixels();
   ASSERT_EQ(px.grids.size(), 6u);
-  const std::vector<double> pixels = px.f64();
+  const std::vector<double> pixels(px.patches.begin(), px.patches.end());
   const VisionTape t = vision_forward(P, c, pixels.data(), px.L, px.grids);
   const SafeTensors golden = SafeTensors::open(fixture("vision-tiny/golden.safetensors"));
   const std::vector<VisionItem> encoded =

@@ -49,21 +49,8 @@ const SafeTensors& golden() {
   return g;
 }
 
-struct Pixels {
-  std::vector<float> patches;
-  int64_t L = 0;
-  std::vector<VisionGrid> grids;
-};
-
-Pixels fixture_pixels() {
-  const SafeTensors in = SafeTensors::open(fixture("vision-tiny/pixels.safetensors"));
-  Pixels p;
-  p.patches = in.read_f32("pixel_patches");
-  p.L = in.get("pixel_patches").shape[0];
-  const std::vector<int64_t> g = in.read_i64("grid_thws");
-  for (size_t i = 0; i + 2 < g.size(); i += 3) p.grids.push_back({g[i], g[i + 1], g[i + 2]});
-  return p;
-}
+using Pixels = k3test::VisionPixels;
+constexpr auto fixture_pixels = k3test::vision_fixture_pixels;
 
 std::unique_ptr<VisionModel> fixture_model() { return VisionModel::load(fixture("vision-tiny")); }
 

@@ -4,6 +4,7 @@
 
 #include "core/parallel.h"
 #include "kernels/vision/bilinear_taps.h"
+#include "kernels/vision/rope2d_turn.h"
 #include "kernels/vision/vision.h"
 #include "kernels/vision/vision_f64.h"
 
@@ -24,24 +25,7 @@ void frame_time_embedding(float* out, int64_t t, int64_t D) {
 
 void rope2d_forward(float* x, int64_t ld, int64_t n, int64_t heads, int64_t hd, const int32_t* rows,
                     const int32_t* cols) {
-  const int64_t nf = hd / 4;
-  std::vector<double> freq(static_cast<size_t>(nf));
-  for (int64_t i = 0; i < nf; ++i) freq[size_t(i)] = 1.0 / std::pow(10000.0, double(4 * i) / double(hd));
-  parallel_for(n, n * heads * hd * 4, [&](int64_t r) {
-    float* row = x + r * ld;
-    for (int64_t i = 0; i < nf; ++i)
-      for (int axis = 0; axis < 2; ++axis) {  // pair 2i: the column; pair 2i + 1: the row
-        const double a = double(axis == 0 ? cols[r] : rows[r]) * freq[size_t(i)];
-        const double c = std::cos(a), s = std::sin(a);
-        const int64_t j = 2 * i + axis;  // the pair
-        for (int64_t hh = 0; hh < heads; ++hh) {
-          float* p = row + hh * hd + 2 * j;
-          const double re = p[0], im = p[1];
-          p[0] = float(re * c - im * s);
-          p[1] = float(re * s + im * c);
-        }
-      }
-  });
+  vision_detail::rope2d_turn(x, ld, n, heads, hd, rows, cols, 1.0);
 }
 
 void attention_bidirectional(float* o, const float* q, const float* k, const float* v, int64_t ld, int64_t n,

@@ -971,11 +971,15 @@ void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& 
   grouped_gemm(y, h, nullptr, d, w2, cfg);
 }
 
-void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L) {
+void combine(float* u, const bf16* y, const float* weight, int64_t T, int64_t K, int64_t L, const int32_t* slot_of) {
   K3_CHECK(L > 0 && L % 8 == 0, "moe::cuda::combine: L must be a positive multiple of 8, got ", L);
-  if (d.tokens() == 0) return;
-  pdl::launch(combine_kernel, unsigned(d.tokens()), 128, 0, u, y, weight, d.slot_of(), int(d.top_k()), int(L));
-  K3_CUDA_LAUNCH_CHECK();
+  K3_CHECK(T >= 0 && T <= INT_MAX && K >= 1 && K <= 64, "moe::cuda::combine: T = ", T, ", K = ", K);
+  if (T == 0) return;
+  pdl::launch(combine_kernel, unsigned(T), 128, 0, u, y, weight, slot_of, int(K), int(L));
+}
+
+void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L) {
+  combine(u, y, weight, d.tokens(), d.top_k(), L, d.slot_of());
 }
 
 void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, int64_t T, int64_t K, int64_t L,

@@ -168,6 +168,9 @@ void expert_gate_up(bf16* h, const bf16* z, const Dispatch& d, const ExpertLinea
 void expert_down(bf16* y, const bf16* h, const Dispatch& d, const ExpertLinear& w2, const GemmConfig& cfg = {});
 // u [T, L] fp32 = Σ_k weight[t,k] · y[slot_of(t,k)], k ascending. L % 8 == 0.
 void combine(float* u, const bf16* y, const float* weight, const Dispatch& d, int64_t L);
+// The same over T tokens' K outputs each, y's rows named by slot_of [T, K], or in slot order (t K + k) when it is
+// null (expert_rows_cuda.h writes them so).
+void combine(float* u, const bf16* y, const float* weight, int64_t T, int64_t K, int64_t L, const int32_t* slot_of);
 // normed [T, L] bf16 = RMSNorm(u) (weight norm_weight [L] or none, eps) of combine's u, in one launch: the same sums,
 // then norm_cuda's formula in fp32. L % 8 == 0, L <= 8192.
 void combine_rmsnorm(bf16* normed, const bf16* y, const float* weight, const Dispatch& d, int64_t L,
@@ -225,6 +228,9 @@ inline void expert_down(bf16*, const bf16*, const Dispatch&, const ExpertLinear&
   fail("moe::cuda::expert_down: this build has no CUDA backend");
 }
 inline void combine(float*, const bf16*, const float*, const Dispatch&, int64_t) {
+  fail("moe::cuda::combine: this build has no CUDA backend");
+}
+inline void combine(float*, const bf16*, const float*, int64_t, int64_t, int64_t, const int32_t*) {
   fail("moe::cuda::combine: this build has no CUDA backend");
 }
 inline void combine_rmsnorm(bf16*, const bf16*, const float*, const Dispatch&, int64_t, const float*, float) {

@@ -130,35 +130,34 @@ void moe_ffn_forward(Run& r, float* out, const T* x, int64_t N, int64_t layer, c
     if (c.latent_moe_use_norm) norm::cuda::rmsnorm_forward(u, u, w.latent_norm.data(), float(c.rms_norm_eps), N, lat);
     linear_f32_out<T>(r, out, u, N, w.latent_up);
   } else {
-    // The routed experts, then their weighted sum and the latent norm in one launch, which writes the bf16 rows
-    // latent_up reads (the bits of an fp32 norm, then a conversion).
-    // A decode step of a few sequences runs each slot's expert as rows, in slot order and without a plan
-    // (moe/expert_rows_cuda.h); any other step sorts the slots by expert for the grouped GEMMs.
+    // The routed experts: a decode step of a few sequences runs each slot's expert as rows, in slot order and
+    // without a plan (moe/expert_rows_cuda.h); any other step sorts the slots by expert for the grouped GEMMs.
+    // Then their weighted sum and the latent norm in one launch, which writes the bf16 rows latent_up reads (the
+    // bits of an fp32 norm, then a conversion).
     const moe::cuda::ExpertLinear w1 = w.w1.linear(), w3 = w.w3.linear(), w2 = w.w2.linear();
-    const bool rows =
-        takes_linear_rows(r, N) && moe::cuda::expert_rows_can_run(w1, w3, w2, N, K).empty() && c.latent_moe_use_norm;
     bf16* h = r.arena.take<bf16>(N * K * w.w1.rows);
     bf16* y = r.arena.take<bf16>(N * K * lat);
-    bf16* u16 = r.arena.take<bf16>(N * lat);
-    if (rows) {
+    const int32_t* slot_of = nullptr;  // slot order
+    if (takes_linear_rows(r, N) && moe::cuda::expert_rows_can_run(w1, w3, w2, N, K).empty()) {
       moe::cuda::expert_rows_forward(h, y, z, idx, N, K, w1, w3, w2, glu_params(c));
-      moe::cuda::combine_rmsnorm(u16, y, wt, N, K, lat, nullptr, w.latent_norm.data(), float(c.rms_norm_eps));
     } else {
       r.dispatch->build(idx, N);
       moe::cuda::expert_gate_up(h, z, *r.dispatch, w1, w3, glu_params(c));
       moe::cuda::expert_down(y, h, *r.dispatch, w2);
-      if (c.latent_moe_use_norm) {
-        moe::cuda::combine_rmsnorm(u16, y, wt, *r.dispatch, lat, w.latent_norm.data(), float(c.rms_norm_eps));
-      } else {
-        float* u = r.arena.take<float>(N * lat);
-        moe::cuda::combine(u, y, wt, *r.dispatch, lat);
-        gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
-      }
+      slot_of = r.dispatch->slot_of();
+    }
+    bf16* u16 = r.arena.take<bf16>(N * lat);
+    if (c.latent_moe_use_norm) {
+      moe::cuda::combine_rmsnorm(u16, y, wt, N, K, lat, slot_of, w.latent_norm.data(), float(c.rms_norm_eps));
+    } else {
+      float* u = r.arena.take<float>(N * lat);
+      moe::cuda::combine(u, y, wt, N, K, lat, slot_of);
+      gemm::cuda::convert_f32_to_bf16(u16, u, N * lat);
     }
     linear_f32_out<T>(r, out, u16, N, w.latent_up);
   }
-  // The shared experts' down-projection adds into out in the GEMM's epilogue (fp32 acc + out, rounded once, as
-  // out + sh was): one launch fewer.
+  // The shared experts' down-projection adds into out as it stores (fp32 acc + out, rounded once, as out + sh
+  // was; linear_rows or the GEMM's epilogue): one launch fewer.
   if (!w.shared.empty()) glu_down<T>(r, out, sg, su, N, w.shared, /*accumulate=*/true);
 }
 

@@ -134,9 +134,9 @@ struct Kernels {
 };
 inline void fp32_forward(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv, int64_t ldkv,
                          const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B, int64_t max_len,
-                         int64_t rows, const k3::mla::Dims& d, float scale, void*) {
+                         int64_t rows, const k3::mla::Dims& d, float scale, void*, bool causal) {
   k3::mla::cuda::attention_forward_train(o, ldo, lse, q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, B, max_len, rows, d,
-                                         scale);
+                                         scale, causal);
 }
 inline size_t no_forward_workspace(int64_t, const k3::mla::Dims&) { return 0; }
 
@@ -177,10 +177,10 @@ inline void run_gpu(std::vector<Seq>& seqs, const k3::mla::Dims& d, float scale,
   std::vector<unsigned char> fws_init(fws_bytes, 0xFF);
   k3::cuda::DeviceBuffer<unsigned char> fws(fws_init.data(), fws_init.size());
   kernels.forward(o_d.data(), ld.o, lse_d.data(), q_d.data(), ld.q, kv_d.data(), ld.kv, ckv_d.data() + kRotCol, ld.c,
-                  cu_d.data(), B, max_len, rows, d, scale, fws.data());
+                  cu_d.data(), B, max_len, rows, d, scale, fws.data(), /*causal=*/true);
   kernels.backward(dq_d.data(), ld.dq, dkv_d.data(), ld.dkv, dkr_d.data(), ld.dr, do_d.data(), ld.o, o_d.data(),
                    q_d.data(), ld.q, kv_d.data(), ld.kv, ckv_d.data() + kRotCol, ld.c, lse_d.data(), cu_d.data(), B,
-                   max_len, rows, d, scale, ws.data());
+                   max_len, rows, d, scale, ws.data(), /*causal=*/true);
   k3::cuda::synchronize();
   o_d.download(o.data(), o.size());
   lse_d.download(lse.data(), lse.size());

@@ -43,13 +43,15 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-EmbeddingRuns make_embedding_runs(const std::vector<int32_t>& ids) {
+EmbeddingRuns make_embedding_runs(const std::vector<int32_t>& ids, const std::vector<bool>* skip) {
   if (ids.size() > size_t(INT_MAX)) fail("embed::cuda::make_embedding_runs: ", ids.size(), " positions exceed 2^31-1");
+  if (skip && skip->size() != ids.size())
+    fail("embed::cuda::make_embedding_runs: ", skip->size(), " skip flags for ", ids.size(), " positions");
   for (size_t n = 0; n < ids.size(); ++n)
     if (ids[n] < 0) fail("embed::cuda::make_embedding_runs: ids[", n, "] = ", ids[n], " is negative");
   EmbeddingRuns r;
-  r.order.resize(ids.size());
-  std::iota(r.order.begin(), r.order.end(), 0);
+  for (size_t n = 0; n < ids.size(); ++n)
+    if (!skip || !(*skip)[n]) r.order.push_back(int32_t(n));
   // Stable: equal ids keep position order.
   std::stable_sort(r.order.begin(), r.order.end(),
                    [&](int32_t a, int32_t b) { return ids[size_t(a)] < ids[size_t(b)]; });

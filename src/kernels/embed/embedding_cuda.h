@@ -18,7 +18,9 @@ struct EmbeddingRuns {
 };
 // Host. Throws k3::Error on a negative id or more than 2^31-1 positions (ids < V is the caller's
 // to check, as for the forward).
-EmbeddingRuns make_embedding_runs(const std::vector<int32_t>& ids);
+// skip (optional, ids.size() flags): positions left out of every run, so their rows give the table nothing
+// (input rows that replace a token's embedding, model/cuda/training/cuda_train_model.h: GpuInputRows).
+EmbeddingRuns make_embedding_runs(const std::vector<int32_t>& ids, const std::vector<bool>* skip = nullptr);
 
 // x [N, D] = table[ids[n]] rows (table [V, D], every id in [0, V)); a negative id gives a NaN row.
 void embedding_forward(float* x, const float* table, const int32_t* ids, int64_t N, int64_t D);

@@ -46,6 +46,7 @@ struct AttnArgs {
   int64_t rows;
   int H, Dn, Dr, Dv;
   float scale;
+  bool causal;  // key s seen by query t when s <= t; else every key of the sequence
 };
 
 __device__ __forceinline__ float halfwarp_max(float x) {
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < 4; ++i) m_r[i] = -INFINITY, l_r[i] = 0.0f;
 
-  const int kv_end = min(len, m0 + kFwdBM);
+  const int kv_end = a.causal ? min(len, m0 + kFwdBM) : len;
   for (int n0 = 0; n0 < kv_end; n0 += kFwdBN) {
     __syncthreads();  // the previous tile's K, V and P are no longer read
     tl.k(sK, LQ, n0, kFwdBN);
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int key = n0 + tx + 16 * j;
-        const float x = (key <= t && key < len) ? s[i][j] * a.scale : -INFINITY;
+        const float x = ((key <= t || !a.causal) && key < len) ? s[i][j] * a.scale : -INFINITY;
         s[i][j] = x;
         mx = fmaxf(mx, x);
       }
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < CV; ++j) dvv[i][j] = 0.0f;
   }
 
-  for (int m0 = n0 / kBwdInner * kBwdInner; m0 < len; m0 += kBwdInner) {
+  for (int m0 = a.causal ? n0 / kBwdInner * kBwdInner : 0; m0 < len; m0 += kBwdInner) {
     __syncthreads();  // the previous tile's Q, dO, P, dS are no longer read
     tl.q(sQ, LQ, m0, kBwdInner);
     tl.d_o(sdO, LV, m0, kBwdInner);
@@ -319,7 +320,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c = tx + 16 * j, key = n0 + c;
-        const bool seen = key <= t && t < len;
+        const bool seen = (key <= t || !a.causal) && key < len && t < len;
         const float p = seen ? expf(s[i][j] * a.scale - sL[r]) : 0.0f;
         sP[r * LP + c] = p;
         sdS[r * LP + c] = seen ? p * (dp[i][j] - sD[r]) : 0.0f;
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const AttnArgs a,
 #pragma unroll
     for (int j = 0; j < CQ; ++j) acc[i][j] = 0.0f;
 
-  const int kv_end = min(len, m0 + kBwdOuter);
+  const int kv_end = a.causal ? min(len, m0 + kBwdOuter) : len;
   for (int n0 = 0; n0 < kv_end; n0 += kBwdInner) {
     __syncthreads();  // the previous tile's K and dS are no longer read
     tl.k(sK, LQ, n0, kBwdInner);
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const AttnArgs a,
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int c = tx + 16 * j, key = n0 + c;
-        const bool seen = key <= t && t < len;
+        const bool seen = (key <= t || !a.causal) && key < len && t < len;
         const float p = seen ? expf(s[i][j] * a.scale - sL[r]) : 0.0f;
         sdS[r * LS + c] = seen ? p * (dp[i][j] - sD[r]) : 0.0f;
       }
@@ -565,7 +566,7 @@ void dk_rot_sum(unsigned grid, float* dk_rot, int64_t lddr, const float* dk_rot_
 
 void attention_forward_train(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                              int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                             int64_t max_len, int64_t rows, const Dims& d, float scale) {
+                             int64_t max_len, int64_t rows, const Dims& d, float scale, bool causal) {
   constexpr const char* fn = "mla::cuda::attention_forward_train";
   check_attention(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale);
   K3_CHECK(ldo >= d.H * d.Dv, fn, ": ldo = ", ldo, " < H*Dv = ", d.H * d.Dv);
@@ -575,6 +576,7 @@ void attention_forward_train(float* o, int64_t ldo, float* lse, const float* q, 
   a.q = q, a.ldq = ldq, a.kv = kv, a.ldkv = ldkv, a.k_rot = k_rot, a.ldr = ldr;
   a.cu = cu_seqlens, a.rows = rows;
   a.H = int(d.H), a.Dn = int(d.Dn), a.Dr = int(d.Dr), a.Dv = int(d.Dv), a.scale = scale;
+  a.causal = causal;
   switch (col_blocks(d.Dv)) {
     case 4: return launch_fwd<4>(a, o, ldo, lse, B, max_len);
     case 8: return launch_fwd<8>(a, o, ldo, lse, B, max_len);
@@ -590,7 +592,7 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
                               const float* d_o, int64_t ldo, const float* o, const float* q, int64_t ldq,
                               const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr, const float* lse,
                               const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
-                              float scale, void* workspace) {
+                              float scale, void* workspace, bool causal) {
   constexpr const char* fn = "mla::cuda::attention_backward_train";
   check_backward(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale, ldo, lddq, lddkv, lddr);
   if (rows == 0 || B == 0) return;
@@ -612,6 +614,7 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
   a.q = q, a.ldq = ldq, a.kv = kv, a.ldkv = ldkv, a.k_rot = k_rot, a.ldr = ldr, a.d_o = d_o, a.ldo = ldo;
   a.lse = lse, a.delta = delta, a.cu = cu_seqlens, a.rows = rows;
   a.H = int(d.H), a.Dn = int(d.Dn), a.Dr = int(d.Dr), a.Dv = int(d.Dv), a.scale = scale;
+  a.causal = causal;
   switch (col_blocks(d.Dn + d.Dr)) {
     case 4: dispatch_dkv<4>(a, dkv, lddkv, dk_rot_h, B, max_len), launch_dq<4>(a, dq, lddq, B, max_len); break;
     case 8: dispatch_dkv<8>(a, dkv, lddkv, dk_rot_h, B, max_len), launch_dq<8>(a, dq, lddq, B, max_len); break;

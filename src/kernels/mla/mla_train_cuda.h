@@ -11,6 +11,8 @@
 // partly skipped. Per head h (K3's NoPE form, k_rot never rotated):
 //   S_ts = scale·(q_nope_h(t)·k_nope_h(s) + q_rot_h(t)·k_rot(s)),  s <= t;  P = softmax_s(S);
 //   o_h(t) = Σ_s P_ts v_h(s);  lse_h(t) = log Σ_s exp(S_ts)  (natural log, of the SCALED scores).
+// With causal = false (the vision tower's bidirectional attention, model/cuda/training/vision_train.cpp)
+// every query sees every key of its sequence: s < len in place of s <= t, the same kernels otherwise.
 // Any Dn >= 0, Dr >= 0 with 1 <= Dn + Dr <= 256 and 1 <= Dv <= 256 (K3: 128, 64, 128); any H >= 1.
 //
 // DESIGN (flash-attention in fp32 SIMT FMAs; tensor cores come later). Every block works on one
@@ -62,7 +64,7 @@ namespace k3::mla::cuda {
 // (head h at columns h*(Dn+Dv): [k_nope | v]) and k_rot [rows, ldr] (Dr columns shared by the heads).
 void attention_forward_train(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                              int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                             int64_t max_len, int64_t rows, const Dims& d, float scale);
+                             int64_t max_len, int64_t rows, const Dims& d, float scale, bool causal = true);
 
 // Scratch of attention_backward_train: Delta [H, rows] and the per-head dk_rot [H, rows, Dr], fp32.
 size_t attention_backward_workspace_bytes(int64_t rows, const Dims& d);
@@ -75,7 +77,7 @@ void attention_backward_train(float* dq, int64_t lddq, float* dkv, int64_t lddkv
                               const float* d_o, int64_t ldo, const float* o, const float* q, int64_t ldq,
                               const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr, const float* lse,
                               const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
-                              float scale, void* workspace);
+                              float scale, void* workspace, bool causal = true);
 
 // The output gate, elementwise over n values, as output_gate_forward_f64: gate holds the pre-sigmoid
 // g_proj x on entry and sigma(gate) on return (IN PLACE; the backward reads it), og = o ⊙ sigma.
@@ -88,7 +90,7 @@ void output_gate_backward_train(float* d_o, float* dz, const float* dog, const f
 #else  // a build without the CUDA backend: every entry point says so
 
 inline void attention_forward_train(float*, int64_t, float*, const float*, int64_t, const float*, int64_t, const float*,
-                                    int64_t, const int32_t*, int, int64_t, int64_t, const Dims&, float) {
+                                    int64_t, const int32_t*, int, int64_t, int64_t, const Dims&, float, bool = true) {
   fail("mla::cuda::attention_forward_train: this build has no CUDA backend");
 }
 inline size_t attention_backward_workspace_bytes(int64_t, const Dims&) {
@@ -96,7 +98,8 @@ inline size_t attention_backward_workspace_bytes(int64_t, const Dims&) {
 }
 inline void attention_backward_train(float*, int64_t, float*, int64_t, float*, int64_t, const float*, int64_t,
                                      const float*, const float*, int64_t, const float*, int64_t, const float*, int64_t,
-                                     const float*, const int32_t*, int, int64_t, int64_t, const Dims&, float, void*) {
+                                     const float*, const int32_t*, int, int64_t, int64_t, const Dims&, float, void*,
+                                     bool = true) {
   fail("mla::cuda::attention_backward_train: this build has no CUDA backend");
 }
 inline void output_gate_forward_train(float*, float*, const float*, int64_t) {

@@ -68,6 +68,7 @@ struct AttnArgs {
   int H, Dn, Dr, Dv;
   int dqp, dvp;  // Dn + Dr and Dv rounded up to a multiple of 16
   float scale, scale_log2;
+  bool causal;  // key s seen by query t when s <= t; else every key of the sequence
 };
 
 using ptx::cp_async16;
@@ -227,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint16_t *qs = a.q + hrow * a.dqp, *ks = a.k + hrow * a.dqp, *vs = a.v + hrow * a.dvp;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int wq0 = m0 + warp * 16;  // the warp's first query
-  const int kv_end = min(len, m0 + kFwdBM), tiles = (kv_end + kFwdBN - 1) / kFwdBN;
+  const int kv_end = a.causal ? min(len, m0 + kFwdBM) : len, tiles = (kv_end + kFwdBN - 1) / kFwdBN;
 
   copy_rows(sQ, LQ, qs, a.dqp, m0, kFwdBM, len);
   copy_rows(sK0, LQ, ks, a.dqp, 0, kFwdBN, len);
@@ -249,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cp_async_commit();
     cp_async_wait<1>();  // everything but the tile just queued has landed
     __syncthreads();
-    if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
+    if ((!a.causal || n0 <= wq0 + 15) && wq0 < len) {  // else every (query, key) of the warp is masked
       float s[8][4];
       rows_times_rows_t(s, sQ, LQ, warp * 16, sK, LQ, a.dqp, lane);
 
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = wq0 + g + 8 * (e >> 1), key = n0 + 8 * j + 2 * t4 + (e & 1);
-          const float x = (key <= t && key < len) ? s[j][e] * a.scale_log2 : -INFINITY;
+          const float x = ((key <= t || !a.causal) && key < len) ? s[j][e] * a.scale_log2 : -INFINITY;
           s[j][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       // O += P V per 16-key chunk c; chunks past the warp's last query have P = 0 and are skipped.
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (n0 + 16 * c > wq0 + 15) continue;
+        if (a.causal && n0 + 16 * c > wq0 + 15) continue;
         uint32_t pa[4];
         acc_to_a(pa, s[2 * c], s[2 * c + 1]);
         add_chunk_times_rows(acc, pa, sV, LV, 16 * c, nvt, lane);
@@ -384,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float *ls = a.lse2 + hrow, *ds = a.delta + hrow;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int wk0 = n0 + warp * 16;  // the warp's first key
-  const int m_first = n0 / kDkvBM * kDkvBM, tiles = (len - m_first + kDkvBM - 1) / kDkvBM;
+  const int m_first = a.causal ? n0 / kDkvBM * kDkvBM : 0, tiles = (len - m_first + kDkvBM - 1) / kDkvBM;
 
   auto queue_tile = [&](int it) {  // Q, dO and statistics of query tile `it` into stage it & 1
     const int m0 = m_first + it * kDkvBM, st = it & 1;
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    if (wk0 < len && m0 + kDkvBM - 1 >= wk0) {  // else no key, or every query precedes the warp's keys
+    if (wk0 < len && (!a.causal || m0 + kDkvBM - 1 >= wk0)) {  // else no key, or every query precedes them
       float st[4][4], dpt[4][4];
       rows_times_rows_t(st, sK, LQ, warp * 16, sQ, LQ, a.dqp, lane);
       rows_times_rows_t(dpt, sV, LV, warp * 16, sdO, LV, a.dvp, lane);
@@ -418,14 +419,14 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = wk0 + g + 8 * (e >> 1), qi = 8 * j + 2 * t4 + (e & 1), t = m0 + qi;
-          const bool seen = key <= t && t < len;
+          const bool seen = (key <= t || !a.causal) && key < len && t < len;
           const float p = seen ? exp2f(st[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
           dpt[j][e] = seen ? p * (dpt[j][e] - sD[qi]) : 0.0f;
           st[j][e] = p;
         }
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        if (m0 + 16 * c + 15 < wk0) continue;  // every query of the chunk precedes the warp's keys: P = dS = 0
+        if (a.causal && m0 + 16 * c + 15 < wk0) continue;  // the chunk's queries precede the keys: P = dS = 0
         uint32_t pa[4], da[4];
         acc_to_a(pa, st[2 * c], st[2 * c + 1]);
         acc_to_a(da, dpt[2 * c], dpt[2 * c + 1]);
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                  *os = a.d_o + hrow * a.dvp;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int wq0 = m0 + warp * 16;  // the warp's first query
-  const int kv_end = min(len, m0 + kDqBM), tiles = (kv_end + kDqBN - 1) / kDqBN;
+  const int kv_end = a.causal ? min(len, m0 + kDqBM) : len, tiles = (kv_end + kDqBN - 1) / kDqBN;
 
   copy_rows(sQ, LQ, qs, a.dqp, m0, kDqBM, len);
   copy_rows(sdO, LV, os, a.dvp, m0, kDqBM, len);
@@ -515,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    if (n0 <= wq0 + 15 && wq0 < len) {  // else every (query, key) of the warp is masked (warp-uniform)
+    if ((!a.causal || n0 <= wq0 + 15) && wq0 < len) {  // else every (query, key) of the warp is masked
       float s[4][4], dp[4][4];
       rows_times_rows_t(s, sQ, LQ, warp * 16, sK, LQ, a.dqp, lane);
       rows_times_rows_t(dp, sdO, LV, warp * 16, sV, LV, a.dvp, lane);
@@ -525,13 +526,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = warp * 16 + g + 8 * (e >> 1), t = m0 + qi, key = n0 + 8 * j + 2 * t4 + (e & 1);
-          const bool seen = key <= t && t < len;
+          const bool seen = (key <= t || !a.causal) && key < len && t < len;
           const float p = seen ? exp2f(s[j][e] * a.scale_log2 - sL[qi]) : 0.0f;
           s[j][e] = seen ? p * (dp[j][e] - sD[qi]) : 0.0f;
         }
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        if (n0 + 16 * c > wq0 + 15) continue;  // keys past the warp's last query: dS = 0
+        if (a.causal && n0 + 16 * c > wq0 + 15) continue;  // keys past the warp's last query: dS = 0
         uint32_t da[4];
         acc_to_a(da, s[2 * c], s[2 * c + 1]);
         add_chunk_times_rows(acc, da, sK, LQ, 16 * c, nqt, lane);
@@ -645,8 +646,9 @@ void dispatch_bwd(const AttnArgs& a, float* dq, int64_t lddq, float* dkv, int64_
 // arguments over them.
 AttnArgs pack_operands(const char* fn, void* ws, const Layout& L, const float* q, int64_t ldq, const float* kv,
                        int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int64_t rows,
-                       const Dims& d, float scale) {
+                       const Dims& d, float scale, bool causal) {
   AttnArgs a{};
+  a.causal = causal;
   a.cu = cu_seqlens, a.rows = rows;
   a.H = int(d.H), a.Dn = int(d.Dn), a.Dr = int(d.Dr), a.Dv = int(d.Dv);
   a.dqp = pad16(a.Dn + a.Dr), a.dvp = pad16(a.Dv);
@@ -670,7 +672,8 @@ size_t attention_forward_workspace_bytes_bf16(int64_t rows, const Dims& d) {
 
 void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                                   int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace) {
+                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace,
+                                  bool causal) {
   constexpr const char* fn = "mla::cuda::attention_forward_train_bf16";
   check_attention(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale);
   K3_CHECK(ldo >= d.H * d.Dv, fn, ": ldo = ", ldo, " < H*Dv = ", d.H * d.Dv);
@@ -678,9 +681,9 @@ void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float
   K3_CHECK(o && lse && q && kv && cu_seqlens && (k_rot || d.Dr == 0), fn, ": null device pointer");
   K3_CHECK(workspace, fn, ": workspace is null (attention_forward_workspace_bytes_bf16 = ",
            attention_forward_workspace_bytes_bf16(rows, d), " bytes)");
-  const AttnArgs a =
-      pack_operands(fn, workspace, layout(rows, d, false), q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
-  if (wgmma::dims_fit(a.dqp, a.dvp, a.Dv))  // K3's head dims: the Hopper kernel
+  const AttnArgs a = pack_operands(fn, workspace, layout(rows, d, false), q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens,
+                                   rows, d, scale, causal);
+  if (causal && wgmma::dims_fit(a.dqp, a.dvp, a.Dv))  // K3's head dims: the Hopper kernel (causal only)
     return wgmma::attention_forward(packed_qkv(a), o, ldo, lse, B, max_len);
   switch (tiles_bucket(a.dvp)) {
     case 8: return launch_fwd<8>(a, o, ldo, lse, B, max_len);
@@ -698,7 +701,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
                                    const float* d_o, int64_t ldo, const float* o, const float* q, int64_t ldq,
                                    const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr, const float* lse,
                                    const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
-                                   float scale, void* workspace) {
+                                   float scale, void* workspace, bool causal) {
   constexpr const char* fn = "mla::cuda::attention_backward_train_bf16";
   check_backward(fn, d, B, max_len, rows, ldq, ldkv, ldr, scale, ldo, lddq, lddkv, lddr);
   if (rows == 0 || B == 0) return;
@@ -707,7 +710,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
   K3_CHECK(workspace, fn, ": workspace is null (attention_backward_workspace_bytes_bf16 = ",
            attention_backward_workspace_bytes_bf16(rows, d), " bytes)");
   const Layout L = layout(rows, d, true);
-  AttnArgs a = pack_operands(fn, workspace, L, q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale);
+  AttnArgs a = pack_operands(fn, workspace, L, q, ldq, kv, ldkv, k_rot, ldr, cu_seqlens, rows, d, scale, causal);
   float *delta = part<float>(workspace, L.delta), *lse2 = part<float>(workspace, L.lse2);
   float* dk_rot_h = part<float>(workspace, L.dk_rot_h);
   uint16_t* dop = part<uint16_t>(workspace, L.d_o);
@@ -715,7 +718,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
                                                             int(d.Dv), a.dvp);
   K3_CUDA_LAUNCH_CHECK();
   a.d_o = dop, a.lse2 = lse2, a.delta = delta;
-  if (wgmma::dims_fit(a.dqp, a.dvp, a.Dv)) {  // K3's head dims: the Hopper kernels
+  if (causal && wgmma::dims_fit(a.dqp, a.dvp, a.Dv)) {  // K3's head dims: the Hopper kernels (causal only)
     wgmma::attention_backward(packed_qkv(a), wgmma::PackedGrad{dop, lse2, delta, a.Dn, a.Dr, a.scale}, dq, lddq, dkv,
                               lddkv, dk_rot_h, B, max_len);
   } else {

@@ -9,7 +9,8 @@
 // dO are rounded to bf16 (nearest even) ONCE, by a packing kernel, into head-major bf16 copies in
 // the caller's workspace ([H][rows][W], W the head dim rounded up to 16, zero-filled); o, lse and
 // every gradient are fp32. Any Dn >= 0, Dr >= 0 with 1 <= Dn + Dr <= 256 and 1 <= Dv <= 256 (K3: 128,
-// 64, 128); any H >= 1.
+// 64, 128); any H >= 1. causal = false: every query sees its whole sequence (attention_forward_train's
+// comment); the Hopper kernels below are causal only, so that form always runs the mma.sync kernels.
 //
 // At K3's head dims (Dn + Dr padded to 192, Dv = 128) the forward and the backward run on Hopper's
 // warpgroup MMA instead (mla_train_wgmma_cuda.cu, mla_train_wgmma_bwd_cuda.cu: the same semantics and
@@ -63,7 +64,8 @@ size_t attention_forward_workspace_bytes_bf16(int64_t rows, const Dims& d);
 // (attention_forward_workspace_bytes_bf16(rows, d) bytes).
 void attention_forward_train_bf16(float* o, int64_t ldo, float* lse, const float* q, int64_t ldq, const float* kv,
                                   int64_t ldkv, const float* k_rot, int64_t ldr, const int32_t* cu_seqlens, int B,
-                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace);
+                                  int64_t max_len, int64_t rows, const Dims& d, float scale, void* workspace,
+                                  bool causal = true);
 
 // Scratch of attention_backward_train_bf16: Delta and log2(e)·lse [H, rows] and the per-head dk_rot
 // [H, rows, Dr] in fp32, then the bf16 copies of q, k, v and dO.
@@ -76,7 +78,7 @@ void attention_backward_train_bf16(float* dq, int64_t lddq, float* dkv, int64_t 
                                    const float* d_o, int64_t ldo, const float* o, const float* q, int64_t ldq,
                                    const float* kv, int64_t ldkv, const float* k_rot, int64_t ldr, const float* lse,
                                    const int32_t* cu_seqlens, int B, int64_t max_len, int64_t rows, const Dims& d,
-                                   float scale, void* workspace);
+                                   float scale, void* workspace, bool causal = true);
 
 #else  // a build without the CUDA backend: every entry point says so
 
@@ -85,7 +87,7 @@ inline size_t attention_forward_workspace_bytes_bf16(int64_t, const Dims&) {
 }
 inline void attention_forward_train_bf16(float*, int64_t, float*, const float*, int64_t, const float*, int64_t,
                                          const float*, int64_t, const int32_t*, int, int64_t, int64_t, const Dims&,
-                                         float, void*) {
+                                         float, void*, bool = true) {
   fail("mla::cuda::attention_forward_train_bf16: this build has no CUDA backend");
 }
 inline size_t attention_backward_workspace_bytes_bf16(int64_t, const Dims&) {
@@ -94,7 +96,7 @@ inline size_t attention_backward_workspace_bytes_bf16(int64_t, const Dims&) {
 inline void attention_backward_train_bf16(float*, int64_t, float*, int64_t, float*, int64_t, const float*, int64_t,
                                           const float*, const float*, int64_t, const float*, int64_t, const float*,
                                           int64_t, const float*, const int32_t*, int, int64_t, int64_t, const Dims&,
-                                          float, void*) {
+                                          float, void*, bool = true) {
   fail("mla::cuda::attention_backward_train_bf16: this build has no CUDA backend");
 }
 

@@ -18,6 +18,7 @@
 #include "model/cuda/training/train_context.h"
 #include "model/decoder.h"
 #include "model/tensor_table.h"
+#include "model/training/model_train.h"
 
 namespace k3 {
 
@@ -27,6 +28,7 @@ struct CudaTrainModel::Impl {
   gemm::cuda::GemmContext gemm;
   gpu::DeviceParams params;
   gpu::DeviceArena arena;
+  gpu::DeviceArena vision_arena;  // image_text_loss's tower tape: it outlives the text pass's arena reset
   std::vector<std::unique_ptr<moe::cuda::TrainDispatch>> dispatch;  // per MoE layer, reused across steps
   std::vector<int64_t> dispatch_rows;
   std::vector<std::unique_ptr<gpu::ExpertTables>> experts;  // per MoE layer (BF16 mode), built once
@@ -51,6 +53,13 @@ struct CudaTrainModel::Impl {
 
 namespace gpu {
 namespace {
+
+// An input-row span in packed rows: rows [row, row + n) take data.
+struct PackedInputRows {
+  int64_t row = 0, n = 0;
+  const float* data = nullptr;
+  float* grad = nullptr;
+};
 
 void upload_ints(cuda::DeviceBuffer<int32_t>& buf, const std::vector<int32_t>& v) {
   if (buf.size() < v.size()) buf = cuda::DeviceBuffer<int32_t>(std::max<size_t>(v.size(), 1));
@@ -78,7 +87,8 @@ class CudaTrainBackend {
   using Act = int;
   static constexpr Act kOut = -1;
 
-  CudaTrainBackend(CudaTrainModel::Impl& m, TrainCtx& t, const GpuStepHooks* hooks, double grad_scale)
+  CudaTrainBackend(CudaTrainModel::Impl& m, TrainCtx& t, const GpuStepHooks* hooks, double grad_scale,
+                   const std::vector<PackedInputRows>& input_rows)
       : m_(m),
         t_(t),
         c_(m.c),
@@ -87,7 +97,8 @@ class CudaTrainBackend {
         N_(t.batch.rows),
         D_(m.c.hidden_size),
         tape_(size_t(m.c.num_hidden_layers)),
-        grad_scale_(grad_scale) {
+        grad_scale_(grad_scale),
+        input_rows_(input_rows) {
     const std::string head = tn_(TensorKind::LmHead);
     if (m.params.has(head)) lm_head_ = m.params.at(head);
     else if (c_.tie_word_embeddings) lm_head_ = m.params.at(tn_(TensorKind::TokenEmbd));
@@ -100,6 +111,8 @@ class CudaTrainBackend {
   Act embed() {
     float* x = t_.take<float>(N_ * D_);
     embed::cuda::embedding_forward(x, m_.params.at(tn_(TensorKind::TokenEmbd)).w, t_.batch.ids, N_, D_);
+    for (const PackedInputRows& r : input_rows_)
+      cuda::copy_on_device(x + r.row * D_, r.data, size_t(r.n * D_) * sizeof(float));
     node_.push_back(x);
     return 0;
   }
@@ -275,6 +288,9 @@ class CudaTrainBackend {
                       int64_t runs) {
     embed::cuda::embedding_backward(m_.params.at(tn_(TensorKind::TokenEmbd)).g, dnode_[size_t(embedding)], order,
                                     run_start, run_id, runs, D_);
+    for (const PackedInputRows& r : input_rows_)
+      if (r.grad)
+        cuda::copy_on_device(r.grad, dnode_[size_t(embedding)] + r.row * D_, size_t(r.n * D_) * sizeof(float));
   }
   // decoder_backward's form: the runs come from the model (set_embedding_runs).
   void embed_backward(Act embedding) { embed_backward(embedding, runs_order_, runs_start_, runs_id_, runs_); }
@@ -352,6 +368,7 @@ class CudaTrainBackend {
   const uint16_t* xn16_ = nullptr;  // the final norm's output in bf16 (BF16 mode): the lm_head chunks' operand
   int64_t chunk_ = 0;
   const double grad_scale_;
+  const std::vector<PackedInputRows>& input_rows_;
   const int32_t *runs_order_ = nullptr, *runs_start_ = nullptr, *runs_id_ = nullptr;
   int64_t runs_ = 0;
 };
@@ -403,18 +420,39 @@ int64_t CudaTrainModel::grouped_expert_layers() const {
 }
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
-                            const GpuStepHooks* hooks, std::vector<std::vector<double>>* token_losses) {
+                            const GpuStepHooks* hooks, std::vector<std::vector<double>>* token_losses,
+                            const std::vector<GpuInputRows>* input_rows) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
+  // Input rows: each span checked against its piece and the others; their positions marked.
+  std::vector<std::vector<bool>> taken(pieces.size());
+  for (size_t p = 0; p < pieces.size(); ++p) taken[p].assign(pieces[p].size(), false);
+  if (input_rows)
+    for (const GpuInputRows& r : *input_rows) {
+      K3_CHECK(r.piece >= 0 && r.piece < int64_t(pieces.size()), "GPU training: input rows of piece ", r.piece,
+               " in a step of ", pieces.size());
+      const int64_t T = int64_t(pieces[size_t(r.piece)].size());
+      K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= T && (r.data || r.n == 0), "GPU training: input rows [", r.at,
+               ", ", r.at + r.n, ") of piece ", r.piece, " do not fit its ", T, " positions");
+      for (int64_t i = r.at; i < r.at + r.n; ++i) {
+        K3_CHECK(!taken[size_t(r.piece)][size_t(i)], "GPU training: input rows overlap at position ", i, " of piece ",
+                 r.piece);
+        taken[size_t(r.piece)][size_t(i)] = true;
+      }
+    }
   // The packed batch: offsets, KDA chunk offsets, ids and next-token targets, embedding runs.
+  // A position whose next position is an input row predicts nothing (target -1).
   std::vector<int32_t> cu{0}, chunks{0}, ids, targets;
+  std::vector<bool> from_rows;
   int64_t max_len = 0;
-  for (const auto& p : pieces) {
+  for (size_t pi = 0; pi < pieces.size(); ++pi) {
+    const std::vector<int32_t>& p = pieces[pi];
     if (p.empty()) fail("GPU training: empty sequence");
     for (size_t i = 0; i < p.size(); ++i) {
       if (p[i] < 0 || p[i] >= c.vocab_size) fail("GPU training: token id ", p[i], " outside [0, ", c.vocab_size, ")");
       ids.push_back(p[i]);
-      targets.push_back(i + 1 < p.size() ? p[i + 1] : -1);
+      targets.push_back(i + 1 < p.size() && !taken[pi][i + 1] ? p[i + 1] : -1);
+      from_rows.push_back(taken[pi][i]);
     }
     K3_CHECK(ids.size() < size_t(INT32_MAX), "GPU training: a step of more than 2^31 tokens");
     cu.push_back(int32_t(ids.size()));
@@ -422,7 +460,10 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
     max_len = std::max<int64_t>(max_len, int64_t(p.size()));
   }
   if (pieces.empty()) return 0.0;
-  const embed::cuda::EmbeddingRuns runs = embed::cuda::make_embedding_runs(ids);
+  const embed::cuda::EmbeddingRuns runs = embed::cuda::make_embedding_runs(ids, &from_rows);
+  std::vector<gpu::PackedInputRows> packed_rows;
+  if (input_rows)
+    for (const GpuInputRows& r : *input_rows) packed_rows.push_back({cu[size_t(r.piece)] + r.at, r.n, r.data, r.grad});
   gpu::upload_ints(m.cu_seqlens, cu), gpu::upload_ints(m.chunk_offsets, chunks);
   gpu::upload_ints(m.ids, ids), gpu::upload_ints(m.targets, targets);
   gpu::upload_ints(m.emb_order, runs.order), gpu::upload_ints(m.emb_run_start, runs.run_start);
@@ -437,7 +478,7 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   m.arena.reset();
   gpu::TrainCtx t{c, m.precision, m.gemm, m.arena, m.params, batch};
   t.batch_invariant = m.batch_invariant;
-  gpu::CudaTrainBackend be(m, t, hooks, grad_scale);
+  gpu::CudaTrainBackend be(m, t, hooks, grad_scale, packed_rows);
   be.set_embedding_runs(m.emb_order.data(), m.emb_run_start.data(), m.emb_run_id.data(), int64_t(runs.run_id.size()));
   DecoderTape<gpu::CudaTrainBackend::Act> tape;
   decoder_forward(be, c, nullptr, &tape);
@@ -451,6 +492,74 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
       for (int32_t r = cu[p]; r + 1 < cu[p + 1]; ++r)
         (*token_losses)[p].push_back(double(lse[size_t(r)]) - double(tl[size_t(r)]));
   }
+  return loss;
+}
+
+double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequence>& seqs, const VisionConfig& vc,
+                                       bool backward, double grad_scale, const GpuStepHooks* hooks, int64_t* targets) {
+  Impl& m = *impl_;
+  const K3Config& c = m.c;
+  K3_CHECK(vc.text_hidden_size == c.hidden_size, "GPU image-text training: the projector writes ", vc.text_hidden_size,
+           " values a token (", vc.source, "), and the text model's hidden_size is ", c.hidden_size);
+  const int64_t V = vc.patch_values(), H = c.hidden_size;
+  // Every image of the step, sequences in order: pixels (rounded to fp32), grids, and where its tokens go.
+  std::vector<float> pixels;
+  std::vector<VisionGrid> grids;
+  std::vector<std::pair<int64_t, int64_t>> placed;  // (sequence, first position) per image
+  std::vector<std::vector<int32_t>> pieces;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const train::ImageTextSequence& s = seqs[i];
+    K3_CHECK(s.image_at.size() == s.grids.size(), "GPU image-text training: sequence ", i, " has ", s.image_at.size(),
+             " image positions for ", s.grids.size(), " images");
+    K3_CHECK(int64_t(s.pixel_patches.size()) % V == 0, "GPU image-text training: sequence ", i, "'s ",
+             s.pixel_patches.size(), " pixel values are not whole patches of ", V);
+    int64_t patches = 0;
+    for (size_t g = 0; g < s.grids.size(); ++g) {
+      patches += s.grids[g].patches();
+      grids.push_back(s.grids[g]);
+      placed.push_back({int64_t(i), s.image_at[g]});
+    }
+    K3_CHECK(patches * V == int64_t(s.pixel_patches.size()), "GPU image-text training: sequence ", i, "'s grids hold ",
+             patches, " patches and its pixels ", s.pixel_patches.size() / size_t(V));
+    for (double x : s.pixel_patches) pixels.push_back(float(x));
+    pieces.push_back(s.ids);
+  }
+  const int64_t L = int64_t(pixels.size()) / V;
+
+  m.vision_arena.reset();
+  const gpu::PackedBatch no_batch;  // the tower reads none of the text batch
+  gpu::TrainCtx t{c, m.precision, m.gemm, m.vision_arena, m.params, no_batch};
+  float* pixels_d = t.take<float>(std::max<int64_t>(L * V, 1));
+  if (!pixels.empty()) cuda::copy_to_device(pixels_d, pixels.data(), pixels.size() * sizeof(float));
+  float* projected = nullptr;
+  std::unique_ptr<gpu::VisionTrainTape, gpu::VisionTapeDeleter> tape;
+  if (!grids.empty()) tape = gpu::vision_train_forward(t, vc, pixels_d, L, grids, &projected);
+
+  std::vector<GpuInputRows> rows;
+  float* dprojected = nullptr;
+  int64_t tokens = 0;
+  for (const VisionGrid& g : grids) tokens += (g.h / vc.merge_h) * (g.w / vc.merge_w);
+  if (backward && tokens > 0) dprojected = t.take<float>(tokens * H);
+  int64_t first = 0;
+  for (size_t i = 0; i < grids.size(); ++i) {
+    const int64_t n = (grids[i].h / vc.merge_h) * (grids[i].w / vc.merge_w);
+    const auto [seq, at] = placed[i];
+    K3_CHECK(at >= 0 && at + n <= int64_t(pieces[size_t(seq)].size()), "GPU image-text training: sequence ", seq,
+             "'s image of ", n, " tokens from position ", at, " does not fit its ", pieces[size_t(seq)].size(), " ids");
+    rows.push_back({seq, at, n, projected + first * H, dprojected ? dprojected + first * H : nullptr});
+    first += n;
+  }
+  const double loss = this->loss(pieces, backward, grad_scale, hooks, nullptr, &rows);
+  if (targets) {
+    *targets = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      std::vector<train::TrainInputRows> spans;
+      for (const GpuInputRows& r : rows)
+        if (r.piece == int64_t(i)) spans.push_back({r.at, r.n, nullptr, nullptr});
+      *targets += train::target_count(int64_t(seqs[i].ids.size()), spans);
+    }
+  }
+  if (backward && tape) gpu::vision_train_backward(t, vc, *tape, dprojected);
   return loss;
 }
 

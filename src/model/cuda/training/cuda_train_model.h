@@ -22,6 +22,8 @@
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
 #include "model/params.h"
+#include "model/training/image_text_train.h"
+#include "model/vision_config.h"
 
 namespace k3::gemm::cuda {
 class GemmContext;
@@ -39,6 +41,17 @@ struct GpuStepHooks {
   std::function<const float*(int64_t layer)> router_bias;
   // Every MoE layer's unbiased router scores of the step: device fp32 [rows, E] (valid during the call).
   std::function<void(int64_t layer, const float* scores, int64_t rows)> on_router_scores;
+};
+
+// Rows of a step's input that come from given device vectors, not the token table (the GPU form of
+// train::TrainInputRows, model/training/model_train.h): positions [at, at + n) of piece `piece` take data
+// [n, hidden] (an image's projected tokens; the ids there hold the placeholder). Those positions predict nothing
+// from the position before them and give the token table no gradient; grad (optional, device [n, hidden]) is
+// OVERWRITTEN by a backward with grad_scale × ∂loss/∂data.
+struct GpuInputRows {
+  int64_t piece = 0, at = 0, n = 0;
+  const float* data = nullptr;
+  float* grad = nullptr;
 };
 
 class CudaTrainModel {
@@ -59,8 +72,20 @@ class CudaTrainModel {
   // gradient is ADDED to the device gradient buffer. Waits for the GPU (the loss comes to the host).
   // token_losses (optional): each piece's per-position losses −log p(ids[t+1]) for t < T−1, the
   // log-probabilities a policy-gradient step needs, computed in this same pass.
+  // input_rows (optional): spans of the pieces that take given rows (GpuInputRows; inside their piece, not
+  // overlapping: a k3::Error names one that is not). The loss then sums the positions whose target is a token.
   double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
-              const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr);
+              const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr,
+              const std::vector<GpuInputRows>* input_rows = nullptr);
+
+  // The GPU twin of train::image_text_loss (model/training/image_text_train.h) over a step of sequences: the
+  // tower and projector of vc (model/cuda/training/vision_train.cpp) encode every image of the step in one packed
+  // pass, their projected tokens go in as input rows, and with `backward` the text loss's gradient flows back
+  // through them into the tower: grad_scale × the gradient of the summed loss is ADDED to every text and vision
+  // tensor's device gradient. The parameters must hold the vision tensors (the ParamStore the model was made
+  // from). Returns the summed loss; *targets (optional) receives how many positions it sums.
+  double image_text_loss(const std::vector<train::ImageTextSequence>& seqs, const VisionConfig& vc, bool backward,
+                         double grad_scale, const GpuStepHooks* hooks = nullptr, int64_t* targets = nullptr);
 
   // The device parameters: fp32 values and gradients in P's flat layout (P.offset(name)).
   float* values_device();

@@ -17,7 +17,11 @@ std::unique_ptr<CudaTrainModel> CudaTrainModel::create(const K3Config&, const tr
 const K3Config& CudaTrainModel::config() const { fail("CudaTrainModel: no CUDA backend"); }
 GpuPrecision CudaTrainModel::precision() const { fail("CudaTrainModel: no CUDA backend"); }
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>&, bool, double, const GpuStepHooks*,
-                            std::vector<std::vector<double>>*) {
+                            std::vector<std::vector<double>>*, const std::vector<GpuInputRows>*) {
+  fail("CudaTrainModel: no CUDA backend");
+}
+double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequence>&, const VisionConfig&, bool, double,
+                                       const GpuStepHooks*, int64_t*) {
   fail("CudaTrainModel: no CUDA backend");
 }
 float* CudaTrainModel::values_device() { fail("CudaTrainModel: no CUDA backend"); }

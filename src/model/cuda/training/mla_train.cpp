@@ -138,7 +138,7 @@ void mla_train_backward(TrainCtx& t, int64_t layer, const MlaTrainTape& tp, cons
                                      : mla::cuda::attention_backward_workspace_bytes(N, s.core()));
     const auto backward = bf ? mla::cuda::attention_backward_train_bf16 : mla::cuda::attention_backward_train;
     backward(dq, ldq, dkv, ldkv, dckv + s.R, s.ldc, dO, ldo, tp.o, tp.q, ldq, tp.kv, ldkv, tp.ckv + s.R, s.ldc, tp.lse,
-             b.cu_seqlens, b.B, b.max_len, N, s.core(), scale, ws);
+             b.cu_seqlens, b.B, b.max_len, N, s.core(), scale, ws, /*causal=*/true);
     t.arena.rewind(m);
   }
   // kv = lat Wkvbᵀ; lat = RMSNorm(c_lat); ckv = x Wkvaᵀ.

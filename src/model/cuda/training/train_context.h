@@ -24,6 +24,8 @@
 #include "model/cuda/cuda_model.h"
 #include "model/cuda/cuda_model_impl.h"
 #include "model/params.h"
+#include "model/vision.h"
+#include "model/vision_config.h"
 
 namespace k3::moe::cuda {
 class TrainDispatch;
@@ -201,6 +203,23 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
                                                                 const ExpertTables* experts);
 const float* moe_router_scores(const MoeTrainTape& tape);
 void moe_train_backward(TrainCtx& t, int64_t layer, const MoeTrainTape& tape, const float* dy, float* dx);
+
+// ---- the vision tower and projector (vision_train.cpp): the CUDA twin of model/training/vision_train.h ----
+// One packed pass over a step's images: pixels [L, 3 p p] (device fp32; every item's patches in (t, h, w)
+// order, items in order), grids one per item. The forward writes the projected tokens of every item, items in
+// order, to *projected (device [Σ tokens, text_hidden_size], from the arena) and keeps its tape in the arena; the
+// backward takes their gradient and ACCUMULATES every vision tensor's gradient (the pixels get none). The tower
+// reads nothing of t.batch. A k3::Error names a grid the tower cannot take or a vision tensor the parameters lack
+// or hold in another shape.
+struct VisionTrainTape;
+struct VisionTapeDeleter {
+  void operator()(VisionTrainTape*) const;
+};
+std::unique_ptr<VisionTrainTape, VisionTapeDeleter> vision_train_forward(TrainCtx& t, const VisionConfig& c,
+                                                                         const float* pixels, int64_t L,
+                                                                         const std::vector<VisionGrid>& grids,
+                                                                         float** projected);
+void vision_train_backward(TrainCtx& t, const VisionConfig& c, const VisionTrainTape& tape, const float* dprojected);
 
 }  // namespace k3::gpu
 #endif  // K3_HAVE_CUDA

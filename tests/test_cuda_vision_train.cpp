@@ -1,0 +1,301 @@
+// Training through the vision tower on the GPU (model/cuda/training/vision_train.cpp, CudaTrainModel's input rows
+// and image_text_loss) against the CPU's float64 truths:
+//   - the training attention with causal = false (kernels/mla/mla_train_cuda.h, both kernels) against
+//     attention_bidirectional_*_f64 (kernels/vision/vision_f64.h) on packed items of lengths {1, 7, 64, 130}:
+//     the fp32 kernel at the causal kernels' bar (1e-5 relative L2), the bf16 tensor-core kernel at theirs (1e-2);
+//   - the resize's transposed taps (no GPU needed) against the transpose of the forward taps, dense;
+//   - image-text sequences (three images: the table's grid, a non-square grid that needs interpolation, a 2-frame
+//     clip; two sequences, one holding two images) on k3-tiny-vision from `k3 init`: the loss, the target count
+//     and every tensor's gradient, text and vision, against train::image_text_loss in float64. F32 at 1e-5
+//     relative (loss) and 1e-4 relative L2 per tensor; BF16 at the text trainer's bars (loss 1e-2 relative, the
+//     whole gradient 5e-2 relative L2; test_cuda_train_model.cpp says why), vision and text apart.
+// GPU tests skip without a Hopper GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/cuda.h"
+#include "kernels/mla/mla_train_cuda.h"
+#include "kernels/mla/mla_train_tc_cuda.h"
+#include "kernels/vision/bilinear_taps.h"
+#include "kernels/vision/vision_f64.h"
+#include "kernels/vision/vision_train_cuda.h"
+#include "model/config.h"
+#include "model/cuda/training/cuda_train_model.h"
+#include "model/init_random.h"
+#include "model/params.h"
+#include "model/training/image_text_train.h"
+#include "model/vision_config.h"
+#include "util/compare.h"
+#include "util/cuda_test.h"
+#include "util/random.h"
+#include "util/temp_dir.h"
+
+using namespace k3;
+using k3test::rel_l2;
+
+namespace {
+
+// ---- the bidirectional training attention ----
+
+struct AttnResult {
+  std::vector<double> o, lse, dq, dk, dv;  // [L, Q], [heads, L] (items concatenated), [L, Q] x 3
+};
+
+// The float64 truth, item by item: q, k, v [L, Q] dense.
+AttnResult attention_f64(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+                         const std::vector<double>& dO, const std::vector<int32_t>& cu, int64_t heads, int64_t hd) {
+  const int64_t Q = heads * hd, L = cu.back();
+  AttnResult r;
+  r.o.assign(size_t(L * Q), 0.0), r.lse.assign(size_t(heads * L), 0.0);
+  r.dq = r.dk = r.dv = r.o;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t r0 = cu[i], n = cu[i + 1] - cu[i];
+    std::vector<double> lse(size_t(heads * n));
+    attention_bidirectional_forward_f64(r.o.data() + r0 * Q, lse.data(), q.data() + r0 * Q, k.data() + r0 * Q,
+                                        v.data() + r0 * Q, Q, n, heads, hd);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < n; ++j) r.lse[size_t(h * L + r0 + j)] = lse[size_t(h * n + j)];
+    attention_bidirectional_backward_f64(r.dq.data() + r0 * Q, r.dk.data() + r0 * Q, r.dv.data() + r0 * Q, Q,
+                                         dO.data() + r0 * Q, q.data() + r0 * Q, k.data() + r0 * Q, v.data() + r0 * Q, Q,
+                                         r.o.data() + r0 * Q, lse.data(), n, heads, hd);
+  }
+  return r;
+}
+
+// The GPU kernels in the vision trainer's layout: q [L, Q], kv [L, 2Q] ([k | v] per head).
+AttnResult attention_gpu(bool bf16, const std::vector<double>& q, const std::vector<double>& k,
+                         const std::vector<double>& v, const std::vector<double>& dO, const std::vector<int32_t>& cu,
+                         int64_t heads, int64_t hd) {
+  const int64_t Q = heads * hd, L = cu.back();
+  int64_t max_len = 0;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) max_len = std::max<int64_t>(max_len, cu[i + 1] - cu[i]);
+  std::vector<float> qf(size_t(L * Q)), kvf(size_t(L * 2 * Q)), dof(size_t(L * Q));
+  for (int64_t r = 0; r < L; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < hd; ++j) {
+        const size_t s = size_t(r * Q + h * hd + j);
+        qf[s] = float(q[s]), dof[s] = float(dO[s]);
+        kvf[size_t(r * 2 * Q + h * 2 * hd + j)] = float(k[s]);
+        kvf[size_t(r * 2 * Q + h * 2 * hd + hd + j)] = float(v[s]);
+      }
+  const mla::Dims d{heads, hd, 0, hd, 0};
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  cuda::DeviceBuffer<float> q_d(qf.data(), qf.size()), kv_d(kvf.data(), kvf.size()), do_d(dof.data(), dof.size());
+  cuda::DeviceBuffer<float> o_d(size_t(L * Q)), lse_d(size_t(heads * L)), dq_d(size_t(L * Q)), dkv_d(size_t(L * 2 * Q));
+  cuda::DeviceBuffer<int32_t> cu_d(cu.data(), cu.size());
+  const int B = int(cu.size()) - 1;
+  if (bf16) {
+    cuda::DeviceBuffer<uint8_t> ws(std::max(mla::cuda::attention_forward_workspace_bytes_bf16(L, d),
+                                            mla::cuda::attention_backward_workspace_bytes_bf16(L, d)));
+    mla::cuda::attention_forward_train_bf16(o_d.data(), Q, lse_d.data(), q_d.data(), Q, kv_d.data(), 2 * Q, nullptr, 0,
+                                            cu_d.data(), B, max_len, L, d, scale, ws.data(), false);
+    mla::cuda::attention_backward_train_bf16(dq_d.data(), Q, dkv_d.data(), 2 * Q, nullptr, 0, do_d.data(), Q,
+                                             o_d.data(), q_d.data(), Q, kv_d.data(), 2 * Q, nullptr, 0, lse_d.data(),
+                                             cu_d.data(), B, max_len, L, d, scale, ws.data(), false);
+  } else {
+    cuda::DeviceBuffer<uint8_t> ws(mla::cuda::attention_backward_workspace_bytes(L, d));
+    mla::cuda::attention_forward_train(o_d.data(), Q, lse_d.data(), q_d.data(), Q, kv_d.data(), 2 * Q, nullptr, 0,
+                                       cu_d.data(), B, max_len, L, d, scale, false);
+    mla::cuda::attention_backward_train(dq_d.data(), Q, dkv_d.data(), 2 * Q, nullptr, 0, do_d.data(), Q, o_d.data(),
+                                        q_d.data(), Q, kv_d.data(), 2 * Q, nullptr, 0, lse_d.data(), cu_d.data(), B,
+                                        max_len, L, d, scale, ws.data(), false);
+  }
+  std::vector<float> o(size_t(L * Q)), lse(size_t(heads * L)), dq(size_t(L * Q)), dkv(size_t(L * 2 * Q));
+  o_d.download(o.data(), o.size()), lse_d.download(lse.data(), lse.size());
+  dq_d.download(dq.data(), dq.size()), dkv_d.download(dkv.data(), dkv.size());
+  AttnResult r;
+  r.o.assign(o.begin(), o.end()), r.lse.assign(lse.begin(), lse.end()), r.dq.assign(dq.begin(), dq.end());
+  r.dk.resize(size_t(L * Q)), r.dv.resize(size_t(L * Q));
+  for (int64_t row = 0; row < L; ++row)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < hd; ++j) {
+        r.dk[size_t(row * Q + h * hd + j)] = dkv[size_t(row * 2 * Q + h * 2 * hd + j)];
+        r.dv[size_t(row * Q + h * hd + j)] = dkv[size_t(row * 2 * Q + h * 2 * hd + hd + j)];
+      }
+  return r;
+}
+
+void check_bidirectional(bool bf16, int64_t heads, int64_t hd, double bar) {
+  const std::vector<int32_t> cu{0, 1, 8, 72, 202};  // items of 1, 7, 64 and 130 patches
+  const int64_t n = int64_t(cu.back()) * heads * hd;
+  const std::vector<double> q = k3test::randn(n, 11), k = k3test::randn(n, 12), v = k3test::randn(n, 13),
+                            dO = k3test::randn(n, 14);
+  const AttnResult want = attention_f64(q, k, v, dO, cu, heads, hd),
+                   got = attention_gpu(bf16, q, k, v, dO, cu, heads, hd);
+  const char* kernel = bf16 ? "bf16" : "fp32";
+  const std::vector<std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>>> parts{
+      {"o", {&want.o, &got.o}},
+      {"lse", {&want.lse, &got.lse}},
+      {"dq", {&want.dq, &got.dq}},
+      {"dk", {&want.dk, &got.dk}},
+      {"dv", {&want.dv, &got.dv}}};
+  for (const auto& [name, pair] : parts) {
+    const double e = rel_l2(pair.first->data(), pair.second->data(), pair.first->size());
+    std::printf("%s heads %lld hd %lld  %-3s rel L2 %.3e\n", kernel, (long long)heads, (long long)hd, name, e);
+    EXPECT_LE(e, bar) << kernel << " " << name << " (heads " << heads << ", hd " << hd << ")";
+  }
+}
+
+TEST(CudaVisionTrain, BidirectionalAttentionFp32MatchesFloat64) {
+  K3_REQUIRE_GPU();
+  check_bidirectional(false, 2, 24, 1e-5);  // k3-tiny-vision's heads
+  check_bidirectional(false, 3, 64, 1e-5);  // the release's head dim
+}
+
+TEST(CudaVisionTrain, BidirectionalAttentionBf16MatchesFloat64) {
+  K3_REQUIRE_GPU();
+  check_bidirectional(true, 2, 24, 1e-2);
+  check_bidirectional(true, 3, 64, 1e-2);
+}
+
+// ---- the resize's transposed taps (host) ----
+
+TEST(CudaVisionTrain, TransposedTapsAreTheForwardTapsTransposed) {
+  for (const auto& [n_out, n_in] :
+       std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {7, 4}, {3, 8}, {1, 5}, {9, 1}, {64, 6}}) {
+    std::vector<double> dense(size_t(n_out * n_in), 0.0);  // forward: out i = Σ_s R[i][s] in s
+    const std::vector<vision_detail::BilinearTap> taps = vision_detail::bilinear_taps(n_out, n_in);
+    for (int64_t i = 0; i < n_out; ++i) {
+      const vision_detail::BilinearTap& t = taps[size_t(i)];
+      dense[size_t(i * n_in + t.i0)] += 1.0 - t.frac;
+      dense[size_t(i * n_in + t.i1)] += t.frac;
+    }
+    const vision::cuda::TransposedTaps tt = vision::cuda::transposed_taps(n_out, n_in);
+    ASSERT_EQ(tt.start.size(), size_t(n_in + 1));
+    std::vector<double> back(size_t(n_out * n_in), 0.0);
+    for (int64_t s = 0; s < n_in; ++s)
+      for (int32_t j = tt.start[size_t(s)]; j < tt.start[size_t(s + 1)]; ++j) {
+        if (j > tt.start[size_t(s)]) {
+          EXPECT_LT(tt.index[size_t(j - 1)], tt.index[size_t(j)]);  // ascending
+        }
+        back[size_t(tt.index[size_t(j)] * n_in + s)] += tt.weight[size_t(j)];
+      }
+    for (size_t i = 0; i < dense.size(); ++i)
+      EXPECT_NEAR(back[i], dense[i], 1e-15) << n_out << " from " << n_in << " at " << i;
+  }
+}
+
+// ---- image-text sequences through the GPU trainer ----
+
+const std::string kTinyVision = std::string(K3_SOURCE_DIR) + "/configs/k3-tiny-vision.json";
+constexpr int32_t kMediaPad = 3861;  // media_placeholder_token_id of k3-tiny-vision
+
+struct TinyVisionModel {
+  train::ParamStore P;
+  K3Config c;
+  VisionConfig vc;
+};
+TinyVisionModel tiny_vision(uint64_t seed) {
+  k3test::TempDir dir("cuda-vision-train");
+  RandomInitOptions opt;
+  opt.seed = seed;
+  write_random_model(kTinyVision, dir.file("model"), opt);
+  return {train::ParamStore::from_model_dir(dir.file("model")), load_config(dir.file("model/config.json")),
+          load_vision_config(dir.file("model"))};
+}
+
+// ids: `text` with each image's tokens (placeholders) spliced in after position `at` of the text.
+train::ImageTextSequence sequence(const VisionConfig& vc, const std::vector<int32_t>& text,
+                                  const std::vector<std::pair<int64_t, VisionGrid>>& images, uint64_t seed) {
+  train::ImageTextSequence s;
+  size_t next = 0;
+  for (const auto& [at, g] : images) {
+    while (int64_t(next) < at) s.ids.push_back(text[next++]);
+    s.image_at.push_back(int64_t(s.ids.size()));
+    s.ids.insert(s.ids.end(), size_t((g.h / vc.merge_h) * (g.w / vc.merge_w)), kMediaPad);
+    s.grids.push_back(g);
+    const std::vector<double> px = k3test::randn(g.patches() * vc.patch_values(), seed++);
+    for (double x : px) s.pixel_patches.push_back(std::tanh(x));
+  }
+  while (next < text.size()) s.ids.push_back(text[next++]);
+  return s;
+}
+
+bool is_vision_tensor(const std::string& name) {
+  return name.rfind("vision_tower.", 0) == 0 || name.rfind("mm_projector.", 0) == 0;
+}
+
+void check_image_text(GpuPrecision precision, double loss_bar, double tensor_bar, double whole_bar) {
+  TinyVisionModel m = tiny_vision(7);
+  const std::vector<train::ImageTextSequence> seqs{sequence(m.vc, {3840, 17, 29, 55, 66, 77, 88, 99, 101},
+                                                            {{2, VisionGrid{1, 4, 6}}}, 100),
+                                                   sequence(m.vc, {3840, 12, 13, 14, 15, 16, 2000, 300, 40, 41},
+                                                            {{1, VisionGrid{1, 6, 4}}, {5, VisionGrid{2, 4, 4}}}, 200)};
+  // The CPU's float64 truth.
+  m.P.zero_grads();
+  double want_loss = 0;
+  int64_t want_targets = 0;
+  for (const train::ImageTextSequence& s : seqs) {
+    const train::ImageTextLoss l = train::image_text_loss(m.P, m.c, m.vc, s, true, 1.0);
+    want_loss += l.loss, want_targets += l.targets;
+  }
+  auto model = CudaTrainModel::create(m.c, m.P, precision);
+  model->zero_grads();
+  int64_t targets = 0;
+  const double loss = model->image_text_loss(seqs, m.vc, true, 1.0, nullptr, &targets);
+  EXPECT_EQ(targets, want_targets);
+  std::printf("loss %.10f (float64 %.10f)\n", loss, want_loss);
+  EXPECT_LE(std::abs(loss - want_loss), loss_bar * std::abs(want_loss));
+  train::ParamStore G = m.P;
+  model->download_grads(G);
+
+  std::vector<double> want_v, got_v, want_t, got_t;  // the whole gradient, vision and text apart
+  int64_t vision_tensors = 0;
+  for (const std::string& n : m.P.names()) {
+    const int64_t k = m.P.numel(n);
+    const double* a = m.P.g(n);
+    const double* b = G.g(n);
+    const double e = rel_l2(a, b, size_t(k));
+    const bool vision = is_vision_tensor(n);
+    vision_tensors += vision;
+    (vision ? want_v : want_t).insert((vision ? want_v : want_t).end(), a, a + k);
+    (vision ? got_v : got_t).insert((vision ? got_v : got_t).end(), b, b + k);
+    std::printf("%-60s rel L2 %.3e\n", n.c_str(), e);
+    if (tensor_bar > 0) {
+      EXPECT_LE(e, tensor_bar) << n;
+    }
+  }
+  EXPECT_GT(vision_tensors, 10);
+  const double ev = rel_l2(want_v.data(), got_v.data(), want_v.size()),
+               et = rel_l2(want_t.data(), got_t.data(), want_t.size());
+  std::printf("whole gradient: vision %.3e, text %.3e\n", ev, et);
+  EXPECT_LE(ev, whole_bar);
+  EXPECT_LE(et, whole_bar);
+}
+
+TEST(CudaVisionTrain, ImageTextGradientsF32MatchFloat64) {
+  K3_REQUIRE_GPU();
+  check_image_text(GpuPrecision::F32, 1e-5, 1e-4, 1e-4);
+}
+
+TEST(CudaVisionTrain, ImageTextGradientsBf16MatchFloat64) {
+  K3_REQUIRE_GPU();
+  check_image_text(GpuPrecision::BF16, 1e-2, 0.0, 5e-2);
+}
+
+// Input rows that do not fit their piece, or overlap, are refused by name before anything runs.
+TEST(CudaVisionTrain, BadInputRowsAreNamed) {
+  K3_REQUIRE_GPU();
+  TinyVisionModel m = tiny_vision(8);
+  auto model = CudaTrainModel::create(m.c, m.P, GpuPrecision::F32);
+  cuda::DeviceBuffer<float> rows(size_t(4 * m.c.hidden_size));
+  const std::vector<std::vector<int32_t>> pieces{{1, 2, 3, 4, 5}};
+  const auto message = [&](const std::vector<GpuInputRows>& r) {
+    try {
+      model->loss(pieces, false, 0.0, nullptr, nullptr, &r);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message({{0, 3, 4, rows.data(), nullptr}}).find("do not fit"), std::string::npos);
+  EXPECT_NE(message({{1, 0, 1, rows.data(), nullptr}}).find("piece 1"), std::string::npos);
+  EXPECT_NE(message({{0, 0, 2, rows.data(), nullptr}, {0, 1, 2, rows.data(), nullptr}}).find("overlap at position 1"),
+            std::string::npos);
+}
+
+}  // namespace

@@ -25,14 +25,13 @@
 #include "kernels/vision/vision_train_cuda.h"
 #include "model/config.h"
 #include "model/cuda/training/cuda_train_model.h"
-#include "model/init_random.h"
 #include "model/params.h"
 #include "model/training/image_text_train.h"
 #include "model/vision_config.h"
 #include "util/compare.h"
 #include "util/cuda_test.h"
 #include "util/random.h"
-#include "util/temp_dir.h"
+#include "util/tiny_vision_model.h"
 
 using namespace k3;
 using k3test::rel_l2;
@@ -181,22 +180,9 @@ TEST(CudaVisionTrain, TransposedTapsAreTheForwardTapsTransposed) {
 
 // ---- image-text sequences through the GPU trainer ----
 
-const std::string kTinyVision = std::string(K3_SOURCE_DIR) + "/configs/k3-tiny-vision.json";
-constexpr int32_t kMediaPad = 3861;  // media_placeholder_token_id of k3-tiny-vision
-
-struct TinyVisionModel {
-  train::ParamStore P;
-  K3Config c;
-  VisionConfig vc;
-};
-TinyVisionModel tiny_vision(uint64_t seed) {
-  k3test::TempDir dir("cuda-vision-train");
-  RandomInitOptions opt;
-  opt.seed = seed;
-  write_random_model(kTinyVision, dir.file("model"), opt);
-  return {train::ParamStore::from_model_dir(dir.file("model")), load_config(dir.file("model/config.json")),
-          load_vision_config(dir.file("model"))};
-}
+using k3test::TinyVisionModel;
+using k3test::tiny_vision;
+constexpr int32_t kMediaPad = k3test::kTinyVisionMediaPad;
 
 // ids: `text` with each image's tokens (placeholders) spliced in after position `at` of the text.
 train::ImageTextSequence sequence(const VisionConfig& vc, const std::vector<int32_t>& text,

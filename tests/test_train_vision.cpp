@@ -26,7 +26,6 @@
 #include "kernels/vision/vision.h"
 #include "kernels/vision/vision_f64.h"
 #include "model/config.h"
-#include "model/init_random.h"
 #include "model/params.h"
 #include "model/tensor_table.h"
 #include "model/training/image_text_train.h"
@@ -39,7 +38,7 @@
 #include "util/error_of.h"
 #include "util/finite_diff.h"
 #include "util/random.h"
-#include "util/temp_dir.h"
+#include "util/tiny_vision_model.h"
 #include "util/vision_inputs.h"
 
 using namespace k3;
@@ -417,23 +416,9 @@ TEST(TrainVision, InputRowsReplaceEmbeddingsAndGetTheirGradient) {
 
 namespace {
 
-const std::string kTinyVision = std::string(K3_SOURCE_DIR) + "/configs/k3-tiny-vision.json";
-constexpr int32_t kMediaPad = 3861;  // media_placeholder_token_id of k3-tiny-vision
-
-// `k3 init`'s k3-tiny-vision (text model and tower) of a seed, as a parameter store.
-struct TinyVisionModel {
-  ParamStore P;
-  K3Config c;
-  VisionConfig vc;
-};
-TinyVisionModel tiny_vision(uint64_t seed) {
-  k3test::TempDir dir("train-vision");
-  RandomInitOptions opt;
-  opt.seed = seed;
-  write_random_model(kTinyVision, dir.file("model"), opt);
-  return {ParamStore::from_model_dir(dir.file("model")), load_config(dir.file("model/config.json")),
-          load_vision_config(dir.file("model"))};
-}
+using k3test::TinyVisionModel;
+using k3test::tiny_vision;
+constexpr int32_t kMediaPad = k3test::kTinyVisionMediaPad;
 
 // prompt, the image's tokens as placeholders, then the caption.
 ImageTextSequence image_caption(const std::vector<int32_t>& prompt, const VisionGrid& g, std::vector<double> pixels,

@@ -113,7 +113,7 @@ __device__ __forceinline__ void tanh_parts(float x, float& s, float& one_minus_s
 }
 
 template <int kForm>
-__global__ void gelu_forward_kernel(float* __restrict__ y, const float* __restrict__ x, int64_t n) {
+__global__ void gelu_forward_kernel(float* y, const float* x, int64_t n) {  // y may alias x
   K3_VISION_TRAIN_STRIDE(i, n) {
     const float v = x[i];
     if constexpr (kForm == 0) {

@@ -424,6 +424,9 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
                             const std::vector<GpuInputRows>* input_rows) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
+  K3_CHECK(!token_losses || !input_rows || input_rows->empty(),
+           "GPU training: per-token losses are not kept for a step with input rows (positions before them predict "
+           "nothing)");
   // Input rows: each span checked against its piece and the others; their positions marked.
   std::vector<std::vector<bool>> taken(pieces.size());
   for (size_t p = 0; p < pieces.size(); ++p) taken[p].assign(pieces[p].size(), false);
@@ -499,6 +502,9 @@ double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequenc
                                        bool backward, double grad_scale, const GpuStepHooks* hooks, int64_t* targets) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
+  if (m.batch_invariant)
+    fail("GPU image-text training: the vision tower's GEMMs have no batch-invariant form; turn the batch-invariant "
+         "mode off for steps with images");
   K3_CHECK(vc.text_hidden_size == c.hidden_size, "GPU image-text training: the projector writes ", vc.text_hidden_size,
            " values a token (", vc.source, "), and the text model's hidden_size is ", c.hidden_size);
   const int64_t V = vc.patch_values(), H = c.hidden_size;

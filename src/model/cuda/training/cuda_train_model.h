@@ -74,6 +74,7 @@ class CudaTrainModel {
   // log-probabilities a policy-gradient step needs, computed in this same pass.
   // input_rows (optional): spans of the pieces that take given rows (GpuInputRows; inside their piece, not
   // overlapping: a k3::Error names one that is not). The loss then sums the positions whose target is a token.
+  // A step with input rows keeps no token_losses (a k3::Error when both are asked for).
   double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
               const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr,
               const std::vector<GpuInputRows>* input_rows = nullptr);
@@ -83,7 +84,8 @@ class CudaTrainModel {
   // pass, their projected tokens go in as input rows, and with `backward` the text loss's gradient flows back
   // through them into the tower: grad_scale × the gradient of the summed loss is ADDED to every text and vision
   // tensor's device gradient. The parameters must hold the vision tensors (the ParamStore the model was made
-  // from). Returns the summed loss; *targets (optional) receives how many positions it sums.
+  // from). Returns the summed loss; *targets (optional) receives how many positions it sums. Not in the
+  // batch-invariant mode (a k3::Error): the tower's GEMMs run on cuBLAS.
   double image_text_loss(const std::vector<train::ImageTextSequence>& seqs, const VisionConfig& vc, bool backward,
                          double grad_scale, const GpuStepHooks* hooks = nullptr, int64_t* targets = nullptr);
 

@@ -211,9 +211,8 @@ TEST(CudaVisionTrain, RopeSplitAndItsBackwardMatchFloat64) {
   rope2d_backward_f64(dwant.data(), 3 * Q, L, heads, hd, rows.data(), cols.data());
   rope2d_backward_f64(dwant.data() + Q, 3 * Q, L, heads, hd, rows.data(), cols.data());
   cuda::DeviceBuffer<float> dq_d(dq.data(), dq.size()), dkv_d(dkv.data(), dkv.size());
-  vision::cuda::RopeSplitBackwardParams b;
-  b.dqkv = dqkv_d.data(), b.ld = 3 * Q, b.L = L, b.heads = heads, b.hd = hd, b.rows = rows_d.data();
-  b.cols = cols_d.data(), b.table = table_d.data(), b.positions = positions, b.dq = dq_d.data(), b.dkv = dkv_d.data();
+  vision::cuda::RopeSplitParams b = p;  // the same geometry, the gradients in the split layouts
+  b.qkv = dqkv_d.data(), b.q = dq_d.data(), b.kv = dkv_d.data();
   vision::cuda::rope_split_backward(b);
   const std::vector<float> dgot = download(dqkv_d);
   EXPECT_LE(rel_l2(dgot.data(), dwant.data(), dwant.size()), 1e-6);

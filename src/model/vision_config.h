@@ -29,6 +29,8 @@ struct VisionConfig {
   int64_t head_dim() const { return qkv_hidden_size / num_heads; }
   int64_t patch_values() const { return 3 * patch_size * patch_size; }         // one patch: (C, p, p)
   int64_t merged_width() const { return mm_hidden_size * merge_h * merge_w; }  // the projector's input
+  // The merged tokens of an h x w patch grid (each frame's, pooled over a clip's frames): what the image adds.
+  int64_t merged_tokens(int64_t h, int64_t w) const { return (h / merge_h) * (w / merge_w); }
 };
 
 // `text` holds a config.json. Returns false (and leaves *out alone) when it has no vision_config; any

@@ -40,43 +40,30 @@ __device__ __forceinline__ void turn4(float* dst, const float* src, const Turn& 
   dst[3] = c * t.sr + d * t.cr;
 }
 
+// kBackward = false: q, kv from qkv; true: qkv from q, kv (gradients), turned back.
+template <bool kBackward>
 __global__ void rope_split_kernel(const RopeSplitParams p) {
   const int64_t nf = p.hd / 4, Q = p.heads * p.hd, n = p.L * p.heads * nf;
   K3_VISION_TRAIN_STRIDE(i, n) {
     const int64_t g = i % nf, rh = i / nf, hh = rh % p.heads, r = rh / p.heads;
-    const float* src = p.qkv + r * p.ld + hh * p.hd + 4 * g;
+    float* qkv = p.qkv + r * p.ld + hh * p.hd + 4 * g;
     float* q = p.q + r * Q + hh * p.hd + 4 * g;
     float* k = p.kv + r * 2 * Q + hh * 2 * p.hd + 4 * g;
     float* v = k + p.hd;
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kBackward) qkv[2 * Q + j] = v[j];
+      else v[j] = qkv[2 * Q + j];
+    }
+    float* turned_q = kBackward ? qkv : q;  // what this direction writes
+    float* turned_k = kBackward ? qkv + Q : k;
     const int col = p.cols[r], row = p.rows[r];
-    for (int j = 0; j < 4; ++j) v[j] = src[2 * Q + j];
     if (col < 0 || col >= p.positions || row < 0 || row >= p.positions) {  // never read outside the table
-      for (int j = 0; j < 4; ++j) q[j] = k[j] = NAN;
+      for (int j = 0; j < 4; ++j) turned_q[j] = turned_k[j] = NAN;
       continue;
     }
-    const Turn t = turn_of(p.table, nf, g, col, row, 1.0f);
-    turn4(q, src, t);
-    turn4(k, src + Q, t);
-  }
-}
-
-__global__ void rope_split_backward_kernel(const RopeSplitBackwardParams p) {
-  const int64_t nf = p.hd / 4, Q = p.heads * p.hd, n = p.L * p.heads * nf;
-  K3_VISION_TRAIN_STRIDE(i, n) {
-    const int64_t g = i % nf, rh = i / nf, hh = rh % p.heads, r = rh / p.heads;
-    float* dst = p.dqkv + r * p.ld + hh * p.hd + 4 * g;
-    const float* dq = p.dq + r * Q + hh * p.hd + 4 * g;
-    const float* dk = p.dkv + r * 2 * Q + hh * 2 * p.hd + 4 * g;
-    const float* dv = dk + p.hd;
-    const int col = p.cols[r], row = p.rows[r];
-    for (int j = 0; j < 4; ++j) dst[2 * Q + j] = dv[j];
-    if (col < 0 || col >= p.positions || row < 0 || row >= p.positions) {
-      for (int j = 0; j < 4; ++j) dst[j] = dst[Q + j] = NAN;
-      continue;
-    }
-    const Turn t = turn_of(p.table, nf, g, col, row, -1.0f);
-    turn4(dst, dq, t);
-    turn4(dst + Q, dk, t);
+    const Turn t = turn_of(p.table, nf, g, col, row, kBackward ? -1.0f : 1.0f);
+    turn4(turned_q, kBackward ? q : qkv, t);
+    turn4(turned_k, kBackward ? k : qkv + Q, t);
   }
 }
 
@@ -157,29 +144,28 @@ __global__ void merge_backward_kernel(float* __restrict__ dx, const float* __res
   }
 }
 
-void check_rope(const char* fn, int64_t ld, int64_t L, int64_t heads, int64_t hd, int64_t positions, bool ok) {
-  K3_CHECK(heads > 0 && hd > 0 && hd % 4 == 0, fn, ": the head dim ", hd, " must be a positive multiple of 4 (heads ",
-           heads, ")");
-  K3_CHECK(L >= 0 && ld >= 3 * heads * hd, fn, ": ld = ", ld, " must be at least 3 heads hd = ", 3 * heads * hd);
-  K3_CHECK(positions > 0, fn, ": positions must be positive, got ", positions);
-  K3_CHECK(L == 0 || ok, fn, ": null device pointer");
+void check_rope(const char* fn, const RopeSplitParams& p) {
+  K3_CHECK(p.heads > 0 && p.hd > 0 && p.hd % 4 == 0, fn, ": the head dim ", p.hd,
+           " must be a positive multiple of 4 (heads ", p.heads, ")");
+  K3_CHECK(p.L >= 0 && p.ld >= 3 * p.heads * p.hd, fn, ": ld = ", p.ld, " must be at least 3 heads hd = ",
+           3 * p.heads * p.hd);
+  K3_CHECK(p.positions > 0, fn, ": positions must be positive, got ", p.positions);
+  K3_CHECK(p.L == 0 || (p.qkv && p.rows && p.cols && p.table && p.q && p.kv), fn, ": null device pointer");
 }
 
 }  // namespace
 
 void rope_split(const RopeSplitParams& p) {
-  check_rope("vision rope_split (cuda)", p.ld, p.L, p.heads, p.hd, p.positions,
-             p.qkv && p.rows && p.cols && p.table && p.q && p.kv);
+  check_rope("vision rope_split (cuda)", p);
   if (p.L == 0) return;
-  rope_split_kernel<<<grid_for(p.L * p.heads * (p.hd / 4)), kThreads>>>(p);
+  rope_split_kernel<false><<<grid_for(p.L * p.heads * (p.hd / 4)), kThreads>>>(p);
   K3_CUDA_LAUNCH_CHECK();
 }
 
-void rope_split_backward(const RopeSplitBackwardParams& p) {
-  check_rope("vision rope_split_backward (cuda)", p.ld, p.L, p.heads, p.hd, p.positions,
-             p.dqkv && p.rows && p.cols && p.table && p.dq && p.dkv);
+void rope_split_backward(const RopeSplitParams& p) {
+  check_rope("vision rope_split_backward (cuda)", p);
   if (p.L == 0) return;
-  rope_split_backward_kernel<<<grid_for(p.L * p.heads * (p.hd / 4)), kThreads>>>(p);
+  rope_split_kernel<true><<<grid_for(p.L * p.heads * (p.hd / 4)), kThreads>>>(p);
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -22,32 +22,22 @@ namespace k3::vision::cuda {
 
 // ---- 2D RoPE into the training attention's layout ----------------------------------------------------------
 
-// q [L, heads hd] and kv [L, heads 2 hd] (per head [k | v], the layout of mla::cuda::attention_forward_train's
-// kv with Dn = Dv = hd, Dr = 0) from qkv [L, ld] = [q | k | v] (heads hd columns each): q and k turned as
-// k3::rope2d_forward turns them (pair 2i by cols[r] f_i, pair 2i + 1 by rows[r] f_i), v copied. All OVERWRITTEN.
+// Between qkv [L, ld] = [q | k | v] (heads hd columns each) and the attention's layouts q [L, heads hd] and
+// kv [L, heads 2 hd] (per head [k | v]: mla::cuda::attention_forward_train's kv with Dn = Dv = hd, Dr = 0).
+//   rope_split:          q and kv OVERWRITTEN from qkv: q and k turned as k3::rope2d_forward turns them (pair 2i
+//                        by cols[r] f_i, pair 2i + 1 by rows[r] f_i), v copied;
+//   rope_split_backward: the first 3 heads hd columns of qkv OVERWRITTEN from the gradients in q and kv, each
+//                        turned back (a rotation's transpose turns by the opposite angle), dv copied.
 struct RopeSplitParams {
-  const float* qkv = nullptr;
+  float* qkv = nullptr;  // [L, ld]: read by rope_split, written by its backward (then the gradient)
   int64_t ld = 0;
   int64_t L = 0, heads = 0, hd = 0;
   const int32_t* rows = nullptr;  // [L]
   const int32_t* cols = nullptr;  // [L]
   const float* table = nullptr;   // rope_table(hd, positions)
   int64_t positions = 0;
-  float* q = nullptr;   // [L, heads hd]
-  float* kv = nullptr;  // [L, heads 2 hd]
-};
-// The backward: dqkv [L, ld] (its first 3 heads hd columns OVERWRITTEN) from dq and dkv in the forward's
-// layouts, each turned back (the transpose of a rotation turns by the opposite angle); dv copied.
-struct RopeSplitBackwardParams {
-  float* dqkv = nullptr;
-  int64_t ld = 0;
-  int64_t L = 0, heads = 0, hd = 0;
-  const int32_t* rows = nullptr;
-  const int32_t* cols = nullptr;
-  const float* table = nullptr;
-  int64_t positions = 0;
-  const float* dq = nullptr;
-  const float* dkv = nullptr;
+  float* q = nullptr;   // [L, heads hd]: written by rope_split, read by its backward
+  float* kv = nullptr;  // [L, heads 2 hd]: likewise
 };
 
 // ---- the position table's resize, transposed ---------------------------------------------------------------
@@ -75,7 +65,7 @@ struct PositionBackwardParams {
 
 #ifdef K3_HAVE_CUDA
 void rope_split(const RopeSplitParams& p);
-void rope_split_backward(const RopeSplitBackwardParams& p);
+void rope_split_backward(const RopeSplitParams& p);
 void position_embedding_backward(const PositionBackwardParams& p);
 // y[i] = gelu(x[i]) in fp32 (y may alias x).
 void gelu_forward_train(float* y, const float* x, int64_t n, Gelu form);
@@ -88,7 +78,7 @@ void merge_tpool_backward(float* dx, const float* dmerged, int64_t t, int64_t h,
                           int64_t mw);
 #else  // a build without the CUDA backend: the entry points say so
 inline void rope_split(const RopeSplitParams&) { fail("vision::cuda::rope_split: this build has no CUDA backend"); }
-inline void rope_split_backward(const RopeSplitBackwardParams&) {
+inline void rope_split_backward(const RopeSplitParams&) {
   fail("vision::cuda::rope_split_backward: this build has no CUDA backend");
 }
 inline void position_embedding_backward(const PositionBackwardParams&) {

@@ -25,8 +25,9 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// The name of vision tensor k (of block b), after checking that P holds it in the table's shape.
-std::string checked_name(const ParamStore& P, const VisionConfig& c, K k, int64_t b = -1) {
+}  // namespace
+
+std::string checked_vision_name(const ParamStore& P, const VisionConfig& c, VisionTensorKind k, int64_t b) {
   std::string n = vision_tensor_name(k, b);
   if (!P.has(n)) fail("vision training: parameter '", n, "' is missing (the store holds no vision tower?)");
   const std::vector<int64_t> want = vision_tensor_shape(c, k);
@@ -36,13 +37,15 @@ std::string checked_name(const ParamStore& P, const VisionConfig& c, K k, int64_
   return n;
 }
 
+namespace {
+
 // The names of one tower block's tensors.
 struct BlockNames {
   std::string norm0, norm1, wqkv, wo, fc0, fc1;
 };
 BlockNames block_names(const ParamStore& P, const VisionConfig& c, int64_t b) {
-  return {checked_name(P, c, K::Norm0, b), checked_name(P, c, K::Norm1, b), checked_name(P, c, K::Wqkv, b),
-          checked_name(P, c, K::Wo, b),    checked_name(P, c, K::Fc0, b),   checked_name(P, c, K::Fc1, b)};
+  return {checked_vision_name(P, c, K::Norm0, b), checked_vision_name(P, c, K::Norm1, b), checked_vision_name(P, c, K::Wqkv, b),
+          checked_vision_name(P, c, K::Wo, b),    checked_vision_name(P, c, K::Fc0, b),   checked_vision_name(P, c, K::Fc1, b)};
 }
 
 void add_into(double* y, const double* x, int64_t n) {
@@ -56,8 +59,8 @@ void add_into(double* y, const double* x, int64_t n) {
 void embed_forward(const ParamStore& P, const VisionConfig& c, VisionTape& t, std::vector<double>& x) {
   const int64_t L = t.patches, D = c.hidden_size;
   x.assign(size_t(L * D), 0.0);
-  linear_forward(x.data(), t.pixels.data(), P.p(checked_name(P, c, K::PatchEmbed)), L, c.patch_values(), D);
-  const double* table = P.p(checked_name(P, c, K::PosEmb));
+  linear_forward(x.data(), t.pixels.data(), P.p(checked_vision_name(P, c, K::PatchEmbed)), L, c.patch_values(), D);
+  const double* table = P.p(checked_vision_name(P, c, K::PosEmb));
   t.rows.resize(size_t(L));
   t.cols.resize(size_t(L));
   for (const VisionItemTape& it : t.items) {
@@ -114,13 +117,13 @@ void block_forward(const ParamStore& P, const VisionConfig& c, int64_t b, const 
 void projector_forward(const ParamStore& P, const VisionConfig& c, VisionItemTape& it) {
   const int64_t M = c.merged_width(), H = c.text_hidden_size, N = it.tokens;
   it.mid.resize(size_t(N * M));
-  linear_forward(it.mid.data(), it.merged.data(), P.p(checked_name(P, c, K::Proj0)), N, M, M);
+  linear_forward(it.mid.data(), it.merged.data(), P.p(checked_vision_name(P, c, K::Proj0)), N, M, M);
   it.act.resize(size_t(N * M));
   gelu_erf_forward(it.act.data(), it.mid.data(), N * M);
   it.z.resize(size_t(N * H));
-  linear_forward(it.z.data(), it.act.data(), P.p(checked_name(P, c, K::Proj2)), N, M, H);
+  linear_forward(it.z.data(), it.act.data(), P.p(checked_vision_name(P, c, K::Proj2)), N, M, H);
   it.projected.resize(size_t(N * H));
-  rmsnorm_forward(it.projected.data(), it.z.data(), P.p(checked_name(P, c, K::PostNorm)), c.projector_eps, N, H);
+  rmsnorm_forward(it.projected.data(), it.z.data(), P.p(checked_vision_name(P, c, K::PostNorm)), c.projector_eps, N, H);
 }
 
 // ---- backward ----
@@ -164,8 +167,8 @@ void projector_backward(ParamStore& P, const VisionConfig& c, const VisionItemTa
   const int64_t M = c.merged_width(), H = c.text_hidden_size, N = it.tokens;
   std::vector<double> dmerged(size_t(N * M), 0.0);
   if (dprojected) {
-    const std::string post = checked_name(P, c, K::PostNorm), w2 = checked_name(P, c, K::Proj2),
-                      w0 = checked_name(P, c, K::Proj0);
+    const std::string post = checked_vision_name(P, c, K::PostNorm), w2 = checked_vision_name(P, c, K::Proj2),
+                      w0 = checked_vision_name(P, c, K::Proj0);
     std::vector<double> dz(size_t(N * H)), dact(size_t(N * M));
     rmsnorm_backward(dz.data(), P.g(post), dprojected, it.z.data(), P.p(post), c.projector_eps, N, H);
     linear_backward(dact.data(), P.g(w2), dz.data(), it.act.data(), P.p(w2), N, M, H);
@@ -182,7 +185,7 @@ void projector_backward(ParamStore& P, const VisionConfig& c, const VisionItemTa
 void embed_backward(ParamStore& P, const VisionConfig& c, const VisionTape& t, const std::vector<double>& dx,
                     double* d_pixels) {
   const int64_t L = t.patches, D = c.hidden_size;
-  const std::string pe = checked_name(P, c, K::PatchEmbed), pos = checked_name(P, c, K::PosEmb);
+  const std::string pe = checked_vision_name(P, c, K::PatchEmbed), pos = checked_vision_name(P, c, K::PosEmb);
   linear_backward(d_pixels, P.g(pe), dx.data(), t.pixels.data(), P.p(pe), L, c.patch_values(), D);
   for (const VisionItemTape& it : t.items) {
     const VisionGrid& g = it.grid;
@@ -207,7 +210,7 @@ VisionTape vision_forward(const ParamStore& P, const VisionConfig& c, const doub
     VisionItemTape it;
     it.grid = g;
     it.first_patch = first;
-    it.tokens = (g.h / c.merge_h) * (g.w / c.merge_w);
+    it.tokens = c.merged_tokens(g.h, g.w);
     t.items.push_back(std::move(it));
     first += g.patches();
   }
@@ -216,7 +219,7 @@ VisionTape vision_forward(const ParamStore& P, const VisionConfig& c, const doub
   t.blocks.resize(size_t(c.num_layers));
   for (int64_t b = 0; b < c.num_layers; ++b) block_forward(P, c, b, t, x, t.blocks[size_t(b)]);
   t.final_in = x;
-  rmsnorm_forward(x.data(), t.final_in.data(), P.p(checked_name(P, c, K::FinalNorm)), kTowerEps, patches, D);
+  rmsnorm_forward(x.data(), t.final_in.data(), P.p(checked_vision_name(P, c, K::FinalNorm)), kTowerEps, patches, D);
   for (VisionItemTape& it : t.items) {
     it.merged.resize(size_t(it.tokens * c.merged_width()));
     patch_merge_forward_f64(it.merged.data(), x.data() + it.first_patch * D, it.grid.t, it.grid.h, it.grid.w, c.merge_h,
@@ -242,7 +245,7 @@ void vision_backward(ParamStore& P, const VisionConfig& c, const VisionTape& tap
                        d.merged.empty() ? nullptr : d.merged[i], dfinal.data() + it.first_patch * D);
   }
   std::vector<double> dx(size_t(L * D));
-  const std::string final_norm = checked_name(P, c, K::FinalNorm);
+  const std::string final_norm = checked_vision_name(P, c, K::FinalNorm);
   rmsnorm_backward(dx.data(), P.g(final_norm), dfinal.data(), tape.final_in.data(), P.p(final_norm), kTowerEps, L, D);
   for (int64_t b = c.num_layers - 1; b >= 0; --b) block_backward(P, c, b, tape, tape.blocks[size_t(b)], dx);
   embed_backward(P, c, tape, dx, d_pixel_patches);

@@ -19,9 +19,11 @@
 // M = merged width (D · merge_h · merge_w), H = text_hidden_size, V = 3 · patch_size² (one patch's values).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "model/params.h"
+#include "model/tensor_table.h"
 #include "model/vision.h"
 #include "model/vision_config.h"
 
@@ -60,6 +62,10 @@ struct VisionTape {
   std::vector<double> final_in;  // [L, D]  the last block's output: the final norm's input
   std::vector<VisionItemTape> items;
 };
+
+// The name of vision tensor k (of block b, -1 for the tower's and projector's own), after checking that P holds it
+// in the vision tensor table's shape: a k3::Error names a tensor that is missing or misshapen.
+std::string checked_vision_name(const ParamStore& P, const VisionConfig& c, VisionTensorKind k, int64_t block = -1);
 
 // The tower and projector of config c over P's vision tensors. pixel_patches [patches, V]: normalised, each
 // item's patches in (t, h, w) order, items in order, as VisionModel::encode takes them. A k3::Error names a grid

@@ -508,11 +508,13 @@ double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequenc
   K3_CHECK(vc.text_hidden_size == c.hidden_size, "GPU image-text training: the projector writes ", vc.text_hidden_size,
            " values a token (", vc.source, "), and the text model's hidden_size is ", c.hidden_size);
   const int64_t V = vc.patch_values(), H = c.hidden_size;
-  // Every image of the step, sequences in order: pixels (rounded to fp32), grids, and where its tokens go.
+  // Every image of the step, sequences in order: pixels (rounded to fp32), grids, and the span its tokens take
+  // (checked before the tower runs); the text positions that predict a token, counted per sequence as the CPU does.
   std::vector<float> pixels;
   std::vector<VisionGrid> grids;
-  std::vector<std::pair<int64_t, int64_t>> placed;  // (sequence, first position) per image
+  std::vector<GpuInputRows> rows;  // data and grad filled once the tower's outputs exist
   std::vector<std::vector<int32_t>> pieces;
+  int64_t tokens = 0, target_total = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const train::ImageTextSequence& s = seqs[i];
     K3_CHECK(s.image_at.size() == s.grids.size(), "GPU image-text training: sequence ", i, " has ", s.image_at.size(),
@@ -520,15 +522,22 @@ double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequenc
     K3_CHECK(int64_t(s.pixel_patches.size()) % V == 0, "GPU image-text training: sequence ", i, "'s ",
              s.pixel_patches.size(), " pixel values are not whole patches of ", V);
     int64_t patches = 0;
+    std::vector<train::TrainInputRows> spans;
     for (size_t g = 0; g < s.grids.size(); ++g) {
+      const int64_t n = vc.merged_tokens(s.grids[g].h, s.grids[g].w), at = s.image_at[g];
+      K3_CHECK(at >= 0 && at + n <= int64_t(s.ids.size()), "GPU image-text training: sequence ", i, "'s image ", g,
+               " of ", n, " tokens from position ", at, " does not fit its ", s.ids.size(), " ids");
       patches += s.grids[g].patches();
       grids.push_back(s.grids[g]);
-      placed.push_back({int64_t(i), s.image_at[g]});
+      rows.push_back({int64_t(i), at, n, nullptr, nullptr});
+      spans.push_back({at, n, nullptr, nullptr});
+      tokens += n;
     }
     K3_CHECK(patches * V == int64_t(s.pixel_patches.size()), "GPU image-text training: sequence ", i, "'s grids hold ",
              patches, " patches and its pixels ", s.pixel_patches.size() / size_t(V));
     for (double x : s.pixel_patches) pixels.push_back(float(x));
     pieces.push_back(s.ids);
+    target_total += train::target_count(int64_t(s.ids.size()), spans);
   }
   const int64_t L = int64_t(pixels.size()) / V;
 
@@ -540,31 +549,15 @@ double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequenc
   float* projected = nullptr;
   std::unique_ptr<gpu::VisionTrainTape, gpu::VisionTapeDeleter> tape;
   if (!grids.empty()) tape = gpu::vision_train_forward(t, vc, pixels_d, L, grids, &projected);
-
-  std::vector<GpuInputRows> rows;
-  float* dprojected = nullptr;
-  int64_t tokens = 0;
-  for (const VisionGrid& g : grids) tokens += (g.h / vc.merge_h) * (g.w / vc.merge_w);
-  if (backward && tokens > 0) dprojected = t.take<float>(tokens * H);
+  float* dprojected = backward && tokens > 0 ? t.take<float>(tokens * H) : nullptr;
   int64_t first = 0;
-  for (size_t i = 0; i < grids.size(); ++i) {
-    const int64_t n = (grids[i].h / vc.merge_h) * (grids[i].w / vc.merge_w);
-    const auto [seq, at] = placed[i];
-    K3_CHECK(at >= 0 && at + n <= int64_t(pieces[size_t(seq)].size()), "GPU image-text training: sequence ", seq,
-             "'s image of ", n, " tokens from position ", at, " does not fit its ", pieces[size_t(seq)].size(), " ids");
-    rows.push_back({seq, at, n, projected + first * H, dprojected ? dprojected + first * H : nullptr});
-    first += n;
+  for (GpuInputRows& r : rows) {
+    r.data = projected + first * H;
+    if (dprojected) r.grad = dprojected + first * H;
+    first += r.n;
   }
   const double loss = this->loss(pieces, backward, grad_scale, hooks, nullptr, &rows);
-  if (targets) {
-    *targets = 0;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      std::vector<train::TrainInputRows> spans;
-      for (const GpuInputRows& r : rows)
-        if (r.piece == int64_t(i)) spans.push_back({r.at, r.n, nullptr, nullptr});
-      *targets += train::target_count(int64_t(seqs[i].ids.size()), spans);
-    }
-  }
+  if (targets) *targets = target_total;
   if (backward && tape) gpu::vision_train_backward(t, vc, *tape, dprojected);
   return loss;
 }

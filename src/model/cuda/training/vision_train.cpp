@@ -27,6 +27,7 @@
 #include "kernels/vision/vision_train_cuda.h"
 #include "model/cuda/training/train_context.h"
 #include "model/tensor_table.h"
+#include "model/training/vision_train.h"
 
 namespace k3::gpu {
 
@@ -35,21 +36,9 @@ using K = VisionTensorKind;
 
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 // Vision tensor k (of block b), after checking that the parameters hold it in the table's shape.
 TrainParam vision_param(const TrainCtx& t, const VisionConfig& c, K k, int64_t b = -1) {
-  const std::string n = vision_tensor_name(k, b);
-  if (!t.params.has(n)) fail("GPU vision training: parameter '", n, "' is missing (the model holds no vision tower?)");
-  const std::vector<int64_t> want = vision_tensor_shape(c, k), have = t.params.layout().shape(n);
-  if (have != want)
-    fail("GPU vision training: parameter '", n, "' has shape ", shape_text(have), ", expected ", shape_text(want), " (",
-         c.source, ")");
-  return t.params.at(n);
+  return t.params.at(train::checked_vision_name(t.params.layout(), c, k, b));
 }
 
 template <class T>
@@ -194,9 +183,9 @@ void block_backward(TrainCtx& t, const VisionConfig& c, int64_t b, const VisionT
         *dqkv = t.take<float>(L * 3 * Q);
   train_linear_backward(t, d_o, Q, false, dx, D, k.o, Q, L, wo);
   attention_backward(t, c, tp, k, d_o, dq, dkv);
-  vc::RopeSplitBackwardParams r;
-  r.dqkv = dqkv, r.ld = 3 * Q, r.L = L, r.heads = c.num_heads, r.hd = c.head_dim();
-  r.rows = tp.rows, r.cols = tp.cols, r.table = tp.rope, r.positions = tp.positions, r.dq = dq, r.dkv = dkv;
+  vc::RopeSplitParams r;
+  r.qkv = dqkv, r.ld = 3 * Q, r.L = L, r.heads = c.num_heads, r.hd = c.head_dim();
+  r.rows = tp.rows, r.cols = tp.cols, r.table = tp.rope, r.positions = tp.positions, r.q = dq, r.kv = dkv;
   vc::rope_split_backward(r);
   train_linear_backward(t, dnorm, false, dqkv, k.y0, L, wqkv);
   rmsnorm_backward(t, dres, norm0.g, dnorm, k.x, k.rstd0, norm0.w, L, D);
@@ -221,7 +210,7 @@ std::unique_ptr<VisionTrainTape, VisionTapeDeleter> vision_train_forward(TrainCt
   std::vector<int32_t> rows(static_cast<size_t>(L)), cols(static_cast<size_t>(L)), cu{0};
   int64_t first = 0;
   for (const VisionGrid& g : grids) {
-    VisionItemPlace it{g, first, tp.T, (g.h / c.merge_h) * (g.w / c.merge_w)};
+    VisionItemPlace it{g, first, tp.T, c.merged_tokens(g.h, g.w)};
     for (int64_t p = 0; p < g.patches(); ++p) {
       rows[size_t(first + p)] = int32_t((p % (g.h * g.w)) / g.w);
       cols[size_t(first + p)] = int32_t(p % g.w);

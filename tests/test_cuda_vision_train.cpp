@@ -11,13 +11,18 @@
 //     and every tensor's gradient, text and vision, against train::image_text_loss in float64. F32: the loss at
 //     1e-5 relative, each vision tensor and the whole vision gradient at 1e-4 relative L2, the whole text gradient
 //     at the text trainer's packed-batch bar (1e-3: its routed experts see a token or two each, and
-//     docs/NUMERICS.md measures some at 1.5e-4 alone). BF16 at the text trainer's bars (loss 1e-2 relative, the
-//     whole gradient 5e-2 relative L2; test_cuda_train_model.cpp says why), vision and text apart.
+//     docs/NUMERICS.md measures some at 1.5e-4 alone). BF16: the loss at the text trainer's 1e-2 relative; the
+//     whole gradient, vision and text apart, within 2x what bf16's rounding of the weights alone moves the float64
+//     gradient of these sequences (the largest of four draws of a random relative perturbation of up to 2^-9 on
+//     every weight). The text trainer's fixed 5e-2 does not carry over: on this model and batch one such draw moves
+//     the float64 gradient by 1.8-6.3% (six draws), and bf16 compute rounds every GEMM's activations as well.
 // GPU tests skip without a Hopper GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -336,21 +341,75 @@ bool is_vision_tensor(const std::string& name) {
   return name.rfind("vision_tower.", 0) == 0 || name.rfind("mm_projector.", 0) == 0;
 }
 
+std::vector<train::ImageTextSequence> image_text_batch(const VisionConfig& vc) {
+  return {sequence(vc, {3840, 17, 29, 55, 66, 77, 88, 99, 101}, {{2, VisionGrid{1, 4, 6}}}, 100),
+          sequence(vc, {3840, 12, 13, 14, 15, 16, 2000, 300, 40, 41},
+                   {{1, VisionGrid{1, 6, 4}}, {5, VisionGrid{2, 4, 4}}}, 200)};
+}
+
+// m.P's float64 gradient of `seqs` (summed losses) into m.P.grads(); returns the loss, counts the targets.
+double float64_step(TinyVisionModel& m, const std::vector<train::ImageTextSequence>& seqs, int64_t* targets) {
+  m.P.zero_grads();
+  double loss = 0;
+  for (const train::ImageTextSequence& s : seqs) {
+    const train::ImageTextLoss l = train::image_text_loss(m.P, m.c, m.vc, s, true, 1.0);
+    loss += l.loss, *targets += l.targets;
+  }
+  return loss;
+}
+
+// A whole gradient laid out as P's grads(), its vision and text tensors apart.
+struct SplitGradient {
+  std::vector<double> vision, text;
+};
+SplitGradient split(const train::ParamStore& P, const std::vector<double>& grads) {
+  SplitGradient s;
+  for (const std::string& n : P.names()) {
+    std::vector<double>& to = is_vision_tensor(n) ? s.vision : s.text;
+    const auto at = grads.begin() + P.offset(n);
+    to.insert(to.end(), at, at + P.numel(n));
+  }
+  return s;
+}
+
+// Relative L2 of `got` from `want`, vision and text apart.
+std::pair<double, double> split_error(const SplitGradient& got, const SplitGradient& want) {
+  return {rel_l2(got.vision.data(), want.vision.data(), want.vision.size()),
+          rel_l2(got.text.data(), want.text.data(), want.text.size())};
+}
+
+// How far bf16's rounding of the weights alone moves the float64 gradient of `seqs` from `want` (vision and text
+// apart): the largest of `draws` draws of a uniform random relative perturbation of up to 2^-9 on every weight.
+// m.P's values are restored after.
+std::pair<double, double> bf16_weight_rounding_shift(TinyVisionModel& m,
+                                                     const std::vector<train::ImageTextSequence>& seqs,
+                                                     const SplitGradient& want, int draws) {
+  const std::vector<double> w0 = m.P.values();
+  std::pair<double, double> most{0.0, 0.0};
+  for (int d = 0; d < draws; ++d) {
+    std::mt19937_64 rng(1000 + uint64_t(d));
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    std::vector<double>& w = m.P.values();
+    for (size_t i = 0; i < w.size(); ++i) w[i] = w0[i] * (1.0 + std::ldexp(u(rng), -9));
+    int64_t targets = 0;
+    float64_step(m, seqs, &targets);
+    const auto [v, t] = split_error(split(m.P, m.P.grads()), want);
+    std::printf("weights perturbed by 2^-9, draw %d: gradient moves vision %.3e, text %.3e\n", d, v, t);
+    most = {std::max(most.first, v), std::max(most.second, t)};
+  }
+  m.P.values() = w0;
+  return most;
+}
+
+// The GPU step against the float64 one. A whole-gradient bar <= 0 means "2x bf16_weight_rounding_shift".
 void check_image_text(GpuPrecision precision, double loss_bar, double vision_tensor_bar, double vision_bar,
                       double text_bar) {
   TinyVisionModel m = tiny_vision(7);
-  const std::vector<train::ImageTextSequence> seqs{sequence(m.vc, {3840, 17, 29, 55, 66, 77, 88, 99, 101},
-                                                            {{2, VisionGrid{1, 4, 6}}}, 100),
-                                                   sequence(m.vc, {3840, 12, 13, 14, 15, 16, 2000, 300, 40, 41},
-                                                            {{1, VisionGrid{1, 6, 4}}, {5, VisionGrid{2, 4, 4}}}, 200)};
-  // The CPU's float64 truth.
-  m.P.zero_grads();
-  double want_loss = 0;
+  const std::vector<train::ImageTextSequence> seqs = image_text_batch(m.vc);
   int64_t want_targets = 0;
-  for (const train::ImageTextSequence& s : seqs) {
-    const train::ImageTextLoss l = train::image_text_loss(m.P, m.c, m.vc, s, true, 1.0);
-    want_loss += l.loss, want_targets += l.targets;
-  }
+  const double want_loss = float64_step(m, seqs, &want_targets);
+  const train::ParamStore want = m.P;  // the float64 gradient
+
   auto model = CudaTrainModel::create(m.c, m.P, precision);
   model->zero_grads();
   int64_t targets = 0;
@@ -361,26 +420,25 @@ void check_image_text(GpuPrecision precision, double loss_bar, double vision_ten
   train::ParamStore G = m.P;
   model->download_grads(G);
 
-  std::vector<double> want_v, got_v, want_t, got_t;  // the whole gradient, vision and text apart
   int64_t vision_tensors = 0;
-  for (const std::string& n : m.P.names()) {
-    const int64_t k = m.P.numel(n);
-    const double* a = m.P.g(n);
-    const double* b = G.g(n);
-    const double e = rel_l2(b, a, size_t(k));  // GPU against float64
+  for (const std::string& n : want.names()) {
+    const double e = rel_l2(G.g(n), want.g(n), size_t(want.numel(n)));  // GPU against float64
     const bool vision = is_vision_tensor(n);
     vision_tensors += vision;
-    (vision ? want_v : want_t).insert((vision ? want_v : want_t).end(), a, a + k);
-    (vision ? got_v : got_t).insert((vision ? got_v : got_t).end(), b, b + k);
     std::printf("%-60s rel L2 %.3e\n", n.c_str(), e);
     if (vision && vision_tensor_bar > 0) {
       EXPECT_LE(e, vision_tensor_bar) << n;
     }
   }
   EXPECT_GT(vision_tensors, 10);
-  const double ev = rel_l2(got_v.data(), want_v.data(), want_v.size()),
-               et = rel_l2(got_t.data(), want_t.data(), want_t.size());
+  const SplitGradient want_split = split(want, want.grads());
+  const auto [ev, et] = split_error(split(G, G.grads()), want_split);
   std::printf("whole gradient: vision %.3e, text %.3e\n", ev, et);
+  if (vision_bar <= 0 || text_bar <= 0) {
+    const auto [sv, st] = bf16_weight_rounding_shift(m, seqs, want_split, 4);
+    if (vision_bar <= 0) vision_bar = 2 * sv;
+    if (text_bar <= 0) text_bar = 2 * st;
+  }
   EXPECT_LE(ev, vision_bar);
   EXPECT_LE(et, text_bar);
 }
@@ -392,7 +450,7 @@ TEST(CudaVisionTrain, ImageTextGradientsF32MatchFloat64) {
 
 TEST(CudaVisionTrain, ImageTextGradientsBf16MatchFloat64) {
   K3_REQUIRE_GPU();
-  check_image_text(GpuPrecision::BF16, 1e-2, 0.0, 5e-2, 5e-2);
+  check_image_text(GpuPrecision::BF16, 1e-2, 0.0, 0.0, 0.0);
 }
 
 // Input rows that do not fit their piece, or overlap, are refused by name before anything runs.

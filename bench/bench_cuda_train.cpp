@@ -134,7 +134,7 @@ void bench_run(const K3Config& c, const std::string& config_path, ParamStore& P,
   for (int s = 0; s <= steps; ++s) {
     const auto b = batch();
     const auto t0 = std::chrono::steady_clock::now();
-    loss = device->gradients(b, 1.0 / double(tokens));
+    loss = device->gradients(b, nullptr, 1.0 / double(tokens));
     std::string bad;
     device->clip(1.0, &bad);
     device->finish_balance();

@@ -1,5 +1,6 @@
 // `k3 train --device cuda` end to end: the GPU run follows the CPU float64 run step for step (f32 mode),
-// learns in bf16, resumes exactly, and its checkpoints resume on the CPU and the CPU's on the GPU.
+// learns in bf16, resumes exactly, and its checkpoints resume on the CPU and the CPU's on the GPU; `k3 sft
+// --device cuda` follows the CPU's SFT run.
 // Every test skips without a Hopper GPU.
 //
 // Bars: the f32 GPU step computes what the float64 step computes with fp32 rounding, which this
@@ -7,6 +8,7 @@
 // within 1e-3 relative of the float64 losses (the first within 1e-5: nothing has been updated yet).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +17,7 @@
 
 #include "util/cli.h"
 #include "util/cuda_test.h"
+#include "util/sft_corpus.h"
 #include "util/temp_dir.h"
 #include "util/train_corpus.h"
 
@@ -31,6 +34,12 @@ std::vector<std::string> with(std::vector<std::string> args, const std::vector<s
 }
 
 const std::vector<std::string> kGpuF32 = {"--device", "cuda", "--precision", "f32"};
+
+// `args` with the value of `flag` replaced.
+std::vector<std::string> with_value(std::vector<std::string> args, const std::string& flag, const std::string& value) {
+  *(std::find(args.begin(), args.end(), flag) + 1) = value;
+  return args;
+}
 
 }  // namespace
 
@@ -66,6 +75,31 @@ TEST(CudaTrainLoop, MicroBatchesFollowTheWholeStep) {
   for (size_t i = 0; i < got.size(); ++i) {
     std::printf("step %zu: one pass %.7f, passes of 32 tokens %.7f\n", i + 1, want[i], got[i]);
     EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+  }
+}
+
+// `k3 sft --device cuda`: the masked steps (one epoch, 8 steps) follow the CPU float64 run in f32 as `k3 train`'s
+// do (the same bars),
+// and in passes of at most 96 tokens (the micro-batches slice the conversations' masks with them) they follow the
+// whole-step GPU run up to the order of the fp32 sums.
+TEST(CudaTrainLoop, SftFollowsTheFloat64RunAlsoInMicroBatches) {
+  K3_REQUIRE_GPU();
+  k3test::SftCorpus c;
+  const std::string cpu = c.dir.file("cpu"), gpu = c.dir.file("gpu"), passes = c.dir.file("passes");
+  auto args = [&](const std::string& out) { return with_value(k3test::sft_args(c, out), "--epochs", "1"); };
+  ASSERT_EQ(run_k3(args(cpu)).status, 0);
+  k3test::Outcome r = run_k3(with(args(gpu), kGpuF32));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = run_k3(with(with(args(passes), kGpuF32), {"--micro-batch-tokens", "96"}));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<double> want = losses(cpu), got = losses(gpu), in_passes = losses(passes);
+  ASSERT_EQ(got.size(), want.size());
+  ASSERT_EQ(in_passes.size(), want.size());
+  EXPECT_NEAR(got[0], want[0], 1e-5);
+  for (size_t i = 0; i < got.size(); ++i) {
+    std::printf("step %zu: cpu %.6f gpu %.6f gpu in passes %.6f\n", i + 1, want[i], got[i], in_passes[i]);
+    EXPECT_NEAR(got[i], want[i], 1e-3 * want[i]) << "step " << i + 1;
+    EXPECT_NEAR(in_passes[i], got[i], 1e-5 * got[i]) << "step " << i + 1;
   }
 }
 

@@ -12,6 +12,7 @@
 #include "util/cli.h"
 #include "util/compare.h"
 #include "util/temp_dir.h"
+#include "util/tiny_tokenizer.h"
 
 using namespace k3;
 using k3test::fixture;
@@ -27,10 +28,7 @@ struct TinyWithTokenizer {
   TinyWithTokenizer() {
     for (const char* f : {"config.json", "model.safetensors"})
       std::filesystem::create_symlink(fixture(std::string("k3-tiny-a/") + f), dir.path() / f);
-    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
+    k3test::write_tiny_tokenizer(dir.path());
   }
   std::string path() const { return dir.path().string(); }
 };

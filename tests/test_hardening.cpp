@@ -44,6 +44,7 @@
 #include "util/error_of.h"
 #include "util/st_file.h"
 #include "util/temp_dir.h"
+#include "util/tiny_tokenizer.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -100,13 +101,7 @@ struct Corpus {
   TempDir dir{"hardening-corpus"};
   std::string tok, shard;
   Corpus() {
-    tok = dir.file("tok");
-    fs::create_directories(tok);
-    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(tok + "/tiktoken.model");
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-    out.close();
+    tok = k3test::write_tiny_tokenizer(dir.path() / "tok");
     std::vector<std::string> args = {"data", "--tokenizer", tok, "--out", dir.file("shard.bin")};
     for (int d = 0; d < 4; ++d) {
       const std::string f = dir.file("doc" + std::to_string(d) + ".txt");

@@ -152,13 +152,7 @@ TEST(MediaPrompt, ImagesComeFromDataUrlsAndAllowedFilesOnly) {
 
 TEST(MediaPrompt, PadsRepeatOncePerProjectedTokenAndRowsAreTheTowers) {
   k3test::TempDir dir("media-prompt");
-  std::filesystem::create_directories(dir.path() / "tok");
-  {
-    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tok/tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  }
+  k3test::write_tiny_tokenizer(dir.path() / "tok");
   const Tokenizer tok = Tokenizer::load_dir(dir.file("tok"));
   const std::unique_ptr<VisionModel> vision = VisionModel::load(fixture("vision-tiny"));
   const int64_t H = vision->config().text_hidden_size;

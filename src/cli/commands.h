@@ -16,6 +16,7 @@ void register_chat_template(CLI::App& app);
 void register_grad(CLI::App& app);
 void register_data(CLI::App& app);
 void register_train(CLI::App& app);
+void register_sft(CLI::App& app);
 void register_corpus(CLI::App& app);
 void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);

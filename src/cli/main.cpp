@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   k3::cli::register_grad(app);
   k3::cli::register_data(app);
   k3::cli::register_train(app);
+  k3::cli::register_sft(app);
   k3::cli::register_corpus(app);
   k3::cli::register_eval(app);
   k3::cli::register_serve(app);

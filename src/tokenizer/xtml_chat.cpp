@@ -58,12 +58,13 @@ class SegmentWriter {
  public:
   std::vector<ChatSegment> out;
   std::vector<ChatImagePart>* images = nullptr;  // where image parts go, in order (optional)
+  bool assistant = false;                        // segments written now are the assistant's
 
   void text(const std::string& t) {
-    if (!t.empty()) out.push_back({t, false});  // the reference drops empty segments
+    if (!t.empty()) out.push_back({t, false, assistant});  // the reference drops empty segments
   }
   void control(const std::string& t) {
-    if (!t.empty()) out.push_back({t, true});
+    if (!t.empty()) out.push_back({t, true, assistant});
   }
   void open(const std::string& tag, const std::vector<std::pair<std::string, std::string>>& attrs = {}) {
     control(kXtmlOpen);
@@ -370,10 +371,12 @@ std::vector<ChatSegment> render_chat(const ojson& req, std::vector<ChatImagePart
       std::vector<std::pair<std::string, std::string>> attrs = {{"role", "assistant"}};
       name_attr(attrs);
       w.open("message", attrs);
+      // What a generation prompt ends with is the prompt's; from there on the assistant writes.
       if (thinking) {
         // The think channel is structural in thinking mode: always opened and closed.
         const char* rkey = truthy(m, "reasoning_content") ? "reasoning_content" : "reasoning";
         w.open("think");
+        w.assistant = true;
         if (m.contains(rkey) && !m[rkey].is_null()) {
           const std::string r = python_str(m[rkey], field + "." + rkey);
           if (!python_strip(r).empty()) w.text(r);
@@ -381,6 +384,7 @@ std::vector<ChatSegment> render_chat(const ojson& req, std::vector<ChatImagePart
         w.close("think");
       }
       w.open("response");
+      w.assistant = true;
       w.content(m, field);
       w.close("response");
       if (last_calls) {
@@ -410,6 +414,7 @@ std::vector<ChatSegment> render_chat(const ojson& req, std::vector<ChatImagePart
       }
       w.close("message");
       w.end_of_msg();
+      w.assistant = false;
     } else {
       fail("chat request: ", field, ".role '", role, "' is not a K3 chat role (system, user, assistant, tool)");
     }
@@ -456,11 +461,14 @@ std::string join_segments(const std::vector<ChatSegment>& segments) {
   return out;
 }
 
-std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<ChatSegment>& segments) {
+std::vector<int32_t> encode_segments(const Tokenizer& tok, const std::vector<ChatSegment>& segments,
+                                     std::vector<uint8_t>* assistant) {
   std::vector<int32_t> ids;
+  if (assistant) assistant->clear();
   for (const ChatSegment& s : segments) {
     const std::vector<int32_t> part = tok.encode(s.text, /*allow_special=*/s.special);
     ids.insert(ids.end(), part.begin(), part.end());
+    if (assistant) assistant->insert(assistant->end(), part.size(), uint8_t(s.assistant));
   }
   return ids;
 }

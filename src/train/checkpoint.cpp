@@ -32,7 +32,7 @@ void append_doubles(std::string& out, const std::vector<double>& v) {
 }  // namespace
 
 std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json,
-                            const ParamStore& P, const TrainState& state) {
+                            const ParamStore& P, const TrainState& state, const std::vector<std::string>& extra_files) {
   fs::create_directories(out_dir);
   for (const auto& e : fs::directory_iterator(out_dir))  // leftovers of a killed save
     if (e.path().filename().string().rfind(".tmp-", 0) == 0) fs::remove_all(e.path());
@@ -45,6 +45,8 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
     fail(tmp.string(), ": cannot create the checkpoint's temporary directory (", ec ? ec.message() : "it exists", ")");
 
   write_file_atomic((tmp / "config.json").string(), config_json);
+  for (const std::string& f : extra_files)
+    write_file_atomic((tmp / fs::path(f).filename()).string(), read_file(f, "a file the checkpoint carries"));
   // model.safetensors: F32 copies under the release names.
   std::vector<std::vector<float>> f32;
   std::vector<TensorToWrite> tensors;

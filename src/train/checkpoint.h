@@ -8,6 +8,7 @@
 //   OUT/step-00000100/train_state.bin    float64 parameters, optimizer and balancer state, the data
 //                                        position and step: everything `--resume` needs to continue
 //                                        with identical losses
+//   OUT/step-00000100/tiktoken.model     (SFT runs) the tokenizer, with tokenizer_config.json if it has one
 //   OUT/latest                           the name of the newest complete step directory
 // A step directory is written as OUT/.tmp-step-..., fsynced, then renamed into place, and only
 // then is `latest` replaced (atomically). A kill before the rename leaves a .tmp directory, which
@@ -28,9 +29,11 @@ struct TrainState {
   std::vector<std::vector<double>> balancers;  // flat state of each layer's balancer
 };
 
-// Writes OUT/step-<step>/ and points OUT/latest at it. Returns the step directory.
+// Writes OUT/step-<step>/ and points OUT/latest at it. Returns the step directory. `extra_files` are copied into
+// it under their own names (an SFT run's tokenizer, so that its checkpoints chat as they are).
 std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json,
-                            const ParamStore& P, const TrainState& state);
+                            const ParamStore& P, const TrainState& state,
+                            const std::vector<std::string>& extra_files = {});
 
 // The step directory OUT/latest names ("" when there is none).
 // The directory name of step N's checkpoint inside a run directory ("step-00000042").

@@ -28,10 +28,12 @@ class CpuTrainDevice final : public TrainDevice {
            ")";
   }
 
-  double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
+  double gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained,
+                   double grad_scale) override {
     P_.zero_grads();
-    return lanes_.step(c_, pieces, grad_scale, router_bias_,
-                       [&](int64_t l, const double* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); });
+    return lanes_.step(
+        c_, pieces, grad_scale, router_bias_,
+        [&](int64_t l, const double* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); }, trained);
   }
 
   double clip(double max_norm, std::string* bad) override {
@@ -52,10 +54,10 @@ class CpuTrainDevice final : public TrainDevice {
     return first_nonfinite_tensor(P_, /*gradients=*/false);
   }
 
-  double forward_loss(const std::vector<std::vector<int32_t>>& pieces) override {
+  double forward_loss(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained) override {
     TrainHooks hooks;  // route with the current biases; nothing is accumulated
     hooks.router_bias = router_bias_;
-    return forward_losses(P_, c_, pieces, &hooks);
+    return forward_losses(P_, c_, pieces, &hooks, trained);
   }
 
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {

@@ -45,11 +45,14 @@ class CudaTrainDevice final : public TrainDevice {
   }
 
   // Every micro-batch adds its gradient to the buffer and its router scores to the balancers.
-  double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) override {
+  double gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained,
+                   double grad_scale) override {
     model_->zero_grads();
     GpuStepHooks hooks = hooks_;
     hooks.on_router_scores = [this](int64_t l, const float* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); };
-    return over_micro_batches(pieces, [&](const auto& mb) { return model_->loss(mb, true, grad_scale, &hooks); });
+    return over_micro_batches(pieces, trained, [&](const auto& mb, const auto* mt) {
+      return model_->loss(mb, true, grad_scale, &hooks, nullptr, nullptr, mt);
+    });
   }
 
   double clip(double max_norm, std::string* bad) override {
@@ -92,8 +95,10 @@ class CudaTrainDevice final : public TrainDevice {
     return bad.empty() ? std::to_string(nonfinite) + " parameter entries" : bad;
   }
 
-  double forward_loss(const std::vector<std::vector<int32_t>>& pieces) override {
-    return over_micro_batches(pieces, [&](const auto& mb) { return model_->loss(mb, false, 0.0, &hooks_); });
+  double forward_loss(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained) override {
+    return over_micro_batches(pieces, trained, [&](const auto& mb, const auto* mt) {
+      return model_->loss(mb, false, 0.0, &hooks_, nullptr, nullptr, mt);
+    });
   }
 
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
@@ -117,15 +122,21 @@ class CudaTrainDevice final : public TrainDevice {
   }
 
  private:
-  // Σ of f over the micro-batches of `pieces` (the losses summed on the host in micro-batch order).
+  // Σ of f(pieces, trained) over the micro-batches of `pieces` and their masks (the losses summed on the host in
+  // micro-batch order).
   template <class F>
-  double over_micro_batches(const std::vector<std::vector<int32_t>>& pieces, F&& f) {
+  double over_micro_batches(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained,
+                            F&& f) {
+    check_token_masks(pieces, trained);
     const auto runs = micro_batches(pieces, opt_.micro_batch_tokens);
-    if (runs.size() == 1) return f(pieces);
+    if (runs.size() == 1) return f(pieces, trained);
     double loss = 0;
-    for (const auto& [begin, end] : runs)
-      loss += f(std::vector<std::vector<int32_t>>(pieces.begin() + std::ptrdiff_t(begin),
-                                                  pieces.begin() + std::ptrdiff_t(end)));
+    for (const auto& [begin, end] : runs) {
+      const auto b = std::ptrdiff_t(begin), e = std::ptrdiff_t(end);
+      const std::vector<TokenMask> masks =
+          trained ? std::vector<TokenMask>(trained->begin() + b, trained->begin() + e) : std::vector<TokenMask>{};
+      loss += f(std::vector<std::vector<int32_t>>(pieces.begin() + b, pieces.begin() + e), trained ? &masks : nullptr);
+    }
     return loss;
   }
 

@@ -56,7 +56,9 @@ GradLanes::GradLanes(ParamStore& P, int64_t lanes) : P_(P) {
 
 double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>>& pieces, double grad_scale,
                        const std::function<const double*(int64_t layer)>& router_bias,
-                       const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores) {
+                       const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores,
+                       const std::vector<TokenMask>* trained) {
+  check_token_masks(pieces, trained);
   const int64_t n = int64_t(pieces.size()), nl = lanes();
   const std::vector<int64_t> lane_of = assign_lanes(pieces, nl);
   std::vector<std::vector<size_t>> work(static_cast<size_t>(nl));
@@ -81,7 +83,7 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
       h.router_bias = router_bias;
       if (on_router_scores)
         h.on_moe = [&scores, i](int64_t layer, const MoeTape& t) { scores[i].push_back({layer, t.N, t.scores}); };
-      loss[i] = sequence_loss(G, c, pieces[i], true, grad_scale, nullptr, &h);
+      loss[i] = sequence_loss(G, c, pieces[i], {}, true, grad_scale, nullptr, &h, trained ? &(*trained)[i] : nullptr);
     }
   });
 
@@ -100,11 +102,13 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
 }
 
 double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::vector<int32_t>>& pieces,
-                      const TrainHooks* hooks) {
+                      const TrainHooks* hooks, const std::vector<TokenMask>* trained) {
+  check_token_masks(pieces, trained);
   const int64_t n = int64_t(pieces.size());
   std::vector<double> loss(static_cast<size_t>(n), 0.0);
   parallel_for_rethrow(n, [&](int64_t i) {
-    loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], false, 0.0, nullptr, hooks);
+    loss[size_t(i)] = sequence_loss(P, c, pieces[size_t(i)], {}, false, 0.0, nullptr, hooks,
+                                    trained ? &(*trained)[size_t(i)] : nullptr);
   });
   double sum = 0.0;
   for (double l : loss) sum += l;

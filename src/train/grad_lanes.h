@@ -43,9 +43,11 @@ class GradLanes {
   // Σ over pieces of sequence_loss(piece), with grad_scale * its gradient ADDED to P's gradient
   // buffer (backward = true). `router_bias` as in TrainHooks; `on_router_scores(layer, scores, N)`
   // receives every MoE layer's unbiased scores [N, E], piece by piece in order, after the pieces ran.
+  // `trained` (optional): each piece's trained tokens (model_train.h).
   double step(const K3Config& c, const std::vector<std::vector<int32_t>>& pieces, double grad_scale,
               const std::function<const double*(int64_t layer)>& router_bias,
-              const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores);
+              const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores,
+              const std::vector<TokenMask>* trained = nullptr);
 
  private:
   ParamStore& P_;
@@ -55,6 +57,6 @@ class GradLanes {
 // Σ over pieces of the forward-only sequence_loss (no gradients), pieces run side by side, each
 // single-threaded; the sum is taken in piece order, so it does not depend on the thread count. `hooks` may only read (no on_moe).
 double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::vector<int32_t>>& pieces,
-                      const TrainHooks* hooks);
+                      const TrainHooks* hooks, const std::vector<TokenMask>* trained = nullptr);
 
 }  // namespace k3::train

@@ -15,6 +15,7 @@
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
 #include "model/params.h"
+#include "model/training/model_train.h"
 #include "train/optimizer.h"
 #include "train/quantile_balance.h"
 
@@ -26,8 +27,10 @@ class TrainDevice {
   virtual std::string describe() const = 0;  // for the run's first line, e.g. "cpu (float64, 2 lanes)"
 
   // Zeroes the gradients, then adds grad_scale × the gradient of the summed loss of `pieces`;
-  // returns that summed loss. Every MoE layer's router scores go to its balancer.
-  virtual double gradients(const std::vector<std::vector<int32_t>>& pieces, double grad_scale) = 0;
+  // returns that summed loss. Every MoE layer's router scores go to its balancer. `trained` (null: every
+  // token): each piece's trained tokens (model/training/model_train.h).
+  virtual double gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained,
+                           double grad_scale) = 0;
   // The pre-clip global gradient norm; when max_norm > 0 and the norm exceeds it, the gradients are
   // scaled to max_norm. `bad` receives "" or where the first non-finite gradient is.
   virtual double clip(double max_norm, std::string* bad) = 0;
@@ -36,7 +39,8 @@ class TrainDevice {
   // One optimizer update at `lr`; returns "" or the first parameter it made non-finite.
   virtual std::string update(double lr) = 0;
   // Summed loss of `pieces` with the current parameters and biases; no gradient, nothing balanced.
-  virtual double forward_loss(const std::vector<std::vector<int32_t>>& pieces) = 0;
+  virtual double forward_loss(const std::vector<std::vector<int32_t>>& pieces,
+                              const std::vector<TokenMask>* trained) = 0;
 
   // Checkpoints: the values (and each balancer's bias, as e_score_correction_bias) into P, the
   // optimizer state in the CPU optimizer's format, the balancers' JSON by layer.

@@ -24,9 +24,11 @@
 #include "model/config.h"
 #include "model/params.h"
 #include "model/tensor_init.h"
+#include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/optimizer.h"
+#include "train/sft_data.h"
 #include "train/train_device.h"
 
 namespace k3::train {
@@ -61,19 +63,46 @@ std::vector<Stage> parse_stages(const std::string& text) {
 
 namespace {
 
-// Mean loss over the first `tokens` of the shard, windows of `len`, documents cut as in training;
-// and the entropy of those tokens' unigram distribution.
-EvalResult evaluate(TrainDevice& device, const TokenShard& shard, int64_t tokens, int64_t len) {
-  EvalResult r;
-  tokens = std::min(tokens, shard.size());
+// The held-out sequences of a run, evaluated as a whole: their mean loss per prediction.
+struct EvalSet {
   std::vector<std::vector<int32_t>> pieces;
+  std::vector<TokenMask> trained;  // empty: every token
+  int64_t predictions = 0;
+  double unigram_entropy = 0.0;
+};
+
+// The first `tokens` of the shard, windows of `len`, documents cut as in training; and the entropy of those
+// tokens' unigram distribution.
+EvalSet shard_eval_set(const TokenShard& shard, int64_t tokens, int64_t len) {
+  EvalSet e;
+  tokens = std::min(tokens, shard.size());
   for (int64_t pos = 0; pos + 2 <= tokens; pos += len)
     for (auto& p : window_pieces(shard, pos, std::min(len, tokens - pos))) {
-      r.predictions += int64_t(p.size()) - 1;
-      pieces.push_back(std::move(p));
+      e.predictions += int64_t(p.size()) - 1;
+      e.pieces.push_back(std::move(p));
     }
-  r.loss = device.forward_loss(pieces) / double(std::max<int64_t>(r.predictions, 1));
-  r.unigram_entropy = unigram_entropy(shard.tokens(), tokens);
+  e.unigram_entropy = unigram_entropy(shard.tokens(), tokens);
+  return e;
+}
+
+// Every conversation of an SFT file, the loss over the assistant's tokens.
+EvalSet sft_eval_set(SftData data) {
+  EvalSet e;
+  for (SftExample& ex : data.examples) {
+    e.pieces.push_back(std::move(ex.ids));
+    e.trained.push_back(std::move(ex.trained));
+  }
+  e.predictions = data.trained_tokens;
+  e.unigram_entropy = std::numeric_limits<double>::quiet_NaN();
+  return e;
+}
+
+EvalResult evaluate(TrainDevice& device, const EvalSet& set) {
+  EvalResult r;
+  r.predictions = set.predictions;
+  r.loss = device.forward_loss(set.pieces, set.trained.empty() ? nullptr : &set.trained) /
+           double(std::max<int64_t>(r.predictions, 1));
+  r.unigram_entropy = set.unigram_entropy;
   return r;
 }
 
@@ -98,31 +127,39 @@ void check_train_options(const TrainOptions& o) {
   require_integer("--eval-every", o.eval_every, 0, imax);
   if (o.eval_every > 0 && o.eval_path.empty()) fail("--eval-every needs --eval-data");
   require_integer("log_every", o.log_every, 0, imax);
+  require_integer("--epochs", o.epochs, 1, int64_t(1) << 20);
+  require_integer("--max-seq-len", o.max_seq_len, 0, imax);
 }
 
 // What a run was started with. A resume must repeat its identity (the config, the seed, the tokens
 // per step and the window order: what the model is and which data it sees); its plan (the stages and
 // the optimizer's schedule) may change only with --change-plan, e.g. to train longer. The data
 // shard, --save-every, --eval-* and --grad-lanes may always change.
-nlohmann::json run_recipe(const TrainOptions& o, const std::string& config_text, const std::vector<Stage>& stages) {
+nlohmann::json run_recipe(const TrainOptions& o, const std::string& config_text, const std::vector<Stage>& stages,
+                          const SftData* sft) {
   nlohmann::json st = nlohmann::json::array();
   for (const Stage& s : stages) st.push_back(std::to_string(s.seq_len) + ":" + std::to_string(s.tokens));
-  return {{"identity",
-           {{"--config", parse_json(config_text, o.config_path)},
-            {"--seed", o.seed},
-            {"--tokens-per-step", o.tokens_per_step},
-            {"--sequential", !o.shuffle}}},
-          {"plan",
-           {{"--stages", st},
-            {"--lr", o.lr},
-            {"--min-lr-ratio", o.min_lr_ratio},
-            {"--warmup", o.warmup_fraction},
-            {"--weight-decay", o.weight_decay},
-            {"--clip", o.clip},
-            {"--router-lr-scale", o.router_lr_scale},
-            {"--balance", balance_method_name(o.balance.method)},
-            {"--qb-ema", o.balance.ema_decay},
-            {"--qb-bins", o.balance.num_bins}}}};
+  nlohmann::json r = {{"identity",
+                       {{"--config", parse_json(config_text, o.config_path)},
+                        {"--seed", o.seed},
+                        {"--tokens-per-step", o.tokens_per_step},
+                        {"--sequential", !o.shuffle}}},
+                      {"plan",
+                       {{"--stages", st},
+                        {"--lr", o.lr},
+                        {"--min-lr-ratio", o.min_lr_ratio},
+                        {"--warmup", o.warmup_fraction},
+                        {"--weight-decay", o.weight_decay},
+                        {"--clip", o.clip},
+                        {"--router-lr-scale", o.router_lr_scale},
+                        {"--balance", balance_method_name(o.balance.method)},
+                        {"--qb-ema", o.balance.ema_decay},
+                        {"--qb-bins", o.balance.num_bins}}}};
+  if (sft) {  // the steps are cut from the conversations: the same data, the same steps
+    r["identity"]["--data"] = {{"conversations", sft->examples.size()}, {"tokens", sft->tokens}};
+    r["plan"]["--epochs"] = o.epochs;
+  }
+  return r;
 }
 
 // The differences of one part of a recipe, as "--flag: the run used X, this command gives Y; ...".
@@ -161,19 +198,55 @@ TrainResult train(const TrainOptions& opt) {
   const DirectoryLock run_lock(opt.out_dir, "run directory");
   const K3Config c = load_config(opt.config_path);
   const std::string config_text = read_file(opt.config_path, "config");
-  const TokenShard shard = TokenShard::open(opt.data_path);
-  check_shard_for_model(shard, opt.data_path, c);
-  TokenShard eval_shard;
-  if (!opt.eval_path.empty()) {
-    eval_shard = TokenShard::open(opt.eval_path);
-    check_shard_for_model(eval_shard, opt.eval_path, c);
-  }
-
+  const bool sft = !opt.sft_data.empty();
+  TokenShard shard;
+  SftData sft_data;
+  SftPlan sft_plan;
+  std::vector<int64_t> sft_tokens_before;    // [steps + 1]: the tokens of the steps before each
+  std::vector<std::string> tokenizer_files;  // SFT: copied into every checkpoint
+  EvalSet eval_set;
   std::vector<Stage> stages = opt.stages;
-  if (stages.empty()) stages.push_back({std::min<int64_t>(256, c.max_position_embeddings), opt.tokens});
+  if (sft) {
+    if (!stages.empty()) fail("SFT runs take no --stages: the conversations are the sequences");
+    const int64_t max_len = opt.max_seq_len > 0 ? opt.max_seq_len : c.max_position_embeddings;
+    if (max_len > c.max_position_embeddings)
+      fail("--max-seq-len ", max_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", c.source);
+    const Tokenizer tok = Tokenizer::load_dir(opt.tokenizer_dir);
+    for (const char* f : {"tiktoken.model", "tokenizer_config.json"})
+      if (fs::is_regular_file(fs::path(opt.tokenizer_dir) / f))
+        tokenizer_files.push_back((fs::path(opt.tokenizer_dir) / f).string());
+    sft_data = load_sft_data(opt.sft_data, tok, c.vocab_size, max_len);
+    std::vector<int64_t> lengths;
+    for (const SftExample& ex : sft_data.examples) lengths.push_back(int64_t(ex.ids.size()));
+    sft_plan = plan_sft_steps(lengths, opt.epochs, opt.tokens_per_step, opt.shuffle, opt.seed);
+    sft_tokens_before.push_back(0);
+    for (int64_t s = 0; s < sft_plan.steps(); ++s) {
+      int64_t t = 0;
+      for (int64_t k = sft_plan.step_begin[size_t(s)]; k < sft_plan.step_begin[size_t(s + 1)]; ++k)
+        t += lengths[size_t(sft_plan.order[size_t(k)])];
+      sft_tokens_before.push_back(sft_tokens_before.back() + t);
+    }
+    std::fprintf(stderr,
+                 "%s: %lld conversations, %lld tokens, %lld of them the assistant's (trained); %lld cut to %lld "
+                 "tokens, %lld without an assistant token in them dropped\n",
+                 opt.sft_data.c_str(), (long long)sft_data.examples.size(), (long long)sft_data.tokens,
+                 (long long)sft_data.trained_tokens, (long long)sft_data.truncated, (long long)max_len,
+                 (long long)sft_data.untrained);
+    if (!opt.eval_path.empty()) eval_set = sft_eval_set(load_sft_data(opt.eval_path, tok, c.vocab_size, max_len));
+    stages.push_back({max_len, sft_tokens_before.back()});
+  } else {
+    shard = TokenShard::open(opt.data_path);
+    check_shard_for_model(shard, opt.data_path, c);
+    if (stages.empty()) stages.push_back({std::min<int64_t>(256, c.max_position_embeddings), opt.tokens});
+  }
   int64_t total_steps = 0;
   std::vector<int64_t> stage_end;  // cumulative steps
   for (const Stage& s : stages) {
+    if (sft) {
+      total_steps = sft_plan.steps();
+      stage_end.push_back(total_steps);
+      break;
+    }
     if (s.seq_len > c.max_position_embeddings)
       fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ",
            c.source);
@@ -184,13 +257,20 @@ TrainResult train(const TrainOptions& opt) {
   }
   const int64_t warmup =
       std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));
+  if (!sft && !opt.eval_path.empty()) {
+    const TokenShard eval_shard = TokenShard::open(opt.eval_path);
+    check_shard_for_model(eval_shard, opt.eval_path, c);
+    eval_set = shard_eval_set(eval_shard, opt.eval_tokens, stages.back().seq_len);
+  }
 
   // Parameters: a fresh random init, made in memory from the tensor table (what `k3 init --seed`
   // would write), or the latest checkpoint.
   const std::string resume_dir = opt.resume ? latest_checkpoint(opt.out_dir) : "";
   if (opt.resume && resume_dir.empty()) fail(opt.out_dir, ": --resume, but there is no checkpoint (no 'latest')");
   ParamStore P;
-  if (resume_dir.empty()) {
+  if (resume_dir.empty() && !opt.init_model.empty()) {
+    P = ParamStore::from_model_dir(opt.init_model);
+  } else if (resume_dir.empty()) {
     RandomInitOptions ri;
     ri.seed = opt.seed;
     P = ParamStore::random_init(c, ri);
@@ -204,7 +284,7 @@ TrainResult train(const TrainOptions& opt) {
 
   int64_t step = 0, data_pos = 0, lanes = opt.grad_lanes;
   const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
-  const nlohmann::json recipe = run_recipe(opt, config_text, stages);
+  const nlohmann::json recipe = run_recipe(opt, config_text, stages, sft ? &sft_data : nullptr);
   TrainResult res;
   OptimizerState resume_optimizer;
   nlohmann::json resume_balancers;
@@ -296,23 +376,28 @@ TrainResult train(const TrainOptions& opt) {
     st.meta["optimizer"] = os.header;
     st.optimizer = std::move(os.data);
     st.meta["balancers"] = bj;
-    return save_checkpoint(opt.out_dir, step, config_text, P, st);
+    return save_checkpoint(opt.out_dir, step, config_text, P, st, tokenizer_files);
   };
 
   int64_t evaluated_at = -1;  // the step of the last held-out evaluation
   auto run_eval = [&]() {
     evaluated_at = step;
-    res.eval = evaluate(*device, eval_shard, opt.eval_tokens, stages.back().seq_len);
+    res.eval = evaluate(*device, eval_set);
     if (!std::isfinite(res.eval.loss))
       fail(opt.eval_path, ": the held-out loss after step ", step, " is ", nonfinite_name(res.eval.loss),
            " although every parameter is finite");
-    std::fprintf(stderr, "held-out after step %lld: loss %.4f nats/token over %lld predictions; unigram entropy %.4f nats/token\n",
-                 (long long)step, res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
-    append_metrics(nlohmann::json({{"eval_loss", res.eval.loss},
-                                   {"unigram_entropy", res.eval.unigram_entropy},
-                                   {"eval_predictions", res.eval.predictions},
-                                   {"step", step}})
-                       .dump());
+    nlohmann::json rec = {{"eval_loss", res.eval.loss}, {"eval_predictions", res.eval.predictions}, {"step", step}};
+    if (sft) {
+      std::fprintf(stderr, "held-out after step %lld: loss %.4f nats/token over %lld assistant tokens\n",
+                   (long long)step, res.eval.loss, (long long)res.eval.predictions);
+    } else {
+      std::fprintf(stderr,
+                   "held-out after step %lld: loss %.4f nats/token over %lld predictions; unigram entropy %.4f "
+                   "nats/token\n",
+                   (long long)step, res.eval.loss, (long long)res.eval.predictions, res.eval.unigram_entropy);
+      rec["unigram_entropy"] = res.eval.unigram_entropy;
+    }
+    append_metrics(rec.dump());
   };
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -323,7 +408,19 @@ TrainResult train(const TrainOptions& opt) {
     const int64_t L = stages[si].seq_len;
     const int64_t windows = std::max<int64_t>(1, opt.tokens_per_step / L);
     std::vector<std::vector<int32_t>> pieces;
-    for (int64_t w = 0; w < windows; ++w) {
+    std::vector<TokenMask> masks;  // SFT: the assistant's tokens
+    int64_t count = 0, epoch = 0;
+    if (sft) {
+      for (int64_t k = sft_plan.step_begin[size_t(step)]; k < sft_plan.step_begin[size_t(step + 1)]; ++k) {
+        const SftExample& ex = sft_data.examples[size_t(sft_plan.order[size_t(k)])];
+        pieces.push_back(ex.ids);
+        masks.push_back(ex.trained);
+        count += target_count(int64_t(ex.ids.size()), {}, &ex.trained);
+      }
+      data_pos = sft_plan.step_begin[size_t(step + 1)];
+      epoch = sft_plan.step_begin[size_t(step)] / int64_t(sft_data.examples.size());
+    }
+    for (int64_t w = 0; !sft && w < windows; ++w) {
       // data_pos: the next window's start (sequential) or the number of windows drawn (shuffled).
       const int64_t start =
           opt.shuffle ? int64_t(splitmix64(opt.seed * 0x100000001b3ULL ^ uint64_t(data_pos)) % uint64_t(shard.size()))
@@ -331,9 +428,9 @@ TrainResult train(const TrainOptions& opt) {
       for (auto& p : window_pieces(shard, start, L)) pieces.push_back(std::move(p));
       data_pos = opt.shuffle ? data_pos + 1 : (data_pos + L) % shard.size();
     }
-    int64_t count = 0;
-    for (const auto& p : pieces) count += int64_t(p.size()) - 1;
-    double loss = device->gradients(pieces, 1.0 / double(std::max<int64_t>(count, 1)));
+    if (!sft)
+      for (const auto& p : pieces) count += int64_t(p.size()) - 1;
+    double loss = device->gradients(pieces, sft ? &masks : nullptr, 1.0 / double(std::max<int64_t>(count, 1)));
     loss /= double(std::max<int64_t>(count, 1));
     const double lr = cosine_lr(step, warmup, total_steps, opt.lr, opt.lr * opt.min_lr_ratio);
     std::string bad_gradient;
@@ -362,28 +459,27 @@ TrainResult train(const TrainOptions& opt) {
     ++res.steps_run;
 
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double done_tokens = double((step - first_step) * windows * L);
-    nlohmann::json rec = {{"step", step},
-                          {"stage", si},
-                          {"seq_len", L},
-                          {"loss", loss},
-                          {"lr", lr},
-                          {"grad_norm", gnorm},
-                          {"tokens", step * windows * L},
-                          {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
-                          {"max_vio", maxvio},
-                          {"skipped", !finite}};
+    const int64_t tokens = sft ? sft_tokens_before[size_t(step)] : step * windows * L;
+    const double done_tokens =
+        sft ? double(tokens - sft_tokens_before[size_t(first_step)]) : double((step - first_step) * windows * L);
+    nlohmann::json rec = {
+        {"step", step},      {"stage", si},       {"seq_len", L},
+        {"loss", loss},      {"lr", lr},          {"grad_norm", gnorm},
+        {"tokens", tokens},  {"targets", count},  {"tokens_per_s", done_tokens / std::max(secs, 1e-9)},
+        {"max_vio", maxvio}, {"skipped", !finite}};
+    if (sft) rec["epoch"] = epoch + 1;
     const std::string line = rec.dump();
     append_metrics(line);
     if (opt.log_every > 0 && (step % opt.log_every == 0 || step == total_steps)) {
       double mv = 0;
       for (double v : maxvio) mv = std::max(mv, v);
       const double eta = secs / double(step - first_step) * double(total_steps - step);
-      std::fprintf(
-          stderr,
-          "step %lld/%lld  stage %zu (len %lld)  loss %.4f  lr %.2e  |g| %.3f  MaxVio %.3f  %.0f tok/s  ETA %.0fs\n",
-          (long long)step, (long long)total_steps, si, (long long)L, loss, lr, gnorm, mv,
-          done_tokens / std::max(secs, 1e-9), eta);
+      const std::string where = sft ? "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(opt.epochs) + " (" +
+                                          std::to_string(pieces.size()) + " conversations)"
+                                    : "stage " + std::to_string(si) + " (len " + std::to_string(L) + ")";
+      std::fprintf(stderr, "step %lld/%lld  %s  loss %.4f  lr %.2e  |g| %.3f  MaxVio %.3f  %.0f tok/s  ETA %.0fs\n",
+                   (long long)step, (long long)total_steps, where.c_str(), loss, lr, gnorm, mv,
+                   done_tokens / std::max(secs, 1e-9), eta);
     }
     res.steps = step;
     res.last_loss = loss;

@@ -64,11 +64,24 @@ struct TrainOptions {
   int64_t eval_every = 0;
   // Called after every step with the JSONL record (tests use it to stop early).
   std::function<bool(const std::string& jsonl_line)> on_step;
+
+  // Supervised fine-tuning (`k3 sft`): with sft_data set, the steps come from chat conversations
+  // (train/sft_data.h) instead of a token shard: `epochs` passes, each conversation one sequence cut to
+  // max_seq_len (0: the config's max_position_embeddings), whole conversations packed into steps of at most
+  // tokens_per_step tokens, the loss the mean over the assistant's tokens. stages and tokens are not used;
+  // eval_path is a conversation file too (its whole assistant-token loss; no unigram entropy).
+  std::string sft_data;
+  std::string tokenizer_dir;  // SFT: the tokenizer the conversations are encoded with
+  int64_t epochs = 1;
+  int64_t max_seq_len = 0;
+  // A new run starts from this model directory's weights (its config.json is config_path) instead of a
+  // random initialisation.
+  std::string init_model;
 };
 
 struct EvalResult {
   double loss = 0.0;             // nats per predicted token
-  double unigram_entropy = 0.0;  // nats per token, of the evaluated tokens' own frequencies
+  double unigram_entropy = 0.0;  // nats per token, of the evaluated tokens' own frequencies (NaN for SFT)
   int64_t predictions = 0;
 };
 

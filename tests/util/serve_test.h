@@ -14,19 +14,13 @@
 #include "model/engine.h"
 #include "serve/server.h"
 #include "temp_dir.h"
+#include "tiny_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace k3test {
 
-// The first 768 o200k ranks as a tokenizer directory in `dir` (+256 specials = the fixture's 1,024 ids).
-inline std::string write_tiny_tokenizer(const TempDir& dir) {
-  std::filesystem::create_directories(dir.path() / "tok");
-  std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-  std::ofstream out(dir.file("tok/tiktoken.model"));
-  std::string line;
-  for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-  return dir.file("tok");
-}
+// The tiny tokenizer (tiny_tokenizer.h) as DIR/tok.
+inline std::string write_tiny_tokenizer(const TempDir& dir) { return write_tiny_tokenizer(dir.path() / "tok"); }
 
 // A server on an ephemeral loopback port, listening on its own thread until destroyed (by default over the
 // k3-tiny fixture model on the CPU).

@@ -10,6 +10,7 @@
 #include "cli.h"
 #include "compare.h"
 #include "temp_dir.h"
+#include "tiny_tokenizer.h"
 
 namespace k3test {
 
@@ -19,12 +20,7 @@ struct Corpus {
   k3test::TempDir dir{"train_loop"};
   std::string shard;
   Corpus() {
-    std::filesystem::create_directories(dir.path() / "tok");
-    std::ifstream in(fixture("tokenizer/o200k.tiktoken"));
-    std::ofstream out(dir.file("tok/tiktoken.model"));
-    std::string line;
-    for (int i = 0; i < 768 && std::getline(in, line); ++i) out << line << "\n";
-    out.close();
+    write_tiny_tokenizer(dir.path() / "tok");
     std::vector<std::string> args = {"data", "--tokenizer", dir.file("tok"), "--out", dir.file("shard.bin")};
     for (int d = 0; d < 6; ++d) {
       const std::string f = dir.file(std::string("doc").append(std::to_string(d)).append(".txt"));

@@ -70,13 +70,14 @@ class TrainBackend {
 
   // head() computes dlogits for head_backward when `backward`; `logits_out` (optional) gets [T, V].
   TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
-               const std::vector<TrainInputRows>& rows, const TrainHooks* hooks, bool backward, double grad_scale,
-               std::vector<double>* logits_out)
+               const std::vector<TrainInputRows>& rows, const TokenMask* trained, const TrainHooks* hooks,
+               bool backward, double grad_scale, std::vector<double>* logits_out)
       : P_(P),
         c_(c),
         ids_(ids),
         rows_(rows),
         from_rows_(ids.size(), false),
+        trained_(trained),
         hooks_(hooks),
         tn_{param_naming(P)},
         lm_head_(lm_head_name(P, c, tn_)),
@@ -180,7 +181,8 @@ class TrainBackend {
     linear_forward(logits.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_, D_, V);
     std::vector<int32_t> target(static_cast<size_t>(T_), -1);
     for (int64_t t = 0; t + 1 < T_; ++t)
-      if (!from_rows_[size_t(t + 1)]) target[size_t(t)] = ids_[size_t(t + 1)];
+      if (!from_rows_[size_t(t + 1)] && (!trained_ || (*trained_)[size_t(t + 1)]))
+        target[size_t(t)] = ids_[size_t(t + 1)];
     dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
     const double loss =
         cross_entropy(logits.data(), target.data(), T_, V, backward_ ? dlogits_.data() : nullptr, grad_scale_);
@@ -264,6 +266,7 @@ class TrainBackend {
   const std::vector<int32_t>& ids_;
   const std::vector<TrainInputRows>& rows_;
   std::vector<bool> from_rows_;  // [T]: the position's input is an input row
+  const TokenMask* trained_;     // [T] or null: which tokens are targets
   const TrainHooks* hooks_;
   const TensorNames tn_;
   const std::string lm_head_;
@@ -287,9 +290,11 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
 
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
                      const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
-                     std::vector<double>* logits_out, const TrainHooks* hooks) {
+                     std::vector<double>* logits_out, const TrainHooks* hooks, const TokenMask* trained) {
   if (ids.empty()) fail("training: empty sequence");
   const int64_t T = int64_t(ids.size());
+  if (trained && int64_t(trained->size()) != T)
+    fail("training: the trained-token mask has ", trained->size(), " entries for a sequence of ", T, " tokens");
   std::vector<bool> taken(ids.size(), false);
   for (const TrainInputRows& r : rows) {
     K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= T && (r.data || r.n == 0), "training: input rows [", r.at, ", ",
@@ -299,17 +304,32 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
       taken[size_t(i)] = true;
     }
   }
-  TrainBackend be(P, c, ids, rows, hooks, backward, grad_scale, logits_out);
+  TrainBackend be(P, c, ids, rows, trained, hooks, backward, grad_scale, logits_out);
   DecoderTape<TrainBackend::Act> tape;
   const double loss = decoder_forward(be, c, nullptr, &tape);
   if (backward) decoder_backward(be, c, tape);
   return loss;
 }
 
-int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows) {
-  int64_t n = std::max<int64_t>(T - 1, 0);
-  for (const TrainInputRows& r : rows) n -= std::max<int64_t>(std::min(r.at + r.n, T) - std::max<int64_t>(r.at, 1), 0);
-  return n;
+int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const TokenMask* trained) {
+  std::vector<bool> target(size_t(std::max<int64_t>(T, 0)), true);  // token t is a target
+  if (T > 0) target[0] = false;
+  for (const TrainInputRows& r : rows)
+    for (int64_t t = std::max<int64_t>(r.at, 0); t < std::min(r.at + r.n, T); ++t) target[size_t(t)] = false;
+  if (trained)
+    for (int64_t t = 0; t < std::min<int64_t>(T, int64_t(trained->size())); ++t)
+      if (!(*trained)[size_t(t)]) target[size_t(t)] = false;
+  return int64_t(std::count(target.begin(), target.end(), true));
+}
+
+void check_token_masks(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained) {
+  if (!trained) return;
+  if (trained->size() != pieces.size())
+    fail("training: ", trained->size(), " trained-token masks for ", pieces.size(), " sequences");
+  for (size_t i = 0; i < pieces.size(); ++i)
+    if ((*trained)[i].size() != pieces[i].size())
+      fail("training: sequence ", i, " has ", pieces[i].size(), " tokens but its trained-token mask ",
+           (*trained)[i].size());
 }
 
 }  // namespace k3::train

@@ -45,15 +45,26 @@ struct TrainInputRows {
   double* grad = nullptr;        // [n, hidden], optional: OVERWRITTEN by the backward, grad_scale * ∂loss/∂data
 };
 
-// sequence_loss with input rows (spans inside the sequence, not overlapping; a k3::Error names one that is not).
-// Returns the summed cross-entropy over the positions whose target is a token (target_count of them).
+// Which tokens of a sequence are trained: trained[t] != 0 puts position t - 1's prediction of token t into the
+// loss (trained[0] is not read). [T] per sequence; where a step gives none, every token after the first is
+// trained. Supervised fine-tuning trains on the tokens the assistant generates and not on the prompt's
+// (train/sft_data.h).
+using TokenMask = std::vector<uint8_t>;
+
+// sequence_loss with input rows (spans inside the sequence, not overlapping; a k3::Error names one that is not)
+// and, optionally, the trained tokens ([T]; a k3::Error when its size is not T). Returns the summed cross-entropy
+// over the positions whose target is a trained token (target_count of them).
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
                      const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
-                     std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr);
+                     std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr,
+                     const TokenMask* trained = nullptr);
 
-// How many positions of a sequence of T tokens with these input rows predict a token: T - 1, less those whose
-// next position is an input row.
-int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows);
+// How many positions of a sequence of T tokens with these input rows (and trained tokens, optional) predict a
+// token: T - 1, less those whose next position is an input row or an untrained token.
+int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const TokenMask* trained = nullptr);
+
+// A k3::Error unless `trained` is null or holds one mask per piece, each of its piece's length.
+void check_token_masks(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained);
 
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);

@@ -421,12 +421,15 @@ int64_t CudaTrainModel::grouped_expert_layers() const {
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
                             const GpuStepHooks* hooks, std::vector<std::vector<double>>* token_losses,
-                            const std::vector<GpuInputRows>* input_rows) {
+                            const std::vector<GpuInputRows>* input_rows, const std::vector<train::TokenMask>* trained) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
   K3_CHECK(!token_losses || !input_rows || input_rows->empty(),
            "GPU training: per-token losses are not kept for a step with input rows (positions before them predict "
            "nothing)");
+  K3_CHECK(!token_losses || !trained,
+           "GPU training: per-token losses are not kept for a step with trained-token masks");
+  train::check_token_masks(pieces, trained);
   // Input rows: each span checked against its piece and the others; their positions marked.
   std::vector<std::vector<bool>> taken(pieces.size());
   for (size_t p = 0; p < pieces.size(); ++p) taken[p].assign(pieces[p].size(), false);
@@ -454,7 +457,8 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
     for (size_t i = 0; i < p.size(); ++i) {
       if (p[i] < 0 || p[i] >= c.vocab_size) fail("GPU training: token id ", p[i], " outside [0, ", c.vocab_size, ")");
       ids.push_back(p[i]);
-      targets.push_back(i + 1 < p.size() && !taken[pi][i + 1] ? p[i + 1] : -1);
+      const bool target = i + 1 < p.size() && !taken[pi][i + 1] && (!trained || (*trained)[pi][i + 1]);
+      targets.push_back(target ? p[i + 1] : -1);
       from_rows.push_back(taken[pi][i]);
     }
     K3_CHECK(ids.size() < size_t(INT32_MAX), "GPU training: a step of more than 2^31 tokens");

@@ -23,6 +23,7 @@
 #include "model/cuda/cuda_model.h"
 #include "model/params.h"
 #include "model/training/image_text_train.h"
+#include "model/training/model_train.h"
 #include "model/vision_config.h"
 
 namespace k3::gemm::cuda {
@@ -74,10 +75,13 @@ class CudaTrainModel {
   // log-probabilities a policy-gradient step needs, computed in this same pass.
   // input_rows (optional): spans of the pieces that take given rows (GpuInputRows; inside their piece, not
   // overlapping: a k3::Error names one that is not). The loss then sums the positions whose target is a token.
-  // A step with input rows keeps no token_losses (a k3::Error when both are asked for).
+  // trained (optional): each piece's trained tokens (train::TokenMask, model/training/model_train.h); the loss
+  // then sums the positions whose target is a trained token.
+  // A step with input rows or trained-token masks keeps no token_losses (a k3::Error when both are asked for).
   double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
               const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr,
-              const std::vector<GpuInputRows>* input_rows = nullptr);
+              const std::vector<GpuInputRows>* input_rows = nullptr,
+              const std::vector<train::TokenMask>* trained = nullptr);
 
   // The GPU twin of train::image_text_loss (model/training/image_text_train.h) over a step of sequences: the
   // tower and projector of vc (model/cuda/training/vision_train.cpp) encode every image of the step in one packed

@@ -60,8 +60,27 @@ TEST(CudaTrainLoop, F32FollowsTheFloat64Run) {
   }
 }
 
-// Gradient accumulation: the same steps run in passes of one 32-token sequence (the 64-token stage's
-// sequences are passes of their own) sum the same gradients, up to the order of the fp32 sums.
+// Gradient accumulation: a step run in passes of at most N tokens sums the same gradient as one pass, up to the
+// order of the fp32 sums. Checked where nothing else differs, at the first step (same parameters): the loss and the
+// pre-clip gradient norm within 1e-6 relative. After that the runs are two fp32 runs whose GEMMs round differently
+// (cuBLAS picks its kernels by row count), and this tiny model carries such differences forward as any fp32 run's
+// from the float64 one (measured on the H200: whole-step and float64 losses 1.5e-5 apart by step 8-11), so the
+// later steps are held to F32FollowsTheFloat64Run's bar, 1e-3.
+void expect_passes_follow_the_whole_step(const std::string& whole, const std::string& passes) {
+  const std::vector<double> want = losses(whole), got = losses(passes);
+  const std::vector<double> gn_want = k3test::step_metric(whole, "grad_norm"),
+                            gn_got = k3test::step_metric(passes, "grad_norm");
+  ASSERT_EQ(got.size(), want.size());
+  ASSERT_FALSE(got.empty());
+  EXPECT_NEAR(got[0], want[0], 1e-6 * want[0]);
+  EXPECT_NEAR(gn_got[0], gn_want[0], 1e-6 * gn_want[0]);
+  for (size_t i = 0; i < got.size(); ++i) {
+    std::printf("step %zu: one pass %.7f (|g| %.7f), in passes %.7f (|g| %.7f)\n", i + 1, want[i], gn_want[i], got[i],
+                gn_got[i]);
+    EXPECT_NEAR(got[i], want[i], 1e-3 * want[i]) << "step " << i + 1;
+  }
+}
+
 TEST(CudaTrainLoop, MicroBatchesFollowTheWholeStep) {
   K3_REQUIRE_GPU();
   Corpus c;
@@ -70,12 +89,7 @@ TEST(CudaTrainLoop, MicroBatchesFollowTheWholeStep) {
   const k3test::Outcome r = run_k3(with(with(train_args(c, passes), kGpuF32), {"--micro-batch-tokens", "32"}));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("micro-batches of 32 tokens"), std::string::npos) << r.output;
-  const std::vector<double> want = losses(whole), got = losses(passes);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    std::printf("step %zu: one pass %.7f, passes of 32 tokens %.7f\n", i + 1, want[i], got[i]);
-    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
-  }
+  expect_passes_follow_the_whole_step(whole, passes);
 }
 
 // `k3 sft --device cuda`: the masked steps (one epoch, 8 steps) follow the CPU float64 run in f32 as `k3 train`'s
@@ -92,15 +106,14 @@ TEST(CudaTrainLoop, SftFollowsTheFloat64RunAlsoInMicroBatches) {
   ASSERT_EQ(r.status, 0) << r.output;
   r = run_k3(with(with(args(passes), kGpuF32), {"--micro-batch-tokens", "96"}));
   ASSERT_EQ(r.status, 0) << r.output;
-  const std::vector<double> want = losses(cpu), got = losses(gpu), in_passes = losses(passes);
+  const std::vector<double> want = losses(cpu), got = losses(gpu);
   ASSERT_EQ(got.size(), want.size());
-  ASSERT_EQ(in_passes.size(), want.size());
   EXPECT_NEAR(got[0], want[0], 1e-5);
   for (size_t i = 0; i < got.size(); ++i) {
-    std::printf("step %zu: cpu %.6f gpu %.6f gpu in passes %.6f\n", i + 1, want[i], got[i], in_passes[i]);
+    std::printf("step %zu: cpu %.6f gpu %.6f\n", i + 1, want[i], got[i]);
     EXPECT_NEAR(got[i], want[i], 1e-3 * want[i]) << "step " << i + 1;
-    EXPECT_NEAR(in_passes[i], got[i], 1e-5 * got[i]) << "step " << i + 1;
   }
+  expect_passes_follow_the_whole_step(gpu, passes);
 }
 
 // Batch-invariant training refuses what it cannot do, up front and by name: fp32, and k3-tiny-a,

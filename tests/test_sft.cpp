@@ -324,12 +324,20 @@ TEST(SftCli, LearnsTheAnswersResumesExactlyAndItsCheckpointChats) {
   o.sft_data = c.dir.file("other.jsonl");
   EXPECT_THAT(k3test::error_of([&] { k3::train::train(o); }), HasSubstr("--data"));
 
-  // The checkpoint, which carries the tokenizer, answers a chat request.
+  // The checkpoint, which carries the tokenizer, answers a chat request in the trained form: reasoning, a response
+  // of digits, the message closed (the initial model writes neither).
   const std::string req = c.dir.file("req.json");
   std::ofstream(req) << R"({"messages": [{"role": "user", "content": "What is 2 plus 3?"}]})";
   const k3test::Outcome g =
-      k3test::run_k3({"generate", "--model", latest_checkpoint(a), "--request", req, "--max-new-tokens", "24"});
-  EXPECT_EQ(g.status, 0) << g.output;
+      k3test::run_k3({"generate", "--model", latest_checkpoint(a), "--request", req, "--max-new-tokens", "48"});
+  ASSERT_EQ(g.status, 0) << g.output;
+  EXPECT_THAT(g.output, HasSubstr("stopped on eos"));
+  const size_t at = g.output.find("message: ");
+  ASSERT_NE(at, std::string::npos) << g.output;
+  const nlohmann::json msg = nlohmann::json::parse(g.output.substr(at + 9, g.output.find('\n', at) - at - 9));
+  EXPECT_THAT(msg["reasoning_content"].get<std::string>(), HasSubstr(" + ")) << g.output;
+  const std::string answer = msg["content"].get<std::string>();
+  EXPECT_TRUE(!answer.empty() && answer.find_first_not_of("0123456789") == std::string::npos) << g.output;
 }
 
 TEST(SftCli, BadFlagsAreClearErrors) {

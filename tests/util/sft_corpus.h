@@ -1,6 +1,8 @@
-// A tiny supervised fine-tuning setup the `k3 sft` tests share: the k3-tiny-a fixture with the tiny tokenizer as a
-// model directory, and chat conversations (JSONL) in which a user asks for the sum of two digits and the assistant
-// answers, with its reasoning in the think channel.
+// A tiny supervised fine-tuning setup the `k3 sft` tests share: a model directory of k3-tiny-a's config initialised
+// as `k3 init` does (seed 1) with the tiny tokenizer, and chat conversations (JSONL) in which a user asks for the sum
+// of two digits and the assistant answers, with its reasoning in the think channel. (Not the fixture's own weights:
+// they amplify a relative perturbation up to ~2e5-fold, docs/NUMERICS.md, so an fp32 run could not follow a float64
+// one over several updates.)
 #pragma once
 #include <filesystem>
 #include <fstream>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "compare.h"
+#include "model/init_random.h"
 #include "temp_dir.h"
 #include "tiny_tokenizer.h"
 
@@ -37,9 +40,9 @@ struct SftCorpus {
   std::string model, train, held_out;
   SftCorpus() {
     model = dir.file("model");
-    std::filesystem::create_directories(model);
-    for (const char* f : {"config.json", "model.safetensors"})
-      std::filesystem::create_symlink(fixture(std::string("k3-tiny-a/") + f), std::filesystem::path(model) / f);
+    k3::RandomInitOptions opt;
+    opt.seed = 1;
+    k3::write_random_model(fixture("k3-tiny-a/config.json"), model, opt);
     write_tiny_tokenizer(model);
     train = dir.file("train.jsonl"), held_out = dir.file("held_out.jsonl");
     std::ofstream(train) << addition_conversations(48, 1);

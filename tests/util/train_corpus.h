@@ -56,16 +56,19 @@ inline std::vector<std::string> train_args(const Corpus& c, const std::string& o
           "3"};
 }
 
-inline std::vector<double> losses(const std::string& out) {
+// One number of every step record of a run's metrics.jsonl (the held-out records have no "loss", "grad_norm", ...).
+inline std::vector<double> step_metric(const std::string& out, const char* key) {
   std::vector<double> v;
   std::ifstream in(out + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
     const nlohmann::json r = nlohmann::json::parse(line);
-    if (r.contains("loss")) v.push_back(r["loss"].get<double>());  // not the held-out records
+    if (r.contains(key)) v.push_back(r[key].get<double>());
   }
   return v;
 }
+
+inline std::vector<double> losses(const std::string& out) { return step_metric(out, "loss"); }
 
 // The held-out records of metrics.jsonl: (step, eval_loss).
 inline std::vector<std::pair<int64_t, double>> eval_losses(const std::string& out) {

@@ -84,6 +84,18 @@ double gpu_loss_and_grads(ParamStore& P, const K3Config& c, const std::vector<st
   return loss / double(count);
 }
 
+// Rows of ids drawn at random from the vocabulary, of these lengths.
+std::vector<std::vector<int32_t>> random_rows(const std::vector<int64_t>& lengths, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> rows;
+  for (int64_t len : lengths) {
+    std::vector<int32_t> r(static_cast<size_t>(len));
+    for (auto& id : r) id = int32_t(rng() % uint32_t(cfg().vocab_size));
+    rows.push_back(r);
+  }
+  return rows;
+}
+
 // The tensors farthest from the float64 gradients (relative L2, and their share of the whole error).
 void print_worst(const ParamStore& gpu, const ParamStore& cpu) {
   std::vector<std::pair<double, std::string>> rows;
@@ -156,15 +168,9 @@ TEST(CudaTrainModel, PackedBatchMatchesCpuFloat64) {
   K3_REQUIRE_GPU();
   ParamStore cpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
   ParamStore gpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
-  std::mt19937 rng(7);
-  std::vector<std::vector<int32_t>> rows;
+  const std::vector<std::vector<int32_t>> rows = random_rows({1, 5, 16, 17, 40}, 7);
   int64_t count = 0;
-  for (int64_t len : {1, 5, 16, 17, 40}) {
-    std::vector<int32_t> r(static_cast<size_t>(len));
-    for (auto& id : r) id = int32_t(rng() % uint32_t(cfg().vocab_size));
-    count += len - 1;
-    rows.push_back(r);
-  }
+  for (const auto& r : rows) count += int64_t(r.size()) - 1;
   double want = 0;
   for (const auto& r : rows) want += sequence_loss(cpu, cfg(), r, true, 1.0 / double(count));
   want /= double(count);
@@ -181,17 +187,15 @@ TEST(CudaTrainModel, MaskedTargetsMatchCpuFloat64) {
   K3_REQUIRE_GPU();
   ParamStore cpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
   ParamStore gpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
-  std::mt19937 rng(11);
-  std::vector<std::vector<int32_t>> rows;
+  const std::vector<std::vector<int32_t>> rows = random_rows({3, 16, 17, 40}, 11);
   std::vector<k3::train::TokenMask> masks;
   int64_t count = 0;
-  for (int64_t len : {3, 16, 17, 40}) {
-    std::vector<int32_t> r(static_cast<size_t>(len));
-    for (auto& id : r) id = int32_t(rng() % uint32_t(cfg().vocab_size));
+  for (const auto& r : rows) {
+    const int64_t len = int64_t(r.size());
     k3::train::TokenMask m(static_cast<size_t>(len));
     for (int64_t t = 0; t < len; ++t) m[size_t(t)] = uint8_t(t >= len / 3 && t % 5 != 0);  // a prompt, then gaps
     count += k3::train::target_count(len, {}, &m);
-    rows.push_back(r), masks.push_back(m);
+    masks.push_back(m);
   }
   double want = 0;
   for (size_t i = 0; i < rows.size(); ++i)

@@ -51,9 +51,11 @@ struct SftCorpus {
 };
 
 inline std::vector<std::string> sft_args(const SftCorpus& c, const std::string& out) {
-  return {"sft", "--model",           c.model, "--data",      c.train,   "--out",  out, "--epochs",
-          "4",   "--tokens-per-step", "512",   "--lr",        "3e-3",    "--seed", "5", "--grad-lanes",
-          "2",   "--save-every",      "1",     "--eval-data", c.held_out};
+  // clang-format off
+  return {"sft", "--model", c.model, "--data", c.train, "--out", out,
+          "--epochs", "3", "--tokens-per-step", "512", "--lr", "3e-3", "--seed", "5",
+          "--grad-lanes", "2", "--save-every", "1", "--eval-data", c.held_out};
+  // clang-format on
 }
 
 }  // namespace k3test

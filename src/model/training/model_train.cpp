@@ -70,14 +70,15 @@ class TrainBackend {
 
   // head() computes dlogits for head_backward when `backward`; `logits_out` (optional) gets [T, V].
   TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
-               const std::vector<TrainInputRows>& rows, const TokenMask* trained, const TrainHooks* hooks,
-               bool backward, double grad_scale, std::vector<double>* logits_out)
+               const std::vector<TrainInputRows>& rows, const TokenMask* trained, const TokenWeights* weights,
+               const TrainHooks* hooks, bool backward, double grad_scale, std::vector<double>* logits_out)
       : P_(P),
         c_(c),
         ids_(ids),
         rows_(rows),
         from_rows_(ids.size(), false),
         trained_(trained),
+        weights_(weights),
         hooks_(hooks),
         tn_{param_naming(P)},
         lm_head_(lm_head_name(P, c, tn_)),
@@ -184,8 +185,10 @@ class TrainBackend {
       if (!from_rows_[size_t(t + 1)] && (!trained_ || (*trained_)[size_t(t + 1)]))
         target[size_t(t)] = ids_[size_t(t + 1)];
     dlogits_.assign(backward_ ? size_t(T_ * V) : 0, 0.0);
-    const double loss =
-        cross_entropy(logits.data(), target.data(), T_, V, backward_ ? dlogits_.data() : nullptr, grad_scale_);
+    std::vector<double> row_weight;  // row t predicts token t + 1
+    if (weights_) row_weight.assign(weights_->begin() + 1, weights_->end()), row_weight.push_back(0.0);
+    const double loss = cross_entropy(logits.data(), target.data(), T_, V, backward_ ? dlogits_.data() : nullptr,
+                                      grad_scale_, weights_ ? row_weight.data() : nullptr);
     if (logits_out_) *logits_out_ = std::move(logits);
     return loss;
   }
@@ -267,6 +270,7 @@ class TrainBackend {
   const std::vector<TrainInputRows>& rows_;
   std::vector<bool> from_rows_;  // [T]: the position's input is an input row
   const TokenMask* trained_;     // [T] or null: which tokens are targets
+  const TokenWeights* weights_;  // [T] or null: each target's weight
   const TrainHooks* hooks_;
   const TensorNames tn_;
   const std::string lm_head_;
@@ -290,11 +294,14 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
 
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
                      const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
-                     std::vector<double>* logits_out, const TrainHooks* hooks, const TokenMask* trained) {
+                     std::vector<double>* logits_out, const TrainHooks* hooks, const TokenMask* trained,
+                     const TokenWeights* weights) {
   if (ids.empty()) fail("training: empty sequence");
   const int64_t T = int64_t(ids.size());
   if (trained && int64_t(trained->size()) != T)
     fail("training: the trained-token mask has ", trained->size(), " entries for a sequence of ", T, " tokens");
+  if (weights && int64_t(weights->size()) != T)
+    fail("training: the token weights have ", weights->size(), " entries for a sequence of ", T, " tokens");
   std::vector<bool> taken(ids.size(), false);
   for (const TrainInputRows& r : rows) {
     K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= T && (r.data || r.n == 0), "training: input rows [", r.at, ", ",
@@ -304,7 +311,7 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
       taken[size_t(i)] = true;
     }
   }
-  TrainBackend be(P, c, ids, rows, trained, hooks, backward, grad_scale, logits_out);
+  TrainBackend be(P, c, ids, rows, trained, weights, hooks, backward, grad_scale, logits_out);
   DecoderTape<TrainBackend::Act> tape;
   const double loss = decoder_forward(be, c, nullptr, &tape);
   if (backward) decoder_backward(be, c, tape);

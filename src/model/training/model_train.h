@@ -51,13 +51,18 @@ struct TrainInputRows {
 // (train/sft_data.h).
 using TokenMask = std::vector<uint8_t>;
 
+// Per-token weights of a sequence's loss: token t's cross-entropy (position t - 1 predicting it) counts weight[t]
+// times (weight[0] is not read), in the loss and its gradient. A policy-gradient step's coefficients
+// (train/policy_gradient.h); any sign.
+using TokenWeights = std::vector<double>;
+
 // sequence_loss with input rows (spans inside the sequence, not overlapping; a k3::Error names one that is not)
-// and, optionally, the trained tokens ([T]; a k3::Error when its size is not T). Returns the summed cross-entropy
-// over the positions whose target is a trained token (target_count of them).
+// and, optionally, the trained tokens and their weights ([T] each; a k3::Error when a size is not T). Returns the
+// summed (weighted) cross-entropy over the positions whose target is a trained token (target_count of them).
 double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
                      const std::vector<TrainInputRows>& rows, bool backward, double grad_scale,
                      std::vector<double>* logits = nullptr, const TrainHooks* hooks = nullptr,
-                     const TokenMask* trained = nullptr);
+                     const TokenMask* trained = nullptr, const TokenWeights* weights = nullptr);
 
 // How many positions of a sequence of T tokens with these input rows (and trained tokens, optional) predict a
 // token: T - 1, less those whose next position is an input row or an untrained token.

@@ -217,6 +217,45 @@ TEST(CudaTrainModel, MaskedTargetsMatchCpuFloat64) {
   EXPECT_THROW(m->loss(rows, false, 0.0, nullptr, nullptr, nullptr, &bad), k3::Error);
 }
 
+// Token weights (a policy-gradient step's per-token coefficients, of either sign) with masks: the GPU's f32 step
+// against the CPU's float64 sequences one by one with the same weights, at the packed step's bars (relative to the
+// weighted loss's size).
+TEST(CudaTrainModel, WeightedTargetsMatchCpuFloat64) {
+  K3_REQUIRE_GPU();
+  ParamStore cpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
+  ParamStore gpu = ParamStore::from_model_dir(fixture("k3-tiny-a"));
+  const std::vector<std::vector<int32_t>> rows = random_rows({2, 16, 33}, 13);
+  std::vector<k3::train::TokenMask> masks;
+  std::vector<k3::train::TokenWeights> weights;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(-1.5, 1.5);
+  for (const auto& r : rows) {
+    const size_t len = r.size();
+    k3::train::TokenMask m(len, 1);
+    k3::train::TokenWeights w(len);
+    for (size_t t = 0; t < len; ++t) m[t] = uint8_t(t % 4 != 1), w[t] = u(rng) / 20.0;
+    masks.push_back(m), weights.push_back(w);
+  }
+  cpu.zero_grads();
+  double want = 0;
+  for (size_t i = 0; i < rows.size(); ++i)
+    want += sequence_loss(cpu, cfg(), rows[i], {}, true, 1.0, nullptr, nullptr, &masks[i], &weights[i]);
+  auto m = CudaTrainModel::create(cfg(), gpu, GpuPrecision::F32);
+  m->zero_grads();
+  const double got = m->loss(rows, true, 1.0, nullptr, nullptr, nullptr, &masks, &weights);
+  m->download_grads(gpu);
+  double scale = 0;  // the unweighted loss of the same tokens: what the weighted sum's rounding is relative to
+  for (size_t i = 0; i < rows.size(); ++i)
+    scale += sequence_loss(cpu, cfg(), rows[i], {}, false, 0.0, nullptr, nullptr, &masks[i]) / 20.0;
+  EXPECT_NEAR(got, want, 1e-5 * scale);
+  const double e = rel_l2(gpu.grads().data(), cpu.grads().data(), cpu.grads().size());
+  std::printf("weighted F32 step: loss %.8f vs %.8f; whole-gradient relative L2 %.3g\n", got, want, e);
+  EXPECT_LE(e, 1e-3);
+  std::vector<k3::train::TokenWeights> bad = weights;
+  bad[2].pop_back();
+  EXPECT_THROW(m->loss(rows, false, 0.0, nullptr, nullptr, nullptr, nullptr, &bad), k3::Error);
+}
+
 TEST(CudaTrainModel, Bf16StepNearFloat64) {
   K3_REQUIRE_GPU();
   RandomInitOptions ri;

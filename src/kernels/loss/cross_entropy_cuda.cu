@@ -80,14 +80,17 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     ce_finish_kernel(float* __restrict__ lse, double* __restrict__ part, const float* __restrict__ row_max,
                      const float* __restrict__ row_sum, const float* __restrict__ target_logit,
-                     const int32_t* __restrict__ target, int64_t N) {
+                     const int32_t* __restrict__ target, const float* __restrict__ row_weight, int64_t N) {
   __shared__ double sh[kThreads];
   const int64_t n = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   double loss = 0.0;
   if (n < N) {
     const double m = row_max[n], lz = log(double(row_sum[n]));
     lse[n] = float(m + lz);
-    if (target[n] >= 0) loss = (m - double(target_logit[n])) + lz;  // lse − l[target], without lse's rounding
+    if (target[n] >= 0) {
+      loss = (m - double(target_logit[n])) + lz;  // lse − l[target], without lse's rounding
+      if (row_weight) loss *= double(row_weight[n]);
+    }
   }
   sh[threadIdx.x] = loss;
   __syncthreads();
@@ -106,7 +109,8 @@ __global__ void ce_sum_kernel(double* __restrict__ loss_sum, const double* __res
 
 __global__ void __launch_bounds__(kThreads)
     ce_chunk_grad_kernel(float* __restrict__ logits, int64_t ld, const float* __restrict__ lse,
-                         const int32_t* __restrict__ target, float scale, int64_t v0, int64_t Vc) {
+                         const int32_t* __restrict__ target, float scale, const float* __restrict__ row_weight,
+                         int64_t v0, int64_t Vc) {
   const int64_t n = blockIdx.x;
   float* l = logits + n * ld;
   const int64_t t = target[n];
@@ -115,6 +119,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const float L = lse[n];
+  if (row_weight) scale *= row_weight[n];
   const int64_t jt = t - v0;  // the target's column (maybe outside this chunk)
   for (int64_t j = threadIdx.x; j < Vc; j += kThreads) {
     const float p = expf(l[j] - L);
@@ -159,7 +164,7 @@ void ce_chunk_update(float* row_max, float* row_sum, float* target_logit, const 
 size_t ce_finish_workspace_bytes(int64_t N) { return N > 0 ? size_t(finish_blocks(N)) * sizeof(double) : 0; }
 
 void ce_finish(float* lse, double* loss_sum, const float* row_max, const float* row_sum, const float* target_logit,
-               const int32_t* target, int64_t N, void* workspace) {
+               const int32_t* target, int64_t N, void* workspace, const float* row_weight) {
   constexpr const char* fn = "loss::cuda::ce_finish";
   check_rows(fn, N);
   if (!loss_sum) fail(fn, ": null loss_sum");
@@ -169,7 +174,7 @@ void ce_finish(float* lse, double* loss_sum, const float* row_max, const float* 
     if (!lse || !row_max || !row_sum || !target_logit || !target)
       fail(fn, ": null lse, row_max, row_sum, target_logit or target");
     if (!workspace) fail(fn, ": null workspace (ce_finish_workspace_bytes)");
-    ce_finish_kernel<<<unsigned(blocks), kThreads>>>(lse, part, row_max, row_sum, target_logit, target, N);
+    ce_finish_kernel<<<unsigned(blocks), kThreads>>>(lse, part, row_max, row_sum, target_logit, target, row_weight, N);
     K3_CUDA_LAUNCH_CHECK();
   }
   ce_sum_kernel<<<1, 1>>>(loss_sum, part, blocks);  // writes 0 when there are no rows
@@ -177,13 +182,13 @@ void ce_finish(float* lse, double* loss_sum, const float* row_max, const float* 
 }
 
 void ce_chunk_grad(float* logits, int64_t ld, const float* lse, const int32_t* target, float scale, int64_t N,
-                   int64_t v0, int64_t Vc) {
+                   int64_t v0, int64_t Vc, const float* row_weight) {
   constexpr const char* fn = "loss::cuda::ce_chunk_grad";
   check_rows(fn, N);
   check_chunk(fn, ld, v0, Vc);
   if (N == 0 || Vc == 0) return;
   if (!logits || !lse || !target) fail(fn, ": null logits, lse or target");
-  ce_chunk_grad_kernel<<<unsigned(N), kThreads>>>(logits, ld, lse, target, scale, v0, Vc);
+  ce_chunk_grad_kernel<<<unsigned(N), kThreads>>>(logits, ld, lse, target, scale, row_weight, v0, Vc);
   K3_CUDA_LAUNCH_CHECK();
 }
 

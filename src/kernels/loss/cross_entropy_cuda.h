@@ -34,13 +34,14 @@ void ce_chunk_update(float* row_max, float* row_sum, float* target_logit, const 
 size_t ce_finish_workspace_bytes(int64_t N);
 
 // lse [N] = row_max + log(row_sum) (every row); *loss_sum (one device double, OVERWRITTEN) =
-// Σ over rows with target >= 0 of (lse − target_logit), summed in a fixed order.
+// Σ over rows with target >= 0 of w_n (lse − target_logit), summed in a fixed order; w_n = row_weight[n] (device
+// [N], optional: a policy-gradient step's per-token coefficients), else 1.
 void ce_finish(float* lse, double* loss_sum, const float* row_max, const float* row_sum, const float* target_logit,
-               const int32_t* target, int64_t N, void* workspace);
+               const int32_t* target, int64_t N, void* workspace, const float* row_weight = nullptr);
 
-// In place: logits [N, ld] (columns [v0, v0+Vc)) become scale·(exp(l − lse) − [v == target]) for
-// rows with target >= 0, and 0 for the other rows. Columns >= Vc are untouched.
+// In place: logits [N, ld] (columns [v0, v0+Vc)) become scale·w_n·(exp(l − lse) − [v == target]) for
+// rows with target >= 0 (w_n as in ce_finish), and 0 for the other rows. Columns >= Vc are untouched.
 void ce_chunk_grad(float* logits, int64_t ld, const float* lse, const int32_t* target, float scale, int64_t N,
-                   int64_t v0, int64_t Vc);
+                   int64_t v0, int64_t Vc, const float* row_weight = nullptr);
 
 }  // namespace k3::loss::cuda

@@ -35,6 +35,7 @@ struct CudaTrainModel::Impl {
   std::vector<bool> experts_built;                          // (null tables: the per-expert path)
   // The packed batch's index arrays (grown as needed).
   cuda::DeviceBuffer<int32_t> cu_seqlens, chunk_offsets, ids, targets, emb_order, emb_run_start, emb_run_id;
+  cuda::DeviceBuffer<float> row_weight;  // the step's TokenWeights by row, when given
   cuda::DeviceBuffer<int32_t> all_rows;  // {0, rows}
   cuda::DeviceBuffer<double> loss_sum;
   std::vector<bool> recompute;  // per layer (set_recompute)
@@ -61,8 +62,9 @@ struct PackedInputRows {
   float* grad = nullptr;
 };
 
-void upload_ints(cuda::DeviceBuffer<int32_t>& buf, const std::vector<int32_t>& v) {
-  if (buf.size() < v.size()) buf = cuda::DeviceBuffer<int32_t>(std::max<size_t>(v.size(), 1));
+template <class T>
+void upload_vector(cuda::DeviceBuffer<T>& buf, const std::vector<T>& v) {
+  if (buf.size() < v.size()) buf = cuda::DeviceBuffer<T>(std::max<size_t>(v.size(), 1));
   if (!v.empty()) buf.upload(v.data(), v.size());
 }
 
@@ -212,7 +214,7 @@ class CudaTrainBackend {
       loss::cuda::ce_chunk_update(mx, sm, tl, logits, chunk_, t_.batch.targets, N_, v0, vc);
     }
     void* ws = t_.arena.take_bytes(loss::cuda::ce_finish_workspace_bytes(N_));
-    loss::cuda::ce_finish(lse_, m_.loss_sum.data(), mx, sm, tl, t_.batch.targets, N_, ws);
+    loss::cuda::ce_finish(lse_, m_.loss_sum.data(), mx, sm, tl, t_.batch.targets, N_, ws, t_.batch.row_weight);
     t_.arena.rewind(m);
     return m_.loss_sum.data();
   }
@@ -232,7 +234,8 @@ class CudaTrainBackend {
       const int64_t vc = std::min(chunk_, V - v0);
       const TrainParam W = head_rows(v0, vc);
       train_linear_forward(t_, logits, chunk_, final_.xn, D_, N_, W, false, xn16_);
-      loss::cuda::ce_chunk_grad(logits, chunk_, lse_, t_.batch.targets, float(grad_scale_), N_, v0, vc);
+      loss::cuda::ce_chunk_grad(logits, chunk_, lse_, t_.batch.targets, float(grad_scale_), N_, v0, vc,
+                                t_.batch.row_weight);
       train_linear_backward(t_, dxn_, D_, v0 > 0, logits, chunk_, final_.xn, D_, N_, W, xn16_);
     }
     t_.arena.rewind(m);
@@ -421,7 +424,8 @@ int64_t CudaTrainModel::grouped_expert_layers() const {
 
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
                             const GpuStepHooks* hooks, std::vector<std::vector<double>>* token_losses,
-                            const std::vector<GpuInputRows>* input_rows, const std::vector<train::TokenMask>* trained) {
+                            const std::vector<GpuInputRows>* input_rows, const std::vector<train::TokenMask>* trained,
+                            const std::vector<train::TokenWeights>* weights) {
   Impl& m = *impl_;
   const K3Config& c = m.c;
   K3_CHECK(!token_losses || !input_rows || input_rows->empty(),
@@ -430,6 +434,14 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   K3_CHECK(!token_losses || !trained,
            "GPU training: per-token losses are not kept for a step with trained-token masks");
   train::check_token_masks(pieces, trained);
+  if (weights) {
+    K3_CHECK(!token_losses, "GPU training: per-token losses are not kept for a step with token weights");
+    K3_CHECK(weights->size() == pieces.size(), "GPU training: ", weights->size(), " token weights for ", pieces.size(),
+             " sequences");
+    for (size_t p = 0; p < pieces.size(); ++p)
+      K3_CHECK((*weights)[p].size() == pieces[p].size(), "GPU training: sequence ", p, " has ", pieces[p].size(),
+               " tokens but ", (*weights)[p].size(), " token weights");
+  }
   // Input rows: each span checked against its piece and the others; their positions marked.
   std::vector<std::vector<bool>> taken(pieces.size());
   for (size_t p = 0; p < pieces.size(); ++p) taken[p].assign(pieces[p].size(), false);
@@ -449,6 +461,7 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   // The packed batch: offsets, KDA chunk offsets, ids and next-token targets, embedding runs.
   // A position whose next position is an input row predicts nothing (target -1).
   std::vector<int32_t> cu{0}, chunks{0}, ids, targets;
+  std::vector<float> row_weight;  // row i of a piece predicts its token i + 1
   std::vector<bool> from_rows;
   int64_t max_len = 0;
   for (size_t pi = 0; pi < pieces.size(); ++pi) {
@@ -459,6 +472,7 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
       ids.push_back(p[i]);
       const bool target = i + 1 < p.size() && !taken[pi][i + 1] && (!trained || (*trained)[pi][i + 1]);
       targets.push_back(target ? p[i + 1] : -1);
+      if (weights) row_weight.push_back(i + 1 < p.size() ? float((*weights)[pi][i + 1]) : 0.0f);
       from_rows.push_back(taken[pi][i]);
     }
     K3_CHECK(ids.size() < size_t(INT32_MAX), "GPU training: a step of more than 2^31 tokens");
@@ -471,16 +485,20 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
   std::vector<gpu::PackedInputRows> packed_rows;
   if (input_rows)
     for (const GpuInputRows& r : *input_rows) packed_rows.push_back({cu[size_t(r.piece)] + r.at, r.n, r.data, r.grad});
-  gpu::upload_ints(m.cu_seqlens, cu), gpu::upload_ints(m.chunk_offsets, chunks);
-  gpu::upload_ints(m.ids, ids), gpu::upload_ints(m.targets, targets);
-  gpu::upload_ints(m.emb_order, runs.order), gpu::upload_ints(m.emb_run_start, runs.run_start);
-  gpu::upload_ints(m.emb_run_id, runs.run_id);
-  gpu::upload_ints(m.all_rows, {0, int32_t(ids.size())});
+  gpu::upload_vector(m.cu_seqlens, cu), gpu::upload_vector(m.chunk_offsets, chunks);
+  gpu::upload_vector(m.ids, ids), gpu::upload_vector(m.targets, targets);
+  gpu::upload_vector(m.emb_order, runs.order), gpu::upload_vector(m.emb_run_start, runs.run_start);
+  gpu::upload_vector(m.emb_run_id, runs.run_id);
+  gpu::upload_vector(m.all_rows, std::vector<int32_t>{0, int32_t(ids.size())});
 
   gpu::PackedBatch batch;
   batch.B = int(pieces.size()), batch.rows = int64_t(ids.size()), batch.max_len = max_len, batch.chunks = chunks.back();
   batch.cu_seqlens = m.cu_seqlens.data(), batch.chunk_offsets = m.chunk_offsets.data();
   batch.ids = m.ids.data(), batch.targets = m.targets.data(), batch.all_rows = m.all_rows.data();
+  if (weights) {
+    gpu::upload_vector(m.row_weight, row_weight);
+    batch.row_weight = m.row_weight.data();
+  }
 
   m.arena.reset();
   gpu::TrainCtx t{c, m.precision, m.gemm, m.arena, m.params, batch};

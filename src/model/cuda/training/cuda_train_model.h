@@ -76,12 +76,14 @@ class CudaTrainModel {
   // input_rows (optional): spans of the pieces that take given rows (GpuInputRows; inside their piece, not
   // overlapping: a k3::Error names one that is not). The loss then sums the positions whose target is a token.
   // trained (optional): each piece's trained tokens (train::TokenMask, model/training/model_train.h); the loss
-  // then sums the positions whose target is a trained token.
-  // A step with input rows or trained-token masks keeps no token_losses (a k3::Error when both are asked for).
+  // then sums the positions whose target is a trained token. weights (optional): each piece's token weights
+  // (train::TokenWeights, rounded to fp32): the loss and its gradient weigh each token's term, as sequence_loss.
+  // A step with input rows, masks or weights keeps no token_losses (a k3::Error when both are asked for).
   double loss(const std::vector<std::vector<int32_t>>& pieces, bool backward, double grad_scale,
               const GpuStepHooks* hooks = nullptr, std::vector<std::vector<double>>* token_losses = nullptr,
               const std::vector<GpuInputRows>* input_rows = nullptr,
-              const std::vector<train::TokenMask>* trained = nullptr);
+              const std::vector<train::TokenMask>* trained = nullptr,
+              const std::vector<train::TokenWeights>* weights = nullptr);
 
   // The GPU twin of train::image_text_loss (model/training/image_text_train.h) over a step of sequences: the
   // tower and projector of vc (model/cuda/training/vision_train.cpp) encode every image of the step in one packed

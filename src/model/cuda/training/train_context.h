@@ -76,6 +76,7 @@ struct PackedBatch {
   const int32_t* ids = nullptr;               // device [rows]
   const int32_t* targets = nullptr;           // device [rows]: the next id in the sequence, -1 at its last row
   const int32_t* all_rows = nullptr;          // device [2] = {0, rows}: one "expert" owning every row
+  const float* row_weight = nullptr;          // device [rows] or null: each row's loss weight (TokenWeights)
 };
 
 // What a block's forward and backward share.

@@ -353,7 +353,7 @@ TEST(SftCli, BadFlagsAreClearErrors) {
   r = run({"--max-seq-len", "2000000"});
   EXPECT_THAT(r.output, HasSubstr("exceeds max_position_embeddings"));
   r = run({"--tokenizer", c.dir.file("nowhere")});
-  EXPECT_THAT(r.output, HasSubstr("no tiktoken.model"));
+  EXPECT_THAT(r.output, HasSubstr("no tiktoken.model to encode the conversations with; give --tokenizer DIR"));
   r = run({"--precision", "f32"});
   EXPECT_THAT(r.output, HasSubstr("--precision is for --device cuda"));
 }

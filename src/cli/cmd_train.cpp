@@ -215,7 +215,9 @@ void register_sft(CLI::App& app) {
     t.init_model = *model;
     t.config_path = (std::filesystem::path(*model) / "config.json").string();
     const std::string tok_dir = tokenizer->empty() ? *model : *tokenizer;
-    load_tokenizer(*model, *tokenizer, load_config(t.config_path));  // the tokenizer exists and fits the model
+    if (!Tokenizer::dir_has_tokenizer(tok_dir))
+      fail(tok_dir, ": no tiktoken.model to encode the conversations with; give --tokenizer DIR");
+    load_tokenizer(*model, *tokenizer, load_config(t.config_path));  // it fits the model's vocabulary
     t.tokenizer_dir = tok_dir;
     print_result(train::train(t), t, true);
   });

@@ -158,6 +158,7 @@ nlohmann::json run_recipe(const TrainOptions& o, const std::string& config_text,
   if (sft) {  // the steps are cut from the conversations: the same data, the same steps
     r["identity"]["--data"] = {{"conversations", sft->examples.size()}, {"tokens", sft->tokens}};
     r["plan"]["--epochs"] = o.epochs;
+    r["plan"].erase("--stages");  // derived from the data and --epochs, not given
   }
   return r;
 }

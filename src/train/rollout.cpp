@@ -1,0 +1,80 @@
+#include "train/rollout.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "core/splitmix.h"
+#include "model/generate.h"
+#include "model/sampler.h"
+
+namespace k3::train {
+
+std::vector<Rollout> sample_rollouts(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                     const RolloutOptions& o) {
+  if (o.samples_per_prompt < 1) fail("rollouts: samples per prompt must be at least 1, got ", o.samples_per_prompt);
+  if (o.max_new_tokens < 1) fail("rollouts: max new tokens must be at least 1, got ", o.max_new_tokens);
+  if (!(o.temperature > 0.0f)) fail("rollouts: the temperature must be > 0, got ", o.temperature);
+  const K3Config& c = engine.config();
+  std::vector<Rollout> out;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    if (prompts[p].empty()) fail("rollouts: prompt ", p, " is empty");
+    for (int64_t k = 0; k < o.samples_per_prompt; ++k) {
+      SamplingParams sp;
+      sp.greedy = false, sp.temperature = o.temperature;
+      sp.seed = splitmix64(o.seed ^ splitmix64(uint64_t(p) * 0x100000001b3ULL + uint64_t(k)));
+      Sampler sampler(sp);
+      Rollout r;
+      r.prompt = int64_t(p), r.ids = prompts[p], r.prompt_len = int64_t(prompts[p].size());
+      std::vector<double> logp;
+      // The sampler's distribution at this step: log softmax(logits / T) at the id it drew, in double.
+      const StepObserver observe = [&](const float* logits, int64_t V, int32_t id) {
+        double mx = -INFINITY;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[v]) / o.temperature);
+        double z = 0.0;
+        for (int64_t v = 0; v < V; ++v) z += std::exp(double(logits[v]) / o.temperature - mx);
+        logp.push_back(double(logits[id]) / o.temperature - mx - std::log(z));
+      };
+      const GenerateResult g = generate_until(
+          engine.session(), c, prompts[p], o.max_new_tokens, sampler, [](int32_t) { return true; }, observe);
+      K3_CHECK(logp.size() == g.tokens.size(), "rollouts: ", logp.size(), " observed steps for ", g.tokens.size(),
+               " tokens");
+      r.ids.insert(r.ids.end(), g.tokens.begin(), g.tokens.end());
+      r.logp.assign(r.ids.size(), 0.0);
+      std::copy(logp.begin(), logp.end(), r.logp.begin() + r.prompt_len);
+      r.finished = g.stopped_on_eos;
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+std::vector<double> group_advantages(const std::vector<double>& rewards, int64_t group, double eps) {
+  if (group < 1 || rewards.size() % size_t(group) != 0)
+    fail("advantages: ", rewards.size(), " rewards are not groups of ", group);
+  std::vector<double> a(rewards.size(), 0.0);
+  for (size_t g = 0; g < rewards.size(); g += size_t(group)) {
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < group; ++i) mean += rewards[g + size_t(i)];
+    mean /= double(group);
+    for (int64_t i = 0; i < group; ++i) var += (rewards[g + size_t(i)] - mean) * (rewards[g + size_t(i)] - mean);
+    const double sd = std::sqrt(var / double(group));
+    if (sd == 0.0) continue;  // every rollout scored alike: nothing to prefer
+    for (int64_t i = 0; i < group; ++i) a[g + size_t(i)] = (rewards[g + size_t(i)] - mean) / (sd + eps);
+  }
+  return a;
+}
+
+PolicySample policy_sample(const Rollout& r, double advantage) {
+  PolicySample s;
+  s.ids = r.ids;
+  const size_t T = r.ids.size();
+  s.sampled.assign(T, 0);
+  s.advantage.assign(T, 0.0);
+  for (size_t t = size_t(r.prompt_len); t < T; ++t) s.sampled[t] = 1, s.advantage[t] = advantage;
+  s.behaviour_logp = r.logp;
+  s.reference_logp = r.logp;
+  return s;
+}
+
+}  // namespace k3::train

@@ -17,7 +17,8 @@ std::unique_ptr<CudaTrainModel> CudaTrainModel::create(const K3Config&, const tr
 const K3Config& CudaTrainModel::config() const { fail("CudaTrainModel: no CUDA backend"); }
 GpuPrecision CudaTrainModel::precision() const { fail("CudaTrainModel: no CUDA backend"); }
 double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>&, bool, double, const GpuStepHooks*,
-                            std::vector<std::vector<double>>*, const std::vector<GpuInputRows>*) {
+                            std::vector<std::vector<double>>*, const std::vector<GpuInputRows>*,
+                            const std::vector<train::TokenMask>*, const std::vector<train::TokenWeights>*) {
   fail("CudaTrainModel: no CUDA backend");
 }
 double CudaTrainModel::image_text_loss(const std::vector<train::ImageTextSequence>&, const VisionConfig&, bool, double,

@@ -5,7 +5,6 @@
 #include <memory>
 
 #include "cli/commands.h"
-#include "cli/engine.h"
 #include "core/error.h"
 #include "io/output_file.h"
 #include "tokenizer/tokenizer.h"
@@ -217,8 +216,7 @@ void register_sft(CLI::App& app) {
     const std::string tok_dir = tokenizer->empty() ? *model : *tokenizer;
     if (!Tokenizer::dir_has_tokenizer(tok_dir))
       fail(tok_dir, ": no tiktoken.model to encode the conversations with; give --tokenizer DIR");
-    load_tokenizer(*model, *tokenizer, load_config(t.config_path));  // it fits the model's vocabulary
-    t.tokenizer_dir = tok_dir;
+    t.tokenizer_dir = tok_dir;  // loaded, and checked against the model's vocabulary, by the trainer
     print_result(train::train(t), t, true);
   });
 }

@@ -52,9 +52,7 @@ Tokenizer load_tokenizer(const std::string& model_dir, const std::string& tokeni
          ": no tiktoken.model, so text cannot be tokenised; give --ids, or --tokenizer DIR (e.g. one written by "
          "`k3 tokenizer train`)");
   Tokenizer tok = Tokenizer::load_dir(dir);
-  if (tok.vocab_size() > cfg.vocab_size)
-    fail(dir, ": the tokenizer has ", tok.vocab_size(), " ids (", tok.num_ranks(),
-         " ranks + 256 specials) but the model's ", "vocab_size is ", cfg.vocab_size, " (", cfg.source, ")");
+  tok.check_fits(cfg.vocab_size, dir, cfg.source);
   return tok;
 }
 

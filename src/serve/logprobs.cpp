@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "kernels/loss/cross_entropy.h"
 
 namespace k3::serve {
 
@@ -14,11 +15,7 @@ TokenLogprob token_logprob(const float* logits, int64_t V, int32_t chosen, int n
   K3_CHECK(V > 0 && chosen >= 0 && chosen < V && n_top >= 0, "token_logprob: bad arguments (V ", V, ", id ", chosen,
            ", n_top ", n_top, ")");
   // log_softmax: x - (max + log Σ exp(x - max)), in double. A -inf logit (a masked id) gets -inf.
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, double(logits[i]));
-  double sum = 0.0;
-  for (int64_t i = 0; i < V; ++i) sum += std::exp(double(logits[i]) - mx);
-  const double lse = mx + std::log(sum);
+  const double lse = log_sum_exp(logits, V);
   TokenLogprob t;
   t.id = chosen;
   t.logprob = double(logits[chosen]) - lse;

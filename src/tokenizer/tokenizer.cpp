@@ -98,6 +98,12 @@ bool Tokenizer::dir_has_tokenizer(const std::string& dir) {
   return std::filesystem::is_regular_file(std::filesystem::path(dir) / "tiktoken.model");
 }
 
+void Tokenizer::check_fits(int64_t model_vocab_size, const std::string& dir, const std::string& model_source) const {
+  if (vocab_size() > model_vocab_size)
+    fail(dir, ": the tokenizer has ", vocab_size(), " ids (", num_ranks(), " ranks + ", kNumReservedSpecialTokens,
+         " specials) but the model's vocab_size is ", model_vocab_size, " (", model_source, ")");
+}
+
 Tokenizer Tokenizer::load_dir(const std::string& dir, const std::string& pattern) {
   const std::filesystem::path d(dir), ranks = d / "tiktoken.model", cfg = d / "tokenizer_config.json";
   if (!std::filesystem::is_regular_file(ranks))

@@ -56,6 +56,9 @@ class Tokenizer {
 
   int64_t num_ranks() const { return bpe_.num_ranks(); }
   int64_t vocab_size() const { return bpe_.num_ranks() + kNumReservedSpecialTokens; }
+  // A k3::Error naming `dir` (where this tokenizer came from) and `model_source` when the tokenizer has more ids
+  // than a model's vocabulary of model_vocab_size: its ids would be out of range.
+  void check_fits(int64_t model_vocab_size, const std::string& dir, const std::string& model_source) const;
   const BpeTokenizer& bpe() const { return bpe_; }
 
  private:

@@ -127,7 +127,7 @@ class CudaTrainDevice final : public TrainDevice {
   template <class F>
   double over_micro_batches(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained,
                             F&& f) {
-    check_token_masks(pieces, trained);
+    check_per_token(pieces, trained);
     const auto runs = micro_batches(pieces, opt_.micro_batch_tokens);
     if (runs.size() == 1) return f(pieces, trained);
     double loss = 0;

@@ -58,7 +58,7 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
                        const std::function<const double*(int64_t layer)>& router_bias,
                        const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores,
                        const std::vector<TokenMask>* trained) {
-  check_token_masks(pieces, trained);
+  check_per_token(pieces, trained);
   const int64_t n = int64_t(pieces.size()), nl = lanes();
   const std::vector<int64_t> lane_of = assign_lanes(pieces, nl);
   std::vector<std::vector<size_t>> work(static_cast<size_t>(nl));
@@ -103,7 +103,7 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
 
 double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::vector<int32_t>>& pieces,
                       const TrainHooks* hooks, const std::vector<TokenMask>* trained) {
-  check_token_masks(pieces, trained);
+  check_per_token(pieces, trained);
   const int64_t n = int64_t(pieces.size());
   std::vector<double> loss(static_cast<size_t>(n), 0.0);
   parallel_for_rethrow(n, [&](int64_t i) {

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/loss/cross_entropy.h"
 
 namespace k3::train {
 
@@ -12,13 +13,7 @@ std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::
   sequence_loss(P, c, ids, {}, false, 0.0, &logits);
   const int64_t T = int64_t(ids.size()), V = c.vocab_size;
   std::vector<double> logp(ids.size(), 0.0);
-  for (int64_t t = 1; t < T; ++t) {
-    const double* z = &logits[size_t((t - 1) * V)];
-    const double mx = *std::max_element(z, z + V);
-    double s = 0.0;
-    for (int64_t v = 0; v < V; ++v) s += std::exp(z[v] - mx);
-    logp[size_t(t)] = z[ids[size_t(t)]] - mx - std::log(s);
-  }
+  for (int64_t t = 1; t < T; ++t) logp[size_t(t)] = log_softmax_at(&logits[size_t((t - 1) * V)], V, ids[size_t(t)]);
   return logp;
 }
 

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/splitmix.h"
+#include "kernels/loss/cross_entropy.h"
 #include "model/generate.h"
 #include "model/sampler.h"
 
@@ -27,13 +28,9 @@ std::vector<Rollout> sample_rollouts(Engine& engine, const std::vector<std::vect
       Rollout r;
       r.prompt = int64_t(p), r.ids = prompts[p], r.prompt_len = int64_t(prompts[p].size());
       std::vector<double> logp;
-      // The sampler's distribution at this step: log softmax(logits / T) at the id it drew, in double.
+      // The sampler's distribution at this step: log softmax(logits / T) at the id it drew.
       const StepObserver observe = [&](const float* logits, int64_t V, int32_t id) {
-        double mx = -INFINITY;
-        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(logits[v]) / o.temperature);
-        double z = 0.0;
-        for (int64_t v = 0; v < V; ++v) z += std::exp(double(logits[v]) / o.temperature - mx);
-        logp.push_back(double(logits[id]) / o.temperature - mx - std::log(z));
+        logp.push_back(log_softmax_at(logits, V, id, o.temperature));
       };
       const GenerateResult g = generate_until(
           engine.session(), c, prompts[p], o.max_new_tokens, sampler, [](int32_t) { return true; }, observe);

@@ -213,6 +213,7 @@ TrainResult train(const TrainOptions& opt) {
     if (max_len > c.max_position_embeddings)
       fail("--max-seq-len ", max_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", c.source);
     const Tokenizer tok = Tokenizer::load_dir(opt.tokenizer_dir);
+    tok.check_fits(c.vocab_size, opt.tokenizer_dir, c.source);
     for (const char* f : {"tiktoken.model", "tokenizer_config.json"})
       if (fs::is_regular_file(fs::path(opt.tokenizer_dir) / f))
         tokenizer_files.push_back((fs::path(opt.tokenizer_dir) / f).string());
@@ -242,19 +243,19 @@ TrainResult train(const TrainOptions& opt) {
   }
   int64_t total_steps = 0;
   std::vector<int64_t> stage_end;  // cumulative steps
-  for (const Stage& s : stages) {
-    if (sft) {
-      total_steps = sft_plan.steps();
+  if (sft) {
+    total_steps = sft_plan.steps();
+    stage_end.push_back(total_steps);  // one stage: the conversations cut to max_len
+  } else {
+    for (const Stage& s : stages) {
+      if (s.seq_len > c.max_position_embeddings)
+        fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings,
+             " of ", c.source);
+      if (s.seq_len > opt.tokens_per_step)
+        fail("stage sequence length ", s.seq_len, " exceeds --tokens-per-step ", opt.tokens_per_step);
+      total_steps += std::max<int64_t>(1, s.tokens / opt.tokens_per_step);
       stage_end.push_back(total_steps);
-      break;
     }
-    if (s.seq_len > c.max_position_embeddings)
-      fail("stage sequence length ", s.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ",
-           c.source);
-    if (s.seq_len > opt.tokens_per_step)
-      fail("stage sequence length ", s.seq_len, " exceeds --tokens-per-step ", opt.tokens_per_step);
-    total_steps += std::max<int64_t>(1, s.tokens / opt.tokens_per_step);
-    stage_end.push_back(total_steps);
   }
   const int64_t warmup =
       std::min<int64_t>(total_steps - 1, int64_t(std::ceil(opt.warmup_fraction * double(total_steps))));

@@ -329,14 +329,27 @@ int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const T
   return int64_t(std::count(target.begin(), target.end(), true));
 }
 
-void check_token_masks(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained) {
-  if (!trained) return;
-  if (trained->size() != pieces.size())
-    fail("training: ", trained->size(), " trained-token masks for ", pieces.size(), " sequences");
+namespace {
+
+template <class PerToken>
+void check_per_token_t(const std::vector<std::vector<int32_t>>& pieces, const std::vector<PerToken>* per_token,
+                       const char* what) {
+  if (!per_token) return;
+  if (per_token->size() != pieces.size())
+    fail("training: ", per_token->size(), " ", what, " for ", pieces.size(), " sequences");
   for (size_t i = 0; i < pieces.size(); ++i)
-    if ((*trained)[i].size() != pieces[i].size())
-      fail("training: sequence ", i, " has ", pieces[i].size(), " tokens but its trained-token mask ",
-           (*trained)[i].size());
+    if ((*per_token)[i].size() != pieces[i].size())
+      fail("training: sequence ", i, " has ", pieces[i].size(), " tokens but ", (*per_token)[i].size(),
+           " entries in its ", what);
+}
+
+}  // namespace
+
+void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained) {
+  check_per_token_t(pieces, trained, "trained-token masks");
+}
+void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenWeights>* weights) {
+  check_per_token_t(pieces, weights, "token weights");
 }
 
 }  // namespace k3::train

@@ -68,8 +68,9 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
 // token: T - 1, less those whose next position is an input row or an untrained token.
 int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const TokenMask* trained = nullptr);
 
-// A k3::Error unless `trained` is null or holds one mask per piece, each of its piece's length.
-void check_token_masks(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained);
+// A k3::Error unless the masks (or weights) are null or hold one entry per piece, each of its piece's length.
+void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained);
+void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenWeights>* weights);
 
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);

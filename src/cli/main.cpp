@@ -22,6 +22,9 @@ int main(int argc, char** argv) {
   k3::cli::register_data(app);
   k3::cli::register_train(app);
   k3::cli::register_sft(app);
+  k3::cli::register_rl(app);
+  k3::cli::register_distill(app);
+  k3::cli::register_rl_tasks(app);
   k3::cli::register_corpus(app);
   k3::cli::register_eval(app);
   k3::cli::register_serve(app);

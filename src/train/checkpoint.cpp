@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "core/error.h"
 #include "core/json.h"
@@ -29,7 +30,34 @@ void append_doubles(std::string& out, const std::vector<double>& v) {
   out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
 }
 
+// model.safetensors: F32 copies under the release names.
+void write_f32_weights(const std::string& path, const ParamStore& P, const std::map<std::string, std::string>& meta) {
+  std::vector<std::vector<float>> f32;
+  std::vector<TensorToWrite> tensors;
+  const std::vector<std::string> names = P.names();
+  f32.reserve(names.size());
+  for (const std::string& n : names) {
+    const double* v = P.p(n);
+    f32.emplace_back(v, v + P.numel(n));
+    tensors.push_back({n, DType::F32, P.shape(n), f32.back().data()});
+  }
+  write_safetensors(path, tensors, meta);
+}
+
 }  // namespace
+
+void write_model_dir(const std::string& dir, const std::string& config_json, const ParamStore& P,
+                     const std::vector<std::string>& extra_files) {
+  const fs::path final_dir(dir), tmp = final_dir.parent_path() / (".tmp-" + final_dir.filename().string());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  write_file_atomic((tmp / "config.json").string(), config_json);
+  for (const std::string& f : extra_files)
+    write_file_atomic((tmp / fs::path(f).filename()).string(), read_file(f, "a file the model directory carries"));
+  write_f32_weights((tmp / "model.safetensors").string(), P, {{"format", "pt"}});
+  fs::remove_all(final_dir);
+  fs::rename(tmp, final_dir);
+}
 
 std::string save_checkpoint(const std::string& out_dir, int64_t step, const std::string& config_json,
                             const ParamStore& P, const TrainState& state, const std::vector<std::string>& extra_files) {
@@ -47,18 +75,9 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
   write_file_atomic((tmp / "config.json").string(), config_json);
   for (const std::string& f : extra_files)
     write_file_atomic((tmp / fs::path(f).filename()).string(), read_file(f, "a file the checkpoint carries"));
-  // model.safetensors: F32 copies under the release names.
-  std::vector<std::vector<float>> f32;
-  std::vector<TensorToWrite> tensors;
-  const std::vector<std::string> names = P.names();
-  f32.reserve(names.size());
-  for (const std::string& n : names) {
-    const double* v = P.p(n);
-    f32.emplace_back(v, v + P.numel(n));
-    tensors.push_back({n, DType::F32, P.shape(n), f32.back().data()});
-  }
-  write_safetensors((tmp / "model.safetensors").string(), tensors,
+  write_f32_weights((tmp / "model.safetensors").string(), P,
                     {{"format", "pt"}, {"k3_train_step", std::to_string(step)}});
+  const std::vector<std::string> names = P.names();
 
   // train_state.bin: magic, u64 JSON length, JSON, then the doubles in the order the JSON lists.
   nlohmann::json header = {{"meta", state.meta}, {"optimizer_size", state.optimizer.size()}};

@@ -35,6 +35,12 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
                             const ParamStore& P, const TrainState& state,
                             const std::vector<std::string>& extra_files = {});
 
+// A model directory of P's values (config.json, F32 model.safetensors, `extra_files` copied in) at `dir`, written
+// beside it and renamed into place (what stood there before is replaced): the policy an RL run's rollout engine
+// loads after each update.
+void write_model_dir(const std::string& dir, const std::string& config_json, const ParamStore& P,
+                     const std::vector<std::string>& extra_files = {});
+
 // The step directory OUT/latest names ("" when there is none).
 // The directory name of step N's checkpoint inside a run directory ("step-00000042").
 std::string step_name(int64_t step);

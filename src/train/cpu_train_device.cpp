@@ -60,6 +60,21 @@ class CpuTrainDevice final : public TrainDevice {
     return forward_losses(P_, c_, pieces, &hooks, trained);
   }
 
+  std::vector<std::vector<double>> token_logprobs(const std::vector<std::vector<int32_t>>& pieces,
+                                                  const std::vector<RouterReplay>* replay,
+                                                  std::vector<RouterReplay>* topk) override {
+    return forward_logprobs(P_, c_, pieces, router_bias_, replay, topk);
+  }
+
+  double weighted_gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>& trained,
+                            const std::vector<TokenWeights>& weights,
+                            const std::vector<RouterReplay>* replay) override {
+    P_.zero_grads();
+    return lanes_.step(
+        c_, pieces, 1.0, router_bias_,
+        [&](int64_t l, const double* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); }, &trained, &weights, replay);
+  }
+
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
     K3_CHECK(&P == &P_, "CpuTrainDevice::save_state: another parameter store");
     optimizer = optimizer_.save_state();

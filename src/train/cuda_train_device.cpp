@@ -101,6 +101,45 @@ class CudaTrainDevice final : public TrainDevice {
     });
   }
 
+  std::vector<std::vector<double>> token_logprobs(const std::vector<std::vector<int32_t>>& pieces,
+                                                  const std::vector<RouterReplay>* replay,
+                                                  std::vector<RouterReplay>* topk) override {
+    if (replay || topk) fail("router replay runs on the CPU trainer only; the GPU trainer routes every step itself");
+    std::vector<std::vector<double>> out;
+    for (const auto& [begin, end] : micro_batches(pieces, opt_.micro_batch_tokens)) {
+      const std::vector<std::vector<int32_t>> mb(pieces.begin() + std::ptrdiff_t(begin),
+                                                 pieces.begin() + std::ptrdiff_t(end));
+      std::vector<std::vector<double>> losses;
+      model_->loss(mb, false, 0.0, &hooks_, &losses);
+      for (size_t i = 0; i < mb.size(); ++i) {
+        std::vector<double> lp(mb[i].size(), 0.0);
+        for (size_t t = 1; t < lp.size(); ++t) lp[t] = -losses[i][t - 1];
+        out.push_back(std::move(lp));
+      }
+    }
+    return out;
+  }
+
+  double weighted_gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>& trained,
+                            const std::vector<TokenWeights>& weights,
+                            const std::vector<RouterReplay>* replay) override {
+    if (replay) fail("router replay runs on the CPU trainer only; the GPU trainer routes every step itself");
+    check_per_token(pieces, &trained);
+    check_per_token(pieces, &weights);
+    model_->zero_grads();
+    GpuStepHooks hooks = hooks_;
+    hooks.on_router_scores = [this](int64_t l, const float* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); };
+    double loss = 0;
+    for (const auto& [begin, end] : micro_batches(pieces, opt_.micro_batch_tokens)) {
+      const auto b = std::ptrdiff_t(begin), e = std::ptrdiff_t(end);
+      const std::vector<std::vector<int32_t>> mb(pieces.begin() + b, pieces.begin() + e);
+      const std::vector<TokenMask> mt(trained.begin() + b, trained.begin() + e);
+      const std::vector<TokenWeights> mw(weights.begin() + b, weights.begin() + e);
+      loss += model_->loss(mb, true, 1.0, &hooks, nullptr, nullptr, &mt, &mw);
+    }
+    return loss;
+  }
+
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
     K3_CHECK(&P == &P_, "CudaTrainDevice::save_state: another parameter store");
     model_->download_values(P);

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/loss/cross_entropy.h"
 #include "model/training/ffn_block.h"
 
 namespace k3::train {
@@ -57,8 +58,12 @@ GradLanes::GradLanes(ParamStore& P, int64_t lanes) : P_(P) {
 double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>>& pieces, double grad_scale,
                        const std::function<const double*(int64_t layer)>& router_bias,
                        const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores,
-                       const std::vector<TokenMask>* trained) {
+                       const std::vector<TokenMask>* trained, const std::vector<TokenWeights>* weights,
+                       const std::vector<RouterReplay>* replay) {
   check_per_token(pieces, trained);
+  check_per_token(pieces, weights);
+  if (replay && replay->size() != pieces.size())
+    fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
   const int64_t n = int64_t(pieces.size()), nl = lanes();
   const std::vector<int64_t> lane_of = assign_lanes(pieces, nl);
   std::vector<std::vector<size_t>> work(static_cast<size_t>(nl));
@@ -83,7 +88,9 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
       h.router_bias = router_bias;
       if (on_router_scores)
         h.on_moe = [&scores, i](int64_t layer, const MoeTape& t) { scores[i].push_back({layer, t.N, t.scores}); };
-      loss[i] = sequence_loss(G, c, pieces[i], {}, true, grad_scale, nullptr, &h, trained ? &(*trained)[i] : nullptr);
+      if (replay) h.router_replay = replay_hook((*replay)[i], c, int64_t(pieces[i].size()));
+      loss[i] = sequence_loss(G, c, pieces[i], {}, true, grad_scale, nullptr, &h, trained ? &(*trained)[i] : nullptr,
+                              weights ? &(*weights)[i] : nullptr);
     }
   });
 
@@ -113,6 +120,31 @@ double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::v
   double sum = 0.0;
   for (double l : loss) sum += l;
   return sum;
+}
+
+std::vector<std::vector<double>> forward_logprobs(ParamStore& P, const K3Config& c,
+                                                  const std::vector<std::vector<int32_t>>& pieces,
+                                                  const std::function<const double*(int64_t layer)>& router_bias,
+                                                  const std::vector<RouterReplay>* replay,
+                                                  std::vector<RouterReplay>* topk) {
+  if (replay && replay->size() != pieces.size())
+    fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
+  const int64_t n = int64_t(pieces.size()), V = c.vocab_size;
+  std::vector<std::vector<double>> out(pieces.size());
+  if (topk) topk->assign(pieces.size(), RouterReplay(size_t(c.num_hidden_layers)));
+  parallel_for_rethrow(n, [&](int64_t i) {
+    const std::vector<int32_t>& ids = pieces[size_t(i)];
+    TrainHooks h;
+    h.router_bias = router_bias;
+    if (replay) h.router_replay = replay_hook((*replay)[size_t(i)], c, int64_t(ids.size()));
+    if (topk) h.on_moe = [&, i](int64_t layer, const MoeTape& t) { (*topk)[size_t(i)][size_t(layer)] = t.topk; };
+    std::vector<double> logits;
+    sequence_loss(P, c, ids, {}, false, 0.0, &logits, &h);
+    std::vector<double>& lp = out[size_t(i)];
+    lp.assign(ids.size(), 0.0);
+    for (size_t t = 1; t < ids.size(); ++t) lp[t] = log_softmax_at(&logits[(t - 1) * size_t(V)], V, ids[t]);
+  });
+  return out;
 }
 
 }  // namespace k3::train

@@ -43,11 +43,13 @@ class GradLanes {
   // Σ over pieces of sequence_loss(piece), with grad_scale * its gradient ADDED to P's gradient
   // buffer (backward = true). `router_bias` as in TrainHooks; `on_router_scores(layer, scores, N)`
   // receives every MoE layer's unbiased scores [N, E], piece by piece in order, after the pieces ran.
-  // `trained` (optional): each piece's trained tokens (model_train.h).
+  // `trained`, `weights`, `replay` (optional): each piece's trained tokens, their weights and its routing
+  // (model_train.h).
   double step(const K3Config& c, const std::vector<std::vector<int32_t>>& pieces, double grad_scale,
               const std::function<const double*(int64_t layer)>& router_bias,
               const std::function<void(int64_t layer, const double* scores, int64_t N)>& on_router_scores,
-              const std::vector<TokenMask>* trained = nullptr);
+              const std::vector<TokenMask>* trained = nullptr, const std::vector<TokenWeights>* weights = nullptr,
+              const std::vector<RouterReplay>* replay = nullptr);
 
  private:
   ParamStore& P_;
@@ -58,5 +60,15 @@ class GradLanes {
 // single-threaded; the sum is taken in piece order, so it does not depend on the thread count. `hooks` may only read (no on_moe).
 double forward_losses(ParamStore& P, const K3Config& c, const std::vector<std::vector<int32_t>>& pieces,
                       const TrainHooks* hooks, const std::vector<TokenMask>* trained = nullptr);
+
+// log π(ids[t]) of every token after the first of each piece ([T] per piece, entry 0 is 0), pieces side by side as
+// forward_losses runs them. `router_bias` as in TrainHooks; `replay` (optional): each piece's routing. `topk`
+// (optional) receives each piece's own selection per MoE layer ([T, K], RouterReplay's layout), to compare with
+// a recorded routing.
+std::vector<std::vector<double>> forward_logprobs(ParamStore& P, const K3Config& c,
+                                                  const std::vector<std::vector<int32_t>>& pieces,
+                                                  const std::function<const double*(int64_t layer)>& router_bias,
+                                                  const std::vector<RouterReplay>* replay = nullptr,
+                                                  std::vector<RouterReplay>* topk = nullptr);
 
 }  // namespace k3::train

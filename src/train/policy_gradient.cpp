@@ -17,6 +17,18 @@ std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::
   return logp;
 }
 
+PolicyTokenTerm policy_token_term(double logp, double behaviour_logp, double reference_logp, double a,
+                                  const PolicyLossOptions& o) {
+  PolicyTokenTerm r;
+  r.ratio = std::exp(logp - behaviour_logp);
+  const double clipped_ratio = std::clamp(r.ratio, 1.0 - o.clip_eps, 1.0 + o.clip_eps);
+  r.clipped = clipped_ratio * a < r.ratio * a;  // the min takes the clipped term, which is flat
+  const double delta = o.kl_coef > 0 ? logp - reference_logp : 0.0;
+  r.loss = -std::min(r.ratio * a, clipped_ratio * a) + 0.5 * o.kl_coef * delta * delta;
+  r.weight = (r.clipped ? 0.0 : a * r.ratio) - o.kl_coef * delta;
+  return r;
+}
+
 PolicyLoss policy_loss(ParamStore& P, const K3Config& c, const std::vector<PolicySample>& batch,
                        const PolicyLossOptions& o, bool backward) {
   if (!(o.clip_eps >= 0.0 && o.clip_eps < 1.0)) fail("policy loss: clip ε must be in [0, 1), got ", o.clip_eps);
@@ -42,15 +54,13 @@ PolicyLoss policy_loss(ParamStore& P, const K3Config& c, const std::vector<Polic
     TokenWeights w(s.ids.size(), 0.0);
     for (size_t t = 1; t < s.ids.size(); ++t) {
       if (!s.sampled[t]) continue;
-      const double log_ratio = logp[t] - s.behaviour_logp[t], ratio = std::exp(log_ratio), a = s.advantage[t];
-      const double clipped_ratio = std::clamp(ratio, 1.0 - o.clip_eps, 1.0 + o.clip_eps);
-      const bool clipped = clipped_ratio * a < ratio * a;  // the min takes the clipped term, which is flat
-      const double delta = o.kl_coef > 0 ? logp[t] - s.reference_logp[t] : 0.0;
-      r.loss += (-std::min(ratio * a, clipped_ratio * a) + 0.5 * o.kl_coef * delta * delta) * inv_n;
-      w[t] = ((clipped ? 0.0 : a * ratio) - o.kl_coef * delta) * inv_n;
-      r.clipped += clipped;
-      r.mean_ratio += ratio * inv_n;
-      r.max_abs_log_ratio = std::max(r.max_abs_log_ratio, std::abs(log_ratio));
+      const PolicyTokenTerm term =
+          policy_token_term(logp[t], s.behaviour_logp[t], o.kl_coef > 0 ? s.reference_logp[t] : 0.0, s.advantage[t], o);
+      r.loss += term.loss * inv_n;
+      w[t] = term.weight * inv_n;
+      r.clipped += term.clipped;
+      r.mean_ratio += term.ratio * inv_n;
+      r.max_abs_log_ratio = std::max(r.max_abs_log_ratio, std::abs(logp[t] - s.behaviour_logp[t]));
     }
     if (backward) sequence_loss(P, c, s.ids, {}, true, 1.0, nullptr, nullptr, &s.sampled, &w);
   }

@@ -47,6 +47,15 @@ struct PolicyLoss {
   double max_abs_log_ratio = 0.0;  // max |log π_θ − log π_old|: the trainer against the sampler
 };
 
+// One sampled token's share of L and of its gradient's coefficient, before the 1/N: its loss term, the weight of
+// its cross-entropy's gradient (∇L's coefficient above), whether it is clipped, and r_t.
+struct PolicyTokenTerm {
+  double loss = 0.0, weight = 0.0, ratio = 1.0;
+  bool clipped = false;
+};
+PolicyTokenTerm policy_token_term(double logp, double behaviour_logp, double reference_logp, double advantage,
+                                  const PolicyLossOptions& options);
+
 // log π_θ(ids[t]) of every token after the first (position t − 1 predicting token t); [T], entry 0 is 0.
 std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids);
 

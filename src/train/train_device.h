@@ -42,6 +42,18 @@ class TrainDevice {
   virtual double forward_loss(const std::vector<std::vector<int32_t>>& pieces,
                               const std::vector<TokenMask>* trained) = 0;
 
+  // Policy-gradient steps (`k3 rl`, train/policy_gradient.h). log π(ids[t]) of every token after the first of each
+  // piece ([T] per piece, entry 0 is 0) with the current parameters and biases; nothing balanced. `replay`
+  // (optional): each piece's routing (router replay); `topk` (optional) receives each piece's own routing. The GPU
+  // trainer takes neither (a k3::Error says so).
+  virtual std::vector<std::vector<double>> token_logprobs(const std::vector<std::vector<int32_t>>& pieces,
+                                                          const std::vector<RouterReplay>* replay,
+                                                          std::vector<RouterReplay>* topk) = 0;
+  // gradients() of the weighted loss Σ_t weights[t] · (−log π(ids[t])) over each piece's trained tokens.
+  virtual double weighted_gradients(const std::vector<std::vector<int32_t>>& pieces,
+                                    const std::vector<TokenMask>& trained, const std::vector<TokenWeights>& weights,
+                                    const std::vector<RouterReplay>* replay) = 0;
+
   // Checkpoints: the values (and each balancer's bias, as e_score_correction_bias) into P, the
   // optimizer state in the CPU optimizer's format, the balancers' JSON by layer.
   virtual void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) = 0;

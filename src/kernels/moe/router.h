@@ -25,7 +25,9 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
 // Float64, for training: the same routing with the sigmoid scores [N, E] and, per token, the sum of
 // the selected scores (sel_sum [N], optional: the renormalisation's denominator, for the backward).
 // Scores are computed with a stable sigmoid in double; the selection and tie rules are the fp32 one's.
+// forced (optional) [N, K]: the experts to use instead of selecting them (router replay: RL trains on the routing
+// its rollouts took); the weights are then those experts' renormalised scores, as if they had been selected.
 void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,
-                    const double* bias, int64_t N, const RouterParams& p);
+                    const double* bias, int64_t N, const RouterParams& p, const int32_t* forced = nullptr);
 
 }  // namespace k3::moe

@@ -82,7 +82,7 @@ void router_forward(int32_t* idx, float* weight, float* scores_out, const float*
 }
 
 void router_forward(int32_t* idx, double* weight, double* scores, double* sel_sum, const double* logits,
-                    const double* bias, int64_t N, const RouterParams& p) {
+                    const double* bias, int64_t N, const RouterParams& p, const int32_t* forced) {
   const int64_t E = p.num_experts, K = p.top_k, G = p.num_groups;
   K3_CHECK(K >= 1 && K <= E, "router: top-k ", K, " must be in 1..num_experts (", E, ")");
   K3_CHECK(G >= 1 && E % G == 0, "router: num_expert_group ", G, " must divide num_experts ", E);
@@ -94,7 +94,15 @@ void router_forward(int32_t* idx, double* weight, double* scores, double* sel_su
       s[e] = sigmoid_stable(logits[n * E + e]);
       sel[size_t(e)] = s[e] + (bias ? bias[e] : 0.0);  // the bias steers selection only
     }
-    select_experts(order, sel, gscore, gorder, p);
+    if (forced) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = forced[n * K + k];
+        K3_CHECK(e >= 0 && e < E, "router replay: expert ", e, " of row ", n, " is not in 0..", E - 1);
+        order[size_t(k)] = e;
+      }
+    } else {
+      select_experts(order, sel, gscore, gorder, p);
+    }
     double sum = 0.0;
     for (int64_t k = 0; k < K; ++k) sum += s[order[size_t(k)]];
     if (sel_sum) sel_sum[n] = sum;

@@ -123,7 +123,8 @@ void dense_ffn_backward(ParamStore& P, const std::string& prefix, const K3Config
 }
 
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t /*layer*/,
-                     const double* x, int64_t N, double* y, MoeTape* tape, const double* router_bias) {
+                     const double* x, int64_t N, double* y, MoeTape* tape, const double* router_bias,
+                     const int32_t* forced_topk) {
   const int64_t D = c.hidden_size, E = c.num_experts, K = c.num_experts_per_token, L = c.routed_expert_hidden_size;
   if (E <= 0) fail(c.source, ": moe_ffn_forward needs num_experts > 0");
 
@@ -145,7 +146,7 @@ void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Con
   t.weight.resize(static_cast<size_t>(N * K));
   t.sel_sum.resize(static_cast<size_t>(N));
   moe::router_forward(t.topk.data(), t.weight.data(), t.scores.data(), t.sel_sum.data(), logits.data(), router_bias, N,
-                      router_params(c));
+                      router_params(c), forced_topk);
 
   // 2. Latent down-projection z = W↓ x̂.
   t.z.resize(static_cast<size_t>(N * L));

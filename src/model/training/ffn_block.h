@@ -65,8 +65,10 @@ struct MoeTape {
 
 // router_bias [E]: the selection-only bias (never in the weights, never trained); null = zeros.
 // The caller passes P.p(tensor_name_at(prefix, TensorKind::MoeRouterBias)) or its own.
+// forced_topk (optional) [N, K]: the experts each row uses instead of the router's selection (router replay).
 void moe_ffn_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer, const double* x,
-                     int64_t N, double* y, MoeTape* tape, const double* router_bias);
+                     int64_t N, double* y, MoeTape* tape, const double* router_bias,
+                     const int32_t* forced_topk = nullptr);
 // The router weight gets its gradient through the unbiased scores of the selected experts (via the
 // renormalisation and the sigmoid); selection is piecewise constant (no gradient). Experts that no
 // row selected get no gradient. dx [N, hidden] overwritten.

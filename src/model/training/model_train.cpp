@@ -16,6 +16,18 @@
 
 namespace k3::train {
 
+std::function<const int32_t*(int64_t layer)> replay_hook(const RouterReplay& r, const K3Config& c, int64_t T) {
+  if (int64_t(r.size()) != c.num_hidden_layers)
+    fail("router replay: ", r.size(), " layers recorded for a model of ", c.num_hidden_layers);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const size_t want = c.is_moe_layer(l) ? size_t(T * c.num_experts_per_token) : 0;
+    if (r[size_t(l)].size() != want)
+      fail("router replay: layer ", l, " holds ", r[size_t(l)].size(), " experts, expected ", want, " (", T,
+           " positions)");
+  }
+  return [&r](int64_t l) { return r[size_t(l)].data(); };
+}
+
 std::vector<std::string> trainable_names(const ParamStore& P) {
   std::vector<std::string> out;
   for (const std::string& n : P.names()) {
@@ -151,7 +163,8 @@ class TrainBackend {
       const double* bias = hooks_ && hooks_->router_bias ? hooks_->router_bias(l)
                            : P_.has(bias_name)           ? P_.p(bias_name)
                                                          : nullptr;
-      moe_ffn_forward(P_, p, c_, l, L.ffn_in.xn.data(), T_, out_.data(), L.moe_tape.get(), bias);
+      const int32_t* forced = hooks_ && hooks_->router_replay ? hooks_->router_replay(l) : nullptr;
+      moe_ffn_forward(P_, p, c_, l, L.ffn_in.xn.data(), T_, out_.data(), L.moe_tape.get(), bias, forced);
       if (hooks_ && hooks_->on_moe) hooks_->on_moe(l, *L.moe_tape);
     } else {
       L.dense_tape = std::make_unique<GluTape>();

@@ -24,6 +24,10 @@ struct TrainHooks {
   std::function<void(int64_t layer, const MoeTape& tape)> on_moe;
   // The selection-only router bias of a layer ([E]); default: the model's e_score_correction_bias.
   std::function<const double*(int64_t layer)> router_bias;
+  // Router replay: the experts each position of MoE layer `layer` uses, [T, K] in selection order, instead of
+  // the router's own selection (null, or no function: the router selects). RL trains on the routing its rollouts
+  // took (train/episode.h, RouterReplay).
+  std::function<const int32_t*(int64_t layer)> router_replay;
   // Block outputs as they are computed ("attn_out" / "ffn_out", the fixture's names), [T, hidden].
   std::function<void(const char* name, int64_t layer, const double* data, int64_t rows, int64_t cols)> tensor;
 };
@@ -71,6 +75,11 @@ int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const T
 // A k3::Error unless the masks (or weights) are null or hold one entry per piece, each of its piece's length.
 void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>* trained);
 void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenWeights>* weights);
+
+// The routing a sequence took, for router replay: per layer, [T, K] experts of each position in selection order
+// (empty for a dense layer). A k3::Error from replay_hook when a MoE layer's entry is not T × K.
+using RouterReplay = std::vector<std::vector<int32_t>>;
+std::function<const int32_t*(int64_t layer)> replay_hook(const RouterReplay& r, const K3Config& c, int64_t T);
 
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);

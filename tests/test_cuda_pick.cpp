@@ -23,6 +23,7 @@ using k3::sample::cuda::PickRow;
 
 struct Picked {
   std::vector<int32_t> ids, bad;
+  std::vector<double> logprob;
 };
 
 Picked pick_on_gpu(const std::vector<float>& logits, int64_t V, const std::vector<PickRow>& rows) {
@@ -30,10 +31,14 @@ Picked pick_on_gpu(const std::vector<float>& logits, int64_t V, const std::vecto
   k3::cuda::DeviceBuffer<float> l(logits.data(), logits.size());
   k3::cuda::DeviceBuffer<uint8_t> r(reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * sizeof(PickRow));
   k3::cuda::DeviceBuffer<int32_t> out(size_t(2 * B));
-  k3::sample::cuda::pick_tokens(l.data(), B, V, reinterpret_cast<const PickRow*>(r.data()), out.data(), out.data() + B);
+  k3::cuda::DeviceBuffer<double> lp(static_cast<size_t>(B));
+  k3::sample::cuda::pick_tokens(l.data(), B, V, reinterpret_cast<const PickRow*>(r.data()), out.data(), out.data() + B,
+                                lp.data());
   std::vector<int32_t> h(size_t(2 * B));
   out.download(h.data(), h.size());
-  return {std::vector<int32_t>(h.begin(), h.begin() + B), std::vector<int32_t>(h.begin() + B, h.end())};
+  std::vector<double> hl(static_cast<size_t>(B));
+  lp.download(hl.data(), hl.size());
+  return {std::vector<int32_t>(h.begin(), h.begin() + B), std::vector<int32_t>(h.begin() + B, h.end()), hl};
 }
 
 // Whether u's target lies within a relative 1e-9 of a boundary of the host's running sum (or of its end).
@@ -87,8 +92,13 @@ TEST(CudaPick, GreedyAndTemperatureFollowTheHostRule) {
       p.pick = true, p.greedy = rows[i].mode == 1, p.temperature = rows[i].temperature, p.uniform = rows[i].uniform;
       if (!p.greedy && near_boundary(l, V, p.temperature, p.uniform)) continue;
       ++compared;
+      p.want_logprob = !p.greedy;
       const k3::PickResult want = k3::pick_on_host(std::vector<float>(l, l + V), p);
       EXPECT_EQ(got.ids[i], want.id) << "V " << V << " row " << i << (p.greedy ? " greedy" : " temperature");
+      // The sampled id's log-probability (an RL rollout's behaviour log-probability): the host's, up to the order
+      // of the double sums.
+      if (p.greedy) EXPECT_TRUE(std::isnan(got.logprob[i])) << "row " << i;
+      else EXPECT_NEAR(got.logprob[i], want.logprob, 1e-12 * (1.0 + std::abs(want.logprob))) << "row " << i;
     }
     EXPECT_GE(compared, 20) << "V " << V;
   }

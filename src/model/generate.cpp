@@ -1,5 +1,7 @@
 #include "model/generate.h"
 
+#include "kernels/loss/cross_entropy.h"
+
 #include <chrono>
 
 #include "core/error.h"
@@ -16,6 +18,7 @@ PickResult pick_on_host(std::vector<float> logits, const TokenPick& pick) {
     } else {
       std::vector<double> prob;
       r.id = sample_temperature(logits.data(), V, pick.temperature, pick.uniform, prob);
+      if (pick.want_logprob) r.logprob = log_softmax_at(logits.data(), V, r.id, pick.temperature);
     }
   }
   if (pick.want_logits) r.logits = std::move(logits);

@@ -30,12 +30,16 @@ struct TokenPick {
   float temperature = 1.0f;  // > 0 (sampling)
   double uniform = 0.0;      // the draw in [0, 1) (sampling)
   bool want_logits = false;  // the last logits [V] come back too
+  // Sampling only: the log-probability of the id under softmax(logits / temperature) comes back too (an RL
+  // rollout's behaviour log-probability, without the logits leaving the device).
+  bool want_logprob = false;
   static TokenPick logits() { return TokenPick{false, true, 1.0f, 0.0, true}; }
   static TokenPick none() { return TokenPick{false, true, 1.0f, 0.0, false}; }  // a prompt chunk's middle
 };
 struct PickResult {
   int32_t id = -1;            // when pick
   std::vector<float> logits;  // when want_logits
+  double logprob = 0.0;       // when want_logprob
 };
 // append(tokens, pick): appends tokens to the one sequence being generated and returns what `pick` asks of its
 // last token.

@@ -191,7 +191,7 @@ RolloutStats run_episodes(Engine& engine, const Tokenizer& tok, Environment& env
   if (o.max_turns < 1) fail("episodes: max turns must be at least 1, got ", o.max_turns);
   if (!(o.temperature > 0.0f)) fail("episodes: the temperature must be > 0, got ", o.temperature);
   const K3Config& c = engine.config();
-  const int64_t V = c.vocab_size, K = c.num_experts_per_token;
+  const int64_t K = c.num_experts_per_token;
   const int64_t max_context = o.max_context > 0 ? o.max_context : c.max_position_embeddings;
   const int32_t end_of_msg = tok.special_id(K3Special::kEndOfMsg), eos = tok.special_id(K3Special::kEos);
   const auto t0 = std::chrono::steady_clock::now();
@@ -211,7 +211,6 @@ RolloutStats run_episodes(Engine& engine, const Tokenizer& tok, Environment& env
   for (Episode* e : live)
     if (o.record_routing) e->routing.assign(size_t(c.num_hidden_layers), {});  // recorded afresh under this policy
 
-  std::vector<double> prob;
   while (done_count() < stop_after_done) {
     std::vector<size_t> active;
     for (size_t i = 0; i < live.size(); ++i)
@@ -237,18 +236,24 @@ RolloutStats run_episodes(Engine& engine, const Tokenizer& tok, Environment& env
           row += n;
         }
       };
-    const std::vector<float> logits = engine.forward(batch, tokens, false, o.record_routing ? &hooks : nullptr);
+    // The engine picks each id (on the GPU without the logits leaving it) with the episode's own draw, and gives
+    // its log-probability under softmax(logits / T).
+    std::vector<TokenPick> picks;
+    for (size_t i : active) {
+      TokenPick p;
+      p.pick = true, p.greedy = o.greedy, p.temperature = o.temperature, p.want_logprob = !o.greedy;
+      p.uniform = o.greedy ? 0.0 : episode_uniform(live[i]->seed, int64_t(live[i]->ids.size()));
+      picks.push_back(p);
+    }
+    const std::vector<PickResult> picked =
+        engine.forward_pick(batch, tokens, picks, o.record_routing ? &hooks : nullptr);
     ++stats.engine_calls;
     for (size_t b = 0; b < active.size(); ++b) {
       const size_t i = active[b];
       Episode& e = *live[i];
       fed[i] = int64_t(e.ids.size());
-      const float* l = &logits[b * size_t(V)];
-      check_sampleable(l, V);
-      const int64_t t = int64_t(e.ids.size());
-      const int32_t id =
-          o.greedy ? argmax(l, V) : sample_temperature(l, V, o.temperature, episode_uniform(e.seed, t), prob);
-      append(e, {id}, true, log_softmax_at(l, V, id, o.temperature), policy_version);
+      const int32_t id = picked[b].id;
+      append(e, {id}, true, picked[b].logprob, policy_version);
       ++stats.sampled;
       if (id == end_of_msg || id == eos) {
         end_turn(e, tok, env, o, stats);

@@ -203,6 +203,11 @@ RlResult run_rl(const RlOptions& o) {
     OptimizerState os;
     nlohmann::json bj;
     device->save_state(P, os, bj);  // the values (and the routers' biases) into P
+    // The sampler runs fp32 weights. The CPU trainer's float64 parameters are rounded to them, so that it computes
+    // with exactly the policy that sampled (its update and optimizer state stay float64); the GPU trainer's
+    // master weights are fp32 already.
+    if (!o.gpu)
+      for (double& v : P.values()) v = double(float(v));
     write_model_dir(policy_dir, config_text, P, tokenizer_files);
     engine.reset();
     engine = Engine::load(policy_dir, o.rollout);

@@ -43,8 +43,9 @@ __device__ __forceinline__ double warp_inclusive_sum(double x, int lane) {
   return x;
 }
 
-__global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict__ logits, int64_t V,
-                                                        const PickRow* __restrict__ rows, int32_t* ids, int32_t* bad) {
+__global__ void __launch_bounds__(kThreads)
+    pick_kernel(const float* __restrict__ logits, int64_t V, const PickRow* __restrict__ rows, int32_t* ids,
+                int32_t* bad, double* logprob) {
   pdl::wait_then_release();
   using Reduce = cub::BlockReduce<Best, kThreads>;
   using ReduceInt = cub::BlockReduce<int, kThreads>;
@@ -82,10 +83,12 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict_
   __syncthreads();
   if (row.mode == 0 || s_bad) {
     if (tid == 0) ids[r] = -1, bad[r] = s_bad;
+    if (tid == 0 && logprob) logprob[r] = __longlong_as_double(0x7ff8000000000000LL);
     return;
   }
   if (row.mode == 1) {
     if (tid == 0) ids[r] = s_best.id, bad[r] = 0;
+    if (tid == 0 && logprob) logprob[r] = __longlong_as_double(0x7ff8000000000000LL);
     return;
   }
 
@@ -128,15 +131,20 @@ __global__ void __launch_bounds__(kThreads) pick_kernel(const float* __restrict_
     }
   }
   __syncthreads();
-  if (tid == 0) ids[r] = s_pick != INT32_MAX ? s_pick : s_last, bad[r] = 0;
+  if (tid == 0) {
+    const int id = s_pick != INT32_MAX ? s_pick : s_last;
+    ids[r] = id, bad[r] = 0;
+    if (logprob) logprob[r] = (double(l[id]) - mx) * inv_t - log(s_total);
+  }
 }
 
 }  // namespace
 
-void pick_tokens(const float* logits, int64_t B, int64_t V, const PickRow* rows, int32_t* ids, int32_t* bad) {
+void pick_tokens(const float* logits, int64_t B, int64_t V, const PickRow* rows, int32_t* ids, int32_t* bad,
+                 double* logprob) {
   K3_CHECK(B >= 0 && B <= 2147483647 && V >= 1 && V <= 2147483647, "pick_tokens (cuda): bad shape B=", B, " V=", V);
   if (B == 0) return;
-  pdl::launch(pick_kernel, unsigned(B), kThreads, 0, logits, V, rows, ids, bad);
+  pdl::launch(pick_kernel, unsigned(B), kThreads, 0, logits, V, rows, ids, bad, logprob);
   K3_CUDA_LAUNCH_CHECK();
 }
 

@@ -25,7 +25,9 @@ struct PickRow {
 };
 
 // For each row r < B of logits [B, V]: ids[r] the pick (-1 for mode 0 or a bad row), bad[r] 1 when the row holds
-// NaN or +inf or only -inf, else 0. rows: [B] PickRow.
-void pick_tokens(const float* logits, int64_t B, int64_t V, const PickRow* rows, int32_t* ids, int32_t* bad);
+// NaN or +inf or only -inf, else 0. rows: [B] PickRow. logprob (optional) [B]: for a temperature row, the picked
+// id's log-probability (l_id − max) / T − log Σ exp((l_v − max) / T) from the same double sums; NaN otherwise.
+void pick_tokens(const float* logits, int64_t B, int64_t V, const PickRow* rows, int32_t* ids, int32_t* bad,
+                 double* logprob = nullptr);
 
 }  // namespace k3::sample::cuda

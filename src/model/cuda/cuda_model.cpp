@@ -513,17 +513,27 @@ std::vector<PickResult> CudaModel::forward_pick(const std::vector<CudaSequenceCa
     rows[b] = sample::cuda::PickRow{p.greedy ? 1 : 2, p.temperature, p.uniform};
   }
   std::vector<PickResult> res;
-  if (!hooks && impl_->pick_by_graph(*this, caches, tokens, picks, rows, res)) return res;
+  bool logprobs = false;  // the decode graphs keep no log-probabilities: such steps run outside them
+  for (const TokenPick& p : picks) logprobs = logprobs || (p.pick && !p.greedy && p.want_logprob);
+  if (!hooks && !logprobs && impl_->pick_by_graph(*this, caches, tokens, picks, rows, res)) return res;
   const bool fresh = all_fresh(caches);
   const float* dev = impl_->forward_dev(caches, tokens, false, hooks);
   gpu::DeviceArena& arena = impl_->arena;
   auto* rows_dev = static_cast<sample::cuda::PickRow*>(arena.take_bytes(rows.size() * sizeof(rows[0])));
   cuda::copy_to_device(rows_dev, rows.data(), rows.size() * sizeof(rows[0]));
   int32_t* out_dev = arena.take<int32_t>(2 * B);  // ids [B], bad [B]
-  sample::cuda::pick_tokens(dev, B, V, rows_dev, out_dev, out_dev + B);
+  double* logp_dev = logprobs ? arena.take<double>(B) : nullptr;
+  sample::cuda::pick_tokens(dev, B, V, rows_dev, out_dev, out_dev + B, logp_dev);
   std::vector<int32_t> out(size_t(2 * B));
   cuda::copy_to_host(out.data(), out_dev, out.size() * 4);
-  return impl_->pick_results(*this, caches, tokens, picks, dev, out.data(), out.data() + B, fresh);
+  res = impl_->pick_results(*this, caches, tokens, picks, dev, out.data(), out.data() + B, fresh);
+  if (logprobs) {
+    std::vector<double> lp(static_cast<size_t>(B));
+    cuda::copy_to_host(lp.data(), logp_dev, lp.size() * sizeof(double));
+    for (size_t b = 0; b < res.size(); ++b)
+      if (picks[b].want_logprob) res[b].logprob = lp[b];
+  }
+  return res;
 }
 
 std::vector<PickResult> CudaModel::Impl::pick_results(CudaModel& m, const std::vector<CudaSequenceCache*>& caches,

@@ -15,6 +15,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "eval/plots.h"
 #include "model/init_random.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
@@ -216,6 +217,13 @@ TEST(RlLoop, TrainerLogprobsAreTheSamplersWithRouterReplay) {
   run_rl(o);
   const auto recs = records(o.out_dir);
   ASSERT_EQ(recs.size(), 2u);
+  // The plots' data (`k3 rl` draws them at the end): one line per iteration.
+  eval::write_rl_plots(o.out_dir, o.out_dir + "/metrics.jsonl", "");
+  std::ifstream dat(o.out_dir + "/plot-data/rl.dat");
+  int lines = 0;
+  for (std::string line; std::getline(dat, line);) lines += !line.empty() && line[0] != '#';
+  EXPECT_EQ(lines, 2);
+  EXPECT_TRUE(std::filesystem::exists(o.out_dir + "/plot-data/rl_mismatch.gp"));
   for (const auto& r : recs) {
     std::printf(
         "router replay, iteration %d: trainer against sampler, max |Δ log p| %.3g (mean %.3g) over %d "

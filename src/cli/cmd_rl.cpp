@@ -6,6 +6,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "eval/plots.h"
 #include "io/output_file.h"
 #include "model/cuda/cuda_model.h"
 #include "train/environment.h"
@@ -97,12 +98,16 @@ struct RlFlags {
   }
 };
 
-void print_result(const train::RlResult& r) {
+void print_result(const train::RlResult& r, const std::string& out_dir) {
   std::printf("%lld iterations (%lld in this run); checkpoint %s\n", (long long)r.iterations,
               (long long)r.iterations_run, r.last_checkpoint.c_str());
   if (r.last_eval_success >= 0)
     std::printf("held-out success %.3f (first evaluation %.3f), %.1f tokens per episode\n", r.last_eval_success,
                 r.first_eval_success, r.last_eval_tokens);
+  const std::string metrics = (std::filesystem::path(out_dir) / "metrics.jsonl").string();
+  for (const eval::PlotResult& p : eval::write_rl_plots(out_dir, metrics, eval::find_gnuplot()))
+    if (p.drawn) std::printf("plot %s\n", p.png.c_str());
+    else std::printf("plot %s not drawn: %s\n", p.name.c_str(), p.note.c_str());
 }
 
 }  // namespace
@@ -127,7 +132,7 @@ void register_rl(CLI::App& app) {
     f.finish();
     train::RlOptions& t = *f.o;
     if (!f.tau->empty()) t.effort_tau_start = f.tau->front(), t.effort_tau_end = f.tau->back();
-    print_result(train::run_rl(t));
+    print_result(train::run_rl(t), t.out_dir);
   });
 }
 
@@ -144,7 +149,7 @@ void register_distill(CLI::App& app) {
   sub->add_option("--teacher-clip", f.o->teacher_clip, "R_max")->capture_default_str();
   sub->callback([f] {
     f.finish();
-    print_result(train::run_rl(*f.o));
+    print_result(train::run_rl(*f.o), f.o->out_dir);
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/file.h"
+#include "io/jsonl.h"
 #include "io/output_file.h"
 
 namespace k3::eval {
@@ -335,6 +336,58 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
     g << "\n";
     w.emit("expert_load", {{"expert_load.dat", d.str()}}, g.str());
   }
+  return w.results;
+}
+
+std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::string& metrics_path,
+                                       const std::string& gnuplot) {
+  Writer w;
+  w.out_dir = out_dir;
+  w.data_dir = (fs::path(out_dir) / "plot-data").string();
+  w.gnuplot = gnuplot;
+  fs::create_directories(w.data_dir);
+  std::ostringstream it, ev;
+  it << "# iteration reward success tokens_per_episode effort_violations logprob_mismatch_max logprob_mismatch_mean "
+        "kl\n";
+  ev << "# iteration eval_success eval_tokens\n";
+  int64_t n = 0;
+  for (const JsonlRecord& r : read_jsonl(metrics_path, "RL metrics", InputRole::kOwnState).records) {
+    const nlohmann::json& j = r.value;
+    auto get = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
+    if (j.contains("eval_success")) {
+      ev << num(get("iteration")) << ' ' << num(get("eval_success")) << ' ' << num(get("eval_tokens")) << '\n';
+    } else if (j.contains("reward")) {
+      ++n;
+      it << num(get("iteration")) << ' ' << num(get("reward")) << ' ' << num(get("success")) << ' '
+         << num(get("tokens_per_episode")) << ' ' << num(get("effort_violations")) << ' '
+         << num(get("logprob_mismatch_max")) << ' ' << num(get("logprob_mismatch_mean")) << ' ' << num(get("kl"))
+         << '\n';
+    }
+  }
+  if (n == 0) {
+    for (const char* p : {"rl_reward", "rl_length", "rl_mismatch"}) w.skip(p, metrics_path + " has no iterations");
+    return w.results;
+  }
+  const std::vector<std::pair<std::string, std::string>> data = {{"rl.dat", it.str()}, {"rl_eval.dat", ev.str()}};
+  const std::string head = "set xlabel 'iteration'\nset grid\nset key below\nset datafile missing 'NaN'\n";
+  w.emit("rl_reward", data,
+         head + "set title 'Reward: " + metrics_path + "'\nset ylabel 'per episode'\n" +
+             "plot 'rl.dat' using 1:2 with lines lw 2 lc rgb '#1f77b4' title 'mean reward', \\\n"
+             "  'rl.dat' using 1:3 with lines lw 2 lc rgb '#2ca02c' title 'success (sampled)', \\\n"
+             "  'rl_eval.dat' using 1:2 with linespoints pt 7 ps 1.4 lc rgb '#d62728' title 'held-out success "
+             "(greedy)'\n");
+  w.emit("rl_length", data,
+         head + "set title 'Length: " + metrics_path + "'\nset ylabel 'tokens per episode'\n" +
+             "set y2label 'episodes over the effort budget'\nset y2tics\nset ytics nomirror\n"
+             "plot 'rl.dat' using 1:4 with lines lw 2 lc rgb '#1f77b4' title 'tokens per episode', \\\n"
+             "  'rl_eval.dat' using 1:3 with linespoints pt 7 ps 1.4 lc rgb '#d62728' title 'held-out (greedy)', \\\n"
+             "  'rl.dat' using 1:5 axes x1y2 with lines lw 1.5 dt 2 lc rgb '#ff7f0e' title 'over budget'\n");
+  w.emit("rl_mismatch", data,
+         head + "set title 'Trainer against sampler: " + metrics_path + "'\nset logscale y\n" +
+             "set ylabel '|log p_trainer - log p_sampler|'\n"
+             "plot 'rl.dat' using 1:($6 > 0 ? $6 : NaN) with lines lw 2 lc rgb '#d62728' title 'largest', \\\n"
+             "  'rl.dat' using 1:($7 > 0 ? $7 : NaN) with lines lw 2 lc rgb '#1f77b4' title 'mean', \\\n"
+             "  'rl.dat' using 1:($8 > 0 ? $8 : NaN) with lines lw 1.5 dt 2 lc rgb '#7f7f7f' title 'KL term'\n");
   return w.results;
 }
 

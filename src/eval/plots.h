@@ -36,4 +36,13 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
                                     int64_t train_length, const std::vector<ExpertLoad::LayerStats>& load,
                                     const std::string& gnuplot);
 
+// The plots of an RL run (`k3 rl`, `k3 distill`) from its metrics.jsonl, per iteration:
+//   rl_reward:   the episodes' mean reward and success, and the held-out greedy success
+//   rl_length:   tokens per episode (and held-out), and episodes over the effort budget
+//   rl_mismatch: the trainer's log-probabilities against the sampler's (largest and mean |Δ|) and the KL term to the
+//                rollout policy, on a log scale
+// Written to OUT_DIR as write_plots does (data and scripts under OUT_DIR/plot-data/).
+std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::string& metrics_path,
+                                       const std::string& gnuplot);
+
 }  // namespace k3::eval

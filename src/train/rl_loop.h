@@ -21,7 +21,7 @@
 //      Before the update the trainer's log-probabilities of the tokens the current policy sampled are compared
 //      with the sampler's, and without replay how often the trainer's routing differs from the rollout's.
 //   5. The updated policy is written to RUN/policy and the rollout engine reloads it.
-// Metrics go to RUN/metrics.jsonl, one record per iteration; checkpoints (the trainer's state, the unfinished and
+// Metrics go to RUN/metrics.jsonl, one record per iteration (`k3 rl` then plots them: eval/plots.h); checkpoints (the trainer's state, the unfinished and
 // waiting episodes, the task counter) resume the run exactly.
 #pragma once
 #include <cstdint>

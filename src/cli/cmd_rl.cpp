@@ -42,7 +42,11 @@ struct RlFlags {
     sub->add_option("--model", t.model_dir, "the starting policy: a model directory with its tokenizer")->required();
     sub->add_option("--out", t.out_dir, "run directory")->required();
     sub->add_option("--tokenizer", t.tokenizer_dir, "tokenizer directory (default: MODEL's)");
-    sub->add_option("--env", t.env, "environment: calculator, or mcp (your tools over stdio)")->capture_default_str();
+    sub->add_option(
+           "--env", t.env,
+           "environment: calculator, kb (multi-hop lookups), retrieval (long-context recall), or mcp (your tools over "
+           "stdio); --env-options sets its options (README, \"Reinforcement learning\")")
+        ->capture_default_str();
     sub->add_option("--env-options", *env_options, "the environment's options as a JSON object");
     sub->add_option("--iterations", t.iterations, "iterations (rollouts, then one update)")->capture_default_str();
     sub->add_option("--prompts", t.prompts, "N: new tasks per iteration")->capture_default_str();

@@ -1,6 +1,5 @@
-// Multi-turn lookup over a synthetic knowledge base: "Where was the company that employs Mara Velk founded?"
-// needs one `lookup` call per hop (Mara Velk's employer, then that company's city), each from the answer of the
-// last. Every correct hop looked up earns a dense reward (once per hop), and the answer scores 1 when it names the
+// Multi-turn lookup over a synthetic knowledge base: "What is the city of the employer of Mara Velk?" needs one
+// `lookup` call per hop (Mara Velk's employer, then that company's city), each from the answer of the last. Every correct hop looked up earns a dense reward (once per hop), and the answer scores 1 when it names the
 // last hop's value. Each task carries its own small knowledge base (the chain, plus distractor facts about other
 // entities of the same kinds), generated from (seed, index) and never shown to the policy.
 //
@@ -22,11 +21,9 @@ const char* const kSyllables[] = {"ka", "ve", "lo", "mi", "ra", "tu", "sen", "do
 // The relations of a chain, in order: person -> company -> city -> country.
 struct Relation {
   const char* name;      // the lookup's relation argument
-  const char* question;  // how the question phrases the hop
+  const char* question;  // how the question names the hop: "What is the city of the employer of X?"
 };
-const Relation kRelations[] = {{"employer", "the company that employs"},
-                               {"city", "the city where the company is based"},
-                               {"country", "the country of that city"}};
+const Relation kRelations[] = {{"employer", "the employer"}, {"city", "the city"}, {"country", "the country"}};
 
 std::string word(SplitMixUniform& rng, int syllables) {
   std::string w;
@@ -64,7 +61,7 @@ class KbEnvironment final : public Environment {
       for (size_t j = 0; j < kinds[k].size(); ++j)
         facts[kinds[k][j]][kRelations[k].name] = kinds[k + 1][(j + size_t(rng.next() * 3)) % kinds[k + 1].size()];
     std::string entity = kinds[0][0], question = "Use lookup to answer. What is ";
-    for (int k = hops_ - 1; k >= 0; --k) question += std::string(kRelations[k].question) + (k ? ", for " : " of ");
+    for (int k = hops_ - 1; k >= 0; --k) question += std::string(kRelations[k].question) + " of ";
     question += entity + "?";
     ojson reference = ojson::array();
     for (int k = 0; k < hops_; ++k) {

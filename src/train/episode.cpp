@@ -255,11 +255,8 @@ RolloutStats run_episodes(Engine& engine, const Tokenizer& tok, Environment& env
       const int32_t id = picked[b].id;
       append(e, {id}, true, picked[b].logprob, policy_version);
       ++stats.sampled;
-      if (id == end_of_msg || id == eos) {
-        end_turn(e, tok, env, o, stats);
-      } else if (e.generated() >= o.max_tokens) {
-        finish(e, "max_tokens");
-      }
+      if (id == end_of_msg || id == eos) end_turn(e, tok, env, o, stats);
+      if (!e.done && e.generated() >= o.max_tokens) finish(e, "max_tokens");  // also after a tool turn
       if (!e.done && int64_t(e.ids.size()) >= max_context) finish(e, "context");
     }
   }

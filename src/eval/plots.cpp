@@ -84,6 +84,12 @@ struct Writer {
   std::string out_dir, data_dir, gnuplot;
   std::vector<PlotResult> results;
 
+  // Plots into out_dir, their data and scripts into out_dir/plot-data (created).
+  Writer(const std::string& out, const std::string& gp)
+      : out_dir(out), data_dir((fs::path(out) / "plot-data").string()), gnuplot(gp) {
+    fs::create_directories(data_dir);
+  }
+
   void emit(const std::string& name, const std::vector<std::pair<std::string, std::string>>& data_files,
             const std::string& script) {
     PlotResult r;
@@ -147,11 +153,7 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
                                     int64_t eval_step, const std::vector<RetrievalPoint>& retrieval,
                                     int64_t train_length, const std::vector<ExpertLoad::LayerStats>& load,
                                     const std::string& gnuplot) {
-  Writer w;
-  w.out_dir = out_dir;
-  w.data_dir = (fs::path(out_dir) / "plot-data").string();
-  w.gnuplot = gnuplot;
-  fs::create_directories(w.data_dir);
+  Writer w(out_dir, gnuplot);
 
   // --- loss.png
   if (!run) {
@@ -341,11 +343,7 @@ std::vector<PlotResult> write_plots(const std::string& out_dir, const RunMetrics
 
 std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::string& metrics_path,
                                        const std::string& gnuplot) {
-  Writer w;
-  w.out_dir = out_dir;
-  w.data_dir = (fs::path(out_dir) / "plot-data").string();
-  w.gnuplot = gnuplot;
-  fs::create_directories(w.data_dir);
+  Writer w(out_dir, gnuplot);
   std::ostringstream it, ev;
   it << "# iteration reward success tokens_per_episode effort_violations logprob_mismatch_max logprob_mismatch_mean "
         "kl\n";

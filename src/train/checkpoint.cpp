@@ -30,8 +30,14 @@ void append_doubles(std::string& out, const std::vector<double>& v) {
   out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
 }
 
-// model.safetensors: F32 copies under the release names.
-void write_f32_weights(const std::string& path, const ParamStore& P, const std::map<std::string, std::string>& meta) {
+// A model directory's files in `dir`: config.json, the extra files (`what` names them in errors) and
+// model.safetensors, F32 copies under the release names.
+void write_model_files(const fs::path& dir, const std::string& config_json, const ParamStore& P,
+                       const std::vector<std::string>& extra_files, const char* what,
+                       const std::map<std::string, std::string>& meta) {
+  write_file_atomic((dir / "config.json").string(), config_json);
+  for (const std::string& f : extra_files)
+    write_file_atomic((dir / fs::path(f).filename()).string(), read_file(f, what));
   std::vector<std::vector<float>> f32;
   std::vector<TensorToWrite> tensors;
   const std::vector<std::string> names = P.names();
@@ -41,7 +47,7 @@ void write_f32_weights(const std::string& path, const ParamStore& P, const std::
     f32.emplace_back(v, v + P.numel(n));
     tensors.push_back({n, DType::F32, P.shape(n), f32.back().data()});
   }
-  write_safetensors(path, tensors, meta);
+  write_safetensors((dir / "model.safetensors").string(), tensors, meta);
 }
 
 }  // namespace
@@ -51,10 +57,7 @@ void write_model_dir(const std::string& dir, const std::string& config_json, con
   const fs::path final_dir(dir), tmp = final_dir.parent_path() / (".tmp-" + final_dir.filename().string());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  write_file_atomic((tmp / "config.json").string(), config_json);
-  for (const std::string& f : extra_files)
-    write_file_atomic((tmp / fs::path(f).filename()).string(), read_file(f, "a file the model directory carries"));
-  write_f32_weights((tmp / "model.safetensors").string(), P, {{"format", "pt"}});
+  write_model_files(tmp, config_json, P, extra_files, "a file the model directory carries", {{"format", "pt"}});
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
 }
@@ -72,10 +75,7 @@ std::string save_checkpoint(const std::string& out_dir, int64_t step, const std:
   if (!fs::create_directory(tmp, ec) || ec)
     fail(tmp.string(), ": cannot create the checkpoint's temporary directory (", ec ? ec.message() : "it exists", ")");
 
-  write_file_atomic((tmp / "config.json").string(), config_json);
-  for (const std::string& f : extra_files)
-    write_file_atomic((tmp / fs::path(f).filename()).string(), read_file(f, "a file the checkpoint carries"));
-  write_f32_weights((tmp / "model.safetensors").string(), P,
+  write_model_files(tmp, config_json, P, extra_files, "a file the checkpoint carries",
                     {{"format", "pt"}, {"k3_train_step", std::to_string(step)}});
   const std::vector<std::string> names = P.names();
 

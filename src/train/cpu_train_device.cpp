@@ -75,15 +75,18 @@ class CpuTrainDevice final : public TrainDevice {
         [&](int64_t l, const double* s, int64_t N) { bal_[size_t(l)]->accumulate(s, N); }, &trained, &weights, replay);
   }
 
+  void store_values(ParamStore& P) override {
+    K3_CHECK(&P == &P_, "CpuTrainDevice: another parameter store");  // the values are P's already
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)]) store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
+  }
+
   void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
-    K3_CHECK(&P == &P_, "CpuTrainDevice::save_state: another parameter store");
+    store_values(P);
     optimizer = optimizer_.save_state();
     balancers = nlohmann::json::object();
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
-      if (bal_[size_t(l)]) {
-        balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
-        store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
-      }
+      if (bal_[size_t(l)]) balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
   }
 
   void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) override {

@@ -140,16 +140,19 @@ class CudaTrainDevice final : public TrainDevice {
     return loss;
   }
 
-  void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
-    K3_CHECK(&P == &P_, "CudaTrainDevice::save_state: another parameter store");
+  void store_values(ParamStore& P) override {
+    K3_CHECK(&P == &P_, "CudaTrainDevice: another parameter store");
     model_->download_values(P);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (bal_[size_t(l)]) store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
+  }
+
+  void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) override {
+    store_values(P);
     optimizer = optimizer_.save_state();
     balancers = nlohmann::json::object();
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
-      if (bal_[size_t(l)]) {
-        balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
-        store_router_bias(P, c_, l, bal_[size_t(l)]->bias());
-      }
+      if (bal_[size_t(l)]) balancers[std::to_string(l)] = bal_[size_t(l)]->to_json();
   }
 
   void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) override {

@@ -110,13 +110,8 @@ const char* const kThoughts[] = {
 class CalculatorEnvironment final : public Environment {
  public:
   explicit CalculatorEnvironment(const nlohmann::json& o) {
-    for (const auto& [k, v] : o.items())
-      if (k != "digits" && k != "ops") fail("calculator environment: unknown option '", k, "' (digits, ops)");
-    if (o.contains("digits")) {
-      if (!o["digits"].is_number_integer() || o["digits"].get<int64_t>() < 1 || o["digits"].get<int64_t>() > 6)
-        fail("calculator environment: option 'digits' must be an integer in 1..6");
-      digits_ = o["digits"].get<int>();
-    }
+    check_option_names(o, "calculator", {"digits", "ops"});
+    digits_ = int(integer_option(o, "calculator", "digits", digits_, 1, 6));
     if (o.contains("ops")) {
       if (!o["ops"].is_string()) fail("calculator environment: option 'ops' must be a string such as \"+-*\"");
       ops_ = o["ops"].get<std::string>();

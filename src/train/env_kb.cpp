@@ -35,13 +35,8 @@ std::string word(SplitMixUniform& rng, int syllables) {
 class KbEnvironment final : public Environment {
  public:
   explicit KbEnvironment(const nlohmann::json& o) {
-    for (const auto& [k, v] : o.items())
-      if (k != "hops" && k != "hop_reward") fail("kb environment: unknown option '", k, "' (hops, hop_reward)");
-    if (o.contains("hops")) {
-      if (!o["hops"].is_number_integer() || o["hops"].get<int64_t>() < 1 || o["hops"].get<int64_t>() > 3)
-        fail("kb environment: option 'hops' must be an integer in 1..3");
-      hops_ = o["hops"].get<int>();
-    }
+    check_option_names(o, "kb", {"hops", "hop_reward"});
+    hops_ = int(integer_option(o, "kb", "hops", hops_, 1, 3));
     if (o.contains("hop_reward")) {
       if (!o["hop_reward"].is_number()) fail("kb environment: option 'hop_reward' must be a number");
       hop_reward_ = o["hop_reward"].get<double>();

@@ -28,24 +28,14 @@ std::string string_option(const nlohmann::json& o, const char* key, const std::s
   return o[key].get<std::string>();
 }
 
-int64_t int_option(const nlohmann::json& o, const char* key, int64_t fallback, int64_t lo, int64_t hi) {
-  if (!o.contains(key)) return fallback;
-  if (!o[key].is_number_integer() || o[key].get<int64_t>() < lo || o[key].get<int64_t>() > hi)
-    fail("retrieval environment: option '", key, "' must be an integer in ", lo, "..", hi);
-  return o[key].get<int64_t>();
-}
-
 class RetrievalEnvironment final : public Environment {
  public:
   explicit RetrievalEnvironment(const nlohmann::json& o)
       : tok_(Tokenizer::load_dir(string_option(o, "tokenizer", "", true))),
         gen_(tok_, data::read_filler_documents(string_option(o, "filler", "", true), "option 'filler'")),
         task_(data::parse_retrieval_task(string_option(o, "task", "passkey", false))),
-        max_tokens_(int_option(o, "max_tokens", 512, 16, int64_t(1) << 24)),
-        keys_(int(int_option(o, "keys", 4, 1, 64))) {
-    for (const auto& [k, v] : o.items())
-      if (k != "filler" && k != "tokenizer" && k != "task" && k != "max_tokens" && k != "keys")
-        fail("retrieval environment: unknown option '", k, "' (filler, tokenizer, task, max_tokens, keys)");
+        max_tokens_(integer_option(o, "retrieval", "max_tokens", 512, 16, int64_t(1) << 24)),
+        keys_(int(integer_option(o, "retrieval", "keys", 4, 1, 64))) {
     if (max_tokens_ < gen_.min_tokens(task_, keys_))
       fail("retrieval environment: option 'max_tokens' ", max_tokens_, " cannot hold the task (at least ",
            gen_.min_tokens(task_, keys_), ")");
@@ -86,6 +76,8 @@ class RetrievalEnvironment final : public Environment {
 }  // namespace
 
 std::unique_ptr<Environment> make_retrieval_environment(const nlohmann::json& options) {
+  // Before the tokenizer and the filler are read.
+  check_option_names(options, "retrieval", {"filler", "tokenizer", "task", "max_tokens", "keys"});
   return std::make_unique<RetrievalEnvironment>(options);
 }
 

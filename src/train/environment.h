@@ -19,6 +19,7 @@
 // (e.g. which facts were looked up), saved with the run's checkpoints so that resumed episodes continue exactly.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -61,6 +62,12 @@ class Environment {
 std::unique_ptr<Environment> make_calculator_environment(const nlohmann::json& options);
 std::unique_ptr<Environment> make_kb_environment(const nlohmann::json& options);
 std::unique_ptr<Environment> make_retrieval_environment(const nlohmann::json& options);
+
+// The built-in environments' option checks, their errors beginning "<env> environment: ": every key is one of
+// `known` (the error lists them); an integer option lies in [lo, hi] (`fallback` when it is absent).
+void check_option_names(const nlohmann::json& options, const char* env, std::initializer_list<const char*> known);
+int64_t integer_option(const nlohmann::json& options, const char* env, const char* key, int64_t fallback, int64_t lo,
+                       int64_t hi);
 
 // The last integer written in `text` (with a '-' directly before its digits), or false: how the built-in tasks
 // read a numeric answer.

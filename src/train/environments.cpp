@@ -17,6 +17,24 @@ std::unique_ptr<Environment> make_environment(const std::string& name, const nlo
   fail("unknown environment '", name, "' (calculator, kb, retrieval, or mcp: your tools over stdio)");
 }
 
+void check_option_names(const nlohmann::json& options, const char* env, std::initializer_list<const char*> known) {
+  for (const auto& [k, v] : options.items()) {
+    bool ok = false;
+    std::string list;
+    for (const char* n : known) ok = ok || k == n, list += (list.empty() ? "" : ", ") + std::string(n);
+    if (!ok) fail(env, " environment: unknown option '", k, "' (", list, ")");
+  }
+}
+
+int64_t integer_option(const nlohmann::json& options, const char* env, const char* key, int64_t fallback, int64_t lo,
+                       int64_t hi) {
+  if (!options.contains(key)) return fallback;
+  const nlohmann::json& v = options[key];
+  if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
+    fail(env, " environment: option '", key, "' must be an integer in ", lo, "..", hi);
+  return v.get<int64_t>();
+}
+
 bool last_integer(const std::string& text, std::string* out) {
   size_t end = text.size();
   while (end > 0 && !std::isdigit(static_cast<unsigned char>(text[end - 1]))) --end;

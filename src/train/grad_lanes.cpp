@@ -5,8 +5,8 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "kernels/loss/cross_entropy.h"
 #include "model/training/ffn_block.h"
+#include "train/policy_gradient.h"
 
 namespace k3::train {
 
@@ -28,6 +28,12 @@ void parallel_for_rethrow(int64_t n, Body&& body) {
   }
   for (const std::string& e : error)
     if (!e.empty()) fail(e);
+}
+
+// A k3::Error unless `replay` is null or holds one routing per piece.
+void check_replay_count(const std::vector<std::vector<int32_t>>& pieces, const std::vector<RouterReplay>* replay) {
+  if (replay && replay->size() != pieces.size())
+    fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
 }
 
 }  // namespace
@@ -62,8 +68,7 @@ double GradLanes::step(const K3Config& c, const std::vector<std::vector<int32_t>
                        const std::vector<RouterReplay>* replay) {
   check_per_token(pieces, trained);
   check_per_token(pieces, weights);
-  if (replay && replay->size() != pieces.size())
-    fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
+  check_replay_count(pieces, replay);
   const int64_t n = int64_t(pieces.size()), nl = lanes();
   const std::vector<int64_t> lane_of = assign_lanes(pieces, nl);
   std::vector<std::vector<size_t>> work(static_cast<size_t>(nl));
@@ -127,9 +132,8 @@ std::vector<std::vector<double>> forward_logprobs(ParamStore& P, const K3Config&
                                                   const std::function<const double*(int64_t layer)>& router_bias,
                                                   const std::vector<RouterReplay>* replay,
                                                   std::vector<RouterReplay>* topk) {
-  if (replay && replay->size() != pieces.size())
-    fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
-  const int64_t n = int64_t(pieces.size()), V = c.vocab_size;
+  check_replay_count(pieces, replay);
+  const int64_t n = int64_t(pieces.size());
   std::vector<std::vector<double>> out(pieces.size());
   if (topk) topk->assign(pieces.size(), RouterReplay(size_t(c.num_hidden_layers)));
   parallel_for_rethrow(n, [&](int64_t i) {
@@ -138,11 +142,7 @@ std::vector<std::vector<double>> forward_logprobs(ParamStore& P, const K3Config&
     h.router_bias = router_bias;
     if (replay) h.router_replay = replay_hook((*replay)[size_t(i)], c, int64_t(ids.size()));
     if (topk) h.on_moe = [&, i](int64_t layer, const MoeTape& t) { (*topk)[size_t(i)][size_t(layer)] = t.topk; };
-    std::vector<double> logits;
-    sequence_loss(P, c, ids, {}, false, 0.0, &logits, &h);
-    std::vector<double>& lp = out[size_t(i)];
-    lp.assign(ids.size(), 0.0);
-    for (size_t t = 1; t < ids.size(); ++t) lp[t] = log_softmax_at(&logits[(t - 1) * size_t(V)], V, ids[t]);
+    out[size_t(i)] = token_logprobs(P, c, ids, &h);
   });
   return out;
 }

@@ -8,9 +8,10 @@
 
 namespace k3::train {
 
-std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids) {
+std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                                   const TrainHooks* hooks) {
   std::vector<double> logits;
-  sequence_loss(P, c, ids, {}, false, 0.0, &logits);
+  sequence_loss(P, c, ids, {}, false, 0.0, &logits, hooks);
   const int64_t T = int64_t(ids.size()), V = c.vocab_size;
   std::vector<double> logp(ids.size(), 0.0);
   for (int64_t t = 1; t < T; ++t) logp[size_t(t)] = log_softmax_at(&logits[size_t((t - 1) * V)], V, ids[size_t(t)]);

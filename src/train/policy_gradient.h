@@ -56,8 +56,10 @@ struct PolicyTokenTerm {
 PolicyTokenTerm policy_token_term(double logp, double behaviour_logp, double reference_logp, double advantage,
                                   const PolicyLossOptions& options);
 
-// log π_θ(ids[t]) of every token after the first (position t − 1 predicting token t); [T], entry 0 is 0.
-std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids);
+// log π_θ(ids[t]) of every token after the first (position t − 1 predicting token t); [T], entry 0 is 0. `hooks`
+// (optional) as sequence_loss takes them (router biases, router replay, the MoE tapes).
+std::vector<double> token_logprobs(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                                   const TrainHooks* hooks = nullptr);
 
 // L over the batch; with `backward`, ∇L is ADDED to P's gradient. Errors name the sample and field when a size is
 // not the sequence's, a sample has no sampled token after its first, or β > 0 without reference log-probabilities.

@@ -200,9 +200,7 @@ RlResult run_rl(const RlOptions& o) {
   const std::string policy_dir = (fs::path(o.out_dir) / "policy").string();
   std::unique_ptr<Engine> engine;
   auto sync_policy = [&]() {
-    OptimizerState os;
-    nlohmann::json bj;
-    device->save_state(P, os, bj);  // the values (and the routers' biases) into P
+    device->store_values(P);  // the values and the routers' biases; the optimizer state stays where it is
     // The sampler runs fp32 weights. The CPU trainer's float64 parameters are rounded to them, so that it computes
     // with exactly the policy that sampled (its update and optimizer state stay float64); the GPU trainer's
     // master weights are fp32 already.

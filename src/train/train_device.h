@@ -54,8 +54,10 @@ class TrainDevice {
                                     const std::vector<TokenMask>& trained, const std::vector<TokenWeights>& weights,
                                     const std::vector<RouterReplay>* replay) = 0;
 
-  // Checkpoints: the values (and each balancer's bias, as e_score_correction_bias) into P, the
-  // optimizer state in the CPU optimizer's format, the balancers' JSON by layer.
+  // The values (and each balancer's bias, as e_score_correction_bias) into P: what a model directory of the
+  // current parameters needs (an RL run's policy after each update).
+  virtual void store_values(ParamStore& P) = 0;
+  // Checkpoints: store_values, the optimizer state in the CPU optimizer's format, the balancers' JSON by layer.
   virtual void save_state(ParamStore& P, OptimizerState& optimizer, nlohmann::json& balancers) = 0;
   virtual void load_state(const OptimizerState& optimizer, const nlohmann::json& balancers) = 0;
 };

@@ -24,6 +24,7 @@
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/policy_gradient.h"
+#include "train/rollout.h"
 
 namespace k3::train {
 
@@ -306,42 +307,35 @@ RlResult run_rl(const RlOptions& o) {
     double outcome_sum = 0, dense_sum = 0, reward_sum = 0, success = 0, gen_sum = 0;
     int64_t violations = 0, tool_errors = 0;
     std::map<std::string, int64_t> ends;
-    std::vector<double> effort(train_eps.size(), 0.0);
+    std::vector<double> effort(train_eps.size(), 0.0), returns(train_eps.size(), 0.0);
     for (size_t i = 0; i < train_eps.size(); ++i) {
       const Episode& e = train_eps[i];
       const int64_t b0 = budget(e);
       if (tau > 0 && b0 > 0 && double(e.generated()) > tau * double(b0)) effort[i] = -1.0, ++violations;
       outcome_sum += e.outcome, dense_sum += e.dense_reward();
-      reward_sum += e.outcome + e.dense_reward() + effort[i];
+      returns[i] = e.outcome + e.dense_reward() + effort[i];
+      reward_sum += returns[i];
       success += e.outcome > 0, gen_sum += double(e.generated());
       tool_errors += e.end == "tool_error";
       ++ends[e.end];
     }
+    // Returns-to-go, normalised by the group's whole returns (group_norms: an all-equal group trains nothing).
+    const std::vector<GroupNorm> norm = group_norms(returns, o.samples);
     std::vector<PolicySample> samples;
-    for (size_t g = 0; g < train_eps.size(); g += size_t(o.samples)) {
-      double mean = 0, var = 0;
-      std::vector<double> R;
-      for (int64_t k = 0; k < o.samples; ++k) {
-        const Episode& e = train_eps[g + size_t(k)];
-        R.push_back(e.outcome + e.dense_reward() + effort[g + size_t(k)]);
-        mean += R.back() / double(o.samples);
-      }
-      for (double r : R) var += (r - mean) * (r - mean) / double(o.samples);
-      const double scale = 1.0 / (std::sqrt(var) + 1e-6);
-      for (int64_t k = 0; k < o.samples; ++k) {
-        const Episode& e = train_eps[g + size_t(k)];
-        PolicySample s;
-        s.ids = e.ids, s.sampled = e.sampled, s.behaviour_logp = e.logp, s.reference_logp = e.logp;
-        s.advantage.assign(e.ids.size(), 0.0);
-        if (!distill) {
-          double to_go = e.dense_reward();  // G_t: the dense rewards at or after t
-          for (size_t t = 0; t < e.ids.size(); ++t) {
-            if (e.sampled[t]) s.advantage[t] = (e.outcome + effort[g + size_t(k)] + to_go - mean) * scale;
-            to_go -= e.reward[t];
-          }
+    for (size_t i = 0; i < train_eps.size(); ++i) {
+      const Episode& e = train_eps[i];
+      const GroupNorm& n = norm[i / size_t(o.samples)];
+      PolicySample s;
+      s.ids = e.ids, s.sampled = e.sampled, s.behaviour_logp = e.logp, s.reference_logp = e.logp;
+      s.advantage.assign(e.ids.size(), 0.0);
+      if (!distill) {
+        double to_go = e.dense_reward();  // G_t: the dense rewards at or after t
+        for (size_t t = 0; t < e.ids.size(); ++t) {
+          if (e.sampled[t]) s.advantage[t] = (e.outcome + effort[i] + to_go - n.mean) * n.scale;
+          to_go -= e.reward[t];
         }
-        samples.push_back(std::move(s));
       }
+      samples.push_back(std::move(s));
     }
     if (distill) {  // MOPD: each token's clipped log-ratio to its task's teacher
       for (size_t i = 0; i < samples.size(); ++i) {

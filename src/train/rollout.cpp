@@ -46,18 +46,27 @@ std::vector<Rollout> sample_rollouts(Engine& engine, const std::vector<std::vect
   return out;
 }
 
-std::vector<double> group_advantages(const std::vector<double>& rewards, int64_t group, double eps) {
+std::vector<GroupNorm> group_norms(const std::vector<double>& rewards, int64_t group, double eps) {
   if (group < 1 || rewards.size() % size_t(group) != 0)
     fail("advantages: ", rewards.size(), " rewards are not groups of ", group);
-  std::vector<double> a(rewards.size(), 0.0);
+  std::vector<GroupNorm> out;
   for (size_t g = 0; g < rewards.size(); g += size_t(group)) {
     double mean = 0.0, var = 0.0;
     for (int64_t i = 0; i < group; ++i) mean += rewards[g + size_t(i)];
     mean /= double(group);
     for (int64_t i = 0; i < group; ++i) var += (rewards[g + size_t(i)] - mean) * (rewards[g + size_t(i)] - mean);
     const double sd = std::sqrt(var / double(group));
-    if (sd == 0.0) continue;  // every rollout scored alike: nothing to prefer
-    for (int64_t i = 0; i < group; ++i) a[g + size_t(i)] = (rewards[g + size_t(i)] - mean) / (sd + eps);
+    out.push_back({mean, sd == 0.0 ? 0.0 : 1.0 / (sd + eps)});  // every rollout scored alike: nothing to prefer
+  }
+  return out;
+}
+
+std::vector<double> group_advantages(const std::vector<double>& rewards, int64_t group, double eps) {
+  const std::vector<GroupNorm> norm = group_norms(rewards, group, eps);
+  std::vector<double> a(rewards.size(), 0.0);
+  for (size_t i = 0; i < rewards.size(); ++i) {
+    const GroupNorm& n = norm[i / size_t(group)];
+    a[i] = (rewards[i] - n.mean) * n.scale;
   }
   return a;
 }

@@ -35,8 +35,14 @@ struct Rollout {
 std::vector<Rollout> sample_rollouts(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
                                      const RolloutOptions& options);
 
-// Group-normalised advantages: rewards in groups of `group` consecutive entries (one prompt's K rollouts), each
-// (r − mean of its group) / (standard deviation of its group + eps). A group whose rewards are all equal gets 0.
+// Group normalisation: rewards in groups of `group` consecutive entries (one prompt's K rollouts); each group's
+// mean and scale 1 / (standard deviation + eps), or scale 0 when its rewards are all equal (nothing to prefer).
+struct GroupNorm {
+  double mean = 0.0, scale = 0.0;
+};
+std::vector<GroupNorm> group_norms(const std::vector<double>& rewards, int64_t group, double eps = 1e-6);
+
+// Group-normalised advantages: each reward's (r − mean) · scale of its group (group_norms).
 std::vector<double> group_advantages(const std::vector<double>& rewards, int64_t group, double eps = 1e-6);
 
 // A rollout as a policy-gradient sample: its sampled tokens trained, the sampler's log-probabilities as the

@@ -141,6 +141,43 @@ TEST(CalculatorEnvironment, TasksToolAndScore) {
   EXPECT_THAT(k3test::error_of([] { make_environment("calculator", {{"base", 2}}); }), HasSubstr("unknown option"));
 }
 
+// "by_hand": that fraction of the reference solutions answers at once; the tasks themselves do not change.
+TEST(CalculatorEnvironment, ByHandReferencesAnswerWithoutTheTool) {
+  auto plain = make_environment("calculator", {{"digits", 2}});
+  auto none = make_environment("calculator", {{"digits", 2}, {"by_hand", 0.0}});
+  auto all = make_environment("calculator", {{"digits", 2}, {"by_hand", 1.0}});
+  auto half = make_environment("calculator", {{"digits", 2}, {"by_hand", 0.5}});
+  int by_hand = 0;
+  const int n = 400;
+  for (int i = 0; i < n; ++i) {
+    const Task p = plain->task(5, i), z = none->task(5, i), a = all->task(5, i), h = half->task(5, i);
+    EXPECT_EQ(z.request, p.request);
+    EXPECT_EQ(z.reference, p.reference);
+    for (const Task* t : {&a, &h}) {
+      EXPECT_EQ(t->request, p.request);
+      EXPECT_EQ(t->answer, p.answer);
+    }
+    for (const Task* t : {&a, &h}) {
+      if (t == &h && h.reference.size() != 1) continue;
+      ASSERT_EQ(t->reference.size(), 1u);
+      EXPECT_FALSE(t->reference[0].contains("tool_calls"));
+      EXPECT_EQ(t->reference[0]["content"], p.answer);
+    }
+    if (h.reference.size() == 1) {
+      ++by_hand;
+    } else {
+      EXPECT_EQ(h.reference, p.reference);
+    }
+  }
+  EXPECT_GT(by_hand, n * 4 / 10);
+  EXPECT_LT(by_hand, n * 6 / 10);
+  for (const nlohmann::json& bad : {nlohmann::json(1.5), nlohmann::json(-0.1), nlohmann::json("half")})
+    EXPECT_THAT(k3test::error_of([&] {
+                  make_environment("calculator", {{"by_hand", bad}});
+                }),
+                HasSubstr("'by_hand' must be a number in [0, 1]"));
+}
+
 // Each hop of the chain earns its reward once; the reference solution follows the chain; the answer is its end.
 TEST(KbEnvironment, HopsAreRewardedOnceAndTheAnswerIsTheChainsEnd) {
   auto env = make_environment("kb", {{"hops", 3}, {"hop_reward", 0.25}});
@@ -339,6 +376,30 @@ TEST(RlLoop, DistillingFromItselfGivesNoGradient) {
   const auto r = records(o.out_dir).at(0);
   EXPECT_GT(r["trained_tokens"].get<int>(), 0);
   EXPECT_LE(r["grad_norm"].get<double>(), 1e-12);  // whatever the effort reward: distillation does not read it
+}
+
+// --iterations 0: the held-out evaluation of the model alone, the one a run makes before its first iteration.
+TEST(RlLoop, ZeroIterationsOnlyEvaluate) {
+  TinyPolicy p;
+  RlOptions run = p.options("run");
+  run.iterations = 1, run.eval_tasks = 3;
+  run_rl(run);
+  RlOptions only = p.options("only");
+  only.iterations = 0, only.eval_tasks = 3;
+  const RlResult r = run_rl(only);
+  EXPECT_EQ(r.iterations, 0);
+  EXPECT_TRUE(r.last_checkpoint.empty());
+  EXPECT_FALSE(std::filesystem::exists(only.out_dir + "/latest"));
+  const auto a = records(run.out_dir), b = records(only.out_dir);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(a.at(0), b.at(0));  // the same tasks, greedy and sampled, as the run's first evaluation
+  for (const char* k : {"eval_success", "eval_sampled_success", "eval_tokens", "eval_sampled_tokens", "eval_tool_calls",
+                        "eval_sampled_tool_calls"})
+    EXPECT_TRUE(b[0].contains(k)) << k;
+  EXPECT_GT(b[0]["eval_sampled_tokens"].get<double>(), 0.0);
+  EXPECT_TRUE(a.at(1).contains("tool_calls_per_episode"));
+  only.eval_tasks = 0;
+  EXPECT_THAT(k3test::error_of([&] { run_rl(only); }), HasSubstr("give --eval-tasks"));
 }
 
 TEST(RlLoop, BadOptionsAreNamed) {

@@ -48,7 +48,9 @@ struct RlFlags {
            "stdio); --env-options sets its options (README, \"Reinforcement learning\")")
         ->capture_default_str();
     sub->add_option("--env-options", *env_options, "the environment's options as a JSON object");
-    sub->add_option("--iterations", t.iterations, "iterations (rollouts, then one update)")->capture_default_str();
+    sub->add_option("--iterations", t.iterations,
+                    "iterations (rollouts, then one update); 0 with --eval-tasks: only evaluate --model")
+        ->capture_default_str();
     sub->add_option("--prompts", t.prompts, "N: new tasks per iteration")->capture_default_str();
     sub->add_option("--samples", t.samples, "K: episodes per task (the group advantages compare)")
         ->capture_default_str();
@@ -103,11 +105,13 @@ struct RlFlags {
 };
 
 void print_result(const train::RlResult& r, const std::string& out_dir) {
-  std::printf("%lld iterations (%lld in this run); checkpoint %s\n", (long long)r.iterations,
-              (long long)r.iterations_run, r.last_checkpoint.c_str());
+  if (!r.last_checkpoint.empty())
+    std::printf("%lld iterations (%lld in this run); checkpoint %s\n", (long long)r.iterations,
+                (long long)r.iterations_run, r.last_checkpoint.c_str());
   if (r.last_eval_success >= 0)
     std::printf("held-out success %.3f (first evaluation %.3f), %.1f tokens per episode\n", r.last_eval_success,
                 r.first_eval_success, r.last_eval_tokens);
+  if (r.iterations == 0) return;  // an evaluation only: nothing to plot
   const std::string metrics = (std::filesystem::path(out_dir) / "metrics.jsonl").string();
   for (const eval::PlotResult& p : eval::write_rl_plots(out_dir, metrics, eval::find_gnuplot()))
     if (p.drawn) std::printf("plot %s\n", p.png.c_str());

@@ -346,20 +346,21 @@ std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::st
   Writer w(out_dir, gnuplot);
   std::ostringstream it, ev;
   it << "# iteration reward success tokens_per_episode effort_violations logprob_mismatch_max logprob_mismatch_mean "
-        "kl\n";
-  ev << "# iteration eval_success eval_tokens\n";
+        "kl tool_calls_per_episode\n";
+  ev << "# iteration eval_success eval_tokens eval_sampled_success\n";
   int64_t n = 0;
   for (const JsonlRecord& r : read_jsonl(metrics_path, "RL metrics", InputRole::kOwnState).records) {
     const nlohmann::json& j = r.value;
     auto get = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
     if (j.contains("eval_success")) {
-      ev << num(get("iteration")) << ' ' << num(get("eval_success")) << ' ' << num(get("eval_tokens")) << '\n';
+      ev << num(get("iteration")) << ' ' << num(get("eval_success")) << ' ' << num(get("eval_tokens")) << ' '
+         << num(get("eval_sampled_success")) << '\n';
     } else if (j.contains("reward")) {
       ++n;
       it << num(get("iteration")) << ' ' << num(get("reward")) << ' ' << num(get("success")) << ' '
          << num(get("tokens_per_episode")) << ' ' << num(get("effort_violations")) << ' '
-         << num(get("logprob_mismatch_max")) << ' ' << num(get("logprob_mismatch_mean")) << ' ' << num(get("kl"))
-         << '\n';
+         << num(get("logprob_mismatch_max")) << ' ' << num(get("logprob_mismatch_mean")) << ' ' << num(get("kl")) << ' '
+         << num(get("tool_calls_per_episode")) << '\n';
     }
   }
   if (n == 0) {
@@ -372,8 +373,11 @@ std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::st
          head + "set title 'Reward: " + metrics_path + "'\nset ylabel 'per episode'\n" +
              "plot 'rl.dat' using 1:2 with lines lw 2 lc rgb '#1f77b4' title 'mean reward', \\\n"
              "  'rl.dat' using 1:3 with lines lw 2 lc rgb '#2ca02c' title 'success (sampled)', \\\n"
+             "  'rl.dat' using 1:9 with lines lw 1.5 dt 2 lc rgb '#7f7f7f' title 'tool calls per episode', \\\n"
              "  'rl_eval.dat' using 1:2 with linespoints pt 7 ps 1.4 lc rgb '#d62728' title 'held-out success "
-             "(greedy)'\n");
+             "(greedy)', \\\n"
+             "  'rl_eval.dat' using 1:4 with linespoints pt 5 ps 1.2 lc rgb '#9467bd' title 'held-out success "
+             "(sampled)'\n");
   w.emit("rl_length", data,
          head + "set title 'Length: " + metrics_path + "'\nset ylabel 'tokens per episode'\n" +
              "set y2label 'episodes over the effort budget'\nset y2tics\nset ytics nomirror\n"

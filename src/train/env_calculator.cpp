@@ -3,9 +3,11 @@
 // so it succeeds only by calling the tool with the right expression and copying the result: the skill RL is to
 // sharpen after supervised fine-tuning on the reference transcripts.
 //
-// Options: "digits" (operands have 1..digits digits, default 2), "ops" (the operators drawn from, default "+-*").
-// The reference transcript thinks in one of several phrasings of different lengths, so that a budget on the
-// policy's tokens (the effort reward) has something to shorten.
+// Options: "digits" (operands have 1..digits digits, default 2), "ops" (the operators drawn from, default "+-*"),
+// "by_hand" (the fraction of reference solutions that answer at once, without the tool, default 0). The reference
+// transcript thinks in one of several phrasings of different lengths, so that a budget on the policy's tokens (the
+// effort reward) has something to shorten. Transcripts with by_hand > 0 teach a policy two ways to answer, one of
+// which a tiny model gets wrong for most operands: RL, rewarded by the outcome alone, is to find the tool.
 #include <cctype>
 #include <string>
 #include <vector>
@@ -107,11 +109,22 @@ const char* const kThoughts[] = {
     "the expression and report what it returns.",
 };
 
+const char* const kByHandThoughts[] = {
+    "I can do this in my head.",
+    "This is simple enough to work out without a tool.",
+};
+
 class CalculatorEnvironment final : public Environment {
  public:
   explicit CalculatorEnvironment(const nlohmann::json& o) {
-    check_option_names(o, "calculator", {"digits", "ops"});
+    check_option_names(o, "calculator", {"digits", "ops", "by_hand"});
     digits_ = int(integer_option(o, "calculator", "digits", digits_, 1, 6));
+    if (o.contains("by_hand")) {
+      const nlohmann::json& f = o["by_hand"];
+      if (!f.is_number() || !(f.get<double>() >= 0.0 && f.get<double>() <= 1.0))
+        fail("calculator environment: option 'by_hand' must be a number in [0, 1], got ", f.dump());
+      by_hand_ = f.get<double>();
+    }
     if (o.contains("ops")) {
       if (!o["ops"].is_string()) fail("calculator environment: option 'ops' must be a string such as \"+-*\"");
       ops_ = o["ops"].get<std::string>();
@@ -131,9 +144,16 @@ class CalculatorEnvironment final : public Environment {
     const std::string expr = std::to_string(a) + " " + op + " " + std::to_string(b);
     const long long value = op == '+' ? a + b : op == '-' ? a - b : a * b;
     const std::string thought = kThoughts[size_t(rng.next() * double(std::size(kThoughts)))];
+    const double by_hand_draw = rng.next();  // drawn last: the tasks of by_hand = 0 are those of no option
     Task t;
     t.request = {{"messages", {{{"role", "user"}, {"content", "What is " + expr + "?"}}}}, {"tools", tools()}};
     t.answer = std::to_string(value);
+    if (by_hand_draw < by_hand_) {
+      const char* by_hand_thought =
+          kByHandThoughts[size_t(by_hand_draw / by_hand_ * double(std::size(kByHandThoughts)))];
+      t.reference = {{{"role", "assistant"}, {"reasoning_content", by_hand_thought}, {"content", t.answer}}};
+      return t;
+    }
     const ojson call = {{"type", "function"},
                         {"function", {{"name", "calculator"}, {"arguments", ojson{{"expression", expr}}.dump()}}}};
     t.reference = {{{"role", "assistant"}, {"reasoning_content", thought}, {"content", ""}, {"tool_calls", {call}}},
@@ -179,6 +199,7 @@ class CalculatorEnvironment final : public Environment {
   }
   int digits_ = 2;
   std::string ops_ = "+-*";
+  double by_hand_ = 0.0;
 };
 
 }  // namespace

@@ -105,7 +105,9 @@ struct Trained {
 RlResult run_rl(const RlOptions& o) {
   if (o.model_dir.empty()) fail("k3 rl: no starting model (--model)");
   if (o.out_dir.empty()) fail("k3 rl: no run directory (--out)");
-  if (o.iterations < 1) fail("--iterations must be at least 1, got ", o.iterations);
+  if (o.iterations < 0) fail("--iterations must be at least 0, got ", o.iterations);
+  if (o.iterations == 0 && o.eval_tasks < 1) fail("--iterations 0 only evaluates the model: give --eval-tasks");
+  if (o.iterations == 0 && o.resume) fail("--iterations 0 evaluates --model; it does not --resume a run");
   if (o.prompts < 1) fail("--prompts must be at least 1, got ", o.prompts);
   if (o.samples < 1) fail("--samples must be at least 1, got ", o.samples);
   if (!(o.partial > 0.0 && o.partial <= 1.0)) fail("--partial (λ) must be in (0, 1], got ", o.partial);
@@ -231,30 +233,46 @@ RlResult run_rl(const RlOptions& o) {
     return it->second;
   };
 
-  // Held-out: greedy episodes of tasks from their own stream.
+  // Held-out: episodes of tasks from their own stream, greedy and then sampled as the rollouts are (the policy RL
+  // improves is the sampled one; its greedy success can lag behind).
   auto evaluate = [&]() {
-    std::vector<Episode> eps;
     const uint64_t eval_seed = splitmix64(o.seed ^ 0xe7a1u);
-    for (int64_t i = 0; i < o.eval_tasks; ++i)
-      eps.push_back(start_episode(tok, env->task(eval_seed, i), i, 0, episode_seed(eval_seed, i, 0)));
-    std::vector<Episode*> ptrs;
-    for (Episode& e : eps) ptrs.push_back(&e);
-    EpisodeOptions eo = o.episode;
-    eo.greedy = true, eo.record_routing = false;
-    run_episodes(*engine, tok, *env, ptrs, eo, -1, 0);
-    double success = 0, tokens = 0;
-    for (const Episode& e : eps) success += e.outcome > 0, tokens += double(e.generated());
-    const double n = double(std::max<int64_t>(o.eval_tasks, 1));
-    res.last_eval_success = success / n, res.last_eval_tokens = tokens / n;
+    auto success_of = [&](bool greedy, double* tokens, double* tool_calls) {
+      std::vector<Episode> eps;
+      for (int64_t i = 0; i < o.eval_tasks; ++i)
+        eps.push_back(start_episode(tok, env->task(eval_seed, i), i, 0, episode_seed(eval_seed, i, 0)));
+      std::vector<Episode*> ptrs;
+      for (Episode& e : eps) ptrs.push_back(&e);
+      EpisodeOptions eo = o.episode;
+      eo.greedy = greedy, eo.record_routing = false;
+      run_episodes(*engine, tok, *env, ptrs, eo, -1, 0);
+      double success = 0, generated = 0, calls = 0;
+      for (const Episode& e : eps)
+        success += e.outcome > 0, generated += double(e.generated()), calls += double(e.tool_calls);
+      const double n = double(o.eval_tasks);
+      *tokens = generated / n, *tool_calls = calls / n;
+      return success / n;
+    };
+    double greedy_calls = 0, sampled_tokens = 0, sampled_calls = 0;
+    res.last_eval_success = success_of(true, &res.last_eval_tokens, &greedy_calls);
+    const double sampled = success_of(false, &sampled_tokens, &sampled_calls);
     if (res.first_eval_success < 0) res.first_eval_success = res.last_eval_success;
-    std::fprintf(stderr, "held-out after iteration %lld: success %.3f over %lld tasks, %.1f tokens per episode\n",
-                 (long long)iteration, res.last_eval_success, (long long)o.eval_tasks, res.last_eval_tokens);
+    std::fprintf(stderr,
+                 "held-out after iteration %lld: success %.3f greedy, %.3f sampled, over %lld tasks; per greedy "
+                 "episode %.1f tokens, %.2f tool calls (sampled: %.2f)\n",
+                 (long long)iteration, res.last_eval_success, sampled, (long long)o.eval_tasks, res.last_eval_tokens,
+                 greedy_calls, sampled_calls);
     return record({{"iteration", iteration},
                    {"eval_success", res.last_eval_success},
+                   {"eval_sampled_success", sampled},
                    {"eval_tokens", res.last_eval_tokens},
+                   {"eval_tool_calls", greedy_calls},
+                   {"eval_sampled_tokens", sampled_tokens},
+                   {"eval_sampled_tool_calls", sampled_calls},
                    {"eval_tasks", o.eval_tasks}});
   };
   if (o.eval_tasks > 0 && resume_dir.empty() && !evaluate()) return res;
+  if (o.iterations == 0) return res;  // evaluation only
 
   auto save = [&]() {
     TrainState st;
@@ -304,7 +322,7 @@ RlResult run_rl(const RlOptions& o) {
     std::stable_sort(train_eps.begin(), train_eps.end(), [](const Episode& a, const Episode& b) {
       return a.task_index != b.task_index ? a.task_index < b.task_index : a.sample < b.sample;
     });
-    double outcome_sum = 0, dense_sum = 0, reward_sum = 0, success = 0, gen_sum = 0;
+    double outcome_sum = 0, dense_sum = 0, reward_sum = 0, success = 0, gen_sum = 0, calls = 0;
     int64_t violations = 0, tool_errors = 0;
     std::map<std::string, int64_t> ends;
     std::vector<double> effort(train_eps.size(), 0.0), returns(train_eps.size(), 0.0);
@@ -315,7 +333,7 @@ RlResult run_rl(const RlOptions& o) {
       outcome_sum += e.outcome, dense_sum += e.dense_reward();
       returns[i] = e.outcome + e.dense_reward() + effort[i];
       reward_sum += returns[i];
-      success += e.outcome > 0, gen_sum += double(e.generated());
+      success += e.outcome > 0, gen_sum += double(e.generated()), calls += double(e.tool_calls);
       tool_errors += e.end == "tool_error";
       ++ends[e.end];
     }
@@ -447,6 +465,7 @@ RlResult run_rl(const RlOptions& o) {
                           {"dense_reward", dense_sum / n},
                           {"success", success / n},
                           {"tokens_per_episode", gen_sum / n},
+                          {"tool_calls_per_episode", calls / n},
                           {"effort_tau", tau},
                           {"effort_violations", violations},
                           {"tool_errors", tool_errors},

@@ -43,7 +43,7 @@ struct RlOptions {
   std::string out_dir;
   std::string env = "calculator";
   nlohmann::json env_options = nlohmann::json::object();
-  int64_t iterations = 20;
+  int64_t iterations = 20;  // 0: only the held-out evaluation (eval_tasks > 0)
   int64_t prompts = 8;  // N new tasks per iteration
   int64_t samples = 4;  // K episodes per task
   EpisodeOptions episode;

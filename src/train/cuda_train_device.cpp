@@ -104,13 +104,16 @@ class CudaTrainDevice final : public TrainDevice {
   std::vector<std::vector<double>> token_logprobs(const std::vector<std::vector<int32_t>>& pieces,
                                                   const std::vector<RouterReplay>* replay,
                                                   std::vector<RouterReplay>* topk) override {
-    if (replay || topk) fail("router replay runs on the CPU trainer only; the GPU trainer routes every step itself");
+    if (topk)
+      fail("the GPU trainer does not report its own routing; compare routings on the CPU trainer, or replay them");
     std::vector<std::vector<double>> out;
     for (const auto& [begin, end] : micro_batches(pieces, opt_.micro_batch_tokens)) {
       const std::vector<std::vector<int32_t>> mb(pieces.begin() + std::ptrdiff_t(begin),
                                                  pieces.begin() + std::ptrdiff_t(end));
       std::vector<std::vector<double>> losses;
-      model_->loss(mb, false, 0.0, &hooks_, &losses);
+      GpuStepHooks hooks = hooks_;
+      if (replay) hooks.router_replay = upload_replay(*replay, pieces, begin, end);
+      model_->loss(mb, false, 0.0, &hooks, &losses);
       for (size_t i = 0; i < mb.size(); ++i) {
         std::vector<double> lp(mb[i].size(), 0.0);
         for (size_t t = 1; t < lp.size(); ++t) lp[t] = -losses[i][t - 1];
@@ -123,7 +126,6 @@ class CudaTrainDevice final : public TrainDevice {
   double weighted_gradients(const std::vector<std::vector<int32_t>>& pieces, const std::vector<TokenMask>& trained,
                             const std::vector<TokenWeights>& weights,
                             const std::vector<RouterReplay>* replay) override {
-    if (replay) fail("router replay runs on the CPU trainer only; the GPU trainer routes every step itself");
     check_per_token(pieces, &trained);
     check_per_token(pieces, &weights);
     model_->zero_grads();
@@ -135,6 +137,7 @@ class CudaTrainDevice final : public TrainDevice {
       const std::vector<std::vector<int32_t>> mb(pieces.begin() + b, pieces.begin() + e);
       const std::vector<TokenMask> mt(trained.begin() + b, trained.begin() + e);
       const std::vector<TokenWeights> mw(weights.begin() + b, weights.begin() + e);
+      if (replay) hooks.router_replay = upload_replay(*replay, pieces, begin, end);
       loss += model_->loss(mb, true, 1.0, &hooks, nullptr, nullptr, &mt, &mw);
     }
     return loss;
@@ -164,6 +167,31 @@ class CudaTrainDevice final : public TrainDevice {
   }
 
  private:
+  // Router replay's experts for pieces [begin, end) in the packed batch's row order (each MoE layer: the pieces'
+  // [T, K] rows one after another), on the device until the next call; the hook that hands them to the model.
+  std::function<const int32_t*(int64_t)> upload_replay(const std::vector<RouterReplay>& replay,
+                                                       const std::vector<std::vector<int32_t>>& pieces, size_t begin,
+                                                       size_t end) {
+    K3_CHECK(replay.size() == pieces.size(), "router replay: ", replay.size(), " routings for ", pieces.size(),
+             " sequences");
+    const int64_t E = c_.num_experts;
+    replay_.clear();
+    replay_.resize(size_t(c_.num_hidden_layers));
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      if (!c_.is_moe_layer(l)) continue;
+      std::vector<int32_t> rows;
+      for (size_t i = begin; i < end; ++i) {
+        replay_hook(replay[i], c_, int64_t(pieces[i].size()));  // the shapes, with a named error
+        for (const int32_t e : replay[i][size_t(l)])
+          if (e < 0 || e >= E)
+            fail("router replay: expert ", e, " of sequence ", i, ", layer ", l, " is not in 0..", E - 1);
+        rows.insert(rows.end(), replay[i][size_t(l)].begin(), replay[i][size_t(l)].end());
+      }
+      if (!rows.empty()) replay_[size_t(l)] = cuda::DeviceBuffer<int32_t>(rows.data(), rows.size());
+    }
+    return [this](int64_t l) { return replay_[size_t(l)].size() ? replay_[size_t(l)].data() : nullptr; };
+  }
+
   // Σ of f(pieces, trained) over the micro-batches of `pieces` and their masks (the losses summed on the host in
   // micro-batch order).
   template <class F>
@@ -192,6 +220,7 @@ class CudaTrainDevice final : public TrainDevice {
   cuda::DeviceBuffer<double> norm_;
   cuda::DeviceBuffer<int64_t> nonfinite_;
   cuda::DeviceBuffer<uint8_t> workspace_;
+  std::vector<cuda::DeviceBuffer<int32_t>> replay_;  // upload_replay's experts, per layer
 };
 
 }  // namespace

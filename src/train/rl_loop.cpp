@@ -116,8 +116,6 @@ RlResult run_rl(const RlOptions& o) {
   if (!(o.teacher_clip > 0.0)) fail("--teacher-clip must be > 0, got ", o.teacher_clip);
   if (o.episode.temperature != 1.0f)
     fail("RL trains the policy it samples: the rollout temperature must be 1, got ", o.episode.temperature);
-  if (o.router_replay && o.gpu)
-    fail("router replay runs on the CPU trainer; pass --no-router-replay with --device cuda");
   if (o.save_every < 1) fail("--save-every must be at least 1, got ", o.save_every);
   fs::create_directories(o.out_dir);
   const DirectoryLock run_lock(o.out_dir, "run directory");
@@ -306,7 +304,7 @@ RlResult run_rl(const RlOptions& o) {
     const int64_t carried_in = int64_t(carried.size());
     const int64_t stop = int64_t(std::ceil(o.partial * double(batch.size()) - 1e-9));
     EpisodeOptions eo = o.episode;
-    eo.record_routing = !o.gpu;  // replayed, or compared with the trainer's routing
+    eo.record_routing = o.router_replay || !o.gpu;  // replayed, or compared with the CPU trainer's routing
     const RolloutStats rs = run_episodes(*engine, tok, *env, batch, eo, int32_t(iteration), stop);
     std::vector<Episode> still;
     for (Episode* e : batch) (e->done ? waiting : still).push_back(std::move(*e));
@@ -382,7 +380,7 @@ RlResult run_rl(const RlOptions& o) {
       }
       std::vector<RouterReplay> own, replay;
       std::vector<std::vector<double>> lp;
-      if (!o.gpu && o.router_replay) {
+      if (o.router_replay) {
         for (size_t i = 0; i < pieces.size(); ++i)
           replay.push_back(complete_routing(train_eps[i].routing, c, int64_t(pieces[i].size())));
         lp = device->token_logprobs(pieces, &replay, nullptr);

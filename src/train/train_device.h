@@ -44,8 +44,8 @@ class TrainDevice {
 
   // Policy-gradient steps (`k3 rl`, train/policy_gradient.h). log π(ids[t]) of every token after the first of each
   // piece ([T] per piece, entry 0 is 0) with the current parameters and biases; nothing balanced. `replay`
-  // (optional): each piece's routing (router replay); `topk` (optional) receives each piece's own routing. The GPU
-  // trainer takes neither (a k3::Error says so).
+  // (optional): each piece's routing (router replay); `topk` (optional) receives each piece's own routing (the CPU
+  // trainer only: the GPU one refuses with a k3::Error).
   virtual std::vector<std::vector<double>> token_logprobs(const std::vector<std::vector<int32_t>>& pieces,
                                                           const std::vector<RouterReplay>* replay,
                                                           std::vector<RouterReplay>* topk) = 0;

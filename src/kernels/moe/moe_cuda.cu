@@ -806,6 +806,35 @@ void router_forward_train(int32_t* idx, float* weight, float* scores, float* sel
   launch_router("router_forward_train", idx, weight, scores, sel_sum, logits, bias, N, p);
 }
 
+namespace {
+__global__ void router_force_kernel(int32_t* __restrict__ idx, float* __restrict__ weight, float* __restrict__ sel_sum,
+                                    const float* __restrict__ scores, const int32_t* __restrict__ forced, int64_t N,
+                                    int E, int K, bool renormalize, float scaling) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= N) return;
+  double sum = 0.0;
+  for (int k = 0; k < K; ++k) sum += scores[t * E + forced[t * K + k]];
+  if (sel_sum) sel_sum[t] = float(sum);
+  for (int k = 0; k < K; ++k) {
+    const int e = forced[t * K + k];
+    const double s = scores[t * E + e];
+    const double w = renormalize ? s / (sum + 1e-20) : s;
+    idx[t * K + k] = e;
+    weight[t * K + k] = float(w * scaling);
+  }
+}
+}  // namespace
+
+void router_force_train(int32_t* idx, float* weight, float* sel_sum, const float* scores, const int32_t* forced,
+                        int64_t N, const RouterParams& p) {
+  if (N <= 0) return;
+  constexpr int threads = 128;
+  router_force_kernel<<<unsigned((N + threads - 1) / threads), threads>>>(idx, weight, sel_sum, scores, forced, N,
+                                                                          int(p.num_experts), int(p.top_k),
+                                                                          p.renormalize, p.scaling);
+  K3_CUDA_LAUNCH_CHECK();
+}
+
 // ---- dispatch -------------------------------------------------------------------------------------
 
 Dispatch::Dispatch(int64_t max_tokens, int64_t num_experts, int64_t top_k)

@@ -50,6 +50,12 @@ namespace k3::moe::cuda {
 // logits [N, E]; bias [E] (selection only) or null. Throws k3::Error with router_can_run's reason.
 void router_forward_train(int32_t* idx, float* weight, float* scores, float* sel_sum, const float* logits,
                           const float* bias, int64_t N, const RouterParams& p);
+// Router replay (the float64 router_forward's `forced`): after router_forward_train, rows use the experts
+// forced [N, K] (device, each in [0, E): the caller checks) instead of their own selection. idx, weight and sel_sum
+// are OVERWRITTEN from `scores` by router_forward_train's arithmetic (fp64 sum in k order, rounded once), so
+// forcing a row's own selection gives the same bits.
+void router_force_train(int32_t* idx, float* weight, float* sel_sum, const float* scores, const int32_t* forced,
+                        int64_t N, const RouterParams& p);
 
 // dlogits [N, E] OVERWRITTEN from dweight [N, K] (the gradient of the mixture weights), as the loop at
 // the end of moe_ffn_backward: with c = p.scaling, S = sel_sum + 1e-20, for a selected j

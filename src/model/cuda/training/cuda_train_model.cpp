@@ -319,7 +319,8 @@ class CudaTrainBackend {
       const float* bias = nullptr;
       if (hooks_ && hooks_->router_bias) bias = hooks_->router_bias(l);
       else if (m_.params.has(tn_(TensorKind::MoeRouterBias, l))) bias = param(TensorKind::MoeRouterBias, l).w;
-      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out, bias, dispatch(l), expert_tables(l));
+      const int32_t* forced = hooks_ && hooks_->router_replay ? hooks_->router_replay(l) : nullptr;
+      L.moe_tape = moe_train_forward(t_, l, L.ffn_in.xn, out, bias, forced, dispatch(l), expert_tables(l));
     } else {
       dense_train_forward(t_, l, L.ffn_in.xn, out, L.dense_tape);
     }

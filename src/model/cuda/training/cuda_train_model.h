@@ -42,6 +42,9 @@ struct GpuStepHooks {
   std::function<const float*(int64_t layer)> router_bias;
   // Every MoE layer's unbiased router scores of the step: device fp32 [rows, E] (valid during the call).
   std::function<void(int64_t layer, const float* scores, int64_t rows)> on_router_scores;
+  // Router replay: the experts each row of the step's packed batch uses in MoE layer `layer`, device [rows, K]
+  // in selection order, each in [0, E), instead of the router's own selection (no function, or null: it selects).
+  std::function<const int32_t*(int64_t layer)> router_replay;
 };
 
 // Rows of a step's input that come from given device vectors, not the token table (the GPU form of

@@ -147,7 +147,7 @@ const uint16_t* rows16(const uint16_t* x16, int64_t r0, int64_t width) { return 
 }  // namespace
 
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
-                                                                const float* router_bias,
+                                                                const float* router_bias, const int32_t* forced,
                                                                 moe::cuda::TrainDispatch& dispatch,
                                                                 const ExpertTables* experts) {
   const K3Config& c = t.c;
@@ -173,6 +173,7 @@ std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int
     float* logits = t.take<float>(N * E);
     train_linear_forward(t, logits, x, N, W.router, tp.x16);
     moe::cuda::router_forward_train(tp.idx, tp.weight, tp.scores, tp.sel_sum, logits, router_bias, N, router_params(c));
+    if (forced) moe::cuda::router_force_train(tp.idx, tp.weight, tp.sel_sum, tp.scores, forced, N, router_params(c));
     t.arena.rewind(m);
   }
   // 2. Latent down-projection.

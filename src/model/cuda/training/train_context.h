@@ -192,14 +192,15 @@ struct ExpertTables {
 // multiples of 8 (the per-expert path then).
 std::unique_ptr<ExpertTables> make_expert_tables(const TrainCtx& t, int64_t layer);
 
-// router_bias: [E] device fp32 (selection only) or null. The tape's router scores [rows, E] (device):
+// router_bias: [E] device fp32 (selection only) or null. forced: null, or router replay's experts [rows, K]
+// (device) used instead of the router's selection. The tape's router scores [rows, E] (device):
 // moe_router_scores, for Quantile Balancing.
 // `dispatch` (reused across steps) must hold rows·K slots; the tape keeps a pointer to it and to
 // `experts` (BF16 mode: the layer's tables, the experts run as grouped GEMMs unless the pass has
 // 1,024 or more rows per expert on average, where one bf16 cuBLAS call per expert is faster; F32
 // mode: null, one pedantic fp32 cuBLAS call per expert).
 std::unique_ptr<MoeTrainTape, MoeTapeDeleter> moe_train_forward(TrainCtx& t, int64_t layer, const float* x, float* out,
-                                                                const float* router_bias,
+                                                                const float* router_bias, const int32_t* forced,
                                                                 moe::cuda::TrainDispatch& dispatch,
                                                                 const ExpertTables* experts);
 const float* moe_router_scores(const MoeTrainTape& tape);

@@ -1,7 +1,8 @@
 // The RL loop (`k3 rl`, `k3 distill`: train/rl_loop.h), its episodes (train/episode.h) and the calculator
 // environment, on a k3-tiny-a model as `k3 init` makes it with the tests' tiny tokenizer:
-//   - the calculator's tasks, tool and score against their definitions;
-//   - a tool turn continues the conversation exactly as the chat template renders it;
+//   - the calculator's tasks, tool and score against their definitions; group-normalised advantages against theirs;
+//   - a tool turn continues the conversation exactly as the chat template renders it; an episode's draws are a
+//     function of its seed;
 //   - the trainer's log-probabilities of the sampled tokens against the sampler's (CPU f32 engine, float64
 //     trainer) with router replay (the 1e-6), and without it the routing differences are counted;
 //   - partial rollouts: which tokens came from which policy, carried episodes continuing under the next one;
@@ -19,6 +20,7 @@
 #include "model/init_random.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
+#include "train/advantages.h"
 #include "train/checkpoint.h"
 #include "train/environment.h"
 #include "train/episode.h"
@@ -178,6 +180,16 @@ TEST(CalculatorEnvironment, ByHandReferencesAnswerWithoutTheTool) {
                 HasSubstr("'by_hand' must be a number in [0, 1]"));
 }
 
+// Group-normalised advantages against their definition (train/advantages.h).
+TEST(Advantages, GroupNormalised) {
+  const std::vector<double> a = group_advantages({1, 0, 0, 1, 2, 2, 2, 2, 0, 3, 0, 0}, 4);
+  const double r3 = std::sqrt(3.0);  // {0, 3, 0, 0}: mean 3/4, standard deviation 3√3/4
+  const std::vector<double> want = {1, -1, -1, 1, 0, 0, 0, 0, -1 / r3, r3, -1 / r3, -1 / r3};
+  ASSERT_EQ(a.size(), want.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], want[i], 1e-5) << i;
+  EXPECT_THAT(k3test::error_of([] { group_advantages({1, 2, 3}, 2); }), HasSubstr("not groups of 2"));
+}
+
 // Each hop of the chain earns its reward once; the reference solution follows the chain; the answer is its end.
 TEST(KbEnvironment, HopsAreRewardedOnceAndTheAnswerIsTheChainsEnd) {
   auto env = make_environment("kb", {{"hops", 3}, {"hop_reward", 0.25}});
@@ -245,6 +257,35 @@ TEST(Episode, ToolTurnContinuesTheRendering) {
   req["messages"] = with, req["add_generation_prompt"] = true;
   EXPECT_EQ(ids, encode_segments(tok, render_chat(req)));
   EXPECT_GT(reference_tokens(tok, t), 10);
+}
+
+// An episode's draws are a function of its seed alone: the same ids run again or among other episodes (the batch
+// only changes the engine's rounding, 1e-6 at most on the log-probabilities), other ids under another seed.
+TEST(Episode, DrawsAreAFunctionOfTheSeed) {
+  TinyPolicy p;
+  const Tokenizer tok = Tokenizer::load_dir(p.model);
+  const std::unique_ptr<Engine> engine = Engine::load(p.model, EngineOptions{});
+  auto env = make_environment("kb", {{"hops", 2}});
+  EpisodeOptions eo;
+  eo.max_tokens = 12, eo.max_turns = 2;
+  auto run = [&](const std::vector<std::pair<int64_t, uint64_t>>& which) {  // (task, seed) per episode
+    std::vector<Episode> eps;
+    for (const auto& [task, seed] : which) eps.push_back(start_episode(tok, env->task(3, task), task, 0, seed));
+    std::vector<Episode*> ptrs;
+    for (Episode& e : eps) ptrs.push_back(&e);
+    run_episodes(*engine, tok, *env, ptrs, eo, 0, 0);
+    return eps;
+  };
+  const auto batch = run({{0, 11}, {1, 12}, {2, 13}, {0, 14}}), again = run({{0, 11}, {1, 12}, {2, 13}, {0, 14}});
+  for (size_t i = 0; i < batch.size(); ++i) {
+    EXPECT_EQ(batch[i].ids, again[i].ids) << i;
+    EXPECT_EQ(batch[i].logp, again[i].logp) << i;
+    EXPECT_GT(batch[i].generated(), 0) << i;
+  }
+  const auto alone = run({{1, 12}});
+  ASSERT_EQ(alone[0].ids, batch[1].ids);
+  for (size_t t = 0; t < alone[0].logp.size(); ++t) EXPECT_NEAR(alone[0].logp[t], batch[1].logp[t], 1e-6) << t;
+  EXPECT_NE(batch[0].ids, batch[3].ids);  // one task, two seeds
 }
 
 TEST(RlLoop, TrainerLogprobsAreTheSamplersWithRouterReplay) {

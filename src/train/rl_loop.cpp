@@ -21,10 +21,10 @@
 #include "model/config.h"
 #include "model/params.h"
 #include "tokenizer/xtml_chat.h"
+#include "train/advantages.h"
 #include "train/checkpoint.h"
 #include "train/optimizer.h"
 #include "train/policy_gradient.h"
-#include "train/rollout.h"
 
 namespace k3::train {
 

@@ -13,7 +13,7 @@
 //   3. Advantages, for the tasks whose K episodes have all finished (a finished episode waits for its group). Each
 //      sampled token t gets A_t = (G_t − mean R) / (std R + 1e-6): G_t the return from t on (outcome, effort, and
 //      the dense rewards at or after t), R the episodes' whole returns in the task's group; a group whose returns
-//      are all equal gets 0 everywhere (train/rollout.h: group_norms). Distillation (MOPD)
+//      are all equal gets 0 everywhere (train/advantages.h: group_norms). Distillation (MOPD)
 //      instead gives each sampled token its own reward clip(log π_teacher(y_t) − log π_old(y_t), −R_max, R_max),
 //      the teacher chosen per task (task index mod teacher count), and no group normalisation.
 //   4. One policy-gradient update (train/policy_gradient.h: PPO's clipped ratio to the policy that sampled each

@@ -13,7 +13,7 @@ double cross_entropy(const double* logits, const int32_t* target, int64_t N, int
 
 // log Σ_v exp(logits[v] / temperature), in double as max + log Σ exp(x − max) (a −inf logit contributes 0; at
 // least one must be finite). The one log-sum-exp of a logits row on the host: the training loss, the sampler's
-// log-probabilities (train/rollout.h), the server's logprobs.
+// log-probabilities (train/episode.h), the server's logprobs.
 double log_sum_exp(const float* logits, int64_t V, double temperature = 1.0);
 double log_sum_exp(const double* logits, int64_t V, double temperature = 1.0);
 

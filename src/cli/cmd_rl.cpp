@@ -69,7 +69,7 @@ struct RlFlags {
         ->capture_default_str();
     sub->add_flag("--no-router-replay", *no_replay,
                   "let the trainer route every position itself instead of reusing the rollout's experts "
-                  "(metrics.jsonl then says how often the routing differed)");
+                  "(with the CPU trainer, metrics.jsonl then says how often the routing differed)");
     sub->add_option("--device", *device, "where the updates run: cpu (float64) or cuda (one Hopper GPU)")
         ->check(CLI::IsMember({"cpu", "cuda"}))
         ->capture_default_str();

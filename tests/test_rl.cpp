@@ -5,6 +5,7 @@
 //     function of its seed;
 //   - the trainer's log-probabilities of the sampled tokens against the sampler's (CPU f32 engine, float64
 //     trainer) with router replay (the 1e-6), and without it the routing differences are counted;
+//   - rollouts on the float64 engine: the trainer's log-probabilities are the sampler's to rounding;
 //   - partial rollouts: which tokens came from which policy, carried episodes continuing under the next one;
 //   - exact resume; the effort reward's budget; distillation from the policy itself gives no update.
 #include <gmock/gmock.h>
@@ -322,6 +323,31 @@ TEST(RlLoop, TrainerLogprobsAreTheSamplersWithRouterReplay) {
               r["routing_differ"].get<double>(), r["logprob_mismatch_max"].get<double>());
   EXPECT_GE(r["routing_differ"].get<double>(), 0.0);
   EXPECT_LT(r["routing_differ"].get<double>(), 0.05);
+}
+
+// Rollouts on the float64 engine sample from the CPU trainer's own parameters: the trainer's log-probabilities are
+// the sampler's to rounding, with partial rollouts carrying episodes across updates (the engine reads the updated
+// parameters without a reload; distillation from another model makes every update move them).
+TEST(RlLoop, Float64RolloutsAreTheTrainersToRounding) {
+  TinyPolicy p;
+  RlOptions o = p.options("f64");
+  o.partial = 0.5, o.iterations = 3, o.prompts = 2, o.samples = 3;
+  o.teachers = {p.teacher};
+  o.rollout.precision = Precision::F64;
+  run_rl(o);
+  const auto recs = records(o.out_dir);
+  ASSERT_EQ(recs.size(), 3u);
+  int64_t stale = 0;
+  for (const auto& r : recs) {
+    std::printf("float64 rollouts, iteration %d: max |Δ log p| %.3g over %d tokens, gradient norm %.3g\n",
+                r["iteration"].get<int>(), r["logprob_mismatch_max"].get<double>(), r["trained_tokens"].get<int>(),
+                r["grad_norm"].get<double>());
+    EXPECT_GT(r["trained_tokens"].get<int>(), 0);
+    EXPECT_GT(r["grad_norm"].get<double>(), 0.0);
+    EXPECT_LE(r["logprob_mismatch_max"].get<double>(), 1e-11);
+    stale += r["stale_tokens"].get<int64_t>();
+  }
+  EXPECT_GT(stale, 0);  // later updates trained tokens an earlier policy sampled
 }
 
 // λ = 0.5: each iteration trains once half its episodes are done; the others go on under the next policy. Every

@@ -34,6 +34,7 @@ struct RlFlags {
   std::shared_ptr<std::string> device = std::make_shared<std::string>("cpu");
   std::shared_ptr<std::string> rollout_device = std::make_shared<std::string>();
   std::shared_ptr<std::string> precision = std::make_shared<std::string>();
+  std::shared_ptr<std::string> rollout_precision = std::make_shared<std::string>();
   std::shared_ptr<bool> no_replay = std::make_shared<bool>(false);
   std::shared_ptr<std::vector<double>> tau = std::make_shared<std::vector<double>>();
 
@@ -77,6 +78,11 @@ struct RlFlags {
         ->check(CLI::IsMember({"bf16", "f32"}));
     sub->add_option("--rollout-device", *rollout_device, "where the rollouts run: cpu or cuda (default: --device)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
+    sub->add_option("--rollout-precision", *rollout_precision,
+                    "CPU rollouts: f32 (the default; the inference engine) or f64 (the float64 engine, which with "
+                    "the CPU trainer samples from the trainer's own parameters: its log-probabilities equal the "
+                    "trainer's to rounding, at several times the rollout time)")
+        ->check(CLI::IsMember({"f32", "f64"}));
     sub->add_option("--seed", t.seed, "the tasks and every episode's draws")->capture_default_str();
     sub->add_option("--save-every", t.save_every, "checkpoint every N iterations (and at the end)")
         ->capture_default_str();
@@ -101,6 +107,12 @@ struct RlFlags {
     t.rollout.precision = t.rollout.device == Device::CUDA ? Precision::BF16 : Precision::F32;
     if (t.rollout.device == Device::CUDA && t.gpu && t.cuda.precision == GpuPrecision::F32)
       t.rollout.precision = Precision::F32;
+    if (!rollout_precision->empty()) {
+      if (t.rollout.device == Device::CUDA)
+        fail("--rollout-precision ", *rollout_precision,
+             ": for CPU rollouts; on the GPU the rollouts follow --precision");
+      t.rollout.precision = parse_precision(*rollout_precision, "--rollout-precision");
+    }
   }
 };
 

@@ -12,11 +12,12 @@ void add_device_options(CLI::App* sub, DeviceOptions& o) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--precision", o.precision,
-                  "f32 or bf16. cuda: bf16 (the default; bf16 weights and GEMM inputs, fp32 state and softmax) or "
-                  "f32 (parity: fp32 activations, fp64-accumulated GEMMs, no TF32). cpu: f32 (the default; fp32 "
-                  "activations, fp64 accumulation) or bf16 (the CPU twin of the GPU's bf16 path: activations "
-                  "rounded to bf16 where the GPU stores them)")
-      ->check(CLI::IsMember({"bf16", "f32"}));
+                  "f32, bf16 or f64. cuda: bf16 (the default; bf16 weights and GEMM inputs, fp32 state and softmax) "
+                  "or f32 (parity: fp32 activations, fp64-accumulated GEMMs, no TF32). cpu: f32 (the default; fp32 "
+                  "activations, fp64 accumulation), bf16 (the CPU twin of the GPU's bf16 path: activations "
+                  "rounded to bf16 where the GPU stores them) or f64 (the float64 engine: the trainer's forward, "
+                  "several times slower; for small models)")
+      ->check(CLI::IsMember({"bf16", "f32", "f64"}));
 }
 
 EngineOptions engine_options(const DeviceOptions& o) {

@@ -1,6 +1,12 @@
 #include "model/engine.h"
 
+#include <cstring>
+#include <filesystem>
+
 #include "core/error.h"
+#include "kernels/gemm/linear.h"
+#include "kernels/loss/cross_entropy.h"
+#include "model/training/engine_f64.h"
 
 namespace k3 {
 
@@ -12,10 +18,11 @@ Device parse_device(const std::string& s, const char* what) {
 Precision parse_precision(const std::string& s, const char* what) {
   if (s == "f32") return Precision::F32;
   if (s == "bf16") return Precision::BF16;
-  fail(what, ": expected f32 or bf16, got '", s, "'");
+  if (s == "f64") return Precision::F64;
+  fail(what, ": expected f32, bf16 or f64, got '", s, "'");
 }
 const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
-const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : "f32"; }
+const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : p == Precision::F64 ? "f64" : "f32"; }
 
 std::string Engine::description() const {
   const EngineOptions o = options();
@@ -123,6 +130,34 @@ class CpuEngine : public Engine {
       }
     c.length = last.length;
   }
+  // Engine::forward_pick, except that a sampled id's log-probability comes from logits accumulated and kept in
+  // float64 (the final norm's fp32 rows times lm_head) rather than from the fp32 logits it was drawn from.
+  // Rounding a logit of magnitude 32 to fp32 moves it by up to 1.9e-6, and an RL trainer holds these
+  // log-probabilities to its own float64 ones within 1e-6 (train/rl_loop.h). The id itself is drawn from the fp32
+  // logits, as on the GPU.
+  std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
+                                       const std::vector<std::vector<int32_t>>& tokens,
+                                       const std::vector<TokenPick>& picks, const ForwardHooks* hooks) override {
+    std::vector<size_t> want;
+    for (size_t b = 0; b < picks.size(); ++b)
+      if (picks[b].pick && !picks[b].greedy && picks[b].want_logprob) want.push_back(b);
+    if (want.empty()) return Engine::forward_pick(seqs, tokens, picks, hooks);
+    ForwardHooks h = hooks ? *hooks : ForwardHooks{};
+    std::vector<float> normed;
+    h.tensor = [&normed, user = h.tensor](const char* name, int64_t l, const float* p, int64_t rows, int64_t cols) {
+      if (user) user(name, l, p, rows, cols);
+      if (l == -1 && std::strcmp(name, "final_norm") == 0) normed.assign(p, p + rows * cols);
+    };
+    std::vector<PickResult> out = Engine::forward_pick(seqs, tokens, picks, &h);
+    const int64_t D = config().hidden_size, V = config().vocab_size, W = int64_t(want.size());
+    K3_ASSERT(normed.size() == seqs.size() * size_t(D));
+    std::vector<double> x(size_t(W * D)), logits(size_t(W * V));
+    for (size_t i = 0; i < want.size(); ++i) std::copy_n(&normed[want[i] * size_t(D)], D, &x[i * size_t(D)]);
+    linear_forward_f64(logits.data(), x.data(), W, m_->weights().lm_head);
+    for (size_t i = 0; i < want.size(); ++i)
+      out[want[i]].logprob = log_softmax_at(&logits[i * size_t(V)], V, out[want[i]].id, picks[want[i]].temperature);
+    return out;
+  }
   void reset(EngineSequence& seq) override { *caches_of<SequenceCache>(this, {&seq})[0] = m_->new_cache(); }
   void set_profile(bool on) override { m_->options().profile = on; }
   const BlockTimings& timings() const override { return m_->timings(); }
@@ -196,6 +231,11 @@ std::unique_ptr<Engine> Engine::on_gpu(std::shared_ptr<CudaModel> m) {
 }
 
 std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& o) {
+  if (o.precision == Precision::F64) {
+    if (o.device == Device::CUDA) fail("precision f64: the float64 engine runs on the CPU only");
+    const K3Config c = load_config((std::filesystem::path(dir) / "config.json").string());
+    return float64_engine(std::make_shared<const train::ParamStore>(train::ParamStore::from_model_dir(dir)), c);
+  }
   if (o.device == Device::CUDA)
     return on_gpu(CudaModel::load(dir, o.precision == Precision::BF16 ? GpuPrecision::BF16 : GpuPrecision::F32));
   std::shared_ptr<Model> m = Model::load(dir);

@@ -23,15 +23,16 @@ namespace k3 {
 
 enum class Device { CPU, CUDA };
 
-// Numerics of an engine. CPU: F32 (fp32 activations, fp64 accumulation) or BF16, the CPU twin of the
-// GPU's bf16 path (PathOptions::bf16_activations). CUDA: BF16 (serving) or F32 (parity).
-enum class Precision { F32, BF16 };
+// Numerics of an engine. CPU: F32 (fp32 activations, fp64 accumulation), BF16 (the CPU twin of the GPU's bf16
+// path, PathOptions::bf16_activations) or F64 (the float64 engine, model/training/engine_f64.h: the trainer's
+// numbers). CUDA: BF16 (serving) or F32 (parity).
+enum class Precision { F32, BF16, F64 };
 
 struct EngineOptions {
   Device device = Device::CPU;
   Precision precision = Precision::F32;
 };
-// "cpu"/"cuda" and "f32"/"bf16"; anything else is a k3::Error naming `what` (e.g. the CLI flag).
+// "cpu"/"cuda" and "f32"/"bf16"/"f64"; anything else is a k3::Error naming `what` (e.g. the CLI flag).
 Device parse_device(const std::string& s, const char* what);
 Precision parse_precision(const std::string& s, const char* what);
 const char* device_name(Device d);

@@ -20,6 +20,7 @@
 #include "kernels/loss/cross_entropy.h"
 #include "model/config.h"
 #include "model/params.h"
+#include "model/training/engine_f64.h"
 #include "tokenizer/xtml_chat.h"
 #include "train/advantages.h"
 #include "train/checkpoint.h"
@@ -200,14 +201,20 @@ RlResult run_rl(const RlOptions& o) {
   // The rollout engine holds the policy the trainer has: RUN/policy, rewritten after every update.
   const std::string policy_dir = (fs::path(o.out_dir) / "policy").string();
   std::unique_ptr<Engine> engine;
+  // With the CPU trainer and float64 rollouts, the engine samples from P itself, which store_values updates.
+  const bool sample_from_P = !o.gpu && o.rollout.precision == Precision::F64;
   auto sync_policy = [&]() {
     device->store_values(P);  // the values and the routers' biases; the optimizer state stays where it is
-    // The sampler runs fp32 weights. The CPU trainer's float64 parameters are rounded to them, so that it computes
-    // with exactly the policy that sampled (its update and optimizer state stay float64); the GPU trainer's
-    // master weights are fp32 already.
-    if (!o.gpu)
+    // The f32 sampler runs fp32 weights. The CPU trainer's float64 parameters are rounded to them, so that it
+    // computes with exactly the policy that sampled (its update and optimizer state stay float64); the GPU
+    // trainer's master weights are fp32 already.
+    if (!o.gpu && !sample_from_P)
       for (double& v : P.values()) v = double(float(v));
     write_model_dir(policy_dir, config_text, P, tokenizer_files);
+    if (sample_from_P) {
+      if (!engine) engine = float64_engine(std::shared_ptr<const ParamStore>(std::shared_ptr<void>(), &P), c);
+      return;
+    }
     engine.reset();
     engine = Engine::load(policy_dir, o.rollout);
   };

@@ -21,7 +21,8 @@
 //      with router replay (the trainer routes every position as the rollout did; the CPU trainer) or without.
 //      Before the update the trainer's log-probabilities of the tokens the current policy sampled are compared
 //      with the sampler's, and without replay how often the trainer's routing differs from the rollout's.
-//   5. The updated policy is written to RUN/policy and the rollout engine reloads it.
+//   5. The updated policy is written to RUN/policy and the rollout engine reloads it (the float64 engine with the
+//      CPU trainer reads the trainer's parameters, and needs no reload).
 // Metrics go to RUN/metrics.jsonl, one record per iteration (`k3 rl` then plots them: eval/plots.h); checkpoints (the trainer's state, the unfinished and
 // waiting episodes, the task counter) resume the run exactly.
 #pragma once

@@ -35,7 +35,8 @@ void recur_step(double* S, const double* k, const double* v, const double* g, do
 
 }  // namespace
 
-void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, int64_t C, const double* w, int64_t K) {
+void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, int64_t C, const double* w, int64_t K,
+                       const double* history) {
   const int64_t P = K - 1;
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -43,6 +44,7 @@ void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, in
       for (int64_t j = 0; j < K; ++j) {
         const int64_t s = t - P + j;
         if (s >= 0) acc += w[ch * K + j] * in[s * C + ch];
+        else if (history) acc += w[ch * K + j] * history[(P + s) * C + ch];
       }
       pre[t * C + ch] = acc;
       act[t * C + ch] = acc * sigmoid(acc);
@@ -165,13 +167,14 @@ void l2norm_backward(double* d_in, const double* d_out, const double* out, const
 // every state_every-th token for the backward.
 void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
-                               int64_t Dv, int64_t state_every) {
+                               int64_t Dv, int64_t state_every, double* state) {
   K3_CHECK(T >= 0 && H >= 1 && Dk >= 1 && Dv >= 1 && state_every >= 1, "kda_recurrent_forward_f64: bad sizes T ", T,
            ", H ", H, ", Dk ", Dk, ", Dv ", Dv, ", state_every ", state_every);
   const int64_t HDk = H * Dk, HDv = H * Dv, DD = Dk * Dv;
 #pragma omp parallel for schedule(static)
   for (int64_t h = 0; h < H; ++h) {
     std::vector<double> S(static_cast<size_t>(DD), 0.0), u(static_cast<size_t>(Dv)), delta(static_cast<size_t>(Dv));
+    if (state) std::copy_n(state + h * DD, DD, S.begin());
     for (int64_t t = 0; t < T; ++t) {
       if (states && t % state_every == 0) std::copy(S.begin(), S.end(), states + ((t / state_every) * H + h) * DD);
       const int64_t rk = t * HDk + h * Dk;
@@ -183,6 +186,7 @@ void kda_recurrent_forward_f64(double* o, double* states, const double* q, const
         for (int64_t j = 0; j < Dv; ++j) ot[j] += sq * S[size_t(cc * Dv + j)];
       }
     }
+    if (state) std::copy(S.begin(), S.end(), state + h * DD);
   }
 }
 

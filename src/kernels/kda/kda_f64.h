@@ -8,8 +8,10 @@
 namespace k3::kda {
 
 // Causal depthwise conv over T tokens of C channels, zero history: pre[t,c] = sum_j w[c,j] in[t-(K-1)+j, c]
-// (tap K-1 is the current token, w [C, K]), then act = SiLU(pre).
-void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, int64_t C, const double* w, int64_t K);
+// (tap K-1 is the current token, w [C, K]), then act = SiLU(pre). history (null: zeros) [K-1, C]: the K-1 inputs
+// before token 0, oldest first (a decoding sequence's tail; the backward knows only zero history).
+void conv_silu_forward(double* pre, double* act, const double* in, int64_t T, int64_t C, const double* w, int64_t K,
+                       const double* history = nullptr);
 // d_in [T, C] OVERWRITTEN; dw [C, K] ACCUMULATED.
 void conv_silu_backward(double* d_in, double* dw, const double* d_act, const double* pre, const double* in, int64_t T,
                         int64_t C, const double* w, int64_t K);
@@ -40,9 +42,11 @@ void l2norm_backward(double* d_in, const double* d_out, const double* out, const
 // `states` ([ceil(T/state_every), H, Dk, Dv], may be nullptr in the forward) holds S_{t-1} at every
 // state_every-th token, which for state_every == chunk is exactly the chunked form's chunk_states; the
 // backward recomputes the states in between. Per token it does O(Dk Dv) rank-1 and matrix-vector work.
+// state (null: S_0 = 0) [H, Dk, Dv]: the state before token 0 on entry, after token T-1 on return (a decoding
+// sequence's; the backward knows only S_0 = 0).
 void kda_recurrent_forward_f64(double* o, double* states, const double* q, const double* k, const double* v,
                                const double* g, const double* beta, double scale, int64_t T, int64_t H, int64_t Dk,
-                               int64_t Dv, int64_t state_every);
+                               int64_t Dv, int64_t state_every, double* state = nullptr);
 // Outputs OVERWRITTEN, as kda_chunk_backward_f64.
 void kda_recurrent_backward_f64(double* dq, double* dk, double* dv, double* dg, double* dbeta, const double* d_o,
                                 const double* states, const double* q, const double* k, const double* v,

@@ -9,12 +9,12 @@ namespace k3::mla {
 namespace {
 
 // Scaled causal scores of query row t of head h: out[s] = scale·(q_nope·k_nope(s) + q_rot·k_rot(s)),
-// s = 0..t.
+// s = 0..last (the query's position).
 void head_scores(double* out, const double* q, int64_t ldq, const double* kv, int64_t ldkv, const double* k_rot,
-                 int64_t ldr, const Dims& d, int64_t h, int64_t t, double scale) {
+                 int64_t ldr, const Dims& d, int64_t h, int64_t t, int64_t last, double scale) {
   const int64_t dq = d.Dn + d.Dr, dkv = d.Dn + d.Dv;
   const double* qt = q + t * ldq + h * dq;  // [q_nope | q_rot]
-  for (int64_t s = 0; s <= t; ++s) {
+  for (int64_t s = 0; s <= last; ++s) {
     const double* kn = kv + s * ldkv + h * dkv;
     const double* kr = k_rot + s * ldr;
     double acc = 0.0;
@@ -33,21 +33,23 @@ double sigmoid(double z) {  // split by sign so exp never overflows
 }  // namespace
 
 void attention_forward_f64(double* o, int64_t ldo, double* lse, const double* q, int64_t ldq, const double* kv,
-                           int64_t ldkv, const double* k_rot, int64_t ldr, int64_t T, const Dims& d, double scale) {
+                           int64_t ldkv, const double* k_rot, int64_t ldr, int64_t T, const Dims& d, double scale,
+                           int64_t past) {
   const int64_t dkv = d.Dn + d.Dv;
-  std::vector<double> pr(static_cast<size_t>(T));
+  std::vector<double> pr(static_cast<size_t>(past + T));
   for (int64_t h = 0; h < d.H; ++h) {
     for (int64_t t = 0; t < T; ++t) {
-      head_scores(pr.data(), q, ldq, kv, ldkv, k_rot, ldr, d, h, t, scale);
-      double mx = -INFINITY;  // max-subtracted softmax over s = 0..t (causal)
-      for (int64_t s = 0; s <= t; ++s) mx = std::max(mx, pr[size_t(s)]);
+      const int64_t last = past + t;  // the query's position: it attends to keys 0..last
+      head_scores(pr.data(), q, ldq, kv, ldkv, k_rot, ldr, d, h, t, last, scale);
+      double mx = -INFINITY;  // max-subtracted softmax over s = 0..last (causal)
+      for (int64_t s = 0; s <= last; ++s) mx = std::max(mx, pr[size_t(s)]);
       double z = 0.0;
-      for (int64_t s = 0; s <= t; ++s) z += (pr[size_t(s)] = std::exp(pr[size_t(s)] - mx));
+      for (int64_t s = 0; s <= last; ++s) z += (pr[size_t(s)] = std::exp(pr[size_t(s)] - mx));
       lse[h * T + t] = mx + std::log(z);
-      // o_t = Σ_s P_ts v_s, summed into a zeroed row in order s = 0..t.
+      // o_t = Σ_s P_ts v_s, summed into a zeroed row in order s = 0..last.
       double* orow = o + t * ldo + h * d.Dv;
       std::fill(orow, orow + d.Dv, 0.0);
-      for (int64_t s = 0; s <= t; ++s) {
+      for (int64_t s = 0; s <= last; ++s) {
         const double w = pr[size_t(s)] / z;
         const double* v = kv + s * ldkv + h * dkv + d.Dn;
         for (int64_t j = 0; j < d.Dv; ++j) orow[j] += w * v[j];
@@ -71,7 +73,7 @@ void attention_backward_f64(double* dq, int64_t lddq, double* dkv, int64_t lddkv
     for (int64_t t = 0; t < T; ++t) {
       // P_ts = exp(S_ts - lse_t), recomputed from the saved log-sum-exp.
       double* pr = prow.data();
-      head_scores(pr, q, ldq, kv, ldkv, k_rot, ldr, d, h, t, scale);
+      head_scores(pr, q, ldq, kv, ldkv, k_rot, ldr, d, h, t, t, scale);
       for (int64_t s = 0; s <= t; ++s) pr[s] = std::exp(pr[s] - lse[h * T + t]);
       const double* dot = dO + t * lddo + h * d.Dv;
       double sum = 0.0;  // Σ_s P_ts dP_ts

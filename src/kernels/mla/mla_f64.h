@@ -17,8 +17,11 @@ namespace k3::mla {
 
 // o OVERWRITTEN (H*Dv columns per row). lse [H, T]: log Σ_s exp(S_ts) per head and query row, saved
 // so the backward recomputes P instead of keeping [H, T, T].
+// past > 0 (decoding; the backward knows only past = 0): the T query rows are positions past..past+T-1 of a
+// sequence whose kv and k_rot hold all past + T rows, and query row t attends to rows 0..past+t.
 void attention_forward_f64(double* o, int64_t ldo, double* lse, const double* q, int64_t ldq, const double* kv,
-                           int64_t ldkv, const double* k_rot, int64_t ldr, int64_t T, const Dims& d, double scale);
+                           int64_t ldkv, const double* k_rot, int64_t ldr, int64_t T, const Dims& d, double scale,
+                           int64_t past = 0);
 
 // Backward of attention_forward_f64 given dO (same layout as o) and the saved lse:
 //   dP_ts = do_t·v_s;  dv_s = Σ_t P_ts do_t;  dS_ts = P_ts (dP_ts - Σ_s' P_ts' dP_ts')

@@ -86,8 +86,9 @@ Tensors<Ptr> resolve(const ParamStore& P, const Names& n, const Dims& d, Get get
 }  // namespace
 
 void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
-                       const double* x, int64_t T, double* y, KdaBlockTape* tape) {
+                       const double* x, int64_t T, double* y, KdaBlockTape* tape, KdaDecodeState* state) {
   const Dims d = dims_of(c, layer);
+  K3_CHECK(!(tape && state), "kda_block_forward: a decoding forward saves no tape");
   const Names names(prefix);
   const auto W = resolve<const double*>(P, names, d, [&](const std::string& n, int64_t e) { return P.p(n, e); });
   K3_CHECK(T >= 0, "kda_block_forward: T must be >= 0, got ", T);
@@ -112,9 +113,25 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   linear_forward(tp.qp.data(), x, W.q, T, hid, HD);
   linear_forward(tp.kp.data(), x, W.k, T, hid, HD);
   linear_forward(tp.vp.data(), x, W.v, T, hid, HD);
-  kda::conv_silu_forward(tp.qc.data(), tp.qs.data(), tp.qp.data(), T, HD, W.qc, d.K);
-  kda::conv_silu_forward(tp.kc.data(), tp.ks.data(), tp.kp.data(), T, HD, W.kc, d.K);
-  kda::conv_silu_forward(tp.vc.data(), tp.v.data(), tp.vp.data(), T, HD, W.vc, d.K);
+  if (state) {
+    for (auto* v : {&state->q_tail, &state->k_tail, &state->v_tail})
+      if (v->empty()) v->assign(size_t((d.K - 1) * HD), 0.0);
+    if (state->S.empty()) state->S.assign(size_t(H * D * D), 0.0);
+    K3_CHECK(int64_t(state->q_tail.size()) == (d.K - 1) * HD && int64_t(state->S.size()) == H * D * D,
+             "kda_block_forward: layer ", layer, "'s decoding state is from another config");
+  }
+  kda::conv_silu_forward(tp.qc.data(), tp.qs.data(), tp.qp.data(), T, HD, W.qc, d.K,
+                         state ? state->q_tail.data() : nullptr);
+  kda::conv_silu_forward(tp.kc.data(), tp.ks.data(), tp.kp.data(), T, HD, W.kc, d.K,
+                         state ? state->k_tail.data() : nullptr);
+  kda::conv_silu_forward(tp.vc.data(), tp.v.data(), tp.vp.data(), T, HD, W.vc, d.K,
+                         state ? state->v_tail.data() : nullptr);
+  if (state)  // the new tails: the last K-1 rows of (old tail, new inputs)
+    for (auto [tail, in] : {std::pair{&state->q_tail, &tp.qp}, {&state->k_tail, &tp.kp}, {&state->v_tail, &tp.vp}}) {
+      std::vector<double> all(*tail);
+      all.insert(all.end(), in->begin(), in->end());
+      tail->assign(all.end() - std::ptrdiff_t((d.K - 1) * HD), all.end());
+    }
 
   // 2. Per-head L2 norm of q and k (v is not normalised).
   kda::l2norm_forward(tp.q.data(), tp.q_inv.data(), tp.qs.data(), T * H, D, kL2Eps);
@@ -132,9 +149,10 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   // 5. The recurrence (kernels/kda/kda_chunk_f64.h), chunked unless the tape asks for the recurrent reference twin. The
   // states entering every state_every-th token (= every chunk) are saved for the backward.
   double* states = n_ckpt > 0 ? tp.states.data() : nullptr;
-  if (tp.recurrent_reference)
+  if (tp.recurrent_reference || state)
     kda::kda_recurrent_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(),
-                                   tp.beta.data(), d.scale, T, H, D, D, tp.state_every);
+                                   tp.beta.data(), d.scale, T, H, D, D, tp.state_every,
+                                   state ? state->S.data() : nullptr);
   else
     kda::kda_chunk_forward_f64(tp.o.data(), states, tp.q.data(), tp.k.data(), tp.v.data(), tp.g.data(), tp.beta.data(),
                                d.scale, T, H, D, D, tp.state_every);

@@ -66,10 +66,19 @@ struct KdaBlockTape {
   std::vector<double> states;        // [ceil(T/state_every), H, D, D] S_{t-1} at t = 0, state_every, ...
 };
 
+// What a decoding sequence carries from one forward to the next (model/training/engine_f64.h): the last K-1
+// inputs of each short conv, oldest first, and the recurrent state. Empty: a fresh sequence (zeros).
+struct KdaDecodeState {
+  std::vector<double> q_tail, k_tail, v_tail;  // [K-1, HD]
+  std::vector<double> S;                       // [H, D, D], key-major
+};
+
 // x: [T, hidden] (the normalised block input); y: [T, hidden] (overwritten). tape may be nullptr.
+// state (decoding, with no tape): the T tokens continue the sequence `state` describes, and `state` then holds
+// them too. The recurrence then runs in the token-by-token form, which continues a state.
 // Throws k3::Error naming the tensor on a missing or mis-sized parameter, or on a bad config/layer.
 void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
-                       const double* x, int64_t T, double* y, KdaBlockTape* tape);
+                       const double* x, int64_t T, double* y, KdaBlockTape* tape, KdaDecodeState* state = nullptr);
 
 // dy: [T, hidden]; dx: [T, hidden] (OVERWRITTEN). Parameter gradients are ACCUMULATED into P.g(...).
 void kda_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,

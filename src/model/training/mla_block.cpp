@@ -66,8 +66,9 @@ mla::Dims core_dims(const Dims& d) { return {d.H, d.Dn, d.Dr, d.Dv, d.R}; }
 }  // namespace
 
 void mla_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
-                       const double* x, int64_t T, double* y, MlaBlockTape* tape) {
+                       const double* x, int64_t T, double* y, MlaBlockTape* tape, MlaDecodeState* state) {
   check_layer(c, layer);
+  K3_CHECK(!(tape && state), "mla_block_forward: a decoding forward saves no tape");
   const Dims d = dims_of(c);
   const Names n = names_of(prefix);
   if (T <= 0) fail("mla_block_forward: T must be positive, got ", T);
@@ -115,8 +116,21 @@ void mla_block_forward(const ParamStore& P, const std::string& prefix, const K3C
   const int64_t ldkv = d.H * d.dkv, ldo = d.H * d.Dv;
   tp.lse.assign(size_t(d.H) * sT, 0.0);
   tp.o.assign(sT * size_t(ldo), 0.0);
-  mla::attention_forward_f64(tp.o.data(), ldo, tp.lse.data(), tp.q.data(), d.H * d.dq, tp.kv.data(), ldkv,
-                             tp.ckv.data() + d.R, d.ldc, T, core_dims(d), scale);
+  if (state) {  // this forward's rows join the sequence's, and the queries attend to all of them
+    K3_CHECK(int64_t(state->kv.size()) == state->length * ldkv && int64_t(state->k_rot.size()) == state->length * d.Dr,
+             "mla_block_forward: layer ", layer, "'s decoding state is from another config");
+    state->kv.insert(state->kv.end(), tp.kv.begin(), tp.kv.end());
+    for (int64_t t = 0; t < T; ++t) {
+      const double* r = &tp.ckv[size_t(t * d.ldc + d.R)];
+      state->k_rot.insert(state->k_rot.end(), r, r + d.Dr);
+    }
+    mla::attention_forward_f64(tp.o.data(), ldo, tp.lse.data(), tp.q.data(), d.H * d.dq, state->kv.data(), ldkv,
+                               state->k_rot.data(), d.Dr, T, core_dims(d), scale, state->length);
+    state->length += T;
+  } else {
+    mla::attention_forward_f64(tp.o.data(), ldo, tp.lse.data(), tp.q.data(), d.H * d.dq, tp.kv.data(), ldkv,
+                               tp.ckv.data() + d.R, d.ldc, T, core_dims(d), scale);
+  }
 
   // Output gate: og = o ⊙ sigmoid(g_proj x) (full rank, per channel), then y = o_proj og.
   if (d.gated) {

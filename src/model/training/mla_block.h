@@ -46,10 +46,19 @@ struct MlaBlockTape {
   std::vector<double> og;       // [T, H*Dv] gated output: the input of o_proj
 };
 
+// What a decoding sequence carries from one forward to the next (model/training/engine_f64.h): every earlier
+// position's keys and values, in the expanded form.
+struct MlaDecodeState {
+  int64_t length = 0;
+  std::vector<double> kv;     // [length, H*(Dn+Dv)] kv_b's output
+  std::vector<double> k_rot;  // [length, Dr]
+};
+
 // x: [T, hidden], the already-RMS-normalised block input; y: [T, hidden] (overwritten).
-// tape: nullptr for no saving.
+// tape: nullptr for no saving. state (decoding, with no tape): the T tokens are positions length..length+T-1 of
+// the sequence `state` holds, and `state` then holds them too.
 void mla_block_forward(const ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,
-                       const double* x, int64_t T, double* y, MlaBlockTape* tape);
+                       const double* x, int64_t T, double* y, MlaBlockTape* tape, MlaDecodeState* state = nullptr);
 
 // dy: [T, hidden]; dx: [T, hidden] (OVERWRITTEN). Parameter gradients are ACCUMULATED into P.g(...).
 void mla_block_backward(ParamStore& P, const std::string& prefix, const K3Config& c, int64_t layer,

@@ -83,7 +83,8 @@ class TrainBackend {
   // head() computes dlogits for head_backward when `backward`; `logits_out` (optional) gets [T, V].
   TrainBackend(ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
                const std::vector<TrainInputRows>& rows, const TokenMask* trained, const TokenWeights* weights,
-               const TrainHooks* hooks, bool backward, double grad_scale, std::vector<double>* logits_out)
+               const TrainHooks* hooks, bool backward, double grad_scale, std::vector<double>* logits_out,
+               DecodeState* decode = nullptr)
       : P_(P),
         c_(c),
         ids_(ids),
@@ -100,8 +101,13 @@ class TrainBackend {
         out_(size_t(T_ * D_)),
         backward_(backward),
         grad_scale_(grad_scale),
-        logits_out_(logits_out) {
+        logits_out_(logits_out),
+        decode_(decode) {
     for (const TrainInputRows& r : rows_) std::fill_n(from_rows_.begin() + r.at, r.n, true);
+    if (decode_) {
+      K3_CHECK(!backward_, "training: a decoding forward has no backward");
+      decode_->kda.resize(size_t(c.num_hidden_layers)), decode_->mla.resize(size_t(c.num_hidden_layers));
+    }
   }
 
   bool profiling() const { return false; }
@@ -144,7 +150,11 @@ class TrainBackend {
   Act attention(int64_t l) {
     LayerTape& L = tape_[size_t(l)];
     const std::string p = layer_prefix(l);
-    if (c_.layer_kind[size_t(l)] == AttnKind::KDA) {
+    if (decode_ && c_.layer_kind[size_t(l)] == AttnKind::KDA) {
+      kda_block_forward(P_, p, c_, l, L.attn_in.xn.data(), T_, out_.data(), nullptr, &decode_->kda[size_t(l)]);
+    } else if (decode_) {
+      mla_block_forward(P_, p, c_, l, L.attn_in.xn.data(), T_, out_.data(), nullptr, &decode_->mla[size_t(l)]);
+    } else if (c_.layer_kind[size_t(l)] == AttnKind::KDA) {
       L.kda_tape = std::make_unique<KdaBlockTape>();
       kda_block_forward(P_, p, c_, l, L.attn_in.xn.data(), T_, out_.data(), L.kda_tape.get());
     } else {
@@ -193,6 +203,10 @@ class TrainBackend {
     const int64_t V = c_.vocab_size;
     std::vector<double> logits(size_t(T_ * V));
     linear_forward(logits.data(), final_.xn.data(), P_.p(lm_head_, V * D_), T_, D_, V);
+    if (decode_) {  // logits only: the targets are not known yet
+      *logits_out_ = std::move(logits);
+      return 0.0;
+    }
     std::vector<int32_t> target(static_cast<size_t>(T_), -1);
     for (int64_t t = 0; t + 1 < T_; ++t)
       if (!from_rows_[size_t(t + 1)] && (!trained_ || (*trained_)[size_t(t + 1)]))
@@ -296,6 +310,7 @@ class TrainBackend {
   const bool backward_;
   const double grad_scale_;
   std::vector<double>* const logits_out_;
+  DecodeState* const decode_;  // decoding: the sequence the tokens continue
 };
 
 }  // namespace
@@ -329,6 +344,19 @@ double sequence_loss(ParamStore& P, const K3Config& c, const std::vector<int32_t
   const double loss = decoder_forward(be, c, nullptr, &tape);
   if (backward) decoder_backward(be, c, tape);
   return loss;
+}
+
+void sequence_decode(const ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                     const std::vector<TrainInputRows>& rows, DecodeState& state, std::vector<double>& logits,
+                     const TrainHooks* hooks) {
+  if (ids.empty()) fail("decoding: no new tokens");
+  for (const TrainInputRows& r : rows)
+    K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= int64_t(ids.size()) && (r.data || r.n == 0),
+             "decoding: input rows [", r.at, ", ", r.at + r.n, ") of ", ids.size(), " new tokens");
+  // A forward without a backward reads the parameters only; TrainBackend takes them mutable for its gradients.
+  TrainBackend be(const_cast<ParamStore&>(P), c, ids, rows, nullptr, nullptr, hooks, false, 0.0, &logits, &state);
+  decoder_forward(be, c, nullptr);
+  state.length += int64_t(ids.size());
 }
 
 int64_t target_count(int64_t T, const std::vector<TrainInputRows>& rows, const TokenMask* trained) {

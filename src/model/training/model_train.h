@@ -14,6 +14,8 @@
 
 #include "model/config.h"
 #include "model/params.h"
+#include "model/training/kda_block.h"
+#include "model/training/mla_block.h"
 
 namespace k3::train {
 
@@ -80,6 +82,22 @@ void check_per_token(const std::vector<std::vector<int32_t>>& pieces, const std:
 // (empty for a dense layer). A k3::Error from replay_hook when a MoE layer's entry is not T × K.
 using RouterReplay = std::vector<std::vector<int32_t>>;
 std::function<const int32_t*(int64_t layer)> replay_hook(const RouterReplay& r, const K3Config& c, int64_t T);
+
+// A decoding sequence's float64 state (model/training/engine_f64.h): per layer, its KDA or MLA state (the other
+// entry unused), and the tokens it holds.
+struct DecodeState {
+  int64_t length = 0;
+  std::vector<KdaDecodeState> kda;
+  std::vector<MlaDecodeState> mla;
+};
+
+// The float64 forward of `ids`, continuing the sequence `state` holds (fresh: a DecodeState{}), which then holds
+// them too: `logits` gets [T, V], one row per new token. The same schedule and block forwards as sequence_loss, but
+// KDA's recurrence runs token by token from the state (the chunked form starts at zero), and it reads P only.
+// rows: input rows among the new tokens (at relative to them). hooks: on_moe, router_bias and router_replay.
+void sequence_decode(const ParamStore& P, const K3Config& c, const std::vector<int32_t>& ids,
+                     const std::vector<TrainInputRows>& rows, DecodeState& state, std::vector<double>& logits,
+                     const TrainHooks* hooks = nullptr);
 
 // Names of the parameters that are trained (everything float except the router's selection bias).
 std::vector<std::string> trainable_names(const ParamStore& P);

@@ -5,7 +5,8 @@
 //     function of its seed;
 //   - the trainer's log-probabilities of the sampled tokens against the sampler's (CPU f32 engine, float64
 //     trainer) with router replay (the 1e-6), and without it the routing differences are counted;
-//   - rollouts on the float64 engine: the trainer's log-probabilities are the sampler's to rounding;
+//   - rollouts on the float64 engine: the trainer's log-probabilities are the sampler's to rounding, and in the
+//     deterministic mode bit for bit;
 //   - partial rollouts: which tokens came from which policy, carried episodes continuing under the next one;
 //   - exact resume; the effort reward's budget; distillation from the policy itself gives no update.
 #include <gmock/gmock.h>
@@ -18,6 +19,7 @@
 
 #include "core/error.h"
 #include "eval/plots.h"
+#include "kernels/gemm/linear_f64.h"
 #include "model/init_random.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/xtml_chat.h"
@@ -348,6 +350,52 @@ TEST(RlLoop, Float64RolloutsAreTheTrainersToRounding) {
     stale += r["stale_tokens"].get<int64_t>();
   }
   EXPECT_GT(stale, 0);  // later updates trained tokens an earlier policy sampled
+}
+
+// The deterministic mode: the trainer's log-probabilities are the float64 sampler's bit for bit, through updates
+// and partial rollouts; and the batch-invariant forward is off again after the run.
+TEST(RlLoop, DeterministicModeIsBitwise) {
+  TinyPolicy p;
+  RlOptions o = p.options("deterministic");
+  o.partial = 0.5, o.iterations = 3, o.prompts = 2, o.samples = 3;
+  o.teachers = {p.teacher};
+  o.rollout.precision = Precision::F64, o.deterministic = true;
+  run_rl(o);
+  EXPECT_FALSE(f64_batch_invariant());
+  for (const auto& r : records(o.out_dir)) {
+    EXPECT_GT(r["trained_tokens"].get<int>(), 0);
+    EXPECT_GT(r["grad_norm"].get<double>(), 0.0);
+    EXPECT_EQ(r["logprob_mismatch_max"].get<double>(), 0.0) << "iteration " << r["iteration"];
+  }
+  RlOptions f32 = p.options("deterministic-f32");
+  f32.deterministic = true;
+  EXPECT_THAT(k3test::error_of([&] { run_rl(f32); }), HasSubstr("--deterministic: needs the CPU trainer"));
+}
+
+// A deterministic run without a KL term has nothing above zero for the mismatch plot's log scale: it is drawn on a
+// linear one, and says why. With one value above zero, the log scale is back.
+TEST(RlPlots, AllZeroMismatchIsDrawnOnALinearScale) {
+  k3test::TempDir dir("rl-plot");
+  auto script = [&](double kl) {
+    {
+      std::ofstream m(dir.file("metrics.jsonl"));
+      for (int i = 1; i <= 2; ++i)
+        m << ojson{{"iteration", i},
+                   {"reward", 0.5},
+                   {"logprob_mismatch_max", 0.0},
+                   {"logprob_mismatch_mean", 0.0},
+                   {"kl", i == 2 ? kl : 0.0}}
+                 .dump()
+          << "\n";
+    }
+    eval::write_rl_plots(dir.path().string(), dir.file("metrics.jsonl"), "");
+    std::ifstream gp(dir.file("plot-data/rl_mismatch.gp"));
+    return std::string((std::istreambuf_iterator<char>(gp)), std::istreambuf_iterator<char>());
+  };
+  const std::string zero = script(0.0);
+  EXPECT_THAT(zero, HasSubstr("all zero: bit for bit"));
+  EXPECT_THAT(zero, ::testing::Not(HasSubstr("logscale")));
+  EXPECT_THAT(script(1e-9), HasSubstr("set logscale y"));
 }
 
 // λ = 0.5: each iteration trains once half its episodes are done; the others go on under the next policy. Every

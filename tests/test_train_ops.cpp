@@ -53,6 +53,31 @@ TEST(TrainOps, LinearBackwardMatchesFiniteDifferences) {
   expect_fd(loss, W, dW, "dW");
 }
 
+// The batch-invariant forward (RL's deterministic mode): every row of a product is the same bits whatever rows came
+// with it (here: alone, in a batch of 37, strided), and the product is dgemm's to rounding. Sizes with a remainder
+// after the four interleaved sums, and large enough that threads share the work.
+TEST(TrainOps, BatchInvariantLinearRowsDoNotDependOnTheBatch) {
+  std::mt19937 rng(2);
+  const int64_t N = 37, in = 203, out = 130;
+  const std::vector<double> x = randn(N * in, rng), W = randn(out * in, rng);
+  std::vector<double> blas(N * out), batch(N * out), strided(N * (out + 3));
+  linear_forward(blas.data(), x.data(), W.data(), N, in, out);
+  set_f64_batch_invariant(true);
+  linear_forward(batch.data(), x.data(), W.data(), N, in, out);
+  linear_forward_strided(strided.data(), out + 3, x.data(), in, W.data(), N, in, out);
+  for (int64_t n = 0; n < N; ++n) {
+    std::vector<double> alone(out);
+    linear_forward(alone.data(), x.data() + n * in, W.data(), 1, in, out);
+    for (int64_t o = 0; o < out; ++o) {
+      ASSERT_EQ(alone[o], batch[n * out + o]) << "row " << n << " output " << o;
+      ASSERT_EQ(strided[n * (out + 3) + o], batch[n * out + o]) << "row " << n << " output " << o;
+      EXPECT_NEAR(batch[n * out + o], blas[n * out + o], 1e-12 * std::sqrt(double(in))) << n << ", " << o;
+    }
+  }
+  set_f64_batch_invariant(false);
+  EXPECT_FALSE(f64_batch_invariant());
+}
+
 TEST(TrainOps, RmsNormBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {
   std::mt19937 rng(2);
   const int64_t N = 3, D = 6;

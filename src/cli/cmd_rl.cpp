@@ -36,6 +36,7 @@ struct RlFlags {
   std::shared_ptr<std::string> precision = std::make_shared<std::string>();
   std::shared_ptr<std::string> rollout_precision = std::make_shared<std::string>();
   std::shared_ptr<bool> no_replay = std::make_shared<bool>(false);
+  std::shared_ptr<bool> deterministic = std::make_shared<bool>(false);
   std::shared_ptr<std::vector<double>> tau = std::make_shared<std::vector<double>>();
 
   void add(CLI::App* sub) {
@@ -83,6 +84,10 @@ struct RlFlags {
                     "the CPU trainer samples from the trainer's own parameters: its log-probabilities equal the "
                     "trainer's to rounding, at several times the rollout time)")
         ->check(CLI::IsMember({"f32", "f64"}));
+    sub->add_flag("--deterministic", *deterministic,
+                  "the trainer's log-probabilities of the sampled tokens equal the sampler's bit for bit: float64 "
+                  "rollouts (implied) and a batch-invariant float64 forward in both, the KDA recurrence token by "
+                  "token; the CPU trainer only, several times slower");
     sub->add_option("--seed", t.seed, "the tasks and every episode's draws")->capture_default_str();
     sub->add_option("--save-every", t.save_every, "checkpoint every N iterations (and at the end)")
         ->capture_default_str();
@@ -107,6 +112,9 @@ struct RlFlags {
     t.rollout.precision = t.rollout.device == Device::CUDA ? Precision::BF16 : Precision::F32;
     if (t.rollout.device == Device::CUDA && t.gpu && t.cuda.precision == GpuPrecision::F32)
       t.rollout.precision = Precision::F32;
+    t.deterministic = *deterministic;
+    if (t.deterministic && rollout_precision->empty() && t.rollout.device == Device::CPU)
+      t.rollout.precision = Precision::F64;
     if (!rollout_precision->empty()) {
       if (t.rollout.device == Device::CUDA)
         fail("--rollout-precision ", *rollout_precision,

@@ -349,6 +349,7 @@ std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::st
         "kl tool_calls_per_episode\n";
   ev << "# iteration eval_success eval_tokens eval_sampled_success\n";
   int64_t n = 0;
+  bool any_positive = false;  // a mismatch or KL above zero (a deterministic run's are all zero)
   for (const JsonlRecord& r : read_jsonl(metrics_path, "RL metrics", InputRole::kOwnState).records) {
     const nlohmann::json& j = r.value;
     auto get = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
@@ -357,6 +358,7 @@ std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::st
          << num(get("eval_sampled_success")) << '\n';
     } else if (j.contains("reward")) {
       ++n;
+      for (const char* k : {"logprob_mismatch_max", "logprob_mismatch_mean", "kl"}) any_positive |= get(k) > 0;
       it << num(get("iteration")) << ' ' << num(get("reward")) << ' ' << num(get("success")) << ' '
          << num(get("tokens_per_episode")) << ' ' << num(get("effort_violations")) << ' '
          << num(get("logprob_mismatch_max")) << ' ' << num(get("logprob_mismatch_mean")) << ' ' << num(get("kl")) << ' '
@@ -384,12 +386,21 @@ std::vector<PlotResult> write_rl_plots(const std::string& out_dir, const std::st
              "plot 'rl.dat' using 1:4 with lines lw 2 lc rgb '#1f77b4' title 'tokens per episode', \\\n"
              "  'rl_eval.dat' using 1:3 with linespoints pt 7 ps 1.4 lc rgb '#d62728' title 'held-out (greedy)', \\\n"
              "  'rl.dat' using 1:5 axes x1y2 with lines lw 1.5 dt 2 lc rgb '#ff7f0e' title 'over budget'\n");
+  // A log scale, on which zeros (bit-for-bit iterations) are left out; when every value is zero, a linear one.
+  auto column = [&](int c) {
+    return "($" + std::to_string(c) + (any_positive ? " > 0 ? $" + std::to_string(c) + " : NaN)" : ")");
+  };
   w.emit("rl_mismatch", data,
-         head + "set title 'Trainer against sampler: " + metrics_path + "'\nset logscale y\n" +
-             "set ylabel '|log p_trainer - log p_sampler|'\n"
-             "plot 'rl.dat' using 1:($6 > 0 ? $6 : NaN) with lines lw 2 lc rgb '#d62728' title 'largest', \\\n"
-             "  'rl.dat' using 1:($7 > 0 ? $7 : NaN) with lines lw 2 lc rgb '#1f77b4' title 'mean', \\\n"
-             "  'rl.dat' using 1:($8 > 0 ? $8 : NaN) with lines lw 1.5 dt 2 lc rgb '#7f7f7f' title 'KL term'\n");
+         head + "set title 'Trainer against sampler: " + metrics_path + "'\n" +
+             (any_positive ? "set logscale y\n" : "set yrange [-1:1]\n") +
+             "set ylabel '|log p_trainer - log p_sampler|" + (any_positive ? "" : " (all zero: bit for bit)") +
+             "'\nplot 'rl.dat' using 1:" + column(6) +
+             " with lines lw 2 lc rgb '#d62728' title 'largest', \\\n"
+             "  'rl.dat' using 1:" +
+             column(7) +
+             " with lines lw 2 lc rgb '#1f77b4' title 'mean', \\\n"
+             "  'rl.dat' using 1:" +
+             column(8) + " with lines lw 1.5 dt 2 lc rgb '#7f7f7f' title 'KL term'\n");
   return w.results;
 }
 

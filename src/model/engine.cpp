@@ -1,10 +1,8 @@
 #include "model/engine.h"
 
-#include <cstring>
 #include <filesystem>
 
 #include "core/error.h"
-#include "kernels/gemm/linear.h"
 #include "kernels/loss/cross_entropy.h"
 #include "model/training/engine_f64.h"
 
@@ -130,34 +128,6 @@ class CpuEngine : public Engine {
       }
     c.length = last.length;
   }
-  // Engine::forward_pick, except that a sampled id's log-probability comes from logits accumulated and kept in
-  // float64 (the final norm's fp32 rows times lm_head) rather than from the fp32 logits it was drawn from.
-  // Rounding a logit of magnitude 32 to fp32 moves it by up to 1.9e-6, and an RL trainer holds these
-  // log-probabilities to its own float64 ones within 1e-6 (train/rl_loop.h). The id itself is drawn from the fp32
-  // logits, as on the GPU.
-  std::vector<PickResult> forward_pick(const std::vector<EngineSequence*>& seqs,
-                                       const std::vector<std::vector<int32_t>>& tokens,
-                                       const std::vector<TokenPick>& picks, const ForwardHooks* hooks) override {
-    std::vector<size_t> want;
-    for (size_t b = 0; b < picks.size(); ++b)
-      if (picks[b].pick && !picks[b].greedy && picks[b].want_logprob) want.push_back(b);
-    if (want.empty()) return Engine::forward_pick(seqs, tokens, picks, hooks);
-    ForwardHooks h = hooks ? *hooks : ForwardHooks{};
-    std::vector<float> normed;
-    h.tensor = [&normed, user = h.tensor](const char* name, int64_t l, const float* p, int64_t rows, int64_t cols) {
-      if (user) user(name, l, p, rows, cols);
-      if (l == -1 && std::strcmp(name, "final_norm") == 0) normed.assign(p, p + rows * cols);
-    };
-    std::vector<PickResult> out = Engine::forward_pick(seqs, tokens, picks, &h);
-    const int64_t D = config().hidden_size, V = config().vocab_size, W = int64_t(want.size());
-    K3_ASSERT(normed.size() == seqs.size() * size_t(D));
-    std::vector<double> x(size_t(W * D)), logits(size_t(W * V));
-    for (size_t i = 0; i < want.size(); ++i) std::copy_n(&normed[want[i] * size_t(D)], D, &x[i * size_t(D)]);
-    linear_forward_f64(logits.data(), x.data(), W, m_->weights().lm_head);
-    for (size_t i = 0; i < want.size(); ++i)
-      out[want[i]].logprob = log_softmax_at(&logits[i * size_t(V)], V, out[want[i]].id, picks[want[i]].temperature);
-    return out;
-  }
   void reset(EngineSequence& seq) override { *caches_of<SequenceCache>(this, {&seq})[0] = m_->new_cache(); }
   void set_profile(bool on) override { m_->options().profile = on; }
   const BlockTimings& timings() const override { return m_->timings(); }
@@ -277,6 +247,15 @@ std::vector<PickResult> Engine::forward_pick(const std::vector<EngineSequence*>&
       out[b] = pick_on_host(std::vector<float>(logits.begin() + std::ptrdiff_t(b * V),
                                                logits.begin() + std::ptrdiff_t((b + 1) * V)),
                             picks[b]);
+  return out;
+}
+
+std::vector<double> Engine::sequence_logprobs(const std::vector<int32_t>& ids) {
+  K3_CHECK(!ids.empty(), "sequence_logprobs: no tokens");
+  const std::vector<float> logits = forward_fresh({ids});
+  const size_t V = size_t(config().vocab_size);
+  std::vector<double> out(ids.size(), 0.0);
+  for (size_t t = 1; t < ids.size(); ++t) out[t] = log_softmax_at(&logits[(t - 1) * V], int64_t(V), ids[t]);
   return out;
 }
 

@@ -113,6 +113,9 @@ class Engine {
 
   // A full forward of rows on fresh sequences: logits of every position, rows in order.
   std::vector<float> forward_fresh(const std::vector<std::vector<int32_t>>& rows, const ForwardHooks* hooks = nullptr);
+  // On a fresh sequence, the log-probability of each ids[t] after ids[0..t), [T] (entry 0 is 0): a teacher's in
+  // on-policy distillation. From the fp32 logits, as forward_pick's; the float64 engine's from its float64 ones.
+  virtual std::vector<double> sequence_logprobs(const std::vector<int32_t>& ids);
   // A new single-sequence session for generate(): each call appends tokens and returns the last logits
   // (session) or what the pick asks (pick_session).
   AppendFn session();

@@ -141,7 +141,6 @@ class CpuBackend {
     for (int64_t i = 0; i < M; ++i) std::copy_n(&h_[size_t(rows[size_t(i)] * D_)], D_, &hn[size_t(i * D_)]);
     rmsnorm_forward(hn.data(), hn.data(), w_.norm.data(), c_.rms_norm_eps, M, D_);
     opt_.bf16(hn);
-    if (hooks_ && hooks_->tensor) hooks_->tensor("final_norm", -1, hn.data(), M, D_);
     std::vector<float> logits(size_t(M * V));
     linear_forward(logits.data(), hn.data(), M, w_.lm_head);
     check_block_finite(c_, st_, "logits", -1, logits.data(), M, V);

@@ -17,7 +17,7 @@
 #include "io/file.h"
 #include "io/jsonl.h"
 #include "io/output_file.h"
-#include "kernels/loss/cross_entropy.h"
+#include "kernels/gemm/linear_f64.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "model/training/engine_f64.h"
@@ -118,6 +118,13 @@ RlResult run_rl(const RlOptions& o) {
   if (o.episode.temperature != 1.0f)
     fail("RL trains the policy it samples: the rollout temperature must be 1, got ", o.episode.temperature);
   if (o.save_every < 1) fail("--save-every must be at least 1, got ", o.save_every);
+  if (o.deterministic && (o.gpu || o.rollout.device != Device::CPU || o.rollout.precision != Precision::F64))
+    fail("--deterministic: needs the CPU trainer and float64 rollouts on the CPU (--rollout-precision f64)");
+  struct BatchInvariance {  // on for the run, restored after it however it ends
+    bool before = f64_batch_invariant();
+    explicit BatchInvariance(bool on) { set_f64_batch_invariant(before || on); }
+    ~BatchInvariance() { set_f64_batch_invariant(before); }
+  } const batch_invariance(o.deterministic);
   fs::create_directories(o.out_dir);
   const DirectoryLock run_lock(o.out_dir, "run directory");
 
@@ -195,8 +202,11 @@ RlResult run_rl(const RlOptions& o) {
   const std::unique_ptr<TrainDevice> device = o.gpu ? make_cuda_train_device(P, c, optimizer, balance, o.cuda)
                                                     : make_cpu_train_device(P, c, optimizer, balance, lanes);
   if (!resume_dir.empty()) device->load_state(resume_optimizer, resume_balancers);
-  std::fprintf(stderr, "k3 rl: environment %s, %lld tasks x %lld samples per iteration, trainer %s\n",
-               env->name().c_str(), (long long)o.prompts, (long long)o.samples, device->describe().c_str());
+  std::fprintf(stderr,
+               "k3 rl: environment %s, %lld tasks x %lld samples per iteration, trainer %s, rollouts %s (%s)%s\n",
+               env->name().c_str(), (long long)o.prompts, (long long)o.samples, device->describe().c_str(),
+               device_name(o.rollout.device), precision_name(o.rollout.precision),
+               o.deterministic ? ", deterministic" : "");
 
   // The rollout engine holds the policy the trainer has: RUN/policy, rewritten after every update.
   const std::string policy_dir = (fs::path(o.out_dir) / "policy").string();
@@ -363,13 +373,11 @@ RlResult run_rl(const RlOptions& o) {
     if (distill) {  // MOPD: each token's clipped log-ratio to its task's teacher
       for (size_t i = 0; i < samples.size(); ++i) {
         Engine& teacher = *teachers[size_t(train_eps[i].task_index) % teachers.size()];
-        const std::vector<float> logits = teacher.forward_fresh({samples[i].ids});
-        const int64_t V = c.vocab_size;
+        const std::vector<double> teacher_logp = teacher.sequence_logprobs(samples[i].ids);
         for (size_t t = 1; t < samples[i].ids.size(); ++t)
           if (samples[i].sampled[t])
-            samples[i].advantage[t] = std::clamp(log_softmax_at(&logits[(t - 1) * size_t(V)], V, samples[i].ids[t]) -
-                                                     samples[i].behaviour_logp[t],
-                                                 -o.teacher_clip, o.teacher_clip);
+            samples[i].advantage[t] =
+                std::clamp(teacher_logp[t] - samples[i].behaviour_logp[t], -o.teacher_clip, o.teacher_clip);
       }
     }
 

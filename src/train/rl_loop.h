@@ -53,6 +53,10 @@ struct RlOptions {
   double clip_eps = 0.2, kl_coef = 0.0;  // PolicyLossOptions
   double effort_tau_start = 0.0, effort_tau_end = 0.0;
   bool router_replay = true;
+  // Bitwise: the trainer's log-probabilities of the sampled tokens ARE the sampler's. Needs the CPU trainer and
+  // float64 rollouts on the CPU; the float64 forward is then batch invariant (kernels/gemm/linear_f64.h) for the
+  // run, at several times the trainer's time.
+  bool deterministic = false;
   std::vector<std::string> teachers;  // distillation when given (model directories)
   double teacher_clip = 5.0;          // R_max
   EngineOptions rollout;              // the rollout engine's device and precision

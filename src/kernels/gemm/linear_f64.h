@@ -5,6 +5,16 @@
 
 namespace k3 {
 
+// Batch invariance of the float64 forward: RL's deterministic mode (`k3 rl --deterministic`), in which the
+// trainer's log-probabilities are the float64 engine's bit for bit. Off (the default), the forward products run on
+// dgemm, whose summation order depends on the shapes, so a row's values depend, in their last bits, on how many rows
+// came with it. On, linear_forward computes every output as one dot product in a fixed order (the same for any N),
+// and the training KDA block runs its recurrence token by token as a decoding sequence does
+// (model/training/kda_block.h). A whole sequence's forward then computes each position exactly as the engine did
+// one piece at a time. Process-wide; the backward products are unaffected.
+void set_f64_batch_invariant(bool on);
+bool f64_batch_invariant();
+
 // y[N, out] = x[N, in] · W[out, in]^T
 void linear_forward(double* y, const double* x, const double* W, int64_t N, int64_t in, int64_t out);
 // dx[N, in] = dy · W (overwritten, or added to with accumulate_dx; skipped when dx is null);

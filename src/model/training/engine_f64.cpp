@@ -76,6 +76,15 @@ class Float64Engine : public Engine {
     }
     return out;
   }
+  std::vector<double> sequence_logprobs(const std::vector<int32_t>& ids) override {
+    K3_CHECK(!ids.empty(), "sequence_logprobs: no tokens");
+    const auto seq = new_sequences(1);
+    const std::vector<double> logits = forward64({seq[0].get()}, {ids}, true, nullptr);
+    const size_t V = size_t(c_.vocab_size);
+    std::vector<double> out(ids.size(), 0.0);
+    for (size_t t = 1; t < ids.size(); ++t) out[t] = log_softmax_at(&logits[(t - 1) * V], int64_t(V), ids[t]);
+    return out;
+  }
   std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) override {
     const train::DecodeState& s = sequence(seq, 0).state;
     K3_CHECK(rows_from >= 0 && rows_from <= s.length, "snapshot: rows_from ", rows_from, " outside [0, ", s.length,

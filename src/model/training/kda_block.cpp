@@ -96,6 +96,8 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
 
   KdaBlockTape local;
   KdaBlockTape& tp = tape ? *tape : local;  // without a tape the intermediates live here and are dropped
+  // A batch-invariant forward (kernels/gemm/linear_f64.h) runs the recurrence as decoding does: token by token.
+  if (f64_batch_invariant()) tp.recurrent_reference = true;
   K3_CHECK(tp.state_every >= 1, "kda_block_forward: tape.state_every must be >= 1, got ", tp.state_every);
   tp.T = T;
   auto sized = [](std::vector<double>& v, int64_t n) { v.assign(static_cast<size_t>(n), 0.0); };

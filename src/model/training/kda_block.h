@@ -43,7 +43,8 @@ struct KdaBlockTape {
   // rounding.
   int64_t state_every = 16;
   // true: the forward and backward run the token-by-token recurrence (the reference twin) instead of
-  // the chunked form. Set before kda_block_forward.
+  // the chunked form. Set before kda_block_forward, which also sets it while the float64 forward is batch
+  // invariant (kernels/gemm/linear_f64.h: set_f64_batch_invariant).
   bool recurrent_reference = false;
 
   // Filled by kda_block_forward.

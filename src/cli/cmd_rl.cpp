@@ -82,12 +82,12 @@ struct RlFlags {
     sub->add_option("--rollout-precision", *rollout_precision,
                     "CPU rollouts: f32 (the default; the inference engine) or f64 (the float64 engine, which with "
                     "the CPU trainer samples from the trainer's own parameters: its log-probabilities equal the "
-                    "trainer's to rounding, at several times the rollout time)")
+                    "trainer's to rounding; slower rollouts, on the training blocks' plain loops)")
         ->check(CLI::IsMember({"f32", "f64"}));
     sub->add_flag("--deterministic", *deterministic,
                   "the trainer's log-probabilities of the sampled tokens equal the sampler's bit for bit: float64 "
                   "rollouts (implied) and a batch-invariant float64 forward in both, the KDA recurrence token by "
-                  "token; the CPU trainer only, several times slower");
+                  "token; the CPU trainer only, and slower still (the trainer's forward on plain loops too)");
     sub->add_option("--seed", t.seed, "the tasks and every episode's draws")->capture_default_str();
     sub->add_option("--save-every", t.save_every, "checkpoint every N iterations (and at the end)")
         ->capture_default_str();

@@ -175,18 +175,20 @@ class CudaTrainDevice final : public TrainDevice {
     K3_CHECK(replay.size() == pieces.size(), "router replay: ", replay.size(), " routings for ", pieces.size(),
              " sequences");
     const int64_t E = c_.num_experts;
+    for (size_t i = begin; i < end; ++i) {
+      replay_hook(replay[i], c_, int64_t(pieces[i].size()));  // the shapes, with a named error
+      for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+        for (const int32_t e : replay[i][size_t(l)])
+          if (e < 0 || e >= E)
+            fail("router replay: expert ", e, " of sequence ", i, ", layer ", l, " is not in 0..", E - 1);
+    }
     replay_.clear();
     replay_.resize(size_t(c_.num_hidden_layers));
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
       if (!c_.is_moe_layer(l)) continue;
       std::vector<int32_t> rows;
-      for (size_t i = begin; i < end; ++i) {
-        replay_hook(replay[i], c_, int64_t(pieces[i].size()));  // the shapes, with a named error
-        for (const int32_t e : replay[i][size_t(l)])
-          if (e < 0 || e >= E)
-            fail("router replay: expert ", e, " of sequence ", i, ", layer ", l, " is not in 0..", E - 1);
+      for (size_t i = begin; i < end; ++i)
         rows.insert(rows.end(), replay[i][size_t(l)].begin(), replay[i][size_t(l)].end());
-      }
       if (!rows.empty()) replay_[size_t(l)] = cuda::DeviceBuffer<int32_t>(rows.data(), rows.size());
     }
     return [this](int64_t l) { return replay_[size_t(l)].size() ? replay_[size_t(l)].data() : nullptr; };

@@ -1,6 +1,7 @@
 // The MCP environment (train/env_mcp.h) against a real MCP server written with the official SDK
 // (tests/mcp/calc_server.mjs, npm @modelcontextprotocol/sdk):
-//   - the server's tools, every page of tools/list, become the task request's "tools" (the reward tool hidden);
+//   - the server's tools, every page of tools/list, become the task request's "tools" (the reward tool hidden), and
+//     are listed again after notifications/tools/list_changed or a relaunch;
 //   - a call's text content, its dense reward and the episode state it carries; isError results and bad calls are
 //     content the policy sees, not failures; server pings are answered and other server requests refused;
 //   - the reward tool scores the final answer, and its failures are k3::Errors;
@@ -15,6 +16,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -126,14 +128,14 @@ TEST_F(Mcp, ServerToolsAreListedIntoTheRequest) {
   EXPECT_FALSE(t.request.contains("answer"));
   EXPECT_FALSE(t.request.contains("reference"));
   EXPECT_EQ(t.request["messages"][0]["content"], "What is 2 + 3?");
-  // The server pages tools/list 3 at a time: all 9 visible tools need every page; "reward" is hidden.
+  // The server pages tools/list 3 at a time: all 10 visible tools need every page; "reward" is hidden.
   std::vector<std::string> names;
   for (const ojson& tool : t.request["tools"]) {
     EXPECT_EQ(tool["type"], "function");
     names.push_back(tool["function"]["name"].get<std::string>());
   }
   EXPECT_EQ(names, (std::vector<std::string>{"add", "fail", "pid", "ask_client", "crash", "hang", "garbage", "wrong_id",
-                                             "no_result"}));
+                                             "no_result", "grow"}));
   const ojson& add = t.request["tools"][0]["function"];
   EXPECT_EQ(add["description"], "Adds two numbers.");
   EXPECT_EQ(add["parameters"]["type"], "object");
@@ -184,6 +186,38 @@ TEST_F(Mcp, CallGivesContentDenseRewardAndState) {
   EXPECT_EQ(o.error, "");
   EXPECT_EQ(o.content, "unknown tool 'reward'");
   EXPECT_EQ(state, json({{"adds", 2}}));
+}
+
+// The tools the tasks carry, by name.
+std::vector<std::string> tool_names(const Task& t) {
+  std::vector<std::string> names;
+  for (const ojson& tool : t.request["tools"]) names.push_back(tool["function"]["name"].get<std::string>());
+  return names;
+}
+
+// notifications/tools/list_changed (the SDK sends it when "grow" registers "double"): tasks drawn after it carry
+// the new tool, a task drawn before keeps its list, and a line's own tools stay. A relaunched server is a new
+// session with its own tools: after a crash the tasks lose "double" again.
+TEST_F(Mcp, ToolListChangesReachLaterTasks) {
+  auto env = make_mcp_environment(options());
+  const Task before = env->task(0, 0);
+  const std::vector<std::string> listed = tool_names(before);
+  ASSERT_EQ(std::count(listed.begin(), listed.end(), "double"), 0);
+  json state;
+  EXPECT_EQ(env->call(before, "grow", ojson::object(), state).content, "grown");
+  const Task after = env->task(0, 0);
+  std::vector<std::string> grown = listed;
+  grown.push_back("double");
+  EXPECT_EQ(tool_names(after), grown);
+  EXPECT_EQ(after.request["tools"].back()["function"]["parameters"]["properties"]["x"]["type"], "number");
+  EXPECT_EQ(tool_names(before), listed);
+  EXPECT_EQ(tool_names(env->task(0, 1)), std::vector<std::string>{"own"});
+  EXPECT_EQ(env->call(after, "double", {{"x", 4}}, state).content, "8");
+  EXPECT_EQ(tool_names(env->task(0, 0)), grown);  // listed once per change
+
+  EXPECT_NE(env->call(after, "crash", ojson::object(), state).error, "");
+  EXPECT_EQ(tool_names(env->task(0, 0)), listed);  // relaunched by task() to list its tools
+  add_works(*env);
 }
 
 // While a call is pending the server pings us (answered {}), logs (skipped) and asks roots/list (refused).

@@ -15,6 +15,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -121,6 +122,12 @@ class Server {
   // Sends request `method` (params omitted when null) and waits up to `timeout_ms` for its response.
   Reply request(const std::string& method, const ojson& params, int64_t timeout_ms);
 
+  // Whether the tools may differ from the last listing: the server said notifications/tools/list_changed, or it
+  // ended (the next launch is a new session, whose tools are its own). Set here, cleared by the environment when it
+  // lists them.
+  bool tools_changed() const { return tools_changed_; }
+  void set_tools_changed(bool changed) { tools_changed_ = changed; }
+
   // Kills the server because of `what` (something it did) and returns the failure message.
   std::string abandon(const std::string& what) { return what + " (" + end(0) + ")"; }
 
@@ -148,6 +155,7 @@ class Server {
   std::string buffer_;    // bytes read from the server, not yet split into lines
   size_t scanned_ = 0;    // buffer_[0, scanned_) holds no newline
   int64_t next_id_ = 0;
+  bool tools_changed_ = false;
 };
 
 std::string Server::start() {
@@ -287,6 +295,7 @@ Reply Server::request(const std::string& method, const ojson& params, int64_t ti
       return reply;
     }
     if (m.contains("method")) {  // the server's own request or notification
+      if (m["method"] == "notifications/tools/list_changed") tools_changed_ = true;
       if (!m.contains("id")) continue;
       ojson answer = {{"jsonrpc", "2.0"}, {"id", m["id"]}};
       if (m["method"] == "ping") {
@@ -336,6 +345,7 @@ void Server::close_pipes() {
 std::string Server::end(int grace_ms, bool term_first) {
   close_pipes();
   if (pid_ <= 0) return "not running";
+  tools_changed_ = true;  // whatever runs next is a new session
   bool by_itself = wait_exit(grace_ms);
   if (!by_itself && term_first) {
     kill(-pid_, SIGTERM);
@@ -412,6 +422,8 @@ class McpEnvironment final : public Environment {
   Reply call_tool(const std::string& tool, const ojson& arguments, const json& state);
   void read_tasks(const std::string& path);
   ojson list_tools();  // every page of tools/list, as the policy's "tools" entries
+  void set_tools(const ojson& tools);  // into every task that does not name its own
+  void refresh_tools();
 
   std::unique_ptr<Server> server_;
   int64_t timeout_ms_ = 10000;
@@ -468,9 +480,29 @@ McpEnvironment::McpEnvironment(const json& options) {
   server_ = std::make_unique<Server>(std::move(argv), startup_ms);
   const std::string why = server_->start();
   if (!why.empty()) fail("mcp environment: the MCP server `", server_->command(), "` (option \"command\"): ", why);
-  const ojson tools = list_tools();
+  set_tools(list_tools());
+}
+
+void McpEnvironment::set_tools(const ojson& tools) {
   for (size_t i = 0; i < tasks_.size(); ++i)
     if (!own_tools_[i]) tasks_[i].request["tools"] = tools;
+}
+
+// After notifications/tools/list_changed or a relaunch: the tasks drawn from now on carry the server's new list
+// (an episode under way keeps the one its prompt was rendered with). A listing that fails keeps the old list, says
+// so on stderr, and is tried again at the next task().
+void McpEnvironment::refresh_tools() {
+  if (!server_->tools_changed()) return;
+  try {
+    if (!server_->running())
+      if (const std::string why = server_->start(); !why.empty()) fail("could not be relaunched: ", why);
+    server_->set_tools_changed(false);  // before listing: a change announced during the listing stays pending
+    set_tools(list_tools());
+  } catch (const Error& e) {
+    server_->set_tools_changed(true);
+    std::fprintf(stderr, "mcp environment: listing the changed tools failed (%s); tasks keep the earlier list\n",
+                 e.what());
+  }
 }
 
 void McpEnvironment::read_tasks(const std::string& path) {
@@ -541,6 +573,8 @@ ojson McpEnvironment::list_tools() {
 }
 
 Task McpEnvironment::task(uint64_t /*seed*/, int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  refresh_tools();
   const int64_t n = int64_t(tasks_.size());
   return tasks_[size_t(((index % n) + n) % n)];
 }

@@ -14,6 +14,9 @@
 //   garbage        writes a line that is not JSON, then answers normally
 //   wrong_id       writes a response with an id that was never sent, then answers normally
 //   no_result      writes a response to this request with neither result nor error, then answers normally
+//   grow           registers one more tool, double {x} (2x as text), the first time; the SDK then sends the client
+//                  notifications/tools/list_changed before this call's response. A relaunched server is back to
+//                  the tools above
 //   reward {answer, response, state}  1 when the response text contains the answer, else 0; 0.25 more when the
 //                  episode's state counts at least one add (hidden from the policy by the environment)
 // tools/list is served in pages of 3 tools, so a client must follow nextCursor to see them all.
@@ -76,6 +79,18 @@ server.registerTool('wrong_id', { description: 'Answers an id never sent.' }, as
 server.registerTool('no_result', { description: 'Answers with neither result nor error.' }, async (extra) => {
   raw({ jsonrpc: '2.0', id: extra.requestId });
   return text('after the empty response');
+});
+let doubled = false;
+server.registerTool('grow', { description: 'Adds the tool double.' }, async () => {
+  if (!doubled) {
+    doubled = true;
+    server.registerTool(
+      'double',
+      { description: 'Doubles a number.', inputSchema: { x: z.number() } },
+      async ({ x }) => text(2 * x),
+    );
+  }
+  return text('grown');
 });
 server.registerTool(
   'reward',

@@ -121,6 +121,18 @@ TEST(Float64Engine, SampledLogprobIsTheFloat64LogSoftmax) {
   EXPECT_EQ(r.id, pick_on_host(rounded, p).id);  // drawn by the host's rule from the fp32 logits
   EXPECT_NEAR(r.logprob, log_softmax_at(row, V, r.id, double(p.temperature)), 1e-12);
   EXPECT_NE(r.logprob, pick_on_host(rounded, p).logprob);  // not the fp32 logits' log-softmax
+
+  // A teacher's log-probabilities of a whole sequence (distillation): each token's under the row before it.
+  const std::vector<double> lp = f.e->sequence_logprobs(ids);
+  const std::vector<double> lp32 =
+      Engine::load(fixture("k3-tiny-a"), {Device::CPU, Precision::F32})->sequence_logprobs(ids);
+  ASSERT_EQ(lp.size(), ids.size());
+  ASSERT_EQ(lp32.size(), ids.size());
+  EXPECT_EQ(lp[0], 0.0);
+  for (int64_t t = 1; t < T; ++t) {
+    EXPECT_NEAR(lp[size_t(t)], log_softmax_at(&want[size_t((t - 1) * V)], V, ids[size_t(t)]), 1e-12) << t;
+    EXPECT_NEAR(lp32[size_t(t)], lp[size_t(t)], 1e-4) << t;
+  }
 }
 
 TEST(Float64Engine, SnapshotsRestoreBitForBit) {
@@ -135,7 +147,9 @@ TEST(Float64Engine, SnapshotsRestoreBitForBit) {
   EXPECT_EQ(s2->begin, 10);
   EXPECT_EQ(s2->end, 17);
   EngineSequence& b = *seqs[1];
-  f.e->restore(b, {s1.get(), s2.get()});
+  auto fresh = f.e->new_sequences(1);
+  const auto s0 = f.e->snapshot(*fresh[0], 0);  // of a sequence that has run nothing: an empty start of a chain
+  f.e->restore(b, {s0.get(), s1.get(), s2.get()});
   EXPECT_EQ(b.length(), 17);
   const std::vector<int32_t> rest(ids.begin() + 17, ids.end());
   EXPECT_EQ(f.e->forward({&a}, {rest}, true), f.e->forward({&b}, {rest}, true));
@@ -153,7 +167,11 @@ TEST(Float64Engine, RefusesWhatItCannotDo) {
   EXPECT_THAT(k3test::error_of([&] {
                 f.e->forward({theirs[0].get()}, {{1, 2}}, false);
               }),
-              HasSubstr("made by another engine"));
+              HasSubstr("forward: sequence 0 was made by another engine"));
+  other->forward({theirs[0].get()}, {{1, 2}}, false);
+  const auto snap = other->snapshot(*theirs[0], 0);
+  EXPECT_THAT(k3test::error_of([&] { f.e->restore(*seqs[0], {snap.get()}); }), HasSubstr("another engine's"));
+  EXPECT_THAT(k3test::error_of([&] { f.e->reset(*theirs[0]); }), HasSubstr("reset was made by another engine"));
   ForwardHooks tensors;
   tensors.tensor = [](const char*, int64_t, const float*, int64_t, int64_t) {};
   EXPECT_THAT(k3test::error_of([&] {

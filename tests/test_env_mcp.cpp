@@ -197,7 +197,7 @@ std::vector<std::string> tool_names(const Task& t) {
 
 // notifications/tools/list_changed (the SDK sends it when "grow" registers "double"): tasks drawn after it carry
 // the new tool, a task drawn before keeps its list, and a line's own tools stay. A relaunched server is a new
-// session with its own tools: after a crash the tasks lose "double" again.
+// session with its own tools: once a call has relaunched it after a crash, the tasks lose "double" again.
 TEST_F(Mcp, ToolListChangesReachLaterTasks) {
   auto env = make_mcp_environment(options());
   const Task before = env->task(0, 0);
@@ -216,8 +216,9 @@ TEST_F(Mcp, ToolListChangesReachLaterTasks) {
   EXPECT_EQ(tool_names(env->task(0, 0)), grown);  // listed once per change
 
   EXPECT_NE(env->call(after, "crash", ojson::object(), state).error, "");
-  EXPECT_EQ(tool_names(env->task(0, 0)), listed);  // relaunched by task() to list its tools
-  add_works(*env);
+  EXPECT_EQ(tool_names(env->task(0, 0)), grown);  // down: task() does not relaunch it
+  add_works(*env);                                // the call relaunches it
+  EXPECT_EQ(tool_names(env->task(0, 0)), listed);
 }
 
 // While a call is pending the server pings us (answered {}), logs (skipped) and asks roots/list (refused).

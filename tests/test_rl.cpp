@@ -370,6 +370,9 @@ TEST(RlLoop, DeterministicModeIsBitwise) {
   RlOptions f32 = p.options("deterministic-f32");
   f32.deterministic = true;
   EXPECT_THAT(k3test::error_of([&] { run_rl(f32); }), HasSubstr("--deterministic: needs the CPU trainer"));
+  RlOptions gpu64 = p.options("f64-on-the-gpu");
+  gpu64.rollout = {Device::CUDA, Precision::F64};
+  EXPECT_THAT(k3test::error_of([&] { run_rl(gpu64); }), HasSubstr("the float64 engine runs on the CPU"));
 }
 
 // A deterministic run without a KL term has nothing above zero for the mismatch plot's log scale: it is drawn on a
@@ -465,6 +468,9 @@ TEST(RlLoop, ResumesExactly) {
   double moved = 0;  // the updates did something to resume
   for (const auto& rec : a) moved += rec["grad_norm"].get<double>();
   EXPECT_GT(moved, 0.0);
+  RlOptions other_sampler = cut;  // float64 rollouts change the numbers: not the same run
+  other_sampler.rollout.precision = Precision::F64;
+  EXPECT_THAT(k3test::error_of([&] { run_rl(other_sampler); }), HasSubstr("other options"));
   cut.prompts = 5;
   EXPECT_THAT(k3test::error_of([&] { run_rl(cut); }), HasSubstr("other options"));
 }

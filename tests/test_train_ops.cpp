@@ -62,6 +62,9 @@ TEST(TrainOps, BatchInvariantLinearRowsDoNotDependOnTheBatch) {
   const std::vector<double> x = randn(N * in, rng), W = randn(out * in, rng);
   std::vector<double> blas(N * out), batch(N * out), strided(N * (out + 3));
   linear_forward(blas.data(), x.data(), W.data(), N, in, out);
+  struct Off {  // however the test ends, the tests after it run with the default
+    ~Off() { set_f64_batch_invariant(false); }
+  } off;
   set_f64_batch_invariant(true);
   linear_forward(batch.data(), x.data(), W.data(), N, in, out);
   linear_forward_strided(strided.data(), out + 3, x.data(), in, W.data(), N, in, out);
@@ -74,8 +77,6 @@ TEST(TrainOps, BatchInvariantLinearRowsDoNotDependOnTheBatch) {
       EXPECT_NEAR(batch[n * out + o], blas[n * out + o], 1e-12 * std::sqrt(double(in))) << n << ", " << o;
     }
   }
-  set_f64_batch_invariant(false);
-  EXPECT_FALSE(f64_batch_invariant());
 }
 
 TEST(TrainOps, RmsNormBackwardMatchesFiniteDifferencesAndForwardMatchesKernel) {

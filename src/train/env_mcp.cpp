@@ -489,13 +489,12 @@ void McpEnvironment::set_tools(const ojson& tools) {
 }
 
 // After notifications/tools/list_changed or a relaunch: the tasks drawn from now on carry the server's new list
-// (an episode under way keeps the one its prompt was rendered with). A listing that fails keeps the old list, says
-// so on stderr, and is tried again at the next task().
+// (an episode under way keeps the one its prompt was rendered with). A server that is down is left to the next call
+// to relaunch (so a broken one cannot stall every task() on its startup deadline), and its tools are listed at the
+// task() after that. A listing that fails keeps the old list, says so on stderr, and is tried again at the next one.
 void McpEnvironment::refresh_tools() {
-  if (!server_->tools_changed()) return;
+  if (!server_->tools_changed() || !server_->running()) return;
   try {
-    if (!server_->running())
-      if (const std::string why = server_->start(); !why.empty()) fail("could not be relaunched: ", why);
     server_->set_tools_changed(false);  // before listing: a change announced during the listing stays pending
     set_tools(list_tools());
   } catch (const Error& e) {

@@ -43,9 +43,10 @@
 // "k3cpp"}}, then the `notifications/initialized` notification; the first launch then reads `tools/list`, following
 // nextCursor to the last page. Whatever protocol version the server answers is accepted: this client uses only
 // tools/list and tools/call, which every revision since 2024-11-05 has. The tool list is read again, at the next
-// task(), after the server sends `notifications/tools/list_changed` and after a relaunch (a new session's tools are
-// its own): tasks drawn from then on carry the new list, episodes under way keep theirs, and a listing that fails
-// keeps the old list (said on stderr) and is retried at the next task(). While waiting for a response, other server
+// task() while the server runs, after it sends `notifications/tools/list_changed` and after a relaunch (a new
+// session's tools are its own; task() itself never launches one): tasks drawn from then on carry the new list,
+// episodes under way keep theirs, and a listing that fails keeps the old list (said on stderr) and is retried at the
+// next task(). While waiting for a response, other server
 // notifications (logs, progress) are skipped, a server `ping` is answered {} (the spec says a ping must be answered), and any other server request gets the JSON-RPC error -32601
 // "method not found" (this client declares no capabilities, so a well-behaved server sends none). Blank lines are
 // skipped. One request is in flight at a time, so any response whose id is not that request's is garbage.

@@ -55,23 +55,28 @@ uint64_t episode_seed(uint64_t seed, int64_t task, int64_t sample) {
 
 // What identifies a run: a resumed one must repeat it.
 nlohmann::json run_recipe(const RlOptions& o, const std::string& config_text) {
-  return {{"config", config_text},
-          {"env", o.env},
-          {"env_options", o.env_options},
-          {"prompts", o.prompts},
-          {"samples", o.samples},
-          {"max_tokens", o.episode.max_tokens},
-          {"max_turns", o.episode.max_turns},
-          {"partial", o.partial},
-          {"lr", o.lr},
-          {"clip_eps", o.clip_eps},
-          {"kl_coef", o.kl_coef},
-          {"effort_tau", {o.effort_tau_start, o.effort_tau_end}},
-          {"router_replay", o.router_replay},
-          {"teachers", o.teachers},
-          {"teacher_clip", o.teacher_clip},
-          {"seed", o.seed},
-          {"iterations", o.iterations}};
+  nlohmann::json r = {{"config", config_text},
+                      {"env", o.env},
+                      {"env_options", o.env_options},
+                      {"prompts", o.prompts},
+                      {"samples", o.samples},
+                      {"max_tokens", o.episode.max_tokens},
+                      {"max_turns", o.episode.max_turns},
+                      {"partial", o.partial},
+                      {"lr", o.lr},
+                      {"clip_eps", o.clip_eps},
+                      {"kl_coef", o.kl_coef},
+                      {"effort_tau", {o.effort_tau_start, o.effort_tau_end}},
+                      {"router_replay", o.router_replay},
+                      {"teachers", o.teachers},
+                      {"teacher_clip", o.teacher_clip},
+                      {"seed", o.seed},
+                      {"iterations", o.iterations}};
+  // The samplers that change the numbers (float64 rollouts sample from unrounded weights), named only when chosen so
+  // that runs recorded before they existed still resume.
+  if (o.rollout.precision == Precision::F64) r["rollout_precision"] = "f64";
+  if (o.deterministic) r["deterministic"] = true;
+  return r;
 }
 
 // A routing recorded for all of a sequence of T tokens but its last position (sampled, never fed to the engine),
@@ -118,6 +123,8 @@ RlResult run_rl(const RlOptions& o) {
   if (o.episode.temperature != 1.0f)
     fail("RL trains the policy it samples: the rollout temperature must be 1, got ", o.episode.temperature);
   if (o.save_every < 1) fail("--save-every must be at least 1, got ", o.save_every);
+  if (o.rollout.precision == Precision::F64 && o.rollout.device != Device::CPU)
+    fail("--rollout-precision f64: the float64 engine runs on the CPU (--rollout-device cpu)");
   if (o.deterministic && (o.gpu || o.rollout.device != Device::CPU || o.rollout.precision != Precision::F64))
     fail("--deterministic: needs the CPU trainer and float64 rollouts on the CPU (--rollout-precision f64)");
   struct BatchInvariance {  // on for the run, restored after it however it ends

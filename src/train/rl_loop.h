@@ -55,11 +55,11 @@ struct RlOptions {
   bool router_replay = true;
   // Bitwise: the trainer's log-probabilities of the sampled tokens ARE the sampler's. Needs the CPU trainer and
   // float64 rollouts on the CPU; the float64 forward is then batch invariant (kernels/gemm/linear_f64.h) for the
-  // run, at several times the trainer's time.
+  // run, which makes the trainer's forward slower (plain loops instead of dgemm and the chunked KDA form).
   bool deterministic = false;
   std::vector<std::string> teachers;  // distillation when given (model directories)
   double teacher_clip = 5.0;          // R_max
-  EngineOptions rollout;              // the rollout engine's device and precision
+  EngineOptions rollout;              // the rollout engine's device and precision (the teachers' engines too)
   bool gpu = false;                   // the trainer on the GPU
   CudaTrainOptions cuda;
   uint64_t seed = 0;

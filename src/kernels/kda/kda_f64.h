@@ -1,7 +1,9 @@
 // The KDA ops of the training model in float64 (K3-ARCHITECTURE.md §5.3), each forward beside its
-// backward: the short causal conv with SiLU, the decay gate, the output's gated RMSNorm, the
-// per-head L2 norm, and the delta-rule recurrence in its token-by-token form (the reference twin of the chunked form, kda_chunk_f64.h). The fp32
-// inference forms are in kda.h. Layouts are token-major, head-major inside a token.
+// backward: the short causal conv with SiLU, the decay gate, the output's gated RMSNorm, the per-head L2
+// norm, and the delta-rule recurrence in its token-by-token form (the reference twin of the chunked form,
+// kda_chunk_f64.h). The conv and the recurrence forwards also continue a decoding sequence (a conv history,
+// an initial state: model/training/engine_f64.h). The fp32 inference forms are in kda.h. Layouts are
+// token-major, head-major inside a token.
 #pragma once
 #include <cstdint>
 

@@ -17,7 +17,7 @@ size_t state_bytes(const train::DecodeState& s) {
 
 class Float64Sequence : public EngineSequence {
  public:
-  explicit Float64Sequence(const void* owner) : owner(owner) {}
+  Float64Sequence(const void* owner, train::DecodeState s) : owner(owner), state(std::move(s)) {}
   int64_t length() const override { return state.length; }
   size_t bytes() const override { return state_bytes(state); }
   const void* owner;
@@ -25,7 +25,8 @@ class Float64Sequence : public EngineSequence {
 };
 
 struct Float64Snapshot : SequenceSnapshot {
-  train::DecodeState state;  // the KDA state after position end - 1; the MLA rows of positions [begin, end)
+  const void* owner = nullptr;  // the engine whose sequence it copies
+  train::DecodeState state;     // the KDA state after position end - 1; the MLA rows of positions [begin, end)
   size_t bytes() const override { return state_bytes(state); }
 };
 
@@ -50,7 +51,7 @@ class Float64Engine : public Engine {
   std::vector<std::unique_ptr<EngineSequence>> new_sequences(int64_t B) override {
     K3_CHECK(B >= 1, "new_sequences: need at least one sequence, got ", B);
     std::vector<std::unique_ptr<EngineSequence>> out;
-    for (int64_t b = 0; b < B; ++b) out.push_back(std::make_unique<Float64Sequence>(this));
+    for (int64_t b = 0; b < B; ++b) out.push_back(std::make_unique<Float64Sequence>(this, fresh()));
     return out;
   }
   std::vector<float> forward(const std::vector<EngineSequence*>& seqs, const std::vector<std::vector<int32_t>>& tokens,
@@ -86,10 +87,11 @@ class Float64Engine : public Engine {
     return out;
   }
   std::unique_ptr<SequenceSnapshot> snapshot(EngineSequence& seq, int64_t rows_from) override {
-    const train::DecodeState& s = sequence(seq, 0).state;
+    const train::DecodeState& s = sequence(seq, "snapshot").state;
     K3_CHECK(rows_from >= 0 && rows_from <= s.length, "snapshot: rows_from ", rows_from, " outside [0, ", s.length,
              "]");
     auto out = std::make_unique<Float64Snapshot>();
+    out->owner = this;
     out->begin = rows_from;
     out->end = s.length;
     out->state = s;
@@ -103,13 +105,13 @@ class Float64Engine : public Engine {
     return out;
   }
   void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
-    train::DecodeState& s = sequence(seq, 0).state;
+    train::DecodeState& s = sequence(seq, "restore").state;
     K3_CHECK(s.length == 0, "restore: the sequence must be fresh, it holds ", s.length, " tokens");
     K3_CHECK(!chain.empty(), "restore: no snapshots");
     int64_t at = 0;
     for (size_t i = 0; i < chain.size(); ++i) {
       const auto* f = dynamic_cast<const Float64Snapshot*>(chain[i]);
-      K3_CHECK(f != nullptr, "restore: a snapshot of another engine");
+      K3_CHECK(f != nullptr && f->owner == this, "restore: snapshot ", i, " is another engine's");
       K3_CHECK(f->begin == at && f->end >= at, "restore: snapshot ", i, " does not continue the chain at position ",
                at);
       at = f->end;
@@ -126,15 +128,22 @@ class Float64Engine : public Engine {
       }
     }
   }
-  void reset(EngineSequence& seq) override { sequence(seq, 0).state = {}; }
+  void reset(EngineSequence& seq) override { sequence(seq, "reset").state = fresh(); }
   void set_profile(bool) override {}  // no per-block timings: nothing here is tuned
   const BlockTimings& timings() const override { return timings_; }
   void reset_timings() override {}
 
  private:
-  Float64Sequence& sequence(EngineSequence& seq, size_t b) {
+  // A fresh sequence's state: every layer's entry there and empty (snapshots and restore index them by layer).
+  train::DecodeState fresh() const {
+    train::DecodeState s;
+    s.kda.resize(size_t(c_.num_hidden_layers)), s.mla.resize(size_t(c_.num_hidden_layers));
+    return s;
+  }
+  // `what`: the caller and the sequence, for the error ("forward: sequence 2").
+  Float64Sequence& sequence(EngineSequence& seq, const std::string& what) {
     auto* s = dynamic_cast<Float64Sequence*>(&seq);
-    K3_CHECK(s != nullptr && s->owner == this, "forward: sequence ", b, " was made by another engine");
+    K3_CHECK(s != nullptr && s->owner == this, what, " was made by another engine");
     return *s;
   }
 
@@ -150,11 +159,17 @@ class Float64Engine : public Engine {
     K3_CHECK(!hooks || hooks->input_rows.size() <= seqs.size(), "forward: input rows for ",
              hooks ? hooks->input_rows.size() : 0, " sequences, and the forward has ", seqs.size());
     const int64_t V = c_.vocab_size, D = c_.hidden_size, K = c_.num_experts_per_token;
+    // Everything is checked before any sequence moves on.
     std::vector<Float64Sequence*> s;
     for (size_t b = 0; b < seqs.size(); ++b) {
       K3_CHECK(seqs[b] != nullptr, "forward: sequence ", b, " is null");
-      s.push_back(&sequence(*seqs[b], b));
+      s.push_back(&sequence(*seqs[b], "forward: sequence " + std::to_string(b)));
       check_new_tokens(c_, b, tokens[b], s.back()->state.length);
+      if (hooks && b < hooks->input_rows.size())
+        for (const InputRows& r : hooks->input_rows[b])
+          K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= int64_t(tokens[b].size()) && (r.data || r.n == 0),
+                   "forward: input rows [", r.at, ", ", r.at + r.n, ") of sequence ", b, ", which adds ",
+                   tokens[b].size(), " tokens");
     }
     std::vector<std::vector<int32_t>> topk(size_t(c_.num_hidden_layers));  // [Σ n_b, K] per MoE layer
     train::TrainHooks th;
@@ -168,9 +183,6 @@ class Float64Engine : public Engine {
       std::vector<train::TrainInputRows> rows;
       if (hooks && b < hooks->input_rows.size())
         for (const InputRows& r : hooks->input_rows[b]) {
-          K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= int64_t(tokens[b].size()) && (r.data || r.n == 0),
-                   "forward: input rows [", r.at, ", ", r.at + r.n, ") of sequence ", b, ", which adds ",
-                   tokens[b].size(), " tokens");
           row_data.emplace_back(r.data, r.data + r.n * D);
           rows.push_back({r.at, r.n, row_data.back().data(), nullptr});
         }

@@ -4,7 +4,7 @@
 //
 // What it is for: a sampler whose numbers are the float64 trainer's. An RL run's rollouts on it
 // (`k3 rl --rollout-precision f64`) have behaviour log-probabilities that equal the CPU trainer's recomputed ones
-// to rounding (~1e-12), where the f32 engine's differ by up to ~|logit| * 1e-7, a few 1e-6 on a trained model
+// to rounding (~1e-14), where the f32 engine's differ by up to ~|logit| * 1e-7, a few 1e-6 on a trained model
 // (fp32 activations). It is also the float64 reference of every command that takes `--precision`.
 //
 // It runs on the CPU one sequence after another, with the training blocks' plain loops (the recurrence token by

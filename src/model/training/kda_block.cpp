@@ -119,7 +119,8 @@ void kda_block_forward(const ParamStore& P, const std::string& prefix, const K3C
     for (auto* v : {&state->q_tail, &state->k_tail, &state->v_tail})
       if (v->empty()) v->assign(size_t((d.K - 1) * HD), 0.0);
     if (state->S.empty()) state->S.assign(size_t(H * D * D), 0.0);
-    K3_CHECK(int64_t(state->q_tail.size()) == (d.K - 1) * HD && int64_t(state->S.size()) == H * D * D,
+    K3_CHECK(int64_t(state->q_tail.size()) == (d.K - 1) * HD && state->k_tail.size() == state->q_tail.size() &&
+                 state->v_tail.size() == state->q_tail.size() && int64_t(state->S.size()) == H * D * D,
              "kda_block_forward: layer ", layer, "'s decoding state is from another config");
   }
   kda::conv_silu_forward(tp.qc.data(), tp.qs.data(), tp.qp.data(), T, HD, W.qc, d.K,

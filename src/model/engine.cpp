@@ -22,6 +22,17 @@ Precision parse_precision(const std::string& s, const char* what) {
 const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
 const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : p == Precision::F64 ? "f64" : "f32"; }
 
+void check_restore_chain(const std::vector<const SequenceSnapshot*>& chain, int64_t length) {
+  K3_CHECK(length == 0, "restore: the sequence must be fresh, it holds ", length, " tokens");
+  K3_CHECK(!chain.empty(), "restore: no snapshots");
+  int64_t at = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    K3_CHECK(chain[i] != nullptr && chain[i]->begin == at && chain[i]->end >= at, "restore: snapshot ", i,
+             " does not continue the chain at position ", at);
+    at = chain[i]->end;
+  }
+}
+
 std::string Engine::description() const {
   const EngineOptions o = options();
   return std::string(device_name(o.device)) + " (" + precision_name(o.precision) + ")";
@@ -57,18 +68,6 @@ std::vector<Cache*> caches_of(const void* owner, const std::vector<EngineSequenc
     out.push_back(s->cache(owner, b));
   }
   return out;
-}
-
-// Checks a restore's chain: non-empty, contiguous from position 0, onto a fresh sequence.
-void check_chain(const std::vector<const SequenceSnapshot*>& chain, int64_t length) {
-  K3_CHECK(length == 0, "restore: the sequence must be fresh, it holds ", length, " tokens");
-  K3_CHECK(!chain.empty(), "restore: no snapshots");
-  int64_t at = 0;
-  for (size_t i = 0; i < chain.size(); ++i) {
-    K3_CHECK(chain[i] != nullptr && chain[i]->begin == at && chain[i]->end >= at, "restore: snapshot ", i,
-             " does not continue the chain at position ", at);
-    at = chain[i]->end;
-  }
 }
 
 // A CPU sequence's state as a SequenceCache holding the KDA layers' tails and state and the MLA layers' rows
@@ -116,7 +115,7 @@ class CpuEngine : public Engine {
   }
   void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
     SequenceCache& c = *caches_of<SequenceCache>(this, {&seq})[0];
-    check_chain(chain, c.length);
+    check_restore_chain(chain, c.length);
     for (const SequenceSnapshot* s : chain)
       K3_CHECK(dynamic_cast<const CpuSnapshot*>(s) != nullptr, "restore: a snapshot of another engine");
     const SequenceCache& last = static_cast<const CpuSnapshot&>(*chain.back()).state;
@@ -170,7 +169,7 @@ class CudaEngine : public Engine {
   }
   void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
     CudaSequenceCache& c = *caches_of<CudaSequenceCache>(this, {&seq})[0];
-    check_chain(chain, c.length());
+    check_restore_chain(chain, c.length());
     std::vector<const CudaStateCopy*> copies;
     for (const SequenceSnapshot* s : chain) {
       const auto* g = dynamic_cast<const Snapshot*>(s);

@@ -61,6 +61,9 @@ class SequenceSnapshot {
   int64_t begin = 0, end = 0;
   virtual size_t bytes() const = 0;  // memory held
 };
+// What every Engine::restore checks first: `chain` is non-empty and contiguous from position 0 (a null snapshot
+// breaks it), and the sequence, which holds `length` tokens, is fresh. k3::Error otherwise.
+void check_restore_chain(const std::vector<const SequenceSnapshot*>& chain, int64_t length);
 
 class Engine {
  public:

@@ -106,15 +106,10 @@ class Float64Engine : public Engine {
   }
   void restore(EngineSequence& seq, const std::vector<const SequenceSnapshot*>& chain) override {
     train::DecodeState& s = sequence(seq, "restore").state;
-    K3_CHECK(s.length == 0, "restore: the sequence must be fresh, it holds ", s.length, " tokens");
-    K3_CHECK(!chain.empty(), "restore: no snapshots");
-    int64_t at = 0;
+    check_restore_chain(chain, s.length);
     for (size_t i = 0; i < chain.size(); ++i) {
       const auto* f = dynamic_cast<const Float64Snapshot*>(chain[i]);
       K3_CHECK(f != nullptr && f->owner == this, "restore: snapshot ", i, " is another engine's");
-      K3_CHECK(f->begin == at && f->end >= at, "restore: snapshot ", i, " does not continue the chain at position ",
-               at);
-      at = f->end;
     }
     s = static_cast<const Float64Snapshot&>(*chain.back()).state;  // the KDA state after the last position
     for (size_t l = 0; l < s.mla.size(); ++l) {
@@ -156,21 +151,17 @@ class Float64Engine : public Engine {
     K3_CHECK(seqs.size() == tokens.size(), "forward: ", seqs.size(), " sequences for ", tokens.size(), " token lists");
     K3_CHECK(!hooks || (!hooks->tensor && !hooks->replace),
              "forward: the float64 engine offers no per-block tensor hooks");
-    K3_CHECK(!hooks || hooks->input_rows.size() <= seqs.size(), "forward: input rows for ",
-             hooks ? hooks->input_rows.size() : 0, " sequences, and the forward has ", seqs.size());
     const int64_t V = c_.vocab_size, D = c_.hidden_size, K = c_.num_experts_per_token;
-    // Everything is checked before any sequence moves on.
+    // Everything is checked before any sequence moves on (the input rows by the other engines' check).
     std::vector<Float64Sequence*> s;
+    std::vector<int64_t> row0(seqs.size(), 0), n;
     for (size_t b = 0; b < seqs.size(); ++b) {
       K3_CHECK(seqs[b] != nullptr, "forward: sequence ", b, " is null");
       s.push_back(&sequence(*seqs[b], "forward: sequence " + std::to_string(b)));
       check_new_tokens(c_, b, tokens[b], s.back()->state.length);
-      if (hooks && b < hooks->input_rows.size())
-        for (const InputRows& r : hooks->input_rows[b])
-          K3_CHECK(r.at >= 0 && r.n >= 0 && r.at + r.n <= int64_t(tokens[b].size()) && (r.data || r.n == 0),
-                   "forward: input rows [", r.at, ", ", r.at + r.n, ") of sequence ", b, ", which adds ",
-                   tokens[b].size(), " tokens");
+      n.push_back(int64_t(tokens[b].size()));
     }
+    if (hooks) input_rows_of(*hooks, row0, n, D);
     std::vector<std::vector<int32_t>> topk(size_t(c_.num_hidden_layers));  // [Σ n_b, K] per MoE layer
     train::TrainHooks th;
     if (hooks && hooks->topk)

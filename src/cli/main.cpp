@@ -5,6 +5,25 @@
 #include "cli/commands.h"
 #include "cli/library_env.h"
 #include "core/error.h"
+#include "dist/group.h"
+
+namespace {
+
+// A failed run ends with one "error:" line and exit status 1. Under mpirun the line names the rank, and the
+// whole job is stopped (the other ranks would otherwise wait for this one in their next collective).
+int report_error(const char* what) {
+  if (k3::dist::launched_by_mpi()) {
+    k3::dist::Group& w = k3::dist::world();
+    std::fprintf(stderr, "error (rank %d of %d): %s\n", w.rank(), w.size(), what);
+    std::fflush(stderr);
+    k3::dist::abort_world(1);
+  } else {
+    std::fprintf(stderr, "error: %s\n", what);
+  }
+  return 1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   k3::cli::reexec_with_library_settings(argc, argv);
@@ -39,12 +58,8 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) return app.exit(e);
     std::fprintf(stderr, "error: %s (see --help)\n", e.what());
     return 1;
-  } catch (const k3::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    return report_error(e.what());
   }
   return 0;
 }

@@ -152,20 +152,64 @@ const ParamPlan& Optimizer::plan_of(const std::string& name) const {
   fail("optimizer: no parameter '", name, "'");
 }
 
-void Optimizer::step(ParamStore& P, double step_lr) {
+std::vector<int> newton_schulz_owners(const std::vector<ParamPlan>& plan, int ranks) {
+  K3_CHECK(ranks >= 1, "Newton-Schulz sharding: need at least one rank, got ", ranks);
+  std::vector<int> owner(plan.size(), -1);
+  std::vector<size_t> muon;
+  std::vector<double> cost(plan.size(), 0.0);
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const ParamPlan& p = plan[i];
+    if (p.group != ParamGroup::Muon) continue;
+    const double rb = double(p.rows / p.heads), cols = double(p.cols);
+    cost[i] = double(p.heads) * rb * cols * std::min(rb, cols);
+    muon.push_back(i);
+  }
+  std::stable_sort(muon.begin(), muon.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::vector<double> load(size_t(ranks), 0.0);
+  for (size_t i : muon) {
+    const size_t r = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = int(r);
+    load[r] += cost[i];
+  }
+  return owner;
+}
+
+void Optimizer::step(ParamStore& P, double step_lr, dist::Group* group) {
   if (int64_t(state_.size()) != state_size_) state_.assign(size_t(state_size_), 0.0);
   ++t_;
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
   const double sqrt_bc2 = std::sqrt(bc2);
-  std::vector<double> u, o;
-  for (const ParamPlan& pl : plan_) {
+  const int ranks = group ? group->size() : 1, me = group ? group->rank() : 0;
+  const std::vector<int> owner = newton_schulz_owners(plan_, ranks);
+  // A Muon entry's orthogonalised update: computed here (one rank, or this rank's share), or all-gathered.
+  std::vector<double> mine;  // this rank's updates, in plan order
+  std::vector<const double*> ortho(plan_.size(), nullptr);
+  std::vector<double> u;
+  auto orthogonalise = [&](const ParamPlan& pl, const double* uu, double* o) {
+    const int64_t rb = pl.rows / pl.heads;  // rows per head block (contiguous in row-major)
+    for (int64_t h = 0; h < pl.heads; ++h)
+      newton_schulz(uu + h * rb * pl.cols, o + h * rb * pl.cols, rb, pl.cols, cfg_.ns_steps);
+  };
+  auto apply_muon = [&](const ParamPlan& pl, const double* o) {
+    const double lr = step_lr * pl.lr_scale;
+    const double keep = pl.decay ? 1.0 - lr * cfg_.weight_decay : 1.0;
+    const double scale = muon_scale(cfg_.muon_scale, pl.rows / pl.heads, pl.cols, cfg_.muon_rms);
+    double* W = P.p_mut(pl.name, pl.numel);
+    for (int64_t i = 0; i < pl.numel; ++i) {
+      W[i] *= keep;
+      W[i] -= lr * scale * o[size_t(i)];
+    }
+  };
+  std::vector<double> o;
+  for (size_t k = 0; k < plan_.size(); ++k) {
+    const ParamPlan& pl = plan_[k];
     if (pl.group == ParamGroup::Frozen) continue;
     const double lr = step_lr * pl.lr_scale;
-    double* W = P.p_mut(pl.name, pl.numel);
     const double* g = P.g(pl.name, pl.numel);
     double* st = state_.data() + pl.state_offset;
-    const double keep = pl.decay ? 1.0 - lr * cfg_.weight_decay : 1.0;
     if (pl.group == ParamGroup::AdamW) {
+      double* W = P.p_mut(pl.name, pl.numel);
+      const double keep = pl.decay ? 1.0 - lr * cfg_.weight_decay : 1.0;
       double* m = st;
       double* v = st + pl.numel;
       // torch.optim.AdamW's arithmetic: decay, then p -= (lr/bc1)·m / (sqrt(v)/sqrt(bc2) + eps).
@@ -176,24 +220,40 @@ void Optimizer::step(ParamStore& P, double step_lr) {
         W[i] *= keep;
         W[i] -= step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + cfg_.eps);
       }
-    } else {
-      double* buf = st;
-      u.resize(size_t(pl.numel));
+      continue;
+    }
+    // Muon: every rank keeps the momentum (elementwise); the owner orthogonalises.
+    double* buf = st;
+    u.resize(size_t(pl.numel));
+    for (int64_t i = 0; i < pl.numel; ++i) {
+      buf[i] = cfg_.momentum * buf[i] + g[i];
+      u[size_t(i)] = cfg_.nesterov ? g[i] + cfg_.momentum * buf[i] : buf[i];
+    }
+    if (ranks == 1) {
       o.resize(size_t(pl.numel));
-      for (int64_t i = 0; i < pl.numel; ++i) {
-        buf[i] = cfg_.momentum * buf[i] + g[i];
-        u[size_t(i)] = cfg_.nesterov ? g[i] + cfg_.momentum * buf[i] : buf[i];
-      }
-      const int64_t rb = pl.rows / pl.heads;  // rows per head block (contiguous in row-major)
-      const double scale = muon_scale(cfg_.muon_scale, rb, pl.cols, cfg_.muon_rms);
-      for (int64_t h = 0; h < pl.heads; ++h)
-        newton_schulz(u.data() + h * rb * pl.cols, o.data() + h * rb * pl.cols, rb, pl.cols, cfg_.ns_steps);
-      for (int64_t i = 0; i < pl.numel; ++i) {
-        W[i] *= keep;
-        W[i] -= lr * scale * o[size_t(i)];
-      }
+      orthogonalise(pl, u.data(), o.data());
+      apply_muon(pl, o.data());
+    } else if (owner[k] == me) {
+      const size_t at = mine.size();
+      mine.resize(at + size_t(pl.numel));
+      orthogonalise(pl, u.data(), mine.data() + at);
     }
   }
+  if (ranks == 1) return;
+  // Every rank's updates, rank after rank, each in plan order: the layout newton_schulz_owners implies.
+  const std::vector<double> all = dist::all_gather(*group, mine);
+  std::vector<int64_t> at(size_t(ranks) + 1, 0);
+  for (size_t k = 0; k < plan_.size(); ++k)
+    if (owner[k] >= 0) at[size_t(owner[k]) + 1] += plan_[k].numel;
+  for (int r = 0; r < ranks; ++r) at[size_t(r) + 1] += at[size_t(r)];
+  K3_ASSERT(int64_t(all.size()) == at.back());
+  for (size_t k = 0; k < plan_.size(); ++k)
+    if (owner[k] >= 0) {
+      ortho[k] = all.data() + at[size_t(owner[k])];
+      at[size_t(owner[k])] += plan_[k].numel;
+    }
+  for (size_t k = 0; k < plan_.size(); ++k)
+    if (ortho[k]) apply_muon(plan_[k], ortho[k]);
 }
 
 OptimizerState Optimizer::save_state() const {

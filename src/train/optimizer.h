@@ -36,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dist/group.h"
 #include "model/config.h"
 #include "model/params.h"
 
@@ -119,7 +120,12 @@ class Optimizer {
             const ParamGroupRule& rule = default_param_group);
 
   // One update from P's gradients (the caller zeroes/accumulates/clips them) at learning rate lr.
-  void step(ParamStore& P, double lr);
+  // `group` (data parallelism; every rank holds the same gradients, values and state): the Muon matrices'
+  // Newton–Schulz iterations, the optimizer's one model-sized O(n³) cost, are shared out by layer
+  // (newton_schulz_owners); each rank orthogonalises its own and the results are all-gathered. Every rank
+  // then applies the same updates, so values and state stay replicated and equal a single process's bit
+  // for bit. The elementwise work (AdamW, momentum, decay) runs on every rank.
+  void step(ParamStore& P, double lr, dist::Group* group = nullptr);
 
   int64_t steps_taken() const { return t_; }
   const OptimizerConfig& config() const { return cfg_; }
@@ -143,6 +149,11 @@ class Optimizer {
   std::vector<double> state_;  // empty until the first step() or load_state()
   int64_t t_ = 0;
 };
+
+// The rank that orthogonalises each plan entry's update when Newton–Schulz is shared over `ranks` (-1 for
+// entries that are not Muon): the most expensive matrices first (rows·cols·min(rows, cols) per head block),
+// each to the least-loaded rank, ties to the lower rank. Depends on the plan alone.
+std::vector<int> newton_schulz_owners(const std::vector<ParamPlan>& plan, int ranks);
 
 // The quintic's coefficients: X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ (the CPU's newton_schulz and the GPU's).
 struct NewtonSchulzQuintic {

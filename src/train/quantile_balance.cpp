@@ -105,14 +105,7 @@ void QuantileBalancer::accumulate(const double* scores, int64_t N) {
   if (N == 0) return;
   const bool exact = opt_.method == BalanceMethod::QuantileExact;
   const bool hist = opt_.method == BalanceMethod::QuantileHistogram;
-  if (hist && hist_.empty()) {
-    // The range comes from the bias in effect, which is fixed for the whole step, so every
-    // micro-batch bins into the same grid and the counts can simply be added (or all-reduced).
-    const auto [mn, mx] = std::minmax_element(bias_.begin(), bias_.end());
-    hist_lo_ = *mn - 1.0;
-    hist_w_ = (*mx - *mn + 2.0) / double(opt_.num_bins);
-    hist_.assign(size_t(E_ * opt_.num_bins), 0);
-  }
+  if (hist && hist_.empty()) start_histogram();
   std::vector<double> v(static_cast<size_t>(E_));
   std::vector<int32_t> order(static_cast<size_t>(E_));
   if (exact) r_.reserve(r_.size() + size_t(N * E_));
@@ -130,6 +123,27 @@ void QuantileBalancer::accumulate(const double* scores, int64_t N) {
     }
   }
   tokens_ += N;
+}
+
+void QuantileBalancer::start_histogram() {
+  // The range comes from the bias in effect, which is fixed for the whole step, so every
+  // micro-batch bins into the same grid and the counts can simply be added (or all-reduced).
+  const auto [mn, mx] = std::minmax_element(bias_.begin(), bias_.end());
+  hist_lo_ = *mn - 1.0;
+  hist_w_ = (*mx - *mn + 2.0) / double(opt_.num_bins);
+  hist_.assign(size_t(E_ * opt_.num_bins), 0);
+}
+
+void QuantileBalancer::merge_ranks(dist::Group& g) {
+  if (g.size() == 1) return;
+  g.all_reduce_sum(&tokens_, 1);
+  g.all_reduce_sum(loads_.data(), E_);
+  if (opt_.method == BalanceMethod::QuantileHistogram) {
+    if (hist_.empty()) start_histogram();  // a rank whose sequences routed nothing still adds its zeros
+    g.all_reduce_sum(hist_.data(), int64_t(hist_.size()));
+  } else if (opt_.method == BalanceMethod::QuantileExact) {
+    r_ = dist::all_gather(g, r_);
+  }
 }
 
 std::vector<double> QuantileBalancer::estimate_exact() const {

@@ -54,6 +54,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dist/group.h"
+
 namespace k3::train {
 
 enum class BalanceMethod { None, QuantileExact, QuantileHistogram, Sign };
@@ -94,6 +96,12 @@ class QuantileBalancer {
   // One forward pass of the current step: scores [N, E], unbiased sigmoid router scores.
   void accumulate(const double* scores, int64_t N);
   int64_t pending_tokens() const { return tokens_; }
+  // Data parallelism: pools the pending step of every rank of `g` (each accumulated its own sequences with
+  // the same bias), so that every rank's finish_step() computes the same next bias. The token count, the
+  // loads and the histogram counts are summed; the exact estimator's margins are gathered (its order
+  // statistics do not depend on the order of the tokens, so the bias equals a single process's bit for
+  // bit). A no-op for a group of one.
+  void merge_ranks(dist::Group& g);
 
   // Ends the step: records its loads/MaxVio, computes the next bias by the chosen method and clears
   // the accumulators. An empty step (no tokens) leaves the bias unchanged.
@@ -122,6 +130,7 @@ class QuantileBalancer {
   std::vector<int64_t> hist_;   // histogram: [E, B] counts
   double hist_lo_ = 0, hist_w_ = 0;
   BalanceStepStats last_;
+  void start_histogram();  // the step's bin grid, from the bias in effect
 };
 
 // Shared helpers (also used by the tests).

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dist/group.h"
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
 #include "model/params.h"
@@ -64,8 +65,19 @@ class TrainDevice {
 
 // The float64 CPU trainer: P holds the parameters and gradients; `optimizer` is built on P; `lanes`
 // gradient lanes (train/grad_lanes.h).
+//
+// Data parallelism (`group` of more than one rank, every rank given the same step): the step's sequences
+// are dealt to the ranks as to gradient lanes (assign_lanes over the ranks), each rank runs its own share on
+// its lanes, and the gradients are summed over the ranks in buckets of kGradientBucket values, the losses
+// with them. Quantile Balancing pools every rank's statistics (QuantileBalancer::merge_ranks) and Muon's
+// Newton–Schulz is shared out by layer (Optimizer::step), so every rank ends the step with the same values,
+// optimizer state and biases: those of one process running the whole step, up to the order of the
+// gradient sum. Log-probabilities (token_logprobs) are computed whole on every rank.
 std::unique_ptr<TrainDevice> make_cpu_train_device(ParamStore& P, const K3Config& c, Optimizer& optimizer,
-                                                   const BalanceOptions& balance, int64_t lanes);
+                                                   const BalanceOptions& balance, int64_t lanes,
+                                                   dist::Group* group = nullptr);
+// Values per all-reduce bucket of the data-parallel gradient sum (32 MiB of float64).
+constexpr int64_t kGradientBucket = int64_t(1) << 22;
 
 // How the GPU trainer runs a step.
 struct CudaTrainOptions {

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <fcntl.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "core/memory.h"
 #include "core/splitmix.h"
 #include "core/validate.h"
+#include "dist/group.h"
 #include "io/dir_lock.h"
 #include "io/file.h"
 #include "io/jsonl.h"
@@ -191,12 +193,48 @@ void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now,
   std::fprintf(stderr, "note: --change-plan: continuing on a new plan: %s\n", plan.c_str());
 }
 
+// Data parallelism: ranks other than 0 print nothing while the run lasts (rank 0 reports for the job); an
+// error still reaches the rank's stderr, since main() prints it after train() has returned.
+class QuietStderr {
+ public:
+  explicit QuietStderr(bool quiet) {
+    if (!quiet) return;
+    std::fflush(stderr);
+    saved_ = ::dup(2);
+    const int null = ::open("/dev/null", O_WRONLY);
+    if (saved_ >= 0 && null >= 0) ::dup2(null, 2);
+    if (null >= 0) ::close(null);
+  }
+  ~QuietStderr() {
+    if (saved_ < 0) return;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+  }
+  QuietStderr(const QuietStderr&) = delete;
+  QuietStderr& operator=(const QuietStderr&) = delete;
+
+ private:
+  int saved_ = -1;
+};
+
 }  // namespace
 
 TrainResult train(const TrainOptions& opt) {
   check_train_options(opt);
+  // Under a launcher every rank runs this function on the same step: rank 0 owns the run directory (its lock,
+  // metrics and checkpoints), and the CPU trainer shares each step's sequences out (train_device.h).
+  dist::Group& world = dist::world();
+  const bool lead = world.rank() == 0;
+  if (opt.gpu && world.size() > 1)
+    fail(
+        "--device cuda runs on one process: the GPU trainer's data parallelism over NCCL is not built; "
+        "the CPU trainer runs data-parallel under mpirun");
   // One process per run directory: the lock is held until train() returns (or the process dies).
-  const DirectoryLock run_lock(opt.out_dir, "run directory");
+  std::unique_ptr<DirectoryLock> run_lock;
+  if (lead) run_lock = std::make_unique<DirectoryLock>(opt.out_dir, "run directory");
+  world.barrier();  // no rank reads the directory before rank 0 holds it
+  const QuietStderr quiet(!lead);
   const K3Config c = load_config(opt.config_path);
   const std::string config_text = read_file(opt.config_path, "config");
   const bool sft = !opt.sft_data.empty();
@@ -287,6 +325,8 @@ TrainResult train(const TrainOptions& opt) {
   int64_t step = 0, data_pos = 0, lanes = opt.grad_lanes;
   const std::string metrics_path = (fs::path(opt.out_dir) / "metrics.jsonl").string();
   const nlohmann::json recipe = run_recipe(opt, config_text, stages, sft ? &sft_data : nullptr);
+  dist::check_same_on_every_rank(world, recipe.dump() + "\n" + opt.data_path + "\n" + opt.sft_data + "\n" + opt.out_dir,
+                                 "the run's settings (config, data, run directory and flags)");
   TrainResult res;
   OptimizerState resume_optimizer;
   nlohmann::json resume_balancers;
@@ -308,6 +348,11 @@ TrainResult train(const TrainOptions& opt) {
                      "note: resuming with %lld gradient lanes, the run used %lld: gradients are summed in a "
                      "different order, so losses will not repeat bit for bit\n",
                      (long long)lanes, (long long)saved_lanes);
+      if (const int64_t saved_ranks = st.meta.value("ranks", int64_t(1)); saved_ranks != world.size())
+        std::fprintf(stderr,
+                     "note: resuming on %d rank%s, the run used %lld: the step's gradients are summed in another "
+                     "order, so losses will not repeat bit for bit\n",
+                     world.size(), world.size() == 1 ? "" : "s", (long long)saved_ranks);
       resume_optimizer = {st.meta.at("optimizer"), st.optimizer};
       resume_balancers = st.meta.at("balancers");
     } catch (const nlohmann::json::exception& e) {
@@ -328,7 +373,7 @@ TrainResult train(const TrainOptions& opt) {
         if (r.value.contains("loss") && r.value["loss"].is_number()) res.last_loss = r.value["loss"].get<double>();
       }
     }
-    write_file_atomic(metrics_path, kept);
+    if (lead) write_file_atomic(metrics_path, kept);
     res.steps = step;
     res.last_checkpoint = resume_dir;
     if (step >= total_steps)
@@ -337,7 +382,7 @@ TrainResult train(const TrainOptions& opt) {
     else
       std::fprintf(stderr, "resumed from %s at step %lld (data position %lld)\n", resume_dir.c_str(), (long long)step,
                    (long long)data_pos);
-  } else {
+  } else if (lead) {
     write_file_atomic(metrics_path, "");
   }
   if (lanes == 0) {
@@ -352,8 +397,9 @@ TrainResult train(const TrainOptions& opt) {
     lanes = std::max<int64_t>(1, fit);
   }
   if (lanes < 1) fail("--grad-lanes must be at least 1 (or 0 for the thread count), got ", lanes);
-  const std::unique_ptr<TrainDevice> device = opt.gpu ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.cuda)
-                                                      : make_cpu_train_device(P, c, optimizer, opt.balance, lanes);
+  const std::unique_ptr<TrainDevice> device = opt.gpu
+                                                  ? make_cuda_train_device(P, c, optimizer, opt.balance, opt.cuda)
+                                                  : make_cpu_train_device(P, c, optimizer, opt.balance, lanes, &world);
   if (!resume_dir.empty()) {
     try {
       device->load_state(resume_optimizer, resume_balancers);
@@ -362,19 +408,25 @@ TrainResult train(const TrainOptions& opt) {
     }
   }
   std::fprintf(stderr, "training on %s\n", device->describe().c_str());
-  struct Appender {  // metrics.jsonl, one record per line
+  struct Appender {  // metrics.jsonl, one record per line (rank 0's)
     int fd;
-    ~Appender() { ::close(fd); }
-  } metrics{open_append(metrics_path)};
-  auto append_metrics = [&](const std::string& line) { append_all(metrics.fd, line + "\n", metrics_path); };
+    ~Appender() {
+      if (fd >= 0) ::close(fd);
+    }
+  } metrics{lead ? open_append(metrics_path) : -1};
+  auto append_metrics = [&](const std::string& line) {
+    if (lead) append_all(metrics.fd, line + "\n", metrics_path);
+  };
 
   auto save = [&]() {
     TrainState st;
     st.meta = {{"step", step},           {"data_pos", data_pos}, {"total_steps", total_steps},
-               {"shuffle", opt.shuffle}, {"grad_lanes", lanes},  {"recipe", recipe}};
+               {"shuffle", opt.shuffle}, {"grad_lanes", lanes},  {"ranks", world.size()},
+               {"recipe", recipe}};
     OptimizerState os;
     nlohmann::json bj;
     device->save_state(P, os, bj);
+    if (!lead) return std::string();  // every rank holds the same state; rank 0 writes it
     st.meta["optimizer"] = os.header;
     st.optimizer = std::move(os.data);
     st.meta["balancers"] = bj;
@@ -488,7 +540,10 @@ TrainResult train(const TrainOptions& opt) {
     // Evaluated before the checkpoint: a run killed in between redoes both (the record is past the
     // checkpoint it resumes from), never leaves a checkpointed step without its evaluation.
     if (!opt.eval_path.empty() && opt.eval_every > 0 && step % opt.eval_every == 0) run_eval();
-    if (step % opt.save_every == 0 || step == total_steps) res.last_checkpoint = save();
+    if (step % opt.save_every == 0 || step == total_steps) {
+      res.last_checkpoint = save();
+      world.barrier();  // a rank that stops here (on_step, the end) finds the checkpoint written
+    }
     if (opt.on_step && !opt.on_step(line)) break;
   }
   if (!opt.eval_path.empty() && evaluated_at != step) run_eval();

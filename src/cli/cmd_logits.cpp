@@ -6,6 +6,7 @@
 #include "cli/commands.h"
 #include "cli/engine.h"
 #include "core/error.h"
+#include "dist/group.h"
 #include "io/safetensors.h"
 #include "model/model.h"
 
@@ -43,6 +44,7 @@ void register_logits(CLI::App& app) {
     std::fprintf(stderr, "[%.2fs] forward on %s: %lld row(s) x %lld tokens\n", elapsed_seconds(),
                  m.description().c_str(), (long long)B, (long long)T);
     std::vector<float> logits = m.forward_fresh(rows);
+    if (!dist::lead_rank()) return;  // expert-parallel ranks hold the same logits; rank 0 writes them
     write_safetensors(o->out, {{"logits", DType::F32, {B, T, V}, logits.data()}});
     std::fprintf(stderr, "[%.2fs] wrote %s: logits [%lld, %lld, %lld]\n", elapsed_seconds(), o->out.c_str(),
                  (long long)B, (long long)T, (long long)V);

@@ -58,6 +58,8 @@ class Group {
 Group& world();
 // True when this process was started by an MPI launcher (so world() is a real group).
 bool launched_by_mpi();
+// True on the rank that writes the job's outputs: rank 0, or a process started on its own.
+bool lead_rank();
 // Ends the whole job with `status` after this rank's error: MPI_Abort under a launcher (every rank
 // stops), else nothing (the caller returns its status). For main() only; the library never exits.
 void abort_world(int status);

@@ -177,6 +177,8 @@ Group& world() {
   return *g;
 }
 
+bool lead_rank() { return !launched_by_mpi() || world().rank() == 0; }
+
 void abort_world(int status) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "dist/group.h"
 #include "kernels/loss/cross_entropy.h"
 #include "model/training/engine_f64.h"
 
@@ -83,6 +84,10 @@ class CpuEngine : public Engine {
   const K3Config& config() const override { return m_->config(); }
   EngineOptions options() const override {
     return {Device::CPU, m_->options().bf16_activations ? Precision::BF16 : Precision::F32};
+  }
+  std::string description() const override {
+    const dist::Group* g = m_->options().expert_group;
+    return Engine::description() + (g && g->size() > 1 ? ", experts over " + std::to_string(g->size()) + " ranks" : "");
   }
   size_t weight_bytes() const override { return m_->weight_bytes(); }
   size_t sequence_bytes(int64_t tokens) const override { return SequenceCache::bytes_at(m_->config(), tokens); }
@@ -200,6 +205,12 @@ std::unique_ptr<Engine> Engine::on_gpu(std::shared_ptr<CudaModel> m) {
 }
 
 std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& o) {
+  // Under mpirun every rank loads the model and runs the same tokens; the CPU model shares its routed experts out
+  // over the ranks (model/expert_parallel.h).
+  dist::Group* experts = dist::launched_by_mpi() && dist::world().size() > 1 ? &dist::world() : nullptr;
+  if (experts && (o.precision == Precision::F64 || o.device == Device::CUDA))
+    fail("expert parallelism over ", experts->size(), " ranks is built for the CPU model (--device cpu, f32 or bf16); ",
+         "the GPU model's over NCCL is not");
   if (o.precision == Precision::F64) {
     if (o.device == Device::CUDA) fail("precision f64: the float64 engine runs on the CPU only");
     const K3Config c = load_config((std::filesystem::path(dir) / "config.json").string());
@@ -209,6 +220,7 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
     return on_gpu(CudaModel::load(dir, o.precision == Precision::BF16 ? GpuPrecision::BF16 : GpuPrecision::F32));
   std::shared_ptr<Model> m = Model::load(dir);
   m->options().bf16_activations = o.precision == Precision::BF16;
+  m->options().expert_group = experts;
   return on_cpu(std::move(m));
 }
 

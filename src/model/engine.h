@@ -76,7 +76,7 @@ class Engine {
 
   virtual const K3Config& config() const = 0;
   virtual EngineOptions options() const = 0;
-  std::string description() const;          // "cpu (f32)", "cuda (bf16)"
+  virtual std::string description() const;  // "cpu (f32)", "cuda (bf16)", "cpu (f32), experts over 4 ranks"
   virtual size_t weight_bytes() const = 0;  // bytes the weights take on the device (mapped bytes on the CPU)
   // Memory one sequence's state takes on the device once it holds `tokens` tokens (KDA conv tails and state, MLA
   // rows exactly filled): what a server admits against its cache budget. The GPU grows a sequence's MLA rows

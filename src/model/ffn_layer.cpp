@@ -7,6 +7,7 @@
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "kernels/norm/norm.h"
+#include "model/expert_parallel.h"
 #include "model/layers.h"
 
 namespace k3 {
@@ -40,6 +41,12 @@ moe::RouterParams router_params(const K3Config& c) {
                            c.routed_scaling_factor};
 }
 
+void routed_expert_forward(float* y, const float* z, int64_t ne, const ExpertWeights& w, const K3Config& c,
+                           const PathOptions& opt) {
+  glu_mlp(y, z, ne, w.w1, w.w3, w.w2, glu_params(c), opt, /*fused=*/true);
+  opt.bf16(y, ne * c.routed_expert_hidden_size);
+}
+
 void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeights& w, const K3Config& c,
                        const PathOptions& opt) {
   glu_mlp(out, x, N, w.gate_proj, w.up_proj, w.down_proj, glu_params(c), opt);
@@ -48,7 +55,6 @@ void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeight
 void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,
                      const ForwardHooks* hooks, const PathOptions& opt) {
   const int64_t E = c.num_experts, K = c.num_experts_per_token, lat = c.routed_expert_hidden_size;
-  const GluParams gp = glu_params(c);
 
   std::vector<float> logits(size_t(N * E));
   linear_forward(logits.data(), x, N, w.router);  // [N, E]
@@ -61,27 +67,24 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
   linear_forward(z.data(), x, N, w.latent_down);  // [N, latent]
   opt.bf16(z);
 
-  // Group (token, weight) pairs by expert, then run each expert once on its gathered rows.
-  std::vector<std::vector<std::pair<int64_t, float>>> by_expert(static_cast<size_t>(E));
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) by_expert[size_t(idx[size_t(n * K + k)])].push_back({n, wt[size_t(n * K + k)]});
   std::vector<float> u(size_t(N * lat), 0.0f);  // fp32 aggregate of the routed experts
-  std::vector<float> zin, y;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& rows = by_expert[size_t(e)];
-    if (rows.empty()) continue;
-    const int64_t ne = int64_t(rows.size());
-    zin.resize(size_t(ne * lat));
-    y.resize(size_t(ne * lat));
-    for (int64_t i = 0; i < ne; ++i)
-      std::memcpy(&zin[size_t(i * lat)], &z[size_t(rows[size_t(i)].first * lat)], size_t(lat) * 4);
-    const ExpertWeights& ew = w.experts[size_t(e)];
-    glu_mlp(y.data(), zin.data(), ne, ew.w1, ew.w3, ew.w2, gp, opt, /*fused=*/true);
-    opt.bf16(y);
-    for (int64_t i = 0; i < ne; ++i) {
-      float* dst = &u[size_t(rows[size_t(i)].first * lat)];
-      const float a = rows[size_t(i)].second;
-      for (int64_t j = 0; j < lat; ++j) dst[j] += a * y[size_t(i * lat + j)];
+  if (opt.expert_group && opt.expert_group->size() > 1) {
+    routed_experts_parallel(u.data(), z.data(), idx.data(), wt.data(), N, w, c, opt, *opt.expert_group);
+  } else {
+    // Group (token, weight) pairs by expert, then run each expert once on its gathered rows.
+    const ExpertRows by_expert = rows_by_expert(idx.data(), wt.data(), 0, N, E, K);
+    std::vector<float> zin, y;
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& rows = by_expert[size_t(e)];
+      if (rows.empty()) continue;
+      const int64_t ne = int64_t(rows.size());
+      zin.resize(size_t(ne * lat));
+      y.resize(size_t(ne * lat));
+      for (int64_t i = 0; i < ne; ++i)
+        std::memcpy(&zin[size_t(i * lat)], &z[size_t(rows[size_t(i)].first * lat)], size_t(lat) * 4);
+      routed_expert_forward(y.data(), zin.data(), ne, w.experts[size_t(e)], c, opt);
+      for (int64_t i = 0; i < ne; ++i)
+        add_scaled_row(&u[size_t(rows[size_t(i)].first * lat)], rows[size_t(i)].second, &y[size_t(i * lat)], lat);
     }
   }
   if (c.latent_moe_use_norm) rmsnorm_forward(u.data(), u.data(), w.latent_norm.data(), c.rms_norm_eps, N, lat);
@@ -89,7 +92,7 @@ void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const
   linear_forward(out, u.data(), N, w.latent_up);  // [N, hidden]
   if (!w.shared.empty()) {
     std::vector<float> sh(size_t(N * c.hidden_size));
-    glu_mlp(sh.data(), x, N, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj, gp, opt);
+    glu_mlp(sh.data(), x, N, w.shared.gate_proj, w.shared.up_proj, w.shared.down_proj, glu_params(c), opt);
     for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   }
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "dist/group.h"
 #include "kernels/ffn/glu.h"
 #include "kernels/moe/router.h"
 #include "model/cache.h"
@@ -75,6 +76,10 @@ struct PathOptions {
     if (bf16_activations)
       for (double& v : x) v = bf16_to_f32(f32_to_bf16(float(v)));
   }
+  // Expert parallelism (model/expert_parallel.h): with a group of more than one rank, each rank computes only the
+  // routed experts it owns, and tokens reach them through all-to-all in the latent width. Every rank runs the same
+  // tokens (the trunk is replicated); null or a group of one: every expert here.
+  dist::Group* expert_group = nullptr;
   static PathOptions from_env();
 };
 
@@ -96,5 +101,9 @@ void dense_ffn_forward(float* out, const float* x, int64_t N, const GluFfnWeight
                        const PathOptions& opt);
 void moe_ffn_forward(float* out, const float* x, int64_t N, int64_t layer, const MoeWeights& w, const K3Config& c,
                      const ForwardHooks* hooks, const PathOptions& opt);
+// One routed expert on ne latent rows: y[ne, latent] = w2(SiTU(w1 z, w3 z)), the activation on the fp32
+// accumulators, y rounded to bf16 on the bf16 path. The single-process MoE and every expert-parallel rank run it.
+void routed_expert_forward(float* y, const float* z, int64_t ne, const ExpertWeights& w, const K3Config& c,
+                           const PathOptions& opt);
 
 }  // namespace k3

@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <fcntl.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -193,31 +192,6 @@ void check_resume_recipe(const nlohmann::json& saved, const nlohmann::json& now,
   std::fprintf(stderr, "note: --change-plan: continuing on a new plan: %s\n", plan.c_str());
 }
 
-// Data parallelism: ranks other than 0 print nothing while the run lasts (rank 0 reports for the job); an
-// error still reaches the rank's stderr, since main() prints it after train() has returned.
-class QuietStderr {
- public:
-  explicit QuietStderr(bool quiet) {
-    if (!quiet) return;
-    std::fflush(stderr);
-    saved_ = ::dup(2);
-    const int null = ::open("/dev/null", O_WRONLY);
-    if (saved_ >= 0 && null >= 0) ::dup2(null, 2);
-    if (null >= 0) ::close(null);
-  }
-  ~QuietStderr() {
-    if (saved_ < 0) return;
-    std::fflush(stderr);
-    ::dup2(saved_, 2);
-    ::close(saved_);
-  }
-  QuietStderr(const QuietStderr&) = delete;
-  QuietStderr& operator=(const QuietStderr&) = delete;
-
- private:
-  int saved_ = -1;
-};
-
 }  // namespace
 
 TrainResult train(const TrainOptions& opt) {
@@ -234,7 +208,6 @@ TrainResult train(const TrainOptions& opt) {
   std::unique_ptr<DirectoryLock> run_lock;
   if (lead) run_lock = std::make_unique<DirectoryLock>(opt.out_dir, "run directory");
   world.barrier();  // no rank reads the directory before rank 0 holds it
-  const QuietStderr quiet(!lead);
   const K3Config c = load_config(opt.config_path);
   const std::string config_text = read_file(opt.config_path, "config");
   const bool sft = !opt.sft_data.empty();

@@ -99,6 +99,24 @@ TEST(DataParallel, RanksGiveTheSingleProcessStep) {
   EXPECT_LT(ranks, 1e-12);
 }
 
+// The histogram estimator sums its counts over the ranks: 2 ranks again equal one process of 2 lanes bit for bit.
+TEST(DataParallel, HistogramBalancingSumsItsCounts) {
+  Corpus c;
+  const std::string solo = c.dir.file("solo"), r2 = c.dir.file("r2");
+  auto args = [&](const std::string& out, const char* lanes) {
+    std::vector<std::string> a = with(train_args(c, out), {"--grad-lanes", lanes, "--balance", "qb-histogram"});
+    a[8] = "32:512";  // --stages: 4 steps
+    return a;
+  };
+  ASSERT_EQ(run_k3(args(solo, "2")).status, 0);
+  const k3test::Outcome o = run_k3_ranks(2, args(r2, "1"));
+  ASSERT_EQ(o.status, 0) << o.output;
+  const Saved a = latest(solo), b = latest(r2);
+  EXPECT_EQ(b.state.meta["balancers"], a.state.meta["balancers"]);
+  EXPECT_EQ(b.P.values(), a.P.values());
+  EXPECT_NE(a.state.meta["balancers"].dump().find("qb-histogram"), std::string::npos);
+}
+
 // A checkpoint written at 4 ranks resumes at 2 (and at 1): the continuation equals the 4-rank run's own to rounding.
 TEST(DataParallel, CheckpointOfFourRanksResumesOnTwo) {
   Corpus c;

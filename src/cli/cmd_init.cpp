@@ -24,6 +24,10 @@ void register_init(CLI::App& app) {
   sub->add_option("--out", o->out, "output directory (created; files written atomically)")->required();
   sub->add_option("--seed", o->init.seed, "random seed")->capture_default_str();
   sub->add_flag("--mxfp4", o->init.mxfp4_experts, "store routed experts as MXFP4 (as the release does)");
+  sub->add_flag("--release-shards", o->init.release_shards,
+                "write the release's shard layout (model-000NN-of-000096.safetensors for 93 layers: layer L in "
+                "shard L+1, then the globals, projector and vision tower; with model.safetensors.index.json) "
+                "instead of one model.safetensors");
   sub->add_flag("--random-attnres", o->init.random_attnres_queries,
                 "random AttnRes pseudo-queries instead of the paper's zero init");
   sub->add_option("--router-bias-std", o->init.router_bias_std, "std of a random router e_score_correction_bias")

@@ -1,6 +1,7 @@
 // `k3 inspect --config FILE`: reads a K3 config.json (nested release form or flat text-model
 // form), prints a summary of the architecture and the parameter count per component
 // (total and active per token), then the totals.
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -9,8 +10,10 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/validate.h"
 #include "model/config.h"
 #include "model/param_count.h"
+#include "model/placement.h"
 
 namespace k3::cli {
 namespace {
@@ -91,6 +94,37 @@ void run_inspect(const std::string& path) {
   std::printf("active parameters: %s (excluding the input embedding)\n", format_count(active).c_str());
 }
 
+std::string gib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", double(bytes) / double(uint64_t(1) << 30));
+  return buf;
+}
+
+// The placement plan of model/placement.h for `o.gpus` GPUs.
+void print_placement(const std::string& path, const PlacementOptions& o) {
+  const K3Config c = load_config(path);
+  const Placement p = plan_placement(c, path, o);
+  std::printf("\nplacement on %lld GPUs of %s (%s reserved on each for caches and activations):\n", (long long)o.gpus,
+              gib(o.gpu_bytes).c_str(), gib(o.reserve_bytes).c_str());
+  std::printf("  stored: %s (%llu bytes): trunk %s, %lld routed experts of %llu bytes (%s), vision %s\n",
+              gib(p.bytes.total()).c_str(), (unsigned long long)p.bytes.total(), gib(p.bytes.trunk).c_str(),
+              (long long)p.bytes.experts, (unsigned long long)p.bytes.expert,
+              gib(uint64_t(p.bytes.experts) * p.bytes.expert).c_str(), gib(p.bytes.vision).c_str());
+  std::printf("  trunk split over the GPUs: %s per GPU\n", gib(p.trunk_per_gpu).c_str());
+  std::printf("  experts per rank: %lld; in HBM: %lld (%.1f%%); in pinned host memory: %lld (%s per rank, %s in all)\n",
+              (long long)p.experts_per_rank, (long long)p.experts_on_gpu, 100.0 * p.resident_fraction,
+              (long long)(p.experts_per_rank - p.experts_on_gpu), gib(p.host_bytes_per_rank).c_str(),
+              gib(p.host_bytes_per_rank * uint64_t(o.gpus)).c_str());
+  std::printf("  with the whole trunk copied to every GPU instead: %lld experts per GPU fit\n",
+              (long long)p.experts_on_gpu_replicated);
+  std::printf("  decode at batch 1 reads %s per token: HBM ceiling %.1f tok/s (%.1f TB/s per GPU)",
+              gib(p.decode_bytes).c_str(), p.hbm_ceiling, o.hbm_bytes_per_s / 1e12);
+  if (std::isfinite(p.pcie_ceiling))
+    std::printf("; host experts over PCIe (%.0f GB/s per GPU): ceiling %.1f tok/s\n", o.pcie_bytes_per_s / 1e9,
+                p.pcie_ceiling);
+  else std::printf("; no expert is in host memory\n");
+}
+
 }  // namespace
 
 void register_inspect(CLI::App& app) {
@@ -102,7 +136,25 @@ void register_inspect(CLI::App& app) {
       "count per component (total and active per token), and the total and active parameter counts. "
       "Needs no weights.");
   sub->add_option("--config", *path, "config.json to read")->required();
-  sub->callback([path] { run_inspect(*path); });
+  auto place = std::make_shared<PlacementOptions>();
+  auto gpu_gib = std::make_shared<double>(141), reserve_gib = std::make_shared<double>(16);
+  CLI::Option* gpus = sub->add_option("--gpus", place->gpus,
+                                      "also print where the weights go on this many GPUs: trunk split over them, "
+                                      "experts split by expert parallelism, what does not fit in pinned host "
+                                      "memory, and the decode bandwidth ceilings");
+  sub->add_option("--gpu-gib", *gpu_gib, "memory per GPU, GiB (with --gpus)")->capture_default_str();
+  sub->add_option("--reserve-gib", *reserve_gib, "per GPU, kept for caches and activations, GiB (with --gpus)")
+      ->capture_default_str();
+  sub->callback([path, place, gpus, gpu_gib, reserve_gib] {
+    run_inspect(*path);
+    if (gpus->count() == 0) return;
+    require_number("--gpu-gib", *gpu_gib, 0, 1e6, /*lo_open=*/true);
+    require_number("--reserve-gib", *reserve_gib, 0, 1e6);
+    require_integer("--gpus", place->gpus, 1, 1 << 20);
+    place->gpu_bytes = uint64_t(*gpu_gib * double(uint64_t(1) << 30));
+    place->reserve_bytes = uint64_t(*reserve_gib * double(uint64_t(1) << 30));
+    print_placement(*path, *place);
+  });
 }
 
 }  // namespace k3::cli

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <list>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -15,6 +16,7 @@
 #include "io/safetensors.h"
 #include "kernels/gemm/mxfp4.h"
 #include "model/param_count.h"
+#include "model/release_layout.h"
 #include "model/tensor_init.h"
 #include "model/tensor_table.h"
 #include "model/vision_config.h"
@@ -195,8 +197,14 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   } else {
     tj.erase("quantization_config");
   }
-  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), buffers.tensors(),
-                    {{"format", "pt"}, {"k3cpp", "random init, seed " + std::to_string(opt.seed)}});
+  const std::map<std::string, std::string> meta = {{"format", "pt"},
+                                                   {"k3cpp", "random init, seed " + std::to_string(opt.seed)}};
+  if (opt.release_shards) {
+    write_release_shards(out_dir, buffers.tensors(), c.num_hidden_layers, meta);
+  } else {
+    remove_model_weights(out_dir);
+    write_safetensors((fs::path(out_dir) / "model.safetensors").string(), buffers.tensors(), meta);
+  }
   write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
 }
 

@@ -28,6 +28,9 @@ struct RandomInitOptions {
   // the same for any thread count. For throughput benchmarks of multi-billion-parameter configs,
   // where one stream takes minutes.
   bool parallel_streams = false;
+  // `k3 init` only: write the released checkpoint's shard layout (model/release_layout.h) instead of one
+  // model.safetensors.
+  bool release_shards = false;
 };
 inline constexpr int64_t kInitBlock = int64_t(1) << 22;
 

@@ -28,22 +28,64 @@ size_t json_depth_violation(std::string_view text, int max_depth) {
   return std::string_view::npos;
 }
 
+namespace {
+
+// nlohmann's DOM builder behind a SAX filter that refuses a key repeated within one object. (The library's
+// callback parser could check the same, but its end_object scans the enclosing object for discarded members,
+// which makes an object of n objects O(n²): a minute for the 5,000-tensor headers of a release shard.)
+template <class Json>
+class UniqueKeyDom {
+ public:
+  using number_integer_t = typename Json::number_integer_t;
+  using number_unsigned_t = typename Json::number_unsigned_t;
+  using number_float_t = typename Json::number_float_t;
+  using string_t = typename Json::string_t;
+  using binary_t = typename Json::binary_t;
+
+  UniqueKeyDom(Json& out, const std::string& where) : dom_(out, /*allow_exceptions=*/true), where_(where) {}
+  bool null() { return dom_.null(); }
+  bool boolean(bool b) { return dom_.boolean(b); }
+  bool number_integer(number_integer_t v) { return dom_.number_integer(v); }
+  bool number_unsigned(number_unsigned_t v) { return dom_.number_unsigned(v); }
+  bool number_float(number_float_t v, const string_t& s) { return dom_.number_float(v, s); }
+  bool string(string_t& s) { return dom_.string(s); }
+  bool binary(binary_t& b) { return dom_.binary(b); }
+  bool start_object(std::size_t n) {
+    keys_.emplace_back();
+    return dom_.start_object(n);
+  }
+  bool key(string_t& k) {
+    if (!keys_.back().insert(k).second) fail(where_, ": key \"", k, "\" appears twice in one object");
+    return dom_.key(k);
+  }
+  bool end_object() {
+    keys_.pop_back();
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) { return dom_.start_array(n); }
+  bool end_array() { return dom_.end_array(); }
+  bool parse_error(std::size_t at, const std::string& token, const nlohmann::detail::exception& e) {
+    return dom_.parse_error(at, token, e);
+  }
+
+ private:
+  nlohmann::detail::json_sax_dom_parser<Json> dom_;
+  const std::string& where_;
+  std::vector<std::unordered_set<std::string>> keys_;
+};
+
+}  // namespace
+
 template <class Json>
 Json parse_json(std::string_view text, const std::string& where, const JsonLimits& limits) {
   if (const size_t at = json_depth_violation(text, limits.max_depth); at != std::string_view::npos)
     fail(where, ": JSON nested deeper than ", limits.max_depth, " levels (at byte ", at, ")");
   try {
     if (!limits.unique_keys) return Json::parse(text);
-    // The callback parser is iterative too; it sees each key before its value.
-    std::vector<std::unordered_set<std::string>> open_objects;
-    return Json::parse(text, [&](int, nlohmann::json::parse_event_t ev, Json& v) {
-      using E = nlohmann::json::parse_event_t;
-      if (ev == E::object_start) open_objects.emplace_back();
-      else if (ev == E::object_end && !open_objects.empty()) open_objects.pop_back();
-      else if (ev == E::key && !open_objects.back().insert(v.template get<std::string>()).second)
-        fail(where, ": key \"", v.template get<std::string>(), "\" appears twice in one object");
-      return true;
-    });
+    Json out;
+    UniqueKeyDom<Json> sax(out, where);
+    Json::sax_parse(text, &sax);
+    return out;
   } catch (const nlohmann::json::exception& e) {
     fail(where, ": not valid JSON: ", e.what());
   }

@@ -11,6 +11,9 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string_view>
+#include <unordered_set>
 
 #include "core/error.h"
 #include "core/json.h"
@@ -106,6 +109,9 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
   MappedFile& m = *files_.back();
   file_name = &m.path();
 
+  // The names the index places in this file, hashed: a release shard holds ~5,000 tensors.
+  std::optional<std::unordered_set<std::string_view>> expected;
+  if (expected_names) expected.emplace(expected_names->begin(), expected_names->end());
   struct Span {
     size_t b, e;
     std::string name;
@@ -152,8 +158,8 @@ void SafeTensors::add_file(const std::string& file, const std::vector<std::strin
     if (e - b != want)
       fail(where, ": shape ", t.shape_str(), " x ", dt, " needs ", want, " bytes but data_offsets span ", e - b);
     spans.push_back({size_t(b), size_t(e), name});
-    if (expected_names && std::find(expected_names->begin(), expected_names->end(), name) == expected_names->end())
-      continue;  // present in the shard, but the index places it elsewhere: the index wins
+    if (expected && !expected->count(name))
+      continue;  // in the shard, but the index places it elsewhere: the index wins
     if (tensors_.count(name)) fail(where, ": tensor name appears twice in the checkpoint");
     t.nbytes = size_t(e - b);
     t.file = file_name;

@@ -13,6 +13,7 @@
 #include "model/params.h"
 #include "train/checkpoint.h"
 #include "util/mpi_launch.h"
+#include "util/sft_corpus.h"
 #include "util/train_corpus.h"
 
 namespace fs = std::filesystem;
@@ -115,6 +116,29 @@ TEST(DataParallel, HistogramBalancingSumsItsCounts) {
   EXPECT_EQ(b.state.meta["balancers"], a.state.meta["balancers"]);
   EXPECT_EQ(b.P.values(), a.P.values());
   EXPECT_NE(a.state.meta["balancers"].dump().find("qb-histogram"), std::string::npos);
+}
+
+// SFT shares its conversations out with their assistant masks: 2 ranks of one lane equal one process of two lanes
+// bit for bit, and so does the held-out loss (each rank evaluates its share).
+TEST(DataParallel, SftRanksGiveTheSingleProcessStep) {
+  k3test::SftCorpus c;
+  const std::string solo = c.dir.file("solo"), r2 = c.dir.file("r2");
+  auto args = [&](const std::string& out, const char* lanes) {
+    std::vector<std::string> a = k3test::sft_args(c, out);
+    a[a.size() - 5] = lanes;  // --grad-lanes
+    a[8] = "1";               // --epochs: 1
+    return a;
+  };
+  ASSERT_EQ(run_k3(args(solo, "2")).status, 0);
+  const k3test::Outcome o = run_k3_ranks(2, args(r2, "1"));
+  ASSERT_EQ(o.status, 0) << o.output;
+  const Saved a = latest(solo), b = latest(r2);
+  EXPECT_EQ(b.P.values(), a.P.values());
+  EXPECT_EQ(b.state.optimizer, a.state.optimizer);
+  const auto ea = k3test::eval_losses(solo), eb = k3test::eval_losses(r2);
+  ASSERT_EQ(eb.size(), ea.size());
+  ASSERT_FALSE(ea.empty());
+  for (size_t i = 0; i < ea.size(); ++i) EXPECT_NEAR(eb[i].second, ea[i].second, 1e-13 * ea[i].second);
 }
 
 // A checkpoint written at 4 ranks resumes at 2 (and at 1): the continuation equals the 4-rank run's own to rounding.

@@ -28,11 +28,11 @@ TEST(Placement, StoredBytesAreTheReleaseInventory) {
 
 TEST(Placement, EightH200sHoldTheTrunkAndPartOfTheExperts) {
   const k3::K3Config c = k3::load_config(kRelease);
-  k3::PlacementOptions o;  // 8 x 141 GiB, 16 GiB reserved
+  k3::PlacementOptions o;  // 8 x 139 GiB, 16 GiB reserved
   const k3::Placement p = k3::plan_placement(c, kRelease, o);
   EXPECT_EQ(p.experts_per_rank, 92 * 112);
   EXPECT_GT(p.experts_on_gpu, 0);
-  EXPECT_LT(p.experts_on_gpu, p.experts_per_rank);  // 1.45 TB of experts do not fit in 8 x 141 GiB
+  EXPECT_LT(p.experts_on_gpu, p.experts_per_rank);  // 1.45 TB of experts do not fit in 8 x 139 GiB
   // Everything is somewhere: HBM experts + host experts = the rank's own.
   EXPECT_EQ(p.host_bytes_per_rank, uint64_t(p.experts_per_rank - p.experts_on_gpu) * p.bytes.expert);
   // The trunk and reserve and resident experts fit in one GPU.

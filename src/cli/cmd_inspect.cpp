@@ -137,7 +137,7 @@ void register_inspect(CLI::App& app) {
       "Needs no weights.");
   sub->add_option("--config", *path, "config.json to read")->required();
   auto place = std::make_shared<PlacementOptions>();
-  auto gpu_gib = std::make_shared<double>(141), reserve_gib = std::make_shared<double>(16);
+  auto gpu_gib = std::make_shared<double>(139), reserve_gib = std::make_shared<double>(16);
   CLI::Option* gpus = sub->add_option("--gpus", place->gpus,
                                       "also print where the weights go on this many GPUs: trunk split over them, "
                                       "experts split by expert parallelism, what does not fit in pinned host "

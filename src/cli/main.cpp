@@ -43,6 +43,10 @@ std::string check_ranks(int argc, char** argv) {
     return "k3 " + cmd +
            " runs on one process; under mpirun: train and sft (data-parallel), logits and generate "
            "(expert-parallel)";
+  // Every rank must run the same command: the collectives of ranks given other flags or inputs would not match.
+  std::string line;
+  for (int i = 1; i < argc; ++i) line.append(argv[i]).push_back('\0');
+  k3::dist::check_same_on_every_rank(k3::dist::world(), line, "the command line");
   if (k3::dist::world().rank() != 0) {
     std::fflush(nullptr);
     g_error_fd = ::dup(2);
@@ -88,8 +92,7 @@ int main(int argc, char** argv) {
     // --help and --version are "errors" that exit 0: CLI11 prints them. A real parse error ends like
     // every other error: one "error:" line and exit status 1.
     if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
-    return 1;
+    return report_error((std::string(e.what()) + " (see --help)").c_str());
   } catch (const std::exception& e) {
     return report_error(e.what());
   }

@@ -23,7 +23,8 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail("NCCL group: ", what, ": ", cudaGetErrorString(e));
 }
 
-// NCCL counts are size_t, but one call is kept to 2^31 elements so that every transport's int paths hold.
+// NCCL counts are size_t, but one all-reduce call is kept to 2^31 elements so that every transport's int paths
+// hold (the all-to-all and all-gather blocks of a dispatch are far smaller).
 constexpr int64_t kMaxPiece = int64_t(1) << 31;
 
 }  // namespace

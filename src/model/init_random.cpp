@@ -202,8 +202,8 @@ void write_random_model(const std::string& config_path, const std::string& out_d
   if (opt.release_shards) {
     write_release_shards(out_dir, buffers.tensors(), c.num_hidden_layers, meta);
   } else {
-    remove_model_weights(out_dir);
     write_safetensors((fs::path(out_dir) / "model.safetensors").string(), buffers.tensors(), meta);
+    remove_model_weights(out_dir, {"model.safetensors"});
   }
   write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
 }

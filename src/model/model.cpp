@@ -194,6 +194,11 @@ std::vector<float> Model::forward(const std::vector<SequenceCache*>& caches,
   CpuBackend be(cfg_, st_, w_, opt_, segs, tokens, N, all_positions, hooks);
   std::vector<float> logits = decoder_forward(be, cfg_, &timings_);
   for (const Segment& s : segs) s.cache->length += s.n;
+  // Expert parallelism: every rank runs the trunk itself, and ranks whose thread counts or BLAS kernels differ
+  // could round a logit differently and sample another token (then their next forwards would no longer match).
+  // Rank 0's logits are everyone's.
+  if (opt_.expert_group && opt_.expert_group->size() > 1)
+    opt_.expert_group->broadcast(logits.data(), int64_t(logits.size() * sizeof(float)), 0);
   return logits;
 }
 

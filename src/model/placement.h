@@ -36,7 +36,7 @@ StoredBytes stored_bytes(const K3Config& c, const std::string& config_path);
 
 struct PlacementOptions {
   int64_t gpus = 8;
-  uint64_t gpu_bytes = uint64_t(141) << 30;     // H200: 141 GB of HBM3e (the lent ones report ~139 GiB usable)
+  uint64_t gpu_bytes = uint64_t(139) << 30;     // H200: 141 GB of HBM3e, ~139 GiB usable (as the lent ones report)
   uint64_t reserve_bytes = uint64_t(16) << 30;  // per GPU: caches, activations, workspaces
   double hbm_bytes_per_s = 4.8e12;              // per GPU
   double pcie_bytes_per_s = 55e9;               // host to GPU, per GPU (PCIe Gen5 x16, achieved)

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -35,15 +36,18 @@ std::string release_shard_file(int64_t shard, int64_t shards) {
   return buf;
 }
 
-void remove_model_weights(const std::string& out_dir) {
+void remove_model_weights(const std::string& out_dir, const std::set<std::string>& keep) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(out_dir)) return;
+  std::vector<fs::path> stale;
   for (const fs::directory_entry& e : fs::directory_iterator(out_dir)) {
     const std::string n = e.path().filename().string();
     const bool shard = n.rfind("model-", 0) == 0 && n.find("-of-") != std::string::npos && n.size() > 12 &&
                        n.compare(n.size() - 12, 12, ".safetensors") == 0;
-    if (shard || n == "model.safetensors" || n == "model.safetensors.index.json") fs::remove(e.path());
+    if ((shard || n == "model.safetensors" || n == "model.safetensors.index.json") && !keep.count(n))
+      stale.push_back(e.path());
   }
+  for (const fs::path& p : stale) fs::remove(p);
 }
 
 void write_release_shards(const std::string& out_dir, const std::vector<TensorToWrite>& tensors, int64_t layers,
@@ -61,12 +65,15 @@ void write_release_shards(const std::string& out_dir, const std::vector<TensorTo
     for (int64_t d : t.shape) n *= d;
     total += n * int64_t(dtype_size(t.dtype));
   }
-  remove_model_weights(out_dir);
+  std::set<std::string> written = {"model.safetensors.index.json"};
   for (int64_t s = 1; s <= shards; ++s)  // a shard with no tensor (no vision tower) is not written
-    if (!by_shard[size_t(s)].empty())
+    if (!by_shard[size_t(s)].empty()) {
+      written.insert(release_shard_file(s, shards));
       write_safetensors((fs::path(out_dir) / release_shard_file(s, shards)).string(), by_shard[size_t(s)], metadata);
+    }
   const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(), index.dump(1) + "\n");
+  remove_model_weights(out_dir, written);
 }
 
 }  // namespace k3

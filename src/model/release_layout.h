@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,12 +22,14 @@ std::string release_shard_file(int64_t shard, int64_t shards);
 
 // Writes `tensors` into out_dir as the release's shards plus model.safetensors.index.json (its weight_map and
 // total_size), each file atomically and the index last, so a directory without its index is an unfinished write.
-// Model weights already in out_dir are removed first (remove_model_weights: one layout per directory).
+// Then the weight files of another layout (or another layer count) left in out_dir are removed: nothing is deleted
+// before the new checkpoint is complete.
 void write_release_shards(const std::string& out_dir, const std::vector<TensorToWrite>& tensors, int64_t layers,
                           const std::map<std::string, std::string>& metadata);
 
-// Removes the model weights of out_dir (model.safetensors, model.safetensors.index.json, model-*-of-*.safetensors),
-// so that a directory written again in the other layout holds only the new one.
-void remove_model_weights(const std::string& out_dir);
+// Removes the model weight files of out_dir (model.safetensors, model.safetensors.index.json,
+// model-*-of-*.safetensors) not named in `keep`: after a checkpoint is written, what an earlier one in another
+// layout left there.
+void remove_model_weights(const std::string& out_dir, const std::set<std::string>& keep);
 
 }  // namespace k3

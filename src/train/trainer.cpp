@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <sstream>
@@ -361,8 +362,11 @@ TrainResult train(const TrainOptions& opt) {
   if (lanes == 0) {
     // One lane per thread, as many as fit: each lane past the first holds a model-sized float64
     // gradient buffer (an explicit --grad-lanes is refused instead when it does not fit).
+    // Under mpirun the ranks of one node share its memory.
     lanes = omp_get_max_threads();
-    const uint64_t per_lane = uint64_t(P.grads().size()) * sizeof(double), avail = available_memory_bytes();
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const uint64_t per_lane = uint64_t(P.grads().size()) * sizeof(double),
+                   avail = available_memory_bytes() / uint64_t(std::max(1, local ? std::atoi(local) : 1));
     const int64_t fit = per_lane == 0 ? lanes : int64_t(std::min<uint64_t>(avail / per_lane, uint64_t(lanes - 1))) + 1;
     if (fit < lanes)
       std::fprintf(stderr, "note: %lld gradient lanes (of %lld threads) fit in the %s of memory available\n",
@@ -399,7 +403,8 @@ TrainResult train(const TrainOptions& opt) {
     OptimizerState os;
     nlohmann::json bj;
     device->save_state(P, os, bj);
-    if (!lead) return std::string();  // every rank holds the same state; rank 0 writes it
+    // Every rank holds the same state; rank 0 writes it, and every rank knows where.
+    if (!lead) return (fs::path(opt.out_dir) / step_name(step)).string();
     st.meta["optimizer"] = os.header;
     st.optimizer = std::move(os.data);
     st.meta["balancers"] = bj;

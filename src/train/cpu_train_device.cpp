@@ -135,8 +135,7 @@ class CpuTrainDevice final : public TrainDevice {
     if (!group_) return s;
     check_per_token(pieces, trained);
     check_per_token(pieces, weights);
-    if (replay && replay->size() != pieces.size())
-      fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
+    check_replay_count(pieces, replay);
     s.split = true;
     const std::vector<int64_t> rank_of = assign_lanes(pieces, group_->size());
     for (size_t i = 0; i < pieces.size(); ++i) {

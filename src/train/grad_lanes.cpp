@@ -30,13 +30,12 @@ void parallel_for_rethrow(int64_t n, Body&& body) {
     if (!e.empty()) fail(e);
 }
 
-// A k3::Error unless `replay` is null or holds one routing per piece.
+}  // namespace
+
 void check_replay_count(const std::vector<std::vector<int32_t>>& pieces, const std::vector<RouterReplay>* replay) {
   if (replay && replay->size() != pieces.size())
     fail("router replay: ", replay->size(), " routings for ", pieces.size(), " sequences");
 }
-
-}  // namespace
 
 std::vector<int64_t> assign_lanes(const std::vector<std::vector<int32_t>>& pieces, int64_t lanes) {
   if (lanes < 1) fail("gradient lanes: need at least 1, got ", lanes);

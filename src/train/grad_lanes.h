@@ -31,6 +31,9 @@
 
 namespace k3::train {
 
+// A k3::Error unless `replay` is null or holds one routing per piece.
+void check_replay_count(const std::vector<std::vector<int32_t>>& pieces, const std::vector<RouterReplay>* replay);
+
 // Lane of each piece (longest first to the least-loaded lane; deterministic).
 std::vector<int64_t> assign_lanes(const std::vector<std::vector<int32_t>>& pieces, int64_t lanes);
 

@@ -180,10 +180,8 @@ void Optimizer::step(ParamStore& P, double step_lr, dist::Group* group) {
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(t_)), bc2 = 1.0 - std::pow(cfg_.beta2, double(t_));
   const double sqrt_bc2 = std::sqrt(bc2);
   const int ranks = group ? group->size() : 1, me = group ? group->rank() : 0;
-  const std::vector<int> owner = newton_schulz_owners(plan_, ranks);
-  // A Muon entry's orthogonalised update: computed here (one rank, or this rank's share), or all-gathered.
-  std::vector<double> mine;  // this rank's updates, in plan order
-  std::vector<const double*> ortho(plan_.size(), nullptr);
+  const std::vector<int> owner = ranks > 1 ? newton_schulz_owners(plan_, ranks) : std::vector<int>();
+  std::vector<double> mine;  // under a group: this rank's orthogonalised updates, in plan order
   std::vector<double> u;
   auto orthogonalise = [&](const ParamPlan& pl, const double* uu, double* o) {
     const int64_t rb = pl.rows / pl.heads;  // rows per head block (contiguous in row-major)
@@ -249,11 +247,9 @@ void Optimizer::step(ParamStore& P, double step_lr, dist::Group* group) {
   K3_ASSERT(int64_t(all.size()) == at.back());
   for (size_t k = 0; k < plan_.size(); ++k)
     if (owner[k] >= 0) {
-      ortho[k] = all.data() + at[size_t(owner[k])];
+      apply_muon(plan_[k], all.data() + at[size_t(owner[k])]);
       at[size_t(owner[k])] += plan_[k].numel;
     }
-  for (size_t k = 0; k < plan_.size(); ++k)
-    if (ortho[k]) apply_muon(plan_[k], ortho[k]);
 }
 
 OptimizerState Optimizer::save_state() const {

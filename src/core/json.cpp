@@ -32,7 +32,8 @@ namespace {
 
 // nlohmann's DOM builder behind a SAX filter that refuses a key repeated within one object. (The library's
 // callback parser could check the same, but its end_object scans the enclosing object for discarded members,
-// which makes an object of n objects O(n²): a minute for the 5,000-tensor headers of a release shard.)
+// which makes an object of n objects O(n²): a release shard's header is an object of ~5,000 tensor objects;
+// docs/BENCHMARKS.md, "Beyond one GPU".)
 template <class Json>
 class UniqueKeyDom {
  public:
